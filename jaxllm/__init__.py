@@ -1,0 +1,1 @@
+"""jaxllm: a JAX/XLA trainer for LLMs where every parallelism is sharding over one named mesh."""
