@@ -1,0 +1,59 @@
+"""The one device mesh, and multi-process start-up.
+
+Axes outermost to innermost: pp, dp, fsdp, ep, sp, tp. Inner axes get neighbouring
+devices (fast links): tp talks every layer, pp once per microbatch. All axes are
+`Auto`: the model places sharding constraints at logical boundaries and XLA's
+partitioner does the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxllm.config import MESH_AXES, Config, DistributedConfig
+
+log = logging.getLogger("jaxllm")
+
+
+def initialize_distributed(d: DistributedConfig) -> None:
+    """Start jax.distributed when the config says so: an explicit coordinator, or JAX's cluster detection.
+
+    Must run before anything touches the devices. Single-process runs skip it.
+    """
+    if d.coordinator_address:
+        jax.distributed.initialize(
+            coordinator_address=d.coordinator_address,
+            num_processes=d.num_processes or None,
+            process_id=d.process_id if d.process_id >= 0 else None,
+        )
+    elif d.auto:
+        jax.distributed.initialize()  # SLURM, Open MPI, TPU pods, ... detected by JAX
+    else:
+        return
+    log.info("jax.distributed: process %d of %d, %d local devices, %d in all",
+             jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def make_mesh(shape: dict[str, int], cfg: Config | None = None, devices=None) -> Mesh:
+    """A mesh over all devices with the given per-axis sizes (already validated).
+
+    With several processes and `mesh.dcn.*` sizes, builds a hybrid mesh: each axis is
+    (size across nodes) × (size within a node), so the slow links carry the outer axes.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = tuple(shape[a] for a in MESH_AXES)
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    dcn = tuple(getattr(cfg.mesh.dcn, a) for a in MESH_AXES) if cfg is not None else (1,) * len(MESH_AXES)
+    if any(d > 1 for d in dcn) and jax.process_count() > 1:
+        from jax.experimental import mesh_utils
+
+        ici = tuple(s // d for s, d in zip(sizes, dcn))
+        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+        return Mesh(arr, MESH_AXES, axis_types=types)
+    if devices == jax.devices():
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=types)
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=types)

@@ -1,0 +1,223 @@
+"""Decoder-only transformer (GPT-2 and LLaMA families) as three pure pieces.
+
+- `embed(params, tokens, positions)` -> residual stream [batch, seq, embed]
+- `blocks(stack, x, positions, segment_ids)` over a slice of the layer stack
+- `head_loss(params, x, targets, loss_mask)` -> (sum of token losses, token count)
+
+The pipeline places these on stages, context parallelism feeds reordered positions,
+SFT feeds a loss mask, packing feeds segment ids. Parameters are a plain dict tree;
+`param_table` gives every leaf's shape, logical dimension names and initialiser, so
+sharding, weight decay and Muon's matrix dimensions all read the same table.
+
+The layer stack is `model.pattern` (a list of block kinds) repeated
+n_layers / len(pattern) times: `params["blocks"][i]` holds the i-th kind's weights
+stacked over repeats, and `blocks` scans over the repeats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig, kv_heads, padded_vocab
+from jaxllm.models.attention import attention_layer
+from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
+from jaxllm.sharding import constrain, weight
+
+ACT = ("batch", "seq", "embed")
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter: its shape, logical names and how it starts."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    init: str  # normal | normal_out (scaled residual output) | zeros | ones
+
+
+def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
+    d = {"scale": Leaf(lead + (m.d_model,), lead_names + ("embed",), "ones")}
+    if m.family == "gpt2":
+        d["bias"] = Leaf(lead + (m.d_model,), lead_names + ("embed",), "zeros")
+    return d
+
+
+def _dense_block(m: ModelConfig, repeats: int) -> dict:
+    R, L = (repeats,), ("layers",)
+    D, H, KV, F = m.d_model, m.n_heads, kv_heads(m), m.d_ff
+    Dh = D // H
+    attn = {
+        "wq": Leaf(R + (D, H, Dh), L + ("embed", "heads", "head_dim"), "normal"),
+        "wk": Leaf(R + (D, KV, Dh), L + ("embed", "kv_heads", "head_dim"), "normal"),
+        "wv": Leaf(R + (D, KV, Dh), L + ("embed", "kv_heads", "head_dim"), "normal"),
+        "wo": Leaf(R + (H, Dh, D), L + ("heads", "head_dim", "embed"), "normal_out"),
+    }
+    if m.family == "gpt2":
+        attn.update(
+            bq=Leaf(R + (H, Dh), L + ("heads", "head_dim"), "zeros"),
+            bk=Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
+            bv=Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
+            bo=Leaf(R + (D,), L + ("embed",), "zeros"),
+        )
+        mlp = {
+            "w_in": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
+            "b_in": Leaf(R + (F,), L + ("mlp",), "zeros"),
+            "w_out": Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out"),
+            "b_out": Leaf(R + (D,), L + ("embed",), "zeros"),
+        }
+    else:
+        mlp = {
+            "w_gate": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
+            "w_up": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
+            "w_down": Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out"),
+        }
+    return {"ln1": _norm(m, R, L), "attn": attn, "ln2": _norm(m, R, L), "mlp": mlp}
+
+
+BLOCK_KINDS = {"dense": _dense_block}
+
+
+def param_table(m: ModelConfig) -> dict:
+    """The tree of `Leaf`s describing every parameter."""
+    V, D = padded_vocab(m), m.d_model
+    repeats = m.n_layers // len(m.pattern)
+    table = {
+        "embed": {"tok": Leaf((V, D), ("vocab", "embed"), "normal")},
+        "blocks": [BLOCK_KINDS[kind](m, repeats) for kind in m.pattern],
+        "final_norm": _norm(m),
+    }
+    if m.family == "gpt2":
+        table["embed"]["pos"] = Leaf((m.seq_len, D), ("pos", "embed"), "normal")
+    else:
+        table["head"] = {"w": Leaf((D, V), ("embed", "vocab"), "normal")}
+    return table
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def param_names(m: ModelConfig):
+    return jax.tree.map(lambda l: l.names, param_table(m), is_leaf=_is_leaf)
+
+
+def param_shapes(m: ModelConfig):
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, jnp.float32), param_table(m), is_leaf=_is_leaf)
+
+
+def count_params(m: ModelConfig, embeddings: bool = True) -> int:
+    """Parameter count; without embeddings drops the token/position tables (the tied GPT-2 head stays out too)."""
+    table = param_table(m)
+    total = sum(math.prod(l.shape) for l in jax.tree.leaves(table, is_leaf=_is_leaf))
+    if not embeddings:
+        total -= sum(math.prod(l.shape) for l in jax.tree.leaves(table["embed"], is_leaf=_is_leaf))
+    return total
+
+
+def init_params(m: ModelConfig, key: jax.Array):
+    """Fresh fp32 parameters. Each leaf draws from its own key (folded from its index), so with
+    partitionable threefry the values do not depend on how the result is sharded."""
+    table = param_table(m)
+    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_leaf)
+    out_std = m.init_std / (2 * m.n_layers) ** 0.5  # GPT-2: residual projections scaled by 1/sqrt(2L)
+
+    def make(i: int, leaf: Leaf):
+        if leaf.init == "zeros":
+            return jnp.zeros(leaf.shape, jnp.float32)
+        if leaf.init == "ones":
+            return jnp.ones(leaf.shape, jnp.float32)
+        std = out_std if leaf.init == "normal_out" else m.init_std
+        return std * jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
+
+    return jax.tree.unflatten(treedef, [make(i, l) for i, l in enumerate(leaves)])
+
+
+# ---------------------------------------------------------------- the three seams
+
+
+def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    table = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
+    x = jnp.take(table, tokens, axis=0)
+    if m.family == "gpt2":
+        x = x + jnp.take(weight(params["embed"]["pos"], ("pos", "embed"), dtype), positions, axis=0)
+    return constrain(x, ACT)
+
+
+def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
+    h = norm(m.family, p["ln1"], x, m.norm_eps)
+    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, family=m.family,
+                                      rope_theta=m.rope_theta, dtype=dtype), ACT)
+    h = norm(m.family, p["ln2"], x, m.norm_eps)
+    mlp = gelu_mlp if m.family == "gpt2" else swiglu_mlp
+    return constrain(x + mlp(p["mlp"], h, dtype), ACT)
+
+
+BLOCK_APPLY = {"dense": _dense_apply}
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Matmuls against weights are saved; attention scores and elementwise work are recomputed.
+    "save-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save-named": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attention", "mlp_hidden"),
+}
+
+
+def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype) -> jax.Array:
+    """Run a slice of the layer stack: scan over repeats of the block pattern."""
+
+    def body(x, layer):
+        for kind, p in zip(m.pattern, layer):
+            x = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
+        return x, None
+
+    if m.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, stack)
+    return x
+
+
+def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits over the padded vocabulary; padding columns are pushed to -inf-ish."""
+    x = norm(m.family, params["final_norm"], x, m.norm_eps)
+    if m.family == "gpt2":  # tied embeddings
+        w = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
+        logits = jnp.einsum("bsd,vd->bsv", x, w, preferred_element_type=jnp.float32)
+    else:
+        w = weight(params["head"]["w"], ("embed", "vocab"), dtype)
+        logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    real = jnp.arange(logits.shape[-1]) < m.vocab_size
+    return jnp.where(real, logits, -1e30)
+
+
+def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dtype):
+    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
+    logits = head_logits(params, x, m, dtype)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
+
+
+# ---------------------------------------------------------------- whole model
+
+
+def forward_loss(params: dict, batch: dict, m: ModelConfig, dtype):
+    """The whole model on one batch: (loss sum, token count)."""
+    x = embed(params, batch["inputs"], batch["positions"], m, dtype)
+    x = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
+    return head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype)
+
+
+def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """Logits for a [batch, seq] buffer of tokens (for sampling)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    segment_ids = jnp.zeros((b, t), jnp.int32)
+    x = embed(params, tokens, positions, m, dtype)
+    x = blocks(params["blocks"], x, positions, segment_ids, m, dtype)
+    return head_logits(params, x, m, dtype)

@@ -1,0 +1,149 @@
+"""Logical sharding rules as data, and the two calls model code makes: `constrain` and `weight`.
+
+Model code names the dimensions of its arrays with logical names (`batch`, `seq`,
+`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`, `pos`). A rule
+table maps each logical name to mesh axes. There are three tables per run:
+
+- `activations`: how activations are laid out (batch over dp×fsdp×ep, seq over sp,
+  heads/mlp/vocab over tp);
+- `params`: how the stored fp32 parameters are laid out (ZeRO-3 adds `embed`→fsdp);
+- `weights`: how a weight looks where it is used (never sharded over fsdp: under
+  ZeRO-3 this is where the all-gather happens).
+
+With no layout active (a single-device reference) both calls are the identity, so the
+same model code runs everywhere. A rule whose mesh axes do not divide a dimension falls
+back to replication for that dimension and says so in the log once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+log = logging.getLogger("jaxllm")
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+BATCH_AXES = ("dp", "fsdp", "ep")
+
+ACTIVATION_RULES: Rules = (
+    ("batch", BATCH_AXES),
+    ("seq", ("sp",)),
+    ("embed", ()),
+    ("heads", ("tp",)),
+    ("kv_heads", ("tp",)),
+    ("head_dim", ()),
+    ("mlp", ("tp",)),
+    ("vocab", ("tp",)),
+)
+
+WEIGHT_RULES: Rules = (
+    ("layers", ()),
+    ("pos", ()),
+    ("embed", ()),
+    ("heads", ("tp",)),
+    ("kv_heads", ("tp",)),
+    ("head_dim", ()),
+    ("mlp", ("tp",)),
+    ("vocab", ("tp",)),
+)
+
+
+def with_rule(rules: Rules, name: str, axes: tuple[str, ...]) -> Rules:
+    return tuple((n, axes if n == name else a) for n, a in rules)
+
+
+def param_rules(shard_over_fsdp: bool) -> Rules:
+    """Stored parameter layout: the use layout, plus `embed` over fsdp when ZeRO shards it."""
+    return with_rule(WEIGHT_RULES, "embed", ("fsdp",)) if shard_over_fsdp else WEIGHT_RULES
+
+
+_warned: set = set()
+
+
+def logical_spec(names: tuple[str, ...], rules: Rules, mesh: Mesh, shape: tuple[int, ...] | None = None) -> P:
+    """PartitionSpec for an array with these logical dimension names under `rules`.
+
+    Each mesh axis is used at most once; axes of size 1 are dropped; a dimension the
+    axes do not divide is replicated (logged once).
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        axes = tuple(a for a in table[name] if a not in used and mesh.shape[a] > 1)
+        size = math.prod(mesh.shape[a] for a in axes)
+        if axes and shape is not None and shape[i] % size:
+            key = (name, axes, shape[i])
+            if key not in _warned:
+                _warned.add(key)
+                log.info("sharding: '%s' of size %d does not divide over %s=%d; replicated instead",
+                         name, shape[i], "×".join(axes), size)
+            axes = ()
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where arrays live on one mesh: the rule tables in force for a run."""
+
+    mesh: Mesh
+    params: Rules
+    activations: Rules = ACTIVATION_RULES
+    weights: Rules = WEIGHT_RULES
+
+    def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
+
+
+_layout: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxllm_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | None):
+    """Make `constrain`/`weight` place constraints for this layout while tracing."""
+    token = _layout.set(layout)
+    try:
+        yield layout
+    finally:
+        _layout.reset(token)
+
+
+def current_layout() -> Layout | None:
+    return _layout.get()
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Pin an activation's layout at a logical boundary (identity without a layout)."""
+    layout = _layout.get()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(names, layout.activations, x.shape))
+
+
+def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
+    """A parameter as used: cast to the compute dtype, then laid out as `weights` says.
+
+    Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32.
+    """
+    w = w.astype(dtype)
+    layout = _layout.get()
+    if layout is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, layout.sharding(names, layout.weights, w.shape))
+
+
+def tree_shardings(names_tree, shapes_tree, layout: Layout, rules: Rules):
+    """NamedShardings for a tree of arrays given a matching tree of logical names."""
+    return jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names_tree, shapes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))

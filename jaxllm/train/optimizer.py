@@ -1,0 +1,72 @@
+"""Optimizers and the learning-rate schedule, built from `TrainConfig` and the parameter table.
+
+Weight decay applies to matrices only (not norms, biases), read off each leaf's logical
+names. Muon gets the matrix dimensions of every stacked weight from the same names
+(leading `layers` is a batch dimension), so it orthogonalises per layer instead of
+falling back to Adam on 3-D and 4-D arrays; embeddings and the LM head use its Adam path.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from optax import contrib
+
+from jaxllm.config import TrainConfig, schedule_steps
+from jaxllm.models.transformer import Leaf
+
+
+def learning_rate(t: TrainConfig):
+    """Linear warm-up to `lr`, then cosine to `lr * min_lr_ratio` at `schedule_steps`.
+
+    Indexed by the number of updates already applied, so the first step uses lr/warmup, not 0.
+    """
+    base = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        decay_steps=schedule_steps(t), end_value=t.lr * t.min_lr_ratio)
+    if t.warmup_steps == 0:
+        return base
+    return lambda count: base(count + 1)
+
+
+def _matrix_dims(leaf: Leaf) -> tuple[int, ...]:
+    return tuple(i for i, n in enumerate(leaf.names) if n != "layers")
+
+
+def decay_mask(table):
+    return jax.tree.map(lambda l: len(_matrix_dims(l)) >= 2, table, is_leaf=lambda x: isinstance(x, Leaf))
+
+
+def muon_dimensions(table):
+    """Muon's (reduction, output) axes for each hidden matrix; None (Adam) for the rest."""
+
+    def dims(leaf: Leaf):
+        d = _matrix_dims(leaf)
+        if len(d) < 2 or "vocab" in leaf.names or "pos" in leaf.names:
+            return None
+        if leaf.names[d[0]] == "embed":  # x @ W: contract the model dimension
+            return contrib.MuonDimensionNumbers(reduction_axis=(d[0],), output_axis=d[1:])
+        return contrib.MuonDimensionNumbers(reduction_axis=d[:-1], output_axis=(d[-1],))
+
+    return jax.tree.map(dims, table, is_leaf=lambda x: isinstance(x, Leaf))
+
+
+def make_optimizer(t: TrainConfig, table) -> optax.GradientTransformation:
+    lr = learning_rate(t)
+    mask = decay_mask(table)
+    if t.optimizer == "adamw":
+        opt = optax.adamw(lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+    elif t.optimizer == "sgd":
+        opt = optax.chain(optax.add_decayed_weights(t.weight_decay, mask), optax.sgd(lr, momentum=t.momentum))
+    elif t.optimizer == "adafactor":
+        opt = optax.adafactor(lr, weight_decay_rate=t.weight_decay, weight_decay_mask=mask)
+    elif t.optimizer == "lion":
+        opt = optax.lion(lr, b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=mask)
+    elif t.optimizer == "muon":
+        opt = contrib.muon(lr, beta=t.momentum, weight_decay=t.weight_decay, weight_decay_mask=mask,
+                           adam_b1=t.beta1, adam_b2=t.beta2, muon_weight_dimension_numbers=muon_dimensions(table))
+    else:  # validated earlier
+        raise ValueError(t.optimizer)
+    if t.grad_clip > 0:
+        opt = optax.chain(optax.clip_by_global_norm(t.grad_clip), opt)
+    return opt

@@ -1,0 +1,177 @@
+"""The train step: one function for every ZeRO stage and mesh; only shardings differ.
+
+State is `{"step", "params", "opt_state"}` with fp32 parameters (the master copy) and
+fp32 optimizer state. Per `train.zero_stage`, over the `fsdp` axis:
+
+| stage | params | grads (and accumulation buffer) | optimizer state |
+|---|---|---|---|
+| 0 | replicated | replicated (all-reduce) | replicated |
+| 1 | replicated | replicated (all-reduce) | sharded |
+| 2 | replicated | sharded (reduce-scatter) | sharded |
+| 3 | sharded, gathered at use | sharded (reduce-scatter) | sharded |
+
+Tensor-parallel dimensions stay sharded over `tp` in every stage. The loss is the
+language-model loss summed over all tokens of the global batch and divided by their
+count, so microbatching and data sharding do not change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxllm.config import Config, batch_shards
+from jaxllm.models import transformer
+from jaxllm.sharding import BATCH_AXES, Layout, param_rules, use_layout
+from jaxllm.train.optimizer import learning_rate, make_optimizer
+
+
+def lm_batch(tokens: jax.Array) -> dict:
+    """Model inputs from a [batch, seq+1] window of tokens (pretraining: every token counts)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    b, t = inputs.shape
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+        "segment_ids": jnp.zeros((b, t), jnp.int32),
+        "loss_mask": jnp.ones((b, t), jnp.float32),
+    }
+
+
+def split_microbatches(x: jax.Array, microbatches: int, shards: int) -> jax.Array:
+    """[B, ...] -> [microbatches, B/microbatches, ...], each device's own rows split in order.
+
+    Rows of shard d are d*B/shards ... (d+1)*B/shards; microbatch k takes the k-th slice of
+    every shard's rows, so no row moves between devices.
+    """
+    b = x.shape[0]
+    rows = b // (shards * microbatches)
+    x = x.reshape(shards, microbatches, rows, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(microbatches, shards * rows, *x.shape[3:])
+
+
+@dataclass
+class StepFns:
+    """Everything compiled for one config on one mesh."""
+
+    layout: Layout
+    tx: optax.GradientTransformation
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    grad_shardings: Any
+    init: Callable  # (seed) -> state
+    train_step: Callable  # (state, tokens) -> (state, metrics)
+    loss_and_grads: Callable  # (params, tokens) -> (loss, grads), the step's own gradient path
+    eval_loss: Callable  # (params, tokens) -> (sum, count)
+    abstract_state: Any
+
+
+def make_step_fns(cfg: Config, mesh) -> StepFns:
+    m, t = cfg.model, cfg.train
+    dtype = jnp.dtype(cfg.precision.compute)
+    if dtype == jnp.float32:
+        # fp32 must mean fp32 on GPU too (no TF32 matmuls).
+        jax.config.update("jax_default_matmul_precision", "highest")
+    stage = t.zero_stage
+    layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=stage == 3))
+    sharded = param_rules(shard_over_fsdp=True)
+    table = transformer.param_table(m)
+    names = transformer.param_names(m)
+    shapes = transformer.param_shapes(m)
+    replicated = NamedSharding(mesh, P())
+
+    def shardings(rules):
+        return jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names, shapes,
+                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+
+    param_sh = shardings(layout.params)
+    opt_param_sh = shardings(sharded if stage >= 1 else layout.params)
+    grad_sh = shardings(sharded if stage >= 2 else layout.params)
+
+    tx = make_optimizer(t, table)
+    lr_fn = learning_rate(t)
+    abstract_opt = jax.eval_shape(tx.init, shapes)
+
+    def opt_leaf(leaf, spec: transformer.Leaf):
+        if leaf.ndim != len(spec.names):  # factored statistics (Adafactor) and the like
+            return replicated
+        return layout.sharding(spec.names, sharded if stage >= 1 else layout.params, leaf.shape)
+
+    opt_sh = optax.tree_map_params(tx, opt_leaf, abstract_opt, table,
+                                   transform_non_params=lambda _: replicated,
+                                   is_leaf=lambda x: isinstance(x, transformer.Leaf))
+    state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+    batch_sh = NamedSharding(mesh, P(BATCH_AXES))
+    shards = batch_shards(dict(mesh.shape))
+
+    def constrain_tree(tree, sh):
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
+
+    def loss_sum(params, batch):
+        return transformer.forward_loss(params, batch, m, dtype)[0]
+
+    def loss_and_grads(params, tokens):
+        with use_layout(layout):
+            batch = lm_batch(tokens)
+            count = jnp.sum(batch["loss_mask"])
+            if t.microbatches == 1:
+                total, grads = jax.value_and_grad(loss_sum)(params, batch)
+                grads = constrain_tree(grads, grad_sh)
+            else:
+                mbs = jax.tree.map(lambda x: split_microbatches(x, t.microbatches, shards), batch)
+                mbs = jax.tree.map(
+                    lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
+
+                def accumulate(carry, mb):
+                    total, acc = carry
+                    s, g = jax.value_and_grad(loss_sum)(params, mb)
+                    acc = constrain_tree(jax.tree.map(jnp.add, acc, g), grad_sh)
+                    return (total + s, acc), None
+
+                zeros = constrain_tree(jax.tree.map(jnp.zeros_like, params), grad_sh)
+                (total, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), mbs)
+            grads = jax.tree.map(lambda g: g / count, grads)
+            return total / count, grads
+
+    def train_step(state, tokens):
+        params, opt_state = state["params"], state["opt_state"]
+        loss, grads = loss_and_grads(params, tokens)
+        grad_norm = optax.global_norm(grads)
+        if stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
+            grads = constrain_tree(grads, opt_param_sh)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        if stage in (1, 2):
+            updates = constrain_tree(updates, opt_param_sh)
+        params = constrain_tree(optax.apply_updates(params, updates), param_sh)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    def eval_loss(params, tokens):
+        with use_layout(layout):
+            return transformer.forward_loss(params, lm_batch(tokens), m, dtype)
+
+    def init(seed):
+        params = transformer.init_params(m, jax.random.key(seed))
+        return {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+
+    abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                  jax.eval_shape(init, 0), state_sh)
+    return StepFns(
+        layout=layout,
+        tx=tx,
+        state_shardings=state_sh,
+        batch_sharding=batch_sh,
+        grad_shardings=grad_sh,
+        init=jax.jit(init, static_argnums=0, out_shardings=state_sh),
+        train_step=jax.jit(train_step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                           donate_argnums=0),
+        loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_sh, batch_sh), out_shardings=(replicated, grad_sh)),
+        eval_loss=jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
+        abstract_state=abstract_state,
+    )

@@ -1,0 +1,299 @@
+"""Tests for jaxllm.data: tokenizers, shards, corpora, mesh-independent batches and tools/prepare_data."""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"  # must be set before jax is first imported
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxllm.data import (ByteTokenizer, batch_rows, corpus_summary, eval_batch, get_tokenizer, global_batch,
+                         list_shards, load_corpus, read_shard, window_starts, write_shard)
+from jaxllm.errors import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+BYTE = ByteTokenizer()
+EOT = "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def test_byte_tokenizer_round_trip():
+    text = "def f(x):\n    return 'héllo, 世界 🙂'\n"
+    ids = BYTE.encode(text)
+    assert ids.dtype == np.uint16 and len(ids) == len(text.encode()) and ids.max() < 256
+    assert BYTE.decode(ids) == text
+    assert BYTE.decode(np.concatenate([[256], ids, [256]])) == EOT + text + EOT
+    assert BYTE.decode([0xE4, 0xB8]) == "\ufffd"  # a cut UTF-8 character decodes with errors='replace'
+    assert (BYTE.name, BYTE.vocab_size, BYTE.eot) == ("byte", 257, 256)
+
+
+def test_get_tokenizer():
+    assert get_tokenizer("byte") == BYTE
+    with pytest.raises(DataError, match="byte, gpt2"):
+        get_tokenizer("sentencepiece")
+
+
+def test_gpt2_works_or_fails_fast_in_one_line():
+    t0 = time.monotonic()
+    try:
+        tok = get_tokenizer("gpt2")
+    except DataError as e:
+        assert "\n" not in str(e) and "data.tokenizer=byte" in str(e)
+    else:
+        assert (tok.vocab_size, tok.eot) == (50257, 50256)
+        assert tok.decode(tok.encode("Hello world")) == "Hello world"
+    assert time.monotonic() - t0 < 10
+
+
+def test_gpt2_without_cached_files_raises_at_once(tmp_path, monkeypatch):
+    pytest.importorskip("tiktoken")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: tiktoken would download
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match="not cached") as e:
+        get_tokenizer("gpt2")
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 2
+
+
+# ---------------------------------------------------------------- shards
+
+@pytest.mark.parametrize("top, version, dtype", [(300, 1, np.uint16), (70000, 7, np.uint32)])
+def test_shard_round_trip(tmp_path, top, version, dtype):
+    tokens = np.random.default_rng(0).integers(0, top, size=1000)
+    path = tmp_path / "x_train_000001.bin"
+    write_shard(path, tokens)
+    header = np.fromfile(path, dtype="<i4", count=256)
+    assert list(header[:3]) == [20240520, version, 1000] and not header[3:].any()
+    back = read_shard(path)
+    assert back.dtype == dtype and np.array_equal(back, tokens)
+    assert not back.flags.writeable
+    assert sorted(os.listdir(tmp_path)) == ["x_train_000001.bin"]  # no temp file left
+
+
+def test_bad_shards_raise_with_file_name(tmp_path):
+    path = tmp_path / "bad_val_000000.bin"
+    write_shard(path, np.arange(100))
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(DataError, match="bad_val_000000.bin.*truncated"):
+        read_shard(path)
+    path.write_bytes(b"\0" * 100)
+    with pytest.raises(DataError, match="bad_val_000000.bin.*header"):
+        read_shard(path)
+    header = np.zeros(256, "<i4")
+    header[:3] = 12345, 1, 0
+    path.write_bytes(header.tobytes())
+    with pytest.raises(DataError, match="bad_val_000000.bin.*magic"):
+        read_shard(path)
+    header[:3] = 20240520, 3, 0
+    path.write_bytes(header.tobytes())
+    with pytest.raises(DataError, match="bad_val_000000.bin.*version"):
+        read_shard(path)
+
+
+def test_list_shards(tmp_path):
+    for name in ["d_train_000002.bin", "d_val_000000.bin", "d_train_000001.bin", "notes.txt"]:
+        (tmp_path / name).write_bytes(b"")
+    train, val = list_shards(tmp_path)
+    assert [Path(p).name for p in train] == ["d_train_000001.bin", "d_train_000002.bin"]
+    assert [Path(p).name for p in val] == ["d_val_000000.bin"]
+    assert list_shards(str(tmp_path / "d_*.bin")) == (train, val)
+    with pytest.raises(DataError, match="no validation shards"):
+        list_shards(str(tmp_path / "d_train_*.bin"))
+
+
+def test_shards_corpus_checks_vocab(tmp_path):
+    write_shard(tmp_path / "g_val_000000.bin", np.array([50256, 464, 2068]))
+    write_shard(tmp_path / "g_train_000001.bin", np.array([50256, 10, 20, 30]))
+    with pytest.raises(DataError, match="data.tokenizer"):
+        load_corpus(str(tmp_path), BYTE)
+    write_shard(tmp_path / "g_val_000000.bin", np.array([256, 104, 105]))
+    write_shard(tmp_path / "g_train_000001.bin", np.array([256, 1, 2, 3]))
+    write_shard(tmp_path / "g_train_000002.bin", np.array([256, 4, 5]))
+    corpus = load_corpus(str(tmp_path), BYTE)
+    assert corpus.train.tolist() == [256, 1, 2, 3, 256, 4, 5] and corpus.val.tolist() == [256, 104, 105]
+    assert load_corpus(str(tmp_path / "g_*.bin"), BYTE).train.tolist() == corpus.train.tolist()
+
+
+# ---------------------------------------------------------------- corpora
+
+@pytest.fixture(scope="module")
+def stdlib():
+    return load_corpus("stdlib", BYTE)
+
+
+def test_stdlib_corpus(stdlib):
+    assert stdlib.train.dtype == np.uint16
+    assert len(stdlib.train) > 1_000_000 and len(stdlib.val) > 10_000
+    assert stdlib.train[0] == BYTE.eot and stdlib.val[0] == BYTE.eot
+    n_files = (stdlib.train == BYTE.eot).sum() + (stdlib.val == BYTE.eot).sum()
+    assert n_files > 100  # split by file: each file is one document
+    assert 0.01 < len(stdlib.val) / len(stdlib.train) < 0.2
+    assert "stdlib" in corpus_summary(stdlib) and "\n" not in corpus_summary(stdlib)
+    assert "site-packages" not in BYTE.decode(stdlib.val[:100_000])  # smoke: text, not binary
+    again = load_corpus("stdlib", BYTE)
+    assert np.array_equal(again.train, stdlib.train) and np.array_equal(again.val, stdlib.val)
+    more_val = load_corpus("stdlib", BYTE, val_percent=20)
+    assert len(more_val.val) > 2 * len(stdlib.val)
+
+
+def test_text_file_corpus(tmp_path):
+    text = "".join(f"line {i}: ünïcödé ✓\n" for i in range(200))
+    path = tmp_path / "a.txt"
+    path.write_text(text, encoding="utf-8")
+    corpus = load_corpus(str(path), BYTE, val_percent=10)
+    train, val = BYTE.decode(corpus.train), BYTE.decode(corpus.val)
+    assert train.startswith(EOT) and val.startswith(EOT)
+    assert train[len(EOT):] + val[len(EOT):] == text
+    assert val[len(EOT):].startswith("line ")  # cut at a line start
+    assert 0.07 < len(corpus.val) / len(text.encode()) < 0.13
+
+
+def test_folder_corpus(tmp_path):
+    texts = {f"sub/f{i:02d}.txt": f"file {i} ✓\n" * 20 for i in range(40)}
+    for rel, text in texts.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text, encoding="utf-8")
+    (tmp_path / ".hidden").write_text("HIDDEN")
+    (tmp_path / "blob.dat").write_bytes(b"BIN\0ARY")
+    (tmp_path / "latin1.txt").write_bytes("LATIN caf\xe9".encode("latin-1"))
+    corpus = load_corpus(str(tmp_path), BYTE, val_percent=20)
+    train, val = BYTE.decode(corpus.train), BYTE.decode(corpus.val)
+    docs = train.split(EOT)[1:] + val.split(EOT)[1:]
+    assert sorted(docs) == sorted(texts.values())  # every text file once; hidden and binary ones skipped
+    assert val and train.count(EOT) > val.count(EOT) > 0
+    assert np.array_equal(load_corpus(str(tmp_path), BYTE, val_percent=20).val, corpus.val)
+
+
+def test_single_file_folder_splits_like_text_file(tmp_path):
+    (tmp_path / "only.txt").write_text("abc\n" * 100)
+    corpus = load_corpus(str(tmp_path), BYTE)
+    assert BYTE.decode(corpus.train)[len(EOT):] + BYTE.decode(corpus.val)[len(EOT):] == "abc\n" * 100
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_corpus(str(tmp_path / "missing"), BYTE)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        load_corpus(str(tmp_path / "empty.txt"), BYTE)
+    (tmp_path / "tiny.txt").write_text("x")
+    with pytest.raises(DataError, match="stream has only"):
+        load_corpus(str(tmp_path / "tiny.txt"), BYTE)
+    with pytest.raises(DataError, match="val_percent"):
+        load_corpus(str(tmp_path / "tiny.txt"), BYTE, val_percent=0)
+
+
+# ---------------------------------------------------------------- tools/prepare_data
+
+def _prepare(*args):
+    return subprocess.run([sys.executable, "-m", "tools.prepare_data", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_prepare_data_round_trip(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(30):
+        (src / f"m{i}.py").write_text(f"x = {i}\n" * 50)
+    out = tmp_path / "out" / "shards"
+    r = _prepare(src, out, "--name", "toy", "--shard-tokens", "1000", "--val-percent", "10")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout and len(r.stdout.strip().splitlines()) == 1
+    names = sorted(os.listdir(out))
+    n_val = sum("_val_" in n for n in names)
+    assert names[-n_val] == "toy_val_000000.bin" and names[0] == f"toy_train_{n_val:06d}.bin"
+    assert len(names) - n_val > 2  # the train stream was cut into several shards
+    assert sorted(os.listdir(out.parent)) == ["shards"]  # no temp folder left behind
+    direct = load_corpus(str(src), BYTE, val_percent=10)
+    via_shards = load_corpus(str(out), BYTE)
+    assert np.array_equal(via_shards.train, direct.train) and np.array_equal(via_shards.val, direct.val)
+    assert all(len(read_shard(out / n)) <= 1000 for n in names)
+
+
+def test_prepare_data_errors_leave_nothing(tmp_path):
+    r = _prepare(tmp_path / "missing.txt", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.startswith("error: data.source: no such file")
+    assert os.listdir(tmp_path) == []
+    assert _prepare("stdlib", tmp_path / "out", "--tokenizer", "nope").returncode == 2  # argparse
+
+
+# ---------------------------------------------------------------- loader
+
+def test_window_starts():
+    a = window_starts(10_000, seed=1, step=5, global_batch=64, seq_len=32)
+    assert a.dtype == np.int64 and a.shape == (64,)
+    assert np.array_equal(a, window_starts(10_000, 1, 5, 64, 32))
+    assert not np.array_equal(a, window_starts(10_000, 1, 6, 64, 32))
+    assert not np.array_equal(a, window_starts(10_000, 2, 5, 64, 32))
+    assert a.min() >= 0 and a.max() <= 10_000 - 33
+    assert set(window_starts(33, 0, 0, 16, 32)) == {0}  # exactly one window fits
+    with pytest.raises(DataError, match="seq_len"):
+        window_starts(32, 0, 0, 16, 32)
+
+
+def _mesh(shape, names):
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices: jax was initialized before this file set XLA_FLAGS")
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices[:8])
+
+
+class _Recorder:
+    """A token stream that records the shape of every read, to check each device reads only its block."""
+
+    def __init__(self, tokens):
+        self.tokens, self.reads = tokens, []
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        self.reads.append(np.shape(index))
+        return self.tokens[index]
+
+
+def test_global_batch_is_mesh_independent():
+    tokens = np.random.default_rng(0).integers(0, 257, size=5000).astype(np.uint16)
+    gb, seq = 16, 15
+    starts = window_starts(len(tokens), 3, 7, gb, seq)
+    expected = np.stack([tokens[s:s + seq + 1] for s in starts]).astype(np.int32)
+    assert np.array_equal(batch_rows(tokens, starts, slice(4, 8), seq), expected[4:8])
+
+    m8 = _mesh((8,), ("dp",))
+    m24 = _mesh((2, 4), ("dp", "fsdp"))
+    m42 = _mesh((4, 2), ("dp", "tp"))
+    shardings = [NamedSharding(m8, P("dp")), NamedSharding(m24, P(("dp", "fsdp"))),
+                 NamedSharding(m42, P("dp")), NamedSharding(m24, P("dp", "fsdp"))]  # last: columns split too
+    for sharding in shardings:
+        rec = _Recorder(tokens)
+        x = global_batch(rec, 3, 7, gb, seq, sharding)
+        assert x.shape == (gb, seq + 1) and x.dtype == np.int32 and x.sharding == sharding
+        assert np.array_equal(np.asarray(x), expected)
+        block = sharding.shard_shape(x.shape)
+        assert all(shape == block for shape in rec.reads), (sharding, rec.reads)
+    other_step = global_batch(tokens, 3, 8, gb, seq, shardings[0])
+    assert not np.array_equal(np.asarray(other_step), expected)
+
+
+def test_eval_batch():
+    tokens = np.arange(10_000)  # token == position, so a row's first token is its start
+    sharding = NamedSharding(_mesh((8,), ("dp",)), P("dp"))
+    batches = [np.asarray(eval_batch(tokens, i, 3, 8, 31, sharding)) for i in range(3)]
+    rows = np.concatenate(batches)
+    assert batches[0].shape == (8, 32) and batches[0].dtype == np.int32
+    assert rows[0, 0] == 0 and rows[-1, -1] == tokens[-1]  # spans the whole stream
+    assert set(np.diff(rows[:, 0])) <= {433, 434}  # evenly spaced: (10000-32)/23 = 433.4
+    assert all(np.array_equal(r, tokens[r[0]:r[0] + 32]) for r in rows)
+    again = np.asarray(eval_batch(tokens, 1, 3, 8, 31, NamedSharding(_mesh((2, 4), ("dp", "fsdp")), P(("dp", "fsdp")))))
+    assert np.array_equal(again, batches[1])
+    with pytest.raises(ValueError):
+        eval_batch(tokens, 3, 3, 8, 31, sharding)

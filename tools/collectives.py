@@ -1,0 +1,252 @@
+"""Per-device collectives and memory of one compiled step, read from XLA's output.
+
+The planner compiles a train step and needs two numbers per layout: how much
+memory a device holds and how much it communicates per step. Both come from the
+compiled executable: `compiled.memory_analysis()` for memory and the optimized
+HLO text (`compiled.as_text()`) for collectives. The HLO is the only place where
+the partitioner's real choices show (e.g. all-reduce + slice instead of
+reduce-scatter on CPU), so we parse it rather than guess from shardings.
+
+Counting is per *executed* op: a collective inside a `while` body (layer scan,
+gradient-accumulation loop, fori_loop) is counted once per trip. This JAX/XLA
+version annotates loops whose trip count it can prove with
+`backend_config={..."known_trip_count":{"n":"N"}...}` on the `while`
+instruction (verified for `lax.scan(length=N)` and `lax.fori_loop(0, N, ...)`);
+a data-dependent `lax.while_loop` has no such annotation and is counted as one
+trip, reported in `collective_report(...)["unknown_trip_loops"]`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Bits per element; XLA's sub-byte types (s4, f4e2m1fn, ...) pack, so round up per array.
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
+         "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32, "u32": 32,
+         "f64": 64, "s64": 64, "u64": 64, "c64": 64, "c128": 128}
+
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _array_bytes(type_str: str) -> int:
+    """Bytes of every array in an HLO type string (`f32[16,16]{1,0}`, tuples, ...)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_str):
+        bits = _BITS.get(dtype)
+        if bits is None:  # f8e4m3fn, f6e2m3fn, f4e2m1fn, ...; token[]/opaque carry no payload
+            bits = int(dtype[1]) if re.fullmatch(r"f[468]e\w+", dtype) else 0
+        n = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
+        total += -(-n * bits // 8)
+    return total
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """Split `TYPE opcode(...)...` at the first space outside brackets."""
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch.isspace() and depth == 0:
+            return rest[:i], rest[i:].lstrip()
+    return rest, ""
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+    """Top-level elements of a tuple type; a non-tuple type is one element."""
+    s = type_str.strip()
+    if not s.startswith("("):
+        return [s]
+    s = re.sub(r"/\*.*?\*/", "", s)
+    inner, elems, depth, start = s[1:s.rindex(")")], [], 0, 0
+    for i, ch in enumerate(inner):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            elems.append(inner[start:i].strip())
+            start = i + 1
+    elems.append(inner[start:].strip())
+    return [e for e in elems if e]
+
+
+def _is_context_scalar(t: str) -> bool:
+    return re.fullmatch(r"[us]32\[\](\{\})?", t.strip()) is not None
+
+
+def _start_bytes(opcode: str, type_str: str) -> int:
+    """Result bytes of an async `<kind>-start`.
+
+    Rule: `all-reduce-start`'s result is already the output (one array, or a
+    tuple of outputs when combined), so count all of it. Any other `-start` with
+    a tuple result is laid out (operand(s), output(s), context...), e.g.
+    `(f32[8], f32[64]) all-gather-start` or
+    `(f32[16], f32[16], u32[], u32[]) collective-permute-start`: count element 1,
+    the output (itself a tuple for combined ops). `u32[]`/`s32[]` context
+    scalars are never counted. A non-tuple result is counted as is.
+    """
+    elems = [e for e in _tuple_elements(type_str) if not _is_context_scalar(e)]
+    if opcode == "all-reduce-start" or len(elems) < 2:
+        return sum(_array_bytes(e) for e in elems)
+    return _array_bytes(elems[1])
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
+    """Computations of an HLO module as {name: [instruction, ...]} plus the ENTRY name.
+
+    Each instruction is {"type", "opcode", "attrs", "trip"}; `attrs` has quoted
+    strings (metadata, backend_config) removed so names inside them never look
+    like references. Expects one instruction per line, as `as_text()` prints.
+    """
+    comps: dict[str, list[dict]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if current is None:
+            m = _COMP_HEADER.match(line.strip())
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        type_str, rest = _split_type(m.group(2))
+        op = re.match(r"([\w\-]+)\(", rest)
+        if not op:
+            continue
+        trip = _TRIP.search(rest)
+        comps[current].append({"type": type_str, "opcode": op.group(1),
+                               "attrs": _QUOTED.sub('""', rest[op.end():]),
+                               "trip": int(trip.group(1)) if trip else None})
+    if entry is None:
+        raise ValueError("no ENTRY computation found in HLO text")
+    return comps, entry
+
+
+def _refs(attrs: str, key: str) -> list[str]:
+    """Computation names referenced by `key=%c` or `key={%a, %b}`."""
+    m = re.search(r"\b" + key + r"=(\{[^}]*\}|%?[\w.\-]+)", attrs)
+    if not m:
+        return []
+    return [n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", m.group(1))]
+
+
+def _empty() -> dict:
+    return {"collectives": {k: {"count": 0, "bytes": 0} for k in KINDS}, "unknown_trip_loops": 0}
+
+
+def _add(acc: dict, part: dict, times: int = 1) -> None:
+    for k in KINDS:
+        acc["collectives"][k]["count"] += times * part["collectives"][k]["count"]
+        acc["collectives"][k]["bytes"] += times * part["collectives"][k]["bytes"]
+    acc["unknown_trip_loops"] += part["unknown_trip_loops"]
+
+
+def collective_report(hlo_text: str) -> dict:
+    """Collectives executed per step per device, plus loops whose trip count is unknown.
+
+    Returns {"collectives": {kind: {"count", "bytes"}}, "unknown_trip_loops": n}.
+    `bytes` is the op's result size on one device (summed over tuple elements of
+    variadic ops; see `_start_bytes` for async `-start` ops; `-done` ops are not
+    counted). The walk starts at ENTRY and follows `calls=` (fusion, call,
+    async-start; not async-update/-done, which name the same computation),
+    `to_apply=` of `call` only (elsewhere it is a reducer), `body=` (x trips),
+    `condition=` (x trips + 1: it runs once more than the body), and
+    `branch_computations=`/`true_computation=`/`false_computation=` of a
+    `conditional`, where only the branch with the most collective bytes is
+    counted (ties: most ops) since exactly one branch runs per execution: an
+    upper bound. A `while` without `known_trip_count` counts as one trip and
+    adds 1 to `unknown_trip_loops` (per loop instruction reached, not
+    multiplied by enclosing trips).
+    """
+    comps, entry = _parse(hlo_text)
+    memo: dict[str, dict] = {}
+
+    def visit(name: str, stack: tuple = ()) -> dict:
+        if name in memo:
+            return memo[name]
+        if name in stack or name not in comps:
+            return _empty()
+        stack += (name,)
+        acc = _empty()
+        for ins in comps[name]:
+            op, attrs = ins["opcode"], ins["attrs"]
+            if op in KINDS:
+                acc["collectives"][op]["count"] += 1
+                acc["collectives"][op]["bytes"] += _array_bytes(ins["type"])
+            elif op.endswith("-start") and op[:-6] in KINDS:
+                acc["collectives"][op[:-6]]["count"] += 1
+                acc["collectives"][op[:-6]]["bytes"] += _start_bytes(op, ins["type"])
+            if op == "while":
+                trips = ins["trip"]
+                if trips is None:
+                    trips = 1
+                    acc["unknown_trip_loops"] += 1
+                for c in _refs(attrs, "body"):
+                    _add(acc, visit(c, stack), trips)
+                for c in _refs(attrs, "condition"):
+                    _add(acc, visit(c, stack), trips + 1)
+            elif op == "conditional":
+                branches = (_refs(attrs, "branch_computations") + _refs(attrs, "true_computation")
+                            + _refs(attrs, "false_computation"))
+                parts = [visit(c, stack) for c in branches]
+                if parts:
+                    _add(acc, max(parts, key=lambda p: (
+                        sum(v["bytes"] for v in p["collectives"].values()),
+                        sum(v["count"] for v in p["collectives"].values()))))
+            elif op not in ("async-update", "async-done"):
+                called = _refs(attrs, "calls") + _refs(attrs, "called_computations")
+                if op == "call":
+                    called += _refs(attrs, "to_apply")
+                for c in called:
+                    _add(acc, visit(c, stack))
+        memo[name] = acc
+        return acc
+
+    return visit(entry)
+
+
+def collectives_per_step(hlo_text: str) -> dict[str, dict]:
+    """{kind: {"count", "bytes"}} for all five kinds; see `collective_report`."""
+    return collective_report(hlo_text)["collectives"]
+
+
+def memory_summary(compiled) -> dict:
+    """Per-device memory of a compiled executable, from `memory_analysis()`.
+
+    `total_bytes = argument + output - alias + temp` estimates what a device must
+    hold (donated/aliased outputs reuse argument buffers). We do not report
+    `peak_memory_in_bytes`: on the CPU backend it just equals the argument size.
+    """
+    ma = compiled.memory_analysis()
+    out = {"argument_bytes": int(ma.argument_size_in_bytes),
+           "output_bytes": int(ma.output_size_in_bytes),
+           "alias_bytes": int(ma.alias_size_in_bytes),
+           "temp_bytes": int(ma.temp_size_in_bytes),
+           "generated_code_bytes": int(ma.generated_code_size_in_bytes)}
+    out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"]
+                          - out["alias_bytes"] + out["temp_bytes"])
+    return out
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. 1572864 -> '1.50 MiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
