@@ -140,6 +140,7 @@ _LLAMA = dict(family="llama", vocab_size=128256, seq_len=2048, rope_theta=500000
 PRESETS: dict[str, dict] = {
     "tiny-gpt2": dict(family="gpt2", n_layers=2, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, seq_len=64),
     "tiny-llama": dict(family="llama", n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=128, seq_len=64),
+    "small-gpt2": dict(family="gpt2", n_layers=4, d_model=256, n_heads=4, n_kv_heads=4, d_ff=1024, seq_len=256),
     "gpt2-124m": dict(_GPT2, n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, d_ff=3072),
     "gpt2-350m": dict(_GPT2, n_layers=24, d_model=1024, n_heads=16, n_kv_heads=16, d_ff=4096),
     "gpt2-774m": dict(_GPT2, n_layers=36, d_model=1280, n_heads=20, n_kv_heads=20, d_ff=5120),
@@ -310,6 +311,11 @@ def schedule_steps(t: TrainConfig) -> int:
     return t.schedule_steps or t.steps
 
 
+def warmup_steps(t: TrainConfig) -> int:
+    """Warm-up length, kept inside the schedule so a short run still decays."""
+    return min(t.warmup_steps, schedule_steps(t) - 1)
+
+
 def resolve_mesh_shape(mc: MeshConfig, n_devices: int) -> dict[str, int]:
     """Per-axis sizes over all devices (ICI size × DCN size), with the one -1 axis filled in."""
     sizes = {a: getattr(mc, a) for a in MESH_AXES}
@@ -406,8 +412,11 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
     if schedule_steps(t) < t.steps:
         raise ConfigError(f"train.schedule_steps={t.schedule_steps} is shorter than train.steps={t.steps}; raise it or set 0")
-    if t.warmup_steps < 0 or t.warmup_steps >= schedule_steps(t):
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be in [0, schedule_steps={schedule_steps(t)})")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps: must be 0 or more, got {t.warmup_steps}")
+    if t.warmup_steps >= schedule_steps(t):
+        notes.append(f"train.warmup_steps={t.warmup_steps} is not shorter than the schedule "
+                     f"({schedule_steps(t)} steps): warming up over {warmup_steps(t)} steps instead")
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}: must be 0 or more, got {getattr(t, key)}")

@@ -12,7 +12,7 @@ import jax
 import optax
 from optax import contrib
 
-from jaxllm.config import TrainConfig, schedule_steps
+from jaxllm.config import TrainConfig, schedule_steps, warmup_steps
 from jaxllm.models.transformer import Leaf
 
 
@@ -22,9 +22,9 @@ def learning_rate(t: TrainConfig):
     Indexed by the number of updates already applied, so the first step uses lr/warmup, not 0.
     """
     base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup_steps(t),
         decay_steps=schedule_steps(t), end_value=t.lr * t.min_lr_ratio)
-    if t.warmup_steps == 0:
+    if warmup_steps(t) == 0:
         return base
     return lambda count: base(count + 1)
 

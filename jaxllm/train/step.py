@@ -142,7 +142,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     def train_step(state, tokens):
         params, opt_state = state["params"], state["opt_state"]
         loss, grads = loss_and_grads(params, tokens)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, opt_param_sh)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -1,0 +1,110 @@
+"""One process of the multi-process loader check in tests/test_multiprocess.py.
+
+    python tests/multiprocess_worker.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID
+
+Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 in each process. Joins
+jax.distributed, builds the (dp=2, fsdp=4) mesh with jaxllm.mesh.make_mesh and loads
+batches with jaxllm.data.loader.global_batch from a token stream that records every
+position it is asked for. Asserts that this process reads exactly the token positions of
+the rows (and columns) its own devices hold, nothing of the other process's rows, that each
+local shard equals the numpy reference, and that the assembled global array (summed across
+processes by a jitted reduction) equals the reference. Prints one JSON line with what it saw;
+exits non-zero on any failed check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxllm.config import DistributedConfig
+from jaxllm.data.loader import batch_rows, global_batch, window_starts
+from jaxllm.mesh import initialize_distributed, make_mesh
+from jaxllm.sharding import BATCH_AXES
+
+SEED, GLOBAL_BATCH, SEQ_LEN = 7, 16, 31  # rows of 32 tokens: 4 column blocks of 8 for the 2-D layout
+
+
+class SpyTokens:
+    """A 1-D token array that records every position read through indexing."""
+
+    def __init__(self, data: np.ndarray):
+        self.data = data
+        self.read: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index):
+        positions = np.arange(len(self.data))[index]
+        self.read.update(int(i) for i in np.ravel(positions))
+        return self.data[index]
+
+
+def _slice_range(s: slice, n: int) -> range:
+    return range(*s.indices(n))
+
+
+def check(tokens: np.ndarray, sharding, step: int) -> dict:
+    spy = SpyTokens(tokens)
+    arr = global_batch(spy, SEED, step, GLOBAL_BATCH, SEQ_LEN, sharding)
+    shape = (GLOBAL_BATCH, SEQ_LEN + 1)
+    assert arr.shape == shape and arr.dtype == np.int32, (arr.shape, arr.dtype)
+
+    starts = window_starts(len(tokens), SEED, step, GLOBAL_BATCH, SEQ_LEN)
+    reference = batch_rows(tokens, starts, slice(None), SEQ_LEN)
+
+    # The (row, column) cells this process's devices hold, and the token positions behind them.
+    cells: set[tuple[int, int]] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
+        cells.update((r, c) for r in _slice_range(rows, shape[0]) for c in _slice_range(cols, shape[1]))
+    own_rows = sorted({r for r, _ in cells})
+    expected_reads = {int(starts[r]) + c for r, c in cells}
+    assert spy.read == expected_reads, (
+        f"process {jax.process_index()} read {len(spy.read)} positions, expected exactly the "
+        f"{len(expected_reads)} of its own cells; extra: {sorted(spy.read - expected_reads)[:10]}")
+
+    # Each local shard holds the reference block, and every local device has one.
+    assert len(arr.addressable_shards) == jax.local_device_count()
+    for shard in arr.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), reference[shard.index])
+
+    # The global array, assembled across processes, is the reference (a cross-process reduction).
+    total = int(jax.jit(lambda a: a.sum())(arr))
+    assert total == int(reference.sum()), (total, int(reference.sum()))
+    row_sums = np.asarray(jax.jit(lambda a: a.sum(axis=1), out_shardings=NamedSharding(sharding.mesh, P()))(arr))
+    np.testing.assert_array_equal(row_sums, reference.sum(axis=1))
+    return {"rows": own_rows, "n_cells": len(cells), "n_reads": len(spy.read)}
+
+
+def main(argv: list[str]) -> int:
+    address, num_processes, process_id = argv[0], int(argv[1]), int(argv[2])
+    initialize_distributed(DistributedConfig(coordinator_address=address, num_processes=num_processes,
+                                             process_id=process_id))
+    assert jax.process_count() == num_processes and jax.process_index() == process_id
+    shape = {"pp": 1, "dp": 2, "fsdp": 4, "ep": 1, "sp": 1, "tp": 1}
+    mesh = make_mesh(shape)
+    # Small values so int32 sums cannot overflow; 1000 tokens so windows rarely overlap.
+    tokens = (np.arange(1000, dtype=np.uint16) * 7919 % 251).astype(np.uint16)
+    out = {
+        "process": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "devices": jax.device_count(),
+        # The training layout: rows over dp×fsdp×ep.
+        "batch": [check(tokens, NamedSharding(mesh, P(BATCH_AXES)), step) for step in (0, 1)],
+        # Rows over dp, columns over fsdp: each device reads a block of its rows' windows.
+        "blocks": check(tokens, NamedSharding(mesh, P("dp", "fsdp")), 2),
+    }
+    print("RESULT " + json.dumps(out), flush=True)
+    jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

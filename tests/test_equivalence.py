@@ -1,0 +1,143 @@
+"""Every mesh and ZeRO stage computes the same numbers as one device (fp32, 8 fake CPU devices).
+
+The reference is the model run plainly: no mesh, no layout, `jax.value_and_grad` of the
+summed token loss over the token count. Compiled step functions are cached per distinct
+program and shared between tests: ZeRO stages 0 and 1 have the same gradient program
+(they differ only in the optimizer state's sharding, which the one-step test covers).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import build_config, validate
+from jaxllm.data import batch_rows, window_starts
+from jaxllm.mesh import make_mesh
+from jaxllm.models import transformer
+from jaxllm.train.optimizer import make_optimizer
+from jaxllm.train.step import lm_batch, make_step_fns
+
+PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
+MESHES = {"dp8": dict(dp=8), "fsdp8": dict(fsdp=8), "dp2_fsdp4": dict(dp=2, fsdp=4)}
+BATCH, SEQ = 16, 32
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+# Stages whose gradient program is the same; the key is the stage that stands for them.
+GRAD_PROGRAM = {0: 0, 1: 0, 2: 2, 3: 3}
+
+
+def config(family: str, mesh: str, stage: int, microbatches: int):
+    over = {"model.preset": PRESETS[family], "model.vocab_size": 257, "model.seq_len": SEQ,
+            "precision.compute": "float32", "train.global_batch": BATCH, "train.microbatches": microbatches,
+            "train.zero_stage": stage, "train.lr": 1e-3, "train.warmup_steps": 0, "train.steps": 20,
+            "mesh.dp": 1}
+    over.update({f"mesh.{a}": n for a, n in MESHES.get(mesh, {}).items()})
+    return build_config(None, over)
+
+
+@functools.lru_cache(maxsize=None)
+def step_fns(family: str, mesh: str, stage: int, microbatches: int):
+    cfg = config(family, mesh, stage, microbatches)
+    if mesh == "one":
+        shape, _ = validate(cfg, 1)
+        return make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:1]))
+    shape, _ = validate(cfg, 8)
+    return make_step_fns(cfg, make_mesh(shape, cfg))
+
+
+def tokens(step: int = 0) -> np.ndarray:
+    stream = np.random.default_rng(1234).integers(0, 257, 20_000).astype(np.uint16)
+    return batch_rows(stream, window_starts(len(stream), 0, step, BATCH, SEQ), slice(None), SEQ)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(family: str):
+    """Initial params, loss and grads on one device, no layout at all."""
+    m = config(family, "one", 0, 1).model
+    params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
+
+    @jax.jit
+    def loss_and_grads(p, toks):
+        batch = lm_batch(toks)
+        count = batch["loss_mask"].sum()
+        return jax.value_and_grad(lambda q: transformer.forward_loss(q, batch, m, jnp.float32)[0] / count)(p)
+
+    loss, grads = loss_and_grads(params, jnp.asarray(tokens()))
+    return jax.device_get(params), float(loss), jax.device_get(grads)
+
+
+def max_rel_err(a, b) -> float:
+    errs = jax.tree.map(lambda x, y: float(np.linalg.norm(np.asarray(x) - np.asarray(y)) /
+                                          max(np.linalg.norm(np.asarray(y)), 1e-30)), a, b)
+    return max(jax.tree.leaves(errs))
+
+
+CASES = [("one", 0, mb) for mb in (1, 2)] + [(mesh, s, mb) for mesh in MESHES for s in (0, 1, 2, 3) for mb in (1, 2)]
+
+
+@pytest.mark.parametrize("family", PRESETS)
+@pytest.mark.parametrize("mesh,stage,microbatches", CASES)
+def test_loss_and_grads_match_one_device(family, mesh, stage, microbatches):
+    ref_params, ref_loss, ref_grads = reference(family)
+    fns = step_fns(family, mesh, GRAD_PROGRAM[stage], microbatches)
+    params = jax.device_put(ref_params, fns.state_shardings["params"])
+    toks = jax.device_put(tokens(), fns.batch_sharding)
+    loss, grads = fns.loss_and_grads(params, toks)
+    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
+    assert max_rel_err(grads, ref_grads) <= GRAD_RTOL
+    # the layout is what the stage says: ZeRO-2/3 gradients are sharded over fsdp
+    leaf = grads["blocks"][0]["mlp"]["w_" + ("in" if family == "gpt2" else "up")]
+    sharded_over_fsdp = "fsdp" in str(leaf.sharding.spec)
+    assert sharded_over_fsdp == (stage >= 2 and "fsdp" in mesh)
+
+
+@pytest.mark.parametrize("family", PRESETS)
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_initial_params_bitwise_equal(family, mesh):
+    ref_params = reference(family)[0]
+    for stage in (0, 3):
+        state = step_fns(family, mesh, stage, 2).init(0)
+        for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("family", PRESETS)
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_train_step_matches_one_device(family, mesh, stage):
+    """The whole step (accumulation over 2 microbatches, clipping, AdamW) equals one device's update."""
+    ref_params, ref_loss, ref_grads = reference(family)
+    cfg = config(family, mesh, stage, 2)
+    tx = make_optimizer(cfg.train, transformer.param_table(cfg.model))
+    ref_updates, _ = jax.jit(tx.update)(ref_grads, tx.init(ref_params), ref_params)
+
+    fns = step_fns(family, mesh, stage, 2)
+    state = fns.init(0)
+    new_state, metrics = fns.train_step(state, jax.device_put(tokens(), fns.batch_sharding))
+    assert abs(float(metrics["loss"]) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
+    updates = jax.tree.map(lambda new, old: np.asarray(new) - np.asarray(old), new_state["params"], ref_params)
+    assert max_rel_err(updates, ref_updates) <= GRAD_RTOL
+    mu = new_state["opt_state"][1][0].mu["blocks"][0]["attn"]["wq"]
+    assert ("fsdp" in str(mu.sharding.spec)) == (stage >= 1 and "fsdp" in mesh)
+    wq = new_state["params"]["blocks"][0]["attn"]["wq"]
+    assert ("fsdp" in str(wq.sharding.spec)) == (stage == 3 and "fsdp" in mesh)
+
+
+def run_steps(fns, n: int) -> list[float]:
+    state = fns.init(0)
+    losses = []
+    for step in range(n):
+        state, metrics = fns.train_step(state, jax.device_put(tokens(step), fns.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("family", PRESETS)
+def test_twenty_step_loss_curves_match(family):
+    ref = run_steps(step_fns(family, "one", 0, 1), 20)
+    assert ref[-1] < ref[0] - 0.5  # it learns
+    for mesh, stage in (("fsdp8", 3), ("dp2_fsdp4", 1)):
+        losses = run_steps(step_fns(family, mesh, stage, 2), 20)
+        np.testing.assert_allclose(losses, ref, rtol=LOSS_RTOL)

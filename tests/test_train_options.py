@@ -1,0 +1,121 @@
+"""Options of the step: precision, remat policies, optimizers (incl. Muon on stacked weights), config parsing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ConfigError, build_config, padded_vocab, validate
+from jaxllm.mesh import make_mesh
+from jaxllm.models import transformer
+from jaxllm.train.optimizer import make_optimizer, muon_dimensions
+from jaxllm.train.step import make_step_fns
+
+BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 8,
+        "mesh.dp": 1, "train.warmup_steps": 0}
+
+
+def one_device_fns(**over):
+    cfg = build_config(None, {**BASE, **over})
+    shape, _ = validate(cfg, 1)
+    return cfg, make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:1]))
+
+
+def tokens(seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 257, (8, 33)), jnp.int32)
+
+
+def test_float32_compute_asks_for_full_precision_matmuls():
+    _, fns = one_device_fns(**{"precision.compute": "float32"})
+    text = fns.loss_and_grads.lower(fns.abstract_state["params"], tokens()).as_text()
+    assert "HIGHEST" in text.upper()
+
+
+def test_bfloat16_compute_keeps_fp32_master_and_grads():
+    _, f32 = one_device_fns(**{"precision.compute": "float32"})
+    _, bf16 = one_device_fns(**{"precision.compute": "bfloat16"})
+    params = f32.init(0)["params"]
+    l32, g32 = f32.loss_and_grads(params, tokens())
+    l16, g16 = bf16.loss_and_grads(params, tokens())
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))
+    assert abs(float(l16) - float(l32)) < 2e-2 * float(l32)
+    assert float(l16) != float(l32)  # bf16 matmuls really happened
+    text = bf16.loss_and_grads.lower(bf16.abstract_state["params"], tokens()).as_text()
+    assert "bf16" in text
+
+
+@pytest.mark.parametrize("remat", ["full", "save-dots", "save-named"])
+def test_remat_policies_give_the_same_gradients(remat):
+    _, plain = one_device_fns(**{"precision.compute": "float32"})
+    _, fns = one_device_fns(**{"precision.compute": "float32", "model.remat": remat})
+    params = plain.init(0)["params"]
+    l0, g0 = plain.loss_and_grads(params, tokens())
+    l1, g1 = fns.loss_and_grads(params, tokens())
+    assert float(l0) == pytest.approx(float(l1), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer,lr", [("sgd", 0.3), ("adafactor", 0.1), ("lion", 3e-4), ("muon", 2e-2)])
+def test_other_optimizers_train(optimizer, lr):
+    _, fns = one_device_fns(**{"precision.compute": "float32", "train.optimizer": optimizer, "train.lr": lr,
+                               "train.steps": 8})
+    state = fns.init(0)
+    losses = []
+    for _ in range(8):
+        state, metrics = fns.train_step(state, tokens())
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_muon_orthogonalises_each_layer_of_stacked_weights():
+    cfg = build_config(None, {**BASE, "train.optimizer": "muon", "train.weight_decay": 0.0, "train.grad_clip": 0.0})
+    table = transformer.param_table(cfg.model)
+    dims = muon_dimensions(table)
+    assert dims["blocks"][0]["mlp"]["w_up"].reduction_axis == (1,)
+    assert dims["blocks"][0]["attn"]["wo"].reduction_axis == (1, 2)
+    assert dims["embed"]["tok"] is None and dims["blocks"][0]["ln1"]["scale"] is None
+    tx = make_optimizer(cfg.train, table)
+    params = transformer.init_params(cfg.model, jax.random.key(0))
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    u = np.asarray(updates["blocks"][0]["mlp"]["w_up"])  # [layers, d_model, d_ff]
+    for layer in u:  # Newton-Schulz: all singular values of each layer's update are about equal
+        s = np.linalg.svd(layer, compute_uv=False)
+        assert s.max() / s.min() < 3.0, s
+    # Adam on the same gradient would give a sign-like matrix with widely spread singular values
+    adam = make_optimizer(build_config(None, {**BASE, "train.weight_decay": 0.0, "train.grad_clip": 0.0}).train, table)
+    a = np.asarray(adam.update(grads, adam.init(params), params)[0]["blocks"][0]["mlp"]["w_up"][0])
+    s = np.linalg.svd(a, compute_uv=False)
+    assert s.max() / s.min() > 3.0
+
+
+def test_config_layers_preset_file_and_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nn_layers = 6\n[train]\nlr = 1\n')
+    # explicit keys beat the preset whatever their order; an int is accepted for a float
+    cfg = build_config(str(f), ["model.d_model=128", "model.preset=tiny-gpt2", "train.resume=true"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads) == (6, 128, 8)
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.resume is True
+    cfg = build_config(None, ["data.source=some/file.txt", "run.sample_prompt='x = '"])
+    assert cfg.data.source == "some/file.txt" and cfg.run.sample_prompt == "x = "
+    with pytest.raises(ConfigError, match="expected an integer"):
+        build_config(None, ["train.steps=1.5"])
+    with pytest.raises(ConfigError, match="unknown key 'model.layers'"):
+        build_config(None, ["model.layers=2"])
+
+
+def test_validation_of_the_mesh_and_tp_splits():
+    cfg = build_config(None, {"model.preset": "tiny-llama", "model.vocab_size": 257, "mesh.dp": 1, "mesh.tp": 8})
+    shape, notes = validate(cfg, 8)
+    assert shape["tp"] == 8 and any("KV heads are replicated" in n for n in notes)
+    assert padded_vocab(cfg.model) == 384
+    cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, "mesh.dp": 2, "mesh.fsdp": -1})
+    assert validate(cfg, 8)[0]["fsdp"] == 4
+    for over, match in [({"mesh.dp": 2, "mesh.fsdp": -1, "mesh.tp": -1}, "only one axis"),
+                        ({"mesh.dp": 1, "mesh.tp": 8, "model.d_ff": 100}, "model.d_ff"),
+                        ({"mesh.sp": 8, "mesh.dp": 1, "model.seq_len": 60}, "model.seq_len"),
+                        ({"train.global_batch": 12}, "train.global_batch")]:
+        cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, **over})
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg, 8)

@@ -1,0 +1,220 @@
+"""`python -m tools.bench [--config FILE] [key=value ...]`: time jaxllm's train step against a plain JAX GPT-2.
+
+Builds the train step for the config exactly as `experiments.run` would (same config
+file default, overrides, validation, mesh and `make_step_fns`), feeds it synthetic
+random tokens, and reports tokens/s, step time and MFU (the trainer's own FLOPs per
+token and peak). Then does the same for `tools.plain_gpt`, the same model and step
+written plainly, with identical shapes, and prints jaxllm's overhead over it
+(1 - ours/plain tokens/s). The baseline exists for the gpt2 family on one device with
+AdamW, no remat and no microbatching; otherwise it is reported as n/a.
+
+Timing: both steps are compiled first (compile time is reported, never timed as a step),
+run `--warmup` steps each, then timed in `--windows` rounds of `--steps` steps, jaxllm
+and plain alternating within each round so that load from other processes hits both
+alike; each window ends with block_until_ready. Reported times are window medians.
+With --json the last stdout line is a JSON object. Config mistakes: `error: ...`, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "experiments", "configs", "default.toml")
+
+
+def baseline_unavailable(cfg, n_devices: int) -> str | None:
+    """Why plain_gpt cannot run this config (None: it can)."""
+    m, t = cfg.model, cfg.train
+    if m.family != "gpt2":
+        return f"model.family={m.family} (plain baseline is gpt2 only)"
+    if n_devices != 1:
+        return f"mesh has {n_devices} devices (plain baseline is one device)"
+    if m.pattern != ["dense"]:
+        return f"model.pattern={m.pattern}"
+    if m.remat != "none":
+        return f"model.remat={m.remat} (plain baseline has no remat)"
+    if t.microbatches != 1:
+        return f"train.microbatches={t.microbatches} (plain baseline has no accumulation)"
+    if t.optimizer != "adamw":
+        return f"train.optimizer={t.optimizer} (plain baseline is adamw)"
+    return None
+
+
+def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: bool = True) -> dict:
+    """Compile, warm up and time jaxllm's step (and plain_gpt's); return the numbers as a dict."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.config import padded_vocab, validate
+    from jaxllm.data import get_tokenizer
+    from jaxllm.errors import ConfigError
+    from jaxllm.mesh import make_mesh
+    from jaxllm.models import transformer
+    from jaxllm.train.loop import flops_per_token, peak_flops
+    from jaxllm.train.step import make_step_fns
+
+    for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--windows", windows, 1)):
+        if v < low:
+            raise ConfigError(f"{name}: must be at least {low}, got {v}")
+    m, t = cfg.model, cfg.train
+    if m.vocab_size == 0:
+        m.vocab_size = get_tokenizer(cfg.data.tokenizer).vocab_size
+    shape, _ = validate(cfg, jax.device_count())
+    mesh = make_mesh(shape, cfg)
+    n_dev = jax.device_count()
+    dtype = jnp.dtype(cfg.precision.compute)
+    tokens_np = np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch, m.seq_len + 1), dtype=np.int32)
+    tokens_per_step = t.global_batch * m.seq_len
+    fpt = flops_per_token(cfg)
+
+    # ---- jaxllm
+    fns = make_step_fns(cfg, mesh)  # sets fp32 matmul precision to "highest" for float32 runs
+    tokens = jax.device_put(tokens_np, fns.batch_sharding)
+    state = fns.init(t.seed)
+    t0 = time.perf_counter()
+    ours_step = fns.train_step.lower(state, tokens).compile()
+    ours_compile = time.perf_counter() - t0
+    box = {"state": state}
+
+    def ours_window(n):
+        s = box["state"]
+        start = time.perf_counter()
+        for _ in range(n):
+            s, metrics = ours_step(s, tokens)
+        jax.block_until_ready((s, metrics))
+        box["state"] = s
+        return (time.perf_counter() - start) / n
+
+    # ---- plain
+    why_not = baseline_unavailable(cfg, n_dev) if baseline else "--no-baseline"
+    plain_window = None
+    if why_not is None:
+        from tools import plain_gpt
+
+        c = plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
+                          n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
+                          eps=m.norm_eps, init_std=m.init_std)
+        tx = plain_gpt.make_optimizer(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.schedule_steps or t.steps,
+                                      min_lr_ratio=t.min_lr_ratio, b1=t.beta1, b2=t.beta2, eps=t.eps,
+                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+        plain_tokens = jax.device_put(tokens_np, jax.devices()[0])
+        params = jax.jit(plain_gpt.init_params, static_argnums=0)(c, jax.random.key(t.seed))
+        pbox = {"params": params, "opt": jax.jit(tx.init)(params)}
+        t0 = time.perf_counter()
+        plain_step = plain_gpt.make_train_step(c, tx, dtype).lower(pbox["params"], pbox["opt"], plain_tokens).compile()
+        plain_compile = time.perf_counter() - t0
+
+        def plain_window(n):
+            p, o = pbox["params"], pbox["opt"]
+            start = time.perf_counter()
+            for _ in range(n):
+                p, o, loss = plain_step(p, o, plain_tokens)
+            jax.block_until_ready((p, o, loss))
+            pbox["params"], pbox["opt"] = p, o
+            return (time.perf_counter() - start) / n
+
+    if warmup:
+        ours_window(warmup)
+        if plain_window:
+            plain_window(warmup)
+    ours_times, plain_times = [], []
+    for _ in range(windows):  # alternate so background load hits both alike
+        ours_times.append(ours_window(steps))
+        if plain_window:
+            plain_times.append(plain_window(steps))
+    peak = peak_flops(cfg)
+
+    def summary(times, compile_s):
+        dt = statistics.median(times)
+        tps = tokens_per_step / dt
+        return {"tokens_per_s": tps, "step_time_s": dt, "mfu": tps * fpt / peak, "compile_s": compile_s,
+                "window_step_times_s": times}
+
+    out = {
+        "config": {"family": m.family, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+                   "d_ff": m.d_ff, "vocab_size": m.vocab_size, "padded_vocab": padded_vocab(m),
+                   "seq_len": m.seq_len, "global_batch": t.global_batch, "compute": cfg.precision.compute,
+                   "remat": m.remat, "microbatches": t.microbatches, "zero_stage": t.zero_stage,
+                   "params": transformer.count_params(m)},
+        "devices": n_dev, "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "mesh": {a: n for a, n in shape.items() if n > 1},
+        "steps": steps, "warmup": warmup, "windows": windows,
+        "tokens_per_step": tokens_per_step, "flops_per_token": fpt, "peak_flops": peak,
+        "jaxllm": summary(ours_times, ours_compile),
+        "plain": None, "overhead": None, "baseline": why_not or "ok",
+    }
+    if plain_window:
+        out["plain"] = summary(plain_times, plain_compile)
+        out["overhead"] = 1.0 - out["jaxllm"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+        # Per-round ratios: each pair ran back to back, so this is the least noisy comparison.
+        out["overhead_paired"] = statistics.median(1.0 - p / o for o, p in zip(ours_times, plain_times))
+    return out
+
+
+def format_table(r: dict) -> str:
+    c = r["config"]
+    mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items()) or "1 device"
+    lines = [
+        f"{c['family']} {c['params'] / 1e6:.1f}M: {c['n_layers']}L d{c['d_model']} h{c['n_heads']} ff{c['d_ff']} "
+        f"vocab {c['vocab_size']} (padded {c['padded_vocab']}), batch {c['global_batch']} x seq {c['seq_len']}, "
+        f"{c['compute']}",
+        f"{r['devices']} {r['platform']} device(s) [{r['device_kind']}], mesh {mesh}, jax {r['jax']}; "
+        f"{r['warmup']} warm-up, then {r['windows']} windows x {r['steps']} steps (medians)",
+        f"MFU peak: {r['peak_flops'] / 1e9:,.1f} GFLOP/s; {r['flops_per_token'] / 1e6:,.2f} MFLOP/token",
+        "",
+        f"{'':8} {'tokens/s':>12} {'step ms':>10} {'MFU':>7} {'compile s':>10}",
+    ]
+    for name in ("jaxllm", "plain"):
+        s = r[name]
+        if s is None:
+            lines.append(f"{name:8} {'n/a':>12} {'n/a':>10} {'n/a':>7} {'n/a':>10}   ({r['baseline']})")
+        else:
+            lines.append(f"{name:8} {s['tokens_per_s']:>12,.0f} {s['step_time_s'] * 1e3:>10.1f} "
+                         f"{s['mfu'] * 100:>6.1f}% {s['compile_s']:>10.1f}")
+    if r["overhead"] is None:
+        lines.append(f"overhead: n/a ({r['baseline']})")
+    else:
+        lines.append(f"overhead: {r['overhead'] * 100:+.1f}% (1 - jaxllm/plain tokens/s; "
+                     f"median of per-window pairs {r['overhead_paired'] * 100:+.1f}%)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help=f"TOML config file (default: {os.path.relpath(DEFAULT_CONFIG)})")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=gpt2-124m")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per window (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+    parser.add_argument("--windows", type=int, default=3, help="timing windows; medians are reported (default 3)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the plain JAX GPT-2 (tools/plain_gpt.py) and report the overhead")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+
+    from jaxllm.config import build_config
+    from jaxllm.errors import UserError
+
+    try:
+        cfg = build_config(args.config or DEFAULT_CONFIG, args.overrides)
+        result = bench(cfg, steps=args.steps, warmup=args.warmup, windows=args.windows, baseline=args.baseline)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result), flush=True)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
