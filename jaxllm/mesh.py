@@ -57,3 +57,22 @@ def make_mesh(shape: dict[str, int], cfg: Config | None = None, devices=None) ->
     if devices == jax.devices():
         return jax.make_mesh(sizes, MESH_AXES, axis_types=types)
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES, axis_types=types)
+
+
+def barrier(name: str, timeout_s: int = 600) -> None:
+    """Wait until every process gets here (no-op with one process).
+
+    Uses the coordinator's key-value barrier, which waits as long as `timeout_s`; the
+    public `multihost_utils.sync_global_devices` goes through a collective whose
+    connection set-up times out after 30 s when one process is slow to arrive.
+    """
+    if jax.process_count() == 1:
+        return
+    try:
+        from jax._src import distributed
+
+        distributed.global_state.client.wait_at_barrier(name, timeout_s * 1000)
+    except (ImportError, AttributeError):
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

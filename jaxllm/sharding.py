@@ -102,8 +102,16 @@ class Layout:
     activations: Rules = ACTIVATION_RULES
     weights: Rules = WEIGHT_RULES
 
+    # True inside a shard_map island: constraints are then bare PartitionSpecs, resolved
+    # against the island's mesh (whose manual axes the rules must not name).
+    manual: bool = False
+
     def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
         return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
+
+    def constraint(self, names, rules: Rules, shape) -> NamedSharding | P:
+        spec = logical_spec(tuple(names), rules, self.mesh, shape)
+        return spec if self.manual else NamedSharding(self.mesh, spec)
 
 
 _layout: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxllm_layout", default=None)
@@ -128,7 +136,7 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     layout = _layout.get()
     if layout is None:
         return x
-    return jax.lax.with_sharding_constraint(x, layout.sharding(names, layout.activations, x.shape))
+    return jax.lax.with_sharding_constraint(x, layout.constraint(names, layout.activations, x.shape))
 
 
 def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
@@ -140,7 +148,7 @@ def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     layout = _layout.get()
     if layout is None:
         return w
-    return jax.lax.with_sharding_constraint(w, layout.sharding(names, layout.weights, w.shape))
+    return jax.lax.with_sharding_constraint(w, layout.constraint(names, layout.weights, w.shape))
 
 
 def tree_shardings(names_tree, shapes_tree, layout: Layout, rules: Rules):

@@ -153,3 +153,12 @@ def test_cli_bad_config_exits_2():
 def test_vocab_smaller_than_tokenizer_is_a_config_error():
     with pytest.raises(ConfigError, match="model.vocab_size=256"):
         plan(build_config(None, SMALL + ["model.vocab_size=256"]))
+
+
+def test_zero1_accumulation_all_reduces_gradients_once_per_step(plans):
+    """ZeRO-0/1 accumulate each device's partial gradients and all-reduce once per step
+    (jaxllm/parallel/accumulation.py): more microbatches add no gradient communication."""
+    one, four = plans(1, 1), plans(1, 2)
+    phi = one["params"]
+    assert four["collectives"]["all-reduce"]["bytes"] <= one["collectives"]["all-reduce"]["bytes"]
+    assert four["collectives"]["all-reduce"]["bytes"] < 1.5 * 4 * phi  # one fp32 gradient's worth

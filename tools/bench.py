@@ -10,8 +10,9 @@ AdamW, no remat and no microbatching; otherwise it is reported as n/a.
 
 Timing: both steps are compiled first (compile time is reported, never timed as a step),
 run `--warmup` steps each, then timed in `--windows` rounds of `--steps` steps, jaxllm
-and plain alternating within each round so that load from other processes hits both
-alike; each window ends with block_until_ready. Reported times are window medians.
+and plain taking turns (ABBA order) so that load from other processes hits both alike;
+each window ends with block_until_ready. Reported times are window medians; the process
+CPU time per step is reported too (less sensitive to other processes on a shared machine).
 With --json the last stdout line is a JSON object. Config mistakes: `error: ...`, exit 2.
 """
 
@@ -56,7 +57,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.config import padded_vocab, validate
     from jaxllm.data import get_tokenizer
     from jaxllm.errors import ConfigError
-    from jaxllm.mesh import make_mesh
+    from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
     from jaxllm.train.loop import flops_per_token, peak_flops
     from jaxllm.train.step import make_step_fns
@@ -65,6 +66,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         if v < low:
             raise ConfigError(f"{name}: must be at least {low}, got {v}")
     m, t = cfg.model, cfg.train
+    initialize_distributed(cfg.distributed)
     if m.vocab_size == 0:
         m.vocab_size = get_tokenizer(cfg.data.tokenizer).vocab_size
     shape, _ = validate(cfg, jax.device_count())
@@ -77,7 +79,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
 
     # ---- jaxllm
     fns = make_step_fns(cfg, mesh)  # sets fp32 matmul precision to "highest" for float32 runs
-    tokens = jax.device_put(tokens_np, fns.batch_sharding)
+    tokens = jax.make_array_from_callback(tokens_np.shape, fns.batch_sharding, lambda idx: tokens_np[idx])
     state = fns.init(t.seed)
     t0 = time.perf_counter()
     ours_step = fns.train_step.lower(state, tokens).compile()
@@ -86,12 +88,12 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
 
     def ours_window(n):
         s = box["state"]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(n):
             s, metrics = ours_step(s, tokens)
         jax.block_until_ready((s, metrics))
         box["state"] = s
-        return (time.perf_counter() - start) / n
+        return (time.perf_counter() - start) / n, (time.process_time() - cpu) / n
 
     # ---- plain
     why_not = baseline_unavailable(cfg, n_dev) if baseline else "--no-baseline"
@@ -114,29 +116,32 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
 
         def plain_window(n):
             p, o = pbox["params"], pbox["opt"]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(n):
                 p, o, loss = plain_step(p, o, plain_tokens)
             jax.block_until_ready((p, o, loss))
             pbox["params"], pbox["opt"] = p, o
-            return (time.perf_counter() - start) / n
+            return (time.perf_counter() - start) / n, (time.process_time() - cpu) / n
 
     if warmup:
         ours_window(warmup)
         if plain_window:
             plain_window(warmup)
     ours_times, plain_times = [], []
-    for _ in range(windows):  # alternate so background load hits both alike
+    for i in range(windows):  # interleaved, in ABBA order, so background load and drift hit both alike
+        if plain_window and i % 2:
+            plain_times.append(plain_window(steps))
         ours_times.append(ours_window(steps))
-        if plain_window:
+        if plain_window and not i % 2:
             plain_times.append(plain_window(steps))
     peak = peak_flops(cfg)
 
-    def summary(times, compile_s):
+    def summary(windows, compile_s):
+        times, cpu = [w[0] for w in windows], [w[1] for w in windows]
         dt = statistics.median(times)
         tps = tokens_per_step / dt
         return {"tokens_per_s": tps, "step_time_s": dt, "mfu": tps * fpt / peak, "compile_s": compile_s,
-                "window_step_times_s": times}
+                "step_cpu_s": statistics.median(cpu), "window_step_times_s": times, "window_step_cpu_s": cpu}
 
     out = {
         "config": {"family": m.family, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
@@ -156,7 +161,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         out["plain"] = summary(plain_times, plain_compile)
         out["overhead"] = 1.0 - out["jaxllm"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
         # Per-round ratios: each pair ran back to back, so this is the least noisy comparison.
-        out["overhead_paired"] = statistics.median(1.0 - p / o for o, p in zip(ours_times, plain_times))
+        out["overhead_paired"] = statistics.median(1.0 - p[0] / o[0] for o, p in zip(ours_times, plain_times))
     return out
 
 
@@ -171,15 +176,15 @@ def format_table(r: dict) -> str:
         f"{r['warmup']} warm-up, then {r['windows']} windows x {r['steps']} steps (medians)",
         f"MFU peak: {r['peak_flops'] / 1e9:,.1f} GFLOP/s; {r['flops_per_token'] / 1e6:,.2f} MFLOP/token",
         "",
-        f"{'':8} {'tokens/s':>12} {'step ms':>10} {'MFU':>7} {'compile s':>10}",
+        f"{'':8} {'tokens/s':>12} {'step ms':>10} {'MFU':>7} {'compile s':>10} {'CPU ms/step':>12}",
     ]
     for name in ("jaxllm", "plain"):
         s = r[name]
         if s is None:
-            lines.append(f"{name:8} {'n/a':>12} {'n/a':>10} {'n/a':>7} {'n/a':>10}   ({r['baseline']})")
+            lines.append(f"{name:8} {'n/a':>12} {'n/a':>10} {'n/a':>7} {'n/a':>10} {'n/a':>12}   ({r['baseline']})")
         else:
             lines.append(f"{name:8} {s['tokens_per_s']:>12,.0f} {s['step_time_s'] * 1e3:>10.1f} "
-                         f"{s['mfu'] * 100:>6.1f}% {s['compile_s']:>10.1f}")
+                         f"{s['mfu'] * 100:>6.1f}% {s['compile_s']:>10.1f} {s['step_cpu_s'] * 1e3:>12.1f}")
     if r["overhead"] is None:
         lines.append(f"overhead: n/a ({r['baseline']})")
     else:
@@ -210,9 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
+    import jax
+
+    if jax.process_index() == 0:
+        print(format_table(result), flush=True)
+        if args.json:
+            print(json.dumps(result), flush=True)
     return 0
 
 

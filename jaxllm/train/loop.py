@@ -20,7 +20,7 @@ import numpy as np
 from jaxllm import data as data_lib
 from jaxllm.config import Config, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError
-from jaxllm.mesh import initialize_distributed, make_mesh
+from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import transformer
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import metrics as metrics_lib
@@ -77,15 +77,16 @@ def flops_per_token(cfg: Config) -> float:
 
 
 def peak_flops(cfg: Config) -> float:
-    """Peak FLOP/s of all devices together; on CPU a matmul measured now (fake devices share the cores)."""
+    """Peak FLOP/s of all devices together; on CPU a matmul in the compute dtype measured now
+    (fake devices share the same cores, so it is not multiplied by their count)."""
     dev = jax.devices()[0]
-    peak = metrics_lib.peak_flops_per_device(dev, cfg.precision.compute)
+    peak = metrics_lib.peak_flops_per_device(dev, "bfloat16")  # MFU's convention: the chip's bf16 peak
     if peak is None:
         return metrics_lib.measure_matmul_peak(jnp.dtype(cfg.precision.compute))
     return peak * jax.device_count()
 
 
-def sample(fns_params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
+def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
     """Generate `n_tokens` after `prompt` (temperature 0.8), re-running the model on a window each token."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     T = m.seq_len
@@ -96,7 +97,7 @@ def sample(fns_params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed:
         window = ids[-T:]
         buf = np.zeros((1, T), np.int32)
         buf[0, : len(window)] = window
-        logits = logits_fn(fns_params, jnp.asarray(buf))[0, len(window) - 1, : m.vocab_size]
+        logits = logits_fn(params, jnp.asarray(buf))[0, len(window) - 1, : m.vocab_size]
         key, sub = jax.random.split(key)
         nxt = int(jax.random.categorical(sub, logits / 0.8))
         if nxt >= tokenizer.vocab_size or nxt == tokenizer.eot:
@@ -109,9 +110,12 @@ def train(cfg: Config) -> dict:
     """Run training as configured. Returns a summary (final losses, run dir, ...)."""
     initialize_distributed(cfg.distributed)
     tokenizer, shape, notes, corpus = prepare(cfg)
+    if not cfg.run.dir and jax.process_count() > 1:
+        raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
         cfg.run.dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     resume_step = _check_run_dir(cfg)
+    barrier("jaxllm_run_dir_checked")  # every process has looked at run.dir before process 0 writes to it
     lead = jax.process_index() == 0
     mesh = make_mesh(shape, cfg)
     fns = make_step_fns(cfg, mesh)

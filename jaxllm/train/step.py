@@ -5,8 +5,8 @@ fp32 optimizer state. Per `train.zero_stage`, over the `fsdp` axis:
 
 | stage | params | grads (and accumulation buffer) | optimizer state |
 |---|---|---|---|
-| 0 | replicated | replicated (all-reduce) | replicated |
-| 1 | replicated | replicated (all-reduce) | sharded |
+| 0 | replicated | replicated (all-reduce, once per step) | replicated |
+| 1 | replicated | replicated (all-reduce, once per step) | sharded |
 | 2 | replicated | sharded (reduce-scatter) | sharded |
 | 3 | sharded, gathered at use | sharded (reduce-scatter) | sharded |
 
@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.config import Config, batch_shards
 from jaxllm.models import transformer
-from jaxllm.sharding import BATCH_AXES, Layout, param_rules, use_layout
+from jaxllm.parallel.accumulation import reduce_once
+from jaxllm.sharding import ACTIVATION_RULES, BATCH_AXES, Layout, param_rules, use_layout, with_rule
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 
 
@@ -109,12 +110,29 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
     batch_sh = NamedSharding(mesh, P(BATCH_AXES))
     shards = batch_shards(dict(mesh.shape))
+    microbatch_sh = NamedSharding(mesh, P(None, BATCH_AXES))
+    # inside the accumulation island the batch axes are manual: activations carry no batch sharding
+    local_layout = Layout(mesh=mesh, params=layout.params, activations=with_rule(ACTIVATION_RULES, "batch", ()),
+                          manual=True)
 
     def constrain_tree(tree, sh):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
 
     def loss_sum(params, batch):
         return transformer.forward_loss(params, batch, m, dtype)[0]
+
+    def accumulate(params, batch, shards, pin_grads, pin_microbatches):
+        """Sums of token losses and gradients over `train.microbatches` microbatches (a scan)."""
+        mbs = jax.tree.map(lambda x: pin_microbatches(split_microbatches(x, t.microbatches, shards)), batch)
+
+        def body(carry, mb):
+            total, acc = carry
+            s, g = jax.value_and_grad(loss_sum)(params, mb)
+            return (total + s, pin_grads(jax.tree.map(jnp.add, acc, g))), None
+
+        zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
+        (total, grads), _ = jax.lax.scan(body, (jnp.float32(0), zeros), mbs)
+        return total, grads
 
     def loss_and_grads(params, tokens):
         with use_layout(layout):
@@ -123,19 +141,12 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
             if t.microbatches == 1:
                 total, grads = jax.value_and_grad(loss_sum)(params, batch)
                 grads = constrain_tree(grads, grad_sh)
-            else:
-                mbs = jax.tree.map(lambda x: split_microbatches(x, t.microbatches, shards), batch)
-                mbs = jax.tree.map(
-                    lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, BATCH_AXES))), mbs)
-
-                def accumulate(carry, mb):
-                    total, acc = carry
-                    s, g = jax.value_and_grad(loss_sum)(params, mb)
-                    acc = constrain_tree(jax.tree.map(jnp.add, acc, g), grad_sh)
-                    return (total + s, acc), None
-
-                zeros = constrain_tree(jax.tree.map(jnp.zeros_like, params), grad_sh)
-                (total, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), mbs)
+            elif stage <= 1:  # reduce each device's partial sums once per step
+                total, grads = reduce_once(
+                    lambda p, b: accumulate(p, b, 1, lambda g: g, lambda x: x), params, batch, local_layout)
+            else:  # ZeRO-2/3: the accumulator is sharded, so each microbatch is reduce-scattered into it
+                total, grads = accumulate(params, batch, shards, lambda g: constrain_tree(g, grad_sh),
+                                          lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
             grads = jax.tree.map(lambda g: g / count, grads)
             return total / count, grads
 

@@ -1,0 +1,41 @@
+"""Gradient accumulation that all-reduces once per step (ZeRO-0/1): a shard_map island over the batch axes.
+
+Axis: manual over the batch axes `dp`, `fsdp`, `ep` (tp, sp stay with the compiler).
+Left to the partitioner, accumulating into a replicated gradient buffer all-reduces
+every microbatch's gradients. Here each device sums its own rows' token losses and
+gradients over the microbatches, then one `psum` over the batch axes reduces them.
+
+Collectives per call: one all-reduce of the gradients (4·Φ/tp bytes per device for
+fp32 gradients of Φ parameters, tp-sharded dimensions excepted) and one of the loss
+sum (4 bytes), whatever `train.microbatches` is.
+
+ZeRO-2/3 do not use it: their accumulation buffer is sharded over `fsdp`, so each
+microbatch is reduce-scattered into it by design.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.sharding import BATCH_AXES, Layout, use_layout
+
+
+def reduce_once(accumulate: Callable, params, batch: dict, local_layout: Layout):
+    """(loss sum, gradient sums) over the global batch.
+
+    `accumulate(params, batch)` sums over the microbatches of the rows it is given; it
+    runs on each device's own rows under `local_layout` (activations without batch
+    sharding, since those axes are manual here). Parameters must be replicated over
+    the batch axes.
+    """
+
+    def local(params, batch):
+        with use_layout(local_layout):
+            sums = accumulate(params, batch)
+        return jax.lax.psum(sums, BATCH_AXES)
+
+    return jax.shard_map(local, mesh=local_layout.mesh, in_specs=(P(), P(BATCH_AXES)), out_specs=P(),
+                         axis_names=set(BATCH_AXES), check_vma=False)(params, batch)
