@@ -118,15 +118,30 @@ def test_one_train_step_matches_one_device(family, mesh, stage):
     ref_params, ref_loss, ref_grads = reference(family)
     cfg = config(family, mesh, stage, 2)
     tx = make_optimizer(cfg.train, transformer.param_table(cfg.model))
-    ref_updates, _ = jax.jit(tx.update)(ref_grads, tx.init(ref_params), ref_params)
+    ref_updates, ref_state = jax.jit(tx.update)(ref_grads, tx.init(ref_params), ref_params)
 
     fns = step_fns(family, mesh, stage, 2)
     state = fns.init(0)
     new_state, metrics = fns.train_step(state, jax.device_put(tokens(), fns.batch_sharding))
     assert abs(float(metrics["loss"]) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
-    updates = jax.tree.map(lambda new, old: np.asarray(new) - np.asarray(old), new_state["params"], ref_params)
-    assert max_rel_err(updates, ref_updates) <= GRAD_RTOL
-    mu = new_state["opt_state"][1][0].mu["blocks"][0]["attn"]["wq"]
+    # Adam's moments are linear and quadratic in the gradients: they match like gradients do.
+    adam = new_state["opt_state"][1][0]
+    assert max_rel_err(adam.mu, ref_state[1][0].mu) <= GRAD_RTOL
+    assert max_rel_err(adam.nu, ref_state[1][0].nu) <= GRAD_RTOL
+    # The new parameters match to the loss tolerance. (The update alone is ill-conditioned at
+    # step 1: g / (|g| + eps) turns rounding noise of entries with |g| ~ eps into O(1) noise.)
+    # Where the exact gradient is zero (GPT-2's key bias) the update is noise, and must stay tiny.
+    ref_new = jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), ref_params, ref_updates)
+    total = np.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(ref_grads)))
+    noise = jax.tree.map(lambda g: bool(np.linalg.norm(g) < 1e-6 * total), ref_grads)
+    assert sum(jax.tree.leaves(noise)) == (1 if family == "gpt2" else 0)  # only the key bias
+    for is_noise, new, ref, old in zip(*map(jax.tree.leaves, (noise, new_state["params"], ref_new, ref_params))):
+        new, ref, old = np.asarray(new), np.asarray(ref), np.asarray(old)
+        if is_noise:
+            assert np.abs(new - old).max() < 1e-2 * cfg.train.lr
+        else:
+            assert np.linalg.norm(new - ref) <= LOSS_RTOL * np.linalg.norm(ref)
+    mu = adam.mu["blocks"][0]["attn"]["wq"]
     assert ("fsdp" in str(mu.sharding.spec)) == (stage >= 1 and "fsdp" in mesh)
     wq = new_state["params"]["blocks"][0]["attn"]["wq"]
     assert ("fsdp" in str(wq.sharding.spec)) == (stage == 3 and "fsdp" in mesh)
