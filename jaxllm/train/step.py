@@ -104,9 +104,16 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
             return replicated
         return layout.sharding(spec.names, sharded if stage >= 1 else layout.params, leaf.shape)
 
-    opt_sh = optax.tree_map_params(tx, opt_leaf, abstract_opt, table,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, transformer.Leaf))
+    try:
+        opt_sh = optax.tree_map_params(tx, opt_leaf, abstract_opt, table,
+                                       transform_non_params=lambda _: replicated,
+                                       is_leaf=lambda x: isinstance(x, transformer.Leaf))
+    except ValueError:
+        # Optimizers built from partitions (Muon: muon/adam subsets) defeat tree_map_params;
+        # match each state leaf to the parameter of the same shape instead.
+        by_shape = {l.shape: l for l in jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, transformer.Leaf))}
+        opt_sh = jax.tree.map(lambda a: opt_leaf(a, by_shape[a.shape]) if a.shape in by_shape else replicated,
+                              abstract_opt)
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
     batch_sh = NamedSharding(mesh, P(BATCH_AXES))
     shards = batch_shards(dict(mesh.shape))
