@@ -98,4 +98,19 @@ def test_bench_config_error_exits_2():
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "model.d_model=64", "model.n_heads=3"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: model.d_model=64 is not divisible by model.n_heads=3"), proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model.d_model=64 is not divisible by model.n_heads=3"), proc.stderr
+
+
+def test_baseline_only_where_plain_gpt_applies():
+    from tools.bench import baseline_unavailable
+
+    def cfg(**over):
+        return build_config(None, {**TINY, **over})
+
+    assert baseline_unavailable(cfg(), 1) is None
+    assert "devices" in baseline_unavailable(cfg(), 8)
+    assert "llama" in baseline_unavailable(cfg(**{"model.family": "llama"}), 1)
+    assert "remat" in baseline_unavailable(cfg(**{"model.remat": "full"}), 1)
+    assert "microbatches" in baseline_unavailable(cfg(**{"train.microbatches": 2}), 1)
+    assert "adamw" in baseline_unavailable(cfg(**{"train.optimizer": "lion"}), 1)

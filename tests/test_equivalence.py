@@ -122,37 +122,46 @@ def test_initial_params_bitwise_equal(family, mesh):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def warm(state):
+    """Adam's state as after some training: a positive second moment, so that one update is
+    a smooth function of the gradient. (At step 1 the update is g / (|g| + eps), which turns
+    the rounding noise of entries with |g| ~ eps into O(1) differences.) Shardings are kept."""
+    clip, (adam, *rest) = state["opt_state"]
+    adam = adam._replace(count=adam.count * 0 + 10, nu=jax.tree.map(lambda v: v * 0 + 1e-4, adam.nu))
+    return {**state, "opt_state": (clip, (adam, *rest))}
+
+
 @pytest.mark.parametrize("family", PRESETS)
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_one_train_step_matches_one_device(family, mesh, stage):
-    """The whole step (accumulation over 2 microbatches, clipping, AdamW) equals one device's update."""
+    """The whole step (accumulation over 2 microbatches, clipping, AdamW on the ZeRO layout)
+    equals one device's update."""
     ref_params, ref_loss, ref_grads = reference(family)
     cfg = config(family, mesh, stage, 2)
     tx = make_optimizer(cfg.train, transformer.param_table(cfg.model))
-    ref_updates, ref_state = jax.jit(tx.update)(ref_grads, tx.init(ref_params), ref_params)
+    ref_opt = warm({"opt_state": tx.init(ref_params)})["opt_state"]
+    ref_updates, ref_opt = jax.jit(tx.update)(ref_grads, ref_opt, ref_params)
 
     fns = step_fns(family, mesh, same_program(mesh, stage), 2)
-    state = fns.init(0)
-    new_state, metrics = fns.train_step(state, jax.device_put(tokens(), fns.batch_sharding))
+    new_state, metrics = fns.train_step(warm(fns.init(0)), jax.device_put(tokens(), fns.batch_sharding))
     assert abs(float(metrics["loss"]) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
-    # Adam's moments are linear and quadratic in the gradients: they match like gradients do.
     adam = new_state["opt_state"][1][0]
-    assert max_rel_err(adam.mu, ref_state[1][0].mu) <= GRAD_RTOL
-    assert max_rel_err(adam.nu, ref_state[1][0].nu) <= GRAD_RTOL
-    # The new parameters match to the loss tolerance. (The update alone is ill-conditioned at
-    # step 1: g / (|g| + eps) turns rounding noise of entries with |g| ~ eps into O(1) noise.)
-    # Where the exact gradient is zero (GPT-2's key bias) the update is noise, and must stay tiny.
-    ref_new = jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), ref_params, ref_updates)
+    assert max_rel_err(adam.mu, ref_opt[1][0].mu) <= GRAD_RTOL
+    assert max_rel_err(adam.nu, ref_opt[1][0].nu) <= GRAD_RTOL
+    # new = old + update, rounded to fp32: the update must match to GRAD_RTOL, up to one
+    # rounding of the sum per entry (an update is ~1e-5 of a norm scale of 1.0). Where the exact
+    # gradient is zero (GPT-2's key bias, see max_rel_err) the update is noise and must be tiny.
     total = np.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(ref_grads)))
     noise = jax.tree.map(lambda g: bool(np.linalg.norm(g) < 1e-6 * total), ref_grads)
     assert sum(jax.tree.leaves(noise)) == (1 if family == "gpt2" else 0)  # only the key bias
-    for is_noise, new, ref, old in zip(*map(jax.tree.leaves, (noise, new_state["params"], ref_new, ref_params))):
-        new, ref, old = np.asarray(new), np.asarray(ref), np.asarray(old)
+    for is_noise, new, old, upd in zip(*map(jax.tree.leaves, (noise, new_state["params"], ref_params, ref_updates))):
+        new, ref_new, upd = np.asarray(new), np.asarray(old) + np.asarray(upd), np.asarray(upd)
         if is_noise:
-            assert np.abs(new - old).max() < 1e-2 * cfg.train.lr
+            assert np.abs(new - np.asarray(old)).max() < 1e-2 * cfg.train.lr
         else:
-            assert np.linalg.norm(new - ref) <= LOSS_RTOL * np.linalg.norm(ref)
+            bound = GRAD_RTOL * np.linalg.norm(upd) + np.linalg.norm(np.spacing(np.abs(ref_new)))
+            assert np.linalg.norm(new - ref_new) <= bound
     mu = adam.mu["blocks"][0]["attn"]["wq"]
     assert ("fsdp" in str(mu.sharding.spec)) == (stage >= 1 and "fsdp" in mesh)
     wq = new_state["params"]["blocks"][0]["attn"]["wq"]
