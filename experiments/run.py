@@ -7,35 +7,20 @@ directory is reported as one line `error: ...` with exit code 2 and nothing writ
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
 import sys
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.toml")
+from jaxllm import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help=f"TOML config file (default: {os.path.relpath(DEFAULT_CONFIG)})")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=100 mesh.fsdp=4")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    for noisy in ("absl", "jax._src", "orbax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = cli.config_parser("python -m experiments.run", __doc__.splitlines()[0]).parse_args(argv)
 
-    from jaxllm.config import build_config
-    from jaxllm.errors import UserError
-
-    try:
-        cfg = build_config(args.config or DEFAULT_CONFIG, args.overrides)
+    def go():
         from jaxllm.train.loop import train
 
-        train(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        train(cli.load_config(args))
+
+    return cli.run(go)
 
 
 if __name__ == "__main__":

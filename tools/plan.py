@@ -21,16 +21,13 @@ of stdout is one JSON object (the dict `plan(cfg)` returns).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
-import os
 import sys
 import time
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "experiments", "configs", "default.toml")
+from jaxllm import cli
 
 THEORY_ASSUMES = ("Adam (2 fp32 moments per parameter); tp-sharded parts counted as replicated over tp "
                   "(Φ is not divided by tp); step counters and the batch are left out")
@@ -80,20 +77,10 @@ def theory(n_params: int, fsdp: int, stage: int) -> dict:
 
 def resolve(cfg):
     """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
-    import jax
-
-    from jaxllm.config import validate
-    from jaxllm.data.tokenizers import get_tokenizer
-    from jaxllm.errors import ConfigError
+    from jaxllm.train.loop import resolve as resolve_config
 
     cfg = copy.deepcopy(cfg)
-    tokenizer = get_tokenizer(cfg.data.tokenizer)
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = tokenizer.vocab_size
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the {tokenizer.name} tokenizer's "
-                          f"{tokenizer.vocab_size}; raise it or set 0")
-    shape, notes = validate(cfg, jax.device_count())
+    _, shape, notes = resolve_config(cfg)
     return cfg, shape, notes
 
 
@@ -205,34 +192,24 @@ def format_table(p: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help=f"TOML config file (default: {os.path.relpath(DEFAULT_CONFIG)})")
+    parser = cli.config_parser("python -m tools.plan", __doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object on the last stdout line")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. mesh.fsdp=8 train.zero_stage=3")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    for noisy in ("absl", "jax._src", "orbax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    from jaxllm.config import build_config
-    from jaxllm.errors import UserError
-
-    try:
-        cfg = build_config(args.config or DEFAULT_CONFIG, args.overrides)
+    def go():
         from jaxllm.mesh import initialize_distributed
 
+        cfg = cli.load_config(args)
         initialize_distributed(cfg.distributed)
         result = plan(cfg)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    logging.getLogger("jaxllm").info("compiled in %.1f s", result["compile_seconds"])
-    if args.json:
-        print(format_table(result), file=sys.stderr)
-        print(json.dumps(result, separators=(",", ":"), ensure_ascii=True))
-    else:
-        print(format_table(result))
-    return 0
+        logging.getLogger("jaxllm").info("compiled in %.1f s", result["compile_seconds"])
+        if args.json:
+            print(format_table(result), file=sys.stderr)
+            print(json.dumps(result, separators=(",", ":"), ensure_ascii=True))
+        else:
+            print(format_table(result))
+
+    return cli.run(go)
 
 
 if __name__ == "__main__":

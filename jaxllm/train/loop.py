@@ -29,8 +29,11 @@ from jaxllm.train.step import make_step_fns
 log = logging.getLogger("jaxllm")
 
 
-def prepare(cfg: Config):
-    """Resolve the config against tokenizer and devices, load the data; raise UserError on any problem."""
+def resolve(cfg: Config):
+    """Fill `model.vocab_size` from the tokenizer and validate against the devices.
+
+    Returns (tokenizer, mesh shape, notes to log); raises UserError on any problem.
+    """
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -38,6 +41,12 @@ def prepare(cfg: Config):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the {tokenizer.name} tokenizer's "
                           f"{tokenizer.vocab_size}; raise it or set 0")
     shape, notes = validate(cfg, jax.device_count())
+    return tokenizer, shape, notes
+
+
+def prepare(cfg: Config):
+    """`resolve`, then load the data: (tokenizer, mesh shape, notes, corpus)."""
+    tokenizer, shape, notes = resolve(cfg)
     corpus = data_lib.load_corpus(cfg.data.source, tokenizer, cfg.data.val_percent)
     for name, stream in (("train", corpus.train), ("validation", corpus.val)):
         if len(stream) < cfg.model.seq_len + 1:
