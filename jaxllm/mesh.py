@@ -9,6 +9,7 @@ partitioner does the rest.
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import numpy as np
@@ -52,7 +53,11 @@ def make_mesh(shape: dict[str, int], cfg: Config | None = None, devices=None) ->
         from jax.experimental import mesh_utils
 
         ici = tuple(s // d for s, d in zip(sizes, dcn))
-        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+        # Multi-slice TPUs: the slow links are between slices. GPU/CPU clusters (one slice):
+        # between processes, i.e. hosts.
+        slices = {getattr(d, "slice_index", 0) for d in devices}
+        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                   process_is_granule=len(slices) != math.prod(dcn))
         return Mesh(arr, MESH_AXES, axis_types=types)
     if devices == jax.devices():
         return jax.make_mesh(sizes, MESH_AXES, axis_types=types)

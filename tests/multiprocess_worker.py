@@ -6,7 +6,8 @@ Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 in each process. Joi
 jax.distributed, builds the (dp=2, fsdp=4) mesh with jaxllm.mesh.make_mesh and loads
 batches with jaxllm.data.loader.global_batch from a token stream that records every
 position it is asked for. Asserts that this process reads exactly the token positions of
-the rows (and columns) its own devices hold, nothing of the other process's rows, that each
+the rows (and columns) its own devices hold (also on a hybrid mesh whose dp axis spans the
+processes, as across nodes), nothing of the other process's rows, that each
 local shard equals the numpy reference, and that the assembled global array (summed across
 processes by a jitted reduction) equals the reference. Prints one JSON line with what it saw;
 exits non-zero on any failed check.
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxllm.config import DistributedConfig
+from jaxllm.config import Config, DistributedConfig
 from jaxllm.data.loader import batch_rows, global_batch, window_starts
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.sharding import BATCH_AXES
@@ -101,6 +102,14 @@ def main(argv: list[str]) -> int:
         # Rows over dp, columns over fsdp: each device reads a block of its rows' windows.
         "blocks": check(tokens, NamedSharding(mesh, P("dp", "fsdp")), 2),
     }
+    # A hybrid mesh: dp spans the two processes (as across nodes), fsdp stays within each.
+    cfg = Config()
+    cfg.mesh.dcn.dp = 2
+    hybrid = make_mesh(shape, cfg)
+    owners = np.vectorize(lambda d: d.process_index)(hybrid.devices)
+    for i in range(2):
+        assert (owners[:, i] == i).all(), owners
+    out["hybrid"] = check(tokens, NamedSharding(hybrid, P(BATCH_AXES)), 3)
     print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
     return 0
