@@ -13,6 +13,8 @@ run `--warmup` steps each, then timed in `--windows` rounds of `--steps` steps, 
 and plain taking turns (ABBA order) so that load from other processes hits both alike;
 each window ends with block_until_ready. Reported times are window medians; the process
 CPU time per step is reported too (less sensitive to other processes on a shared machine).
+On CPU the MFU peak is a matmul measured in this process (`peak_flops`), once per round,
+keeping the best.
 With --json the last stdout line is a JSON object. Config mistakes: `error: ...`, exit 2.
 """
 

@@ -5,9 +5,9 @@ Left to the partitioner, accumulating into a replicated gradient buffer all-redu
 every microbatch's gradients. Here each device sums its own rows' token losses and
 gradients over the microbatches, then one `psum` over the batch axes reduces them.
 
-Collectives per call: one all-reduce of the gradients (4·Φ/tp bytes per device for
-fp32 gradients of Φ parameters, tp-sharded dimensions excepted) and one of the loss
-sum (4 bytes), whatever `train.microbatches` is.
+Collectives per call: one all-reduce of the gradients (4·Φ bytes per device for fp32
+gradients of Φ parameters; tp-sharded dimensions count 1/tp) and one of the loss
+(4 bytes), whatever `train.microbatches` is.
 
 ZeRO-2/3 do not use it: their accumulation buffer is sharded over `fsdp`, so each
 microbatch is reduce-scattered into it by design.
@@ -23,19 +23,20 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.sharding import BATCH_AXES, Layout, use_layout
 
 
-def reduce_once(accumulate: Callable, params, batch: dict, local_layout: Layout):
-    """(loss sum, gradient sums) over the global batch.
+def reduce_once(accumulate: Callable, params, batch: dict, count, local_layout: Layout):
+    """(loss, gradients) over the global batch: the per-device sums, all-reduced.
 
-    `accumulate(params, batch)` sums over the microbatches of the rows it is given; it
+    `accumulate(params, batch, count)` sums over the microbatches of the rows it is given
+    (losses already divided by the global token count `count`); it
     runs on each device's own rows under `local_layout` (activations without batch
     sharding, since those axes are manual here). Parameters must be replicated over
     the batch axes.
     """
 
-    def local(params, batch):
+    def local(params, batch, count):
         with use_layout(local_layout):
-            sums = accumulate(params, batch)
+            sums = accumulate(params, batch, count)
         return jax.lax.psum(sums, BATCH_AXES)
 
-    return jax.shard_map(local, mesh=local_layout.mesh, in_specs=(P(), P(BATCH_AXES)), out_specs=P(),
-                         axis_names=set(BATCH_AXES), check_vma=False)(params, batch)
+    return jax.shard_map(local, mesh=local_layout.mesh, in_specs=(P(), P(BATCH_AXES), P()), out_specs=P(),
+                         axis_names=set(BATCH_AXES), check_vma=False)(params, batch, count)

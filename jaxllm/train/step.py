@@ -125,16 +125,18 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     def constrain_tree(tree, sh):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
 
-    def loss_sum(params, batch):
-        return transformer.forward_loss(params, batch, m, dtype)[0]
+    def loss_share(params, batch, count):
+        """This batch's token losses summed and divided by the global batch's token count.
+        Dividing inside the loss scales the (scalar) cotangent, not every gradient afterwards."""
+        return transformer.forward_loss(params, batch, m, dtype)[0] / count
 
-    def accumulate(params, batch, shards, pin_grads, pin_microbatches):
-        """Sums of token losses and gradients over `train.microbatches` microbatches (a scan)."""
+    def accumulate(params, batch, count, shards, pin_grads, pin_microbatches):
+        """Sums of (loss, gradients) over `train.microbatches` microbatches (a scan)."""
         mbs = jax.tree.map(lambda x: pin_microbatches(split_microbatches(x, t.microbatches, shards)), batch)
 
         def body(carry, mb):
             total, acc = carry
-            s, g = jax.value_and_grad(loss_sum)(params, mb)
+            s, g = jax.value_and_grad(loss_share)(params, mb, count)
             return (total + s, pin_grads(jax.tree.map(jnp.add, acc, g))), None
 
         zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
@@ -146,16 +148,16 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
             batch = lm_batch(tokens)
             count = jnp.sum(batch["loss_mask"])
             if t.microbatches == 1:
-                total, grads = jax.value_and_grad(loss_sum)(params, batch)
+                loss, grads = jax.value_and_grad(loss_share)(params, batch, count)
                 grads = constrain_tree(grads, grad_sh)
             elif stage <= 1:  # reduce each device's partial sums once per step
-                total, grads = reduce_once(
-                    lambda p, b: accumulate(p, b, 1, lambda g: g, lambda x: x), params, batch, local_layout)
+                loss, grads = reduce_once(
+                    lambda p, b, c: accumulate(p, b, c, 1, lambda g: g, lambda x: x), params, batch, count,
+                    local_layout)
             else:  # ZeRO-2/3: the accumulator is sharded, so each microbatch is reduce-scattered into it
-                total, grads = accumulate(params, batch, shards, lambda g: constrain_tree(g, grad_sh),
-                                          lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
-            grads = jax.tree.map(lambda g: g / count, grads)
-            return total / count, grads
+                loss, grads = accumulate(params, batch, count, shards, lambda g: constrain_tree(g, grad_sh),
+                                         lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
+            return loss, grads
 
     def train_step(state, tokens):
         params, opt_state = state["params"], state["opt_state"]
