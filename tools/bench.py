@@ -56,12 +56,11 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.config import padded_vocab, validate
-    from jaxllm.data import get_tokenizer
+    from jaxllm.config import padded_vocab
     from jaxllm.errors import ConfigError
     from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
-    from jaxllm.train.loop import flops_per_token, peak_flops
+    from jaxllm.train.loop import flops_per_token, peak_flops, resolve
     from jaxllm.train.step import make_step_fns
 
     for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--windows", windows, 1)):
@@ -69,9 +68,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
             raise ConfigError(f"{name}: must be at least {low}, got {v}")
     m, t = cfg.model, cfg.train
     initialize_distributed(cfg.distributed)
-    if m.vocab_size == 0:
-        m.vocab_size = get_tokenizer(cfg.data.tokenizer).vocab_size
-    shape, _ = validate(cfg, jax.device_count())
+    _, shape, _ = resolve(cfg)  # vocab from the tokenizer, validated as the trainer does
     mesh = make_mesh(shape, cfg)
     n_dev = jax.device_count()
     dtype = jnp.dtype(cfg.precision.compute)
