@@ -8,7 +8,7 @@ import pytest
 from jaxllm.config import ConfigError, build_config, padded_vocab, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
-from jaxllm.train.optimizer import make_optimizer, muon_dimensions
+from jaxllm.train.optimizer import decay_mask, make_optimizer, muon_dimensions
 from jaxllm.train.step import make_step_fns
 
 BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 8,
@@ -75,6 +75,7 @@ def test_muon_orthogonalises_each_layer_of_stacked_weights():
     assert dims["blocks"][0]["mlp"]["w_up"].reduction_axis == (1,)
     assert dims["blocks"][0]["attn"]["wo"].reduction_axis == (1, 2)
     assert dims["embed"]["tok"] is None and dims["blocks"][0]["ln1"]["scale"] is None
+
     tx = make_optimizer(cfg.train, table)
     params = transformer.init_params(cfg.model, jax.random.key(0))
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
@@ -119,3 +120,14 @@ def test_validation_of_the_mesh_and_tp_splits():
         cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, **over})
         with pytest.raises(ConfigError, match=match):
             validate(cfg, 8)
+
+
+def test_weight_decay_only_on_matrices():
+    for preset in ("tiny-gpt2", "tiny-llama"):
+        m = build_config(None, {"model.preset": preset, "model.vocab_size": 257}).model
+        mask = decay_mask(transformer.param_table(m))
+        attn = mask["blocks"][0]["attn"]
+        assert attn["wq"] and attn["wo"] and mask["embed"]["tok"]
+        assert not mask["blocks"][0]["ln1"]["scale"] and not mask["final_norm"]["scale"]
+        if preset == "tiny-gpt2":  # biases, including the 2-D-per-layer attention biases
+            assert not any([attn["bq"], attn["bk"], attn["bv"], attn["bo"], mask["blocks"][0]["mlp"]["b_in"]])

@@ -9,8 +9,8 @@ family computes, with the same shapes and FLOPs:
 - pre-LayerNorm blocks (fp32 statistics), causal multi-head attention with biases, scores
   and softmax in fp32, a tanh-GELU MLP; layers stacked on a leading axis and run with
   `jax.lax.scan` (as jaxllm does);
-- fp32 logits; the padded columns are sliced off before the cross-entropy (jaxllm masks
-  them with `jnp.where` instead; the loss is the same);
+- fp32 logits; the padded columns are sliced off before the cross-entropy (jaxllm adds a
+  constant -1e30 to them instead, which keeps a tp-sharded vocab intact; the loss is the same);
 - `optax.chain(clip_by_global_norm, adamw)` with decay on matrices only and jaxllm's
   warm-up + cosine schedule; one `jax.jit` step that donates params and optimizer state.
 

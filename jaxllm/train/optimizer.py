@@ -33,8 +33,14 @@ def _matrix_dims(leaf: Leaf) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(leaf.names) if n != "layers")
 
 
+def _is_matrix(leaf: Leaf) -> bool:
+    """A weight matrix maps the model dimension somewhere: it has `embed` and one more dimension.
+    (Attention biases are 2-D per layer, [heads, head_dim], but are biases.)"""
+    return len(_matrix_dims(leaf)) >= 2 and "embed" in leaf.names
+
+
 def decay_mask(table):
-    return jax.tree.map(lambda l: len(_matrix_dims(l)) >= 2, table, is_leaf=lambda x: isinstance(x, Leaf))
+    return jax.tree.map(_is_matrix, table, is_leaf=lambda x: isinstance(x, Leaf))
 
 
 def muon_dimensions(table):
@@ -42,7 +48,7 @@ def muon_dimensions(table):
 
     def dims(leaf: Leaf):
         d = _matrix_dims(leaf)
-        if len(d) < 2 or "vocab" in leaf.names or "pos" in leaf.names:
+        if not _is_matrix(leaf) or "vocab" in leaf.names or "pos" in leaf.names:
             return None
         if leaf.names[d[0]] == "embed":  # x @ W: contract the model dimension
             return contrib.MuonDimensionNumbers(reduction_axis=(d[0],), output_axis=d[1:])
