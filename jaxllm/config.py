@@ -75,6 +75,9 @@ class ModelConfig:
     init_std: float = 0.02
     pattern: list = field(default_factory=lambda: ["dense"])  # block kinds repeated down the stack
     remat: str = "none"  # none | full | save-dots | save-named
+    # Tensor-parallel projections overlap their sequence all-gather / reduce-scatter with partial
+    # matmuls (a ring of ppermutes over tp); needs train.sequence_parallel.
+    collective_matmul: bool = False
 
 
 @dataclass
@@ -85,6 +88,9 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step
     microbatches: int = 1
     zero_stage: int = 0
+    # Megatron sequence parallelism: norms and residual adds hold the sequence sharded over tp.
+    sequence_parallel: bool = False
+    loss_chunk: int = 0  # sequence positions per chunk of the loss; 0: all logits at once
     optimizer: str = "adamw"  # adamw | sgd | adafactor | lion | muon
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -397,6 +403,23 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
         raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tp={tp}; use a tp that divides d_ff")
     if padded_vocab(m) % tp:
         raise ConfigError(f"padded vocabulary {padded_vocab(m)} is not divisible by mesh.tp={tp}; use a smaller tp")
+    if t.sequence_parallel and m.seq_len % (shape["sp"] * tp):
+        raise ConfigError(f"train.sequence_parallel: model.seq_len={m.seq_len} is not divisible by mesh.sp×mesh.tp="
+                          f"{shape['sp'] * tp}; change seq_len or tp")
+    if t.sequence_parallel and tp == 1:
+        notes.append("train.sequence_parallel=true with mesh.tp=1: nothing to shard the sequence over; it has no effect")
+    if m.collective_matmul and not t.sequence_parallel:
+        raise ConfigError("model.collective_matmul=true needs train.sequence_parallel=true (it overlaps SP's "
+                          "all-gather and reduce-scatter); turn sequence_parallel on or collective_matmul off")
+    if m.collective_matmul and shape["sp"] > 1:
+        raise ConfigError("model.collective_matmul=true with mesh.sp>1 is not supported yet; set mesh.sp=1 or "
+                          "collective_matmul=false")
+    if t.loss_chunk < 0 or (t.loss_chunk and m.seq_len % t.loss_chunk):
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 or divide model.seq_len={m.seq_len}; "
+                          "pick a divisor of seq_len")
+    if t.loss_chunk and t.loss_chunk % shape["sp"]:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} is not divisible by mesh.sp={shape['sp']}; "
+                          "make it a multiple of sp")
     if m.seq_len % shape["sp"]:
         raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by mesh.sp={shape['sp']}; change one of them")
     if m.n_layers % shape["pp"]:

@@ -1,11 +1,14 @@
 """Logical sharding rules as data, and the two calls model code makes: `constrain` and `weight`.
 
 Model code names the dimensions of its arrays with logical names (`batch`, `seq`,
-`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`, `pos`). A rule
-table maps each logical name to mesh axes. There are three tables per run:
+`residual_seq`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`,
+`pos`). A rule table maps each logical name to mesh axes. There are three tables per run:
 
 - `activations`: how activations are laid out (batch over dp×fsdp×ep, seq over sp,
-  heads/mlp/vocab over tp);
+  heads/mlp/vocab over tp). `residual_seq` is the sequence dimension of the residual
+  stream (norms, residual adds): over sp, and with Megatron sequence parallelism over
+  sp×tp too, so the partitioner turns each tensor-parallel all-reduce into a
+  reduce-scatter into the residual stream and an all-gather out of it;
 - `params`: how the stored fp32 parameters are laid out (ZeRO-3 adds `embed`→fsdp);
 - `weights`: how a weight looks where it is used (never sharded over fsdp: under
   ZeRO-3 this is where the all-gather happens).
@@ -24,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 log = logging.getLogger("jaxllm")
@@ -35,6 +39,7 @@ BATCH_AXES = ("dp", "fsdp", "ep")
 ACTIVATION_RULES: Rules = (
     ("batch", BATCH_AXES),
     ("seq", ("sp",)),
+    ("residual_seq", ("sp",)),
     ("embed", ()),
     ("heads", ("tp",)),
     ("kv_heads", ("tp",)),
@@ -57,6 +62,11 @@ WEIGHT_RULES: Rules = (
 
 def with_rule(rules: Rules, name: str, axes: tuple[str, ...]) -> Rules:
     return tuple((n, axes if n == name else a) for n, a in rules)
+
+
+def activation_rules(sequence_parallel: bool) -> Rules:
+    """Activation layout: with Megatron sequence parallelism the residual stream's sequence is split over tp too."""
+    return with_rule(ACTIVATION_RULES, "residual_seq", ("sp", "tp")) if sequence_parallel else ACTIVATION_RULES
 
 
 def param_rules(shard_over_fsdp: bool) -> Rules:
@@ -106,6 +116,9 @@ class Layout:
     # against the island's mesh (whose manual axes the rules must not name).
     manual: bool = False
 
+    # Tensor-parallel projections run as collective matmuls (jaxllm/parallel/collective_matmul.py).
+    collective_matmul: bool = False
+
     def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
         return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
 
@@ -143,12 +156,33 @@ def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     """A parameter as used: cast to the compute dtype, then laid out as `weights` says.
 
     Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32.
+    KV heads fewer than tp are repeated up to tp first (`replicated_heads`).
     """
     w = w.astype(dtype)
     layout = _layout.get()
     if layout is None:
         return w
+    w = replicated_heads(w, names)
     return jax.lax.with_sharding_constraint(w, layout.constraint(names, layout.weights, w.shape))
+
+
+def replicated_heads(w: jax.Array, names: tuple[str, ...], axis_name: str = "kv_heads") -> jax.Array:
+    """Repeat the `kv_heads` dimension of a use-site weight up to the tp size when it is smaller
+    (identity otherwise).
+
+    Each tp rank then holds a copy of the KV head its query heads attend to, as
+    Megatron does, and computes only that head; the gradients of the copies add up in
+    the transpose of the repeat. Grouped-query attention reads `heads // kv_heads` from
+    the shapes, so the larger KV count keeps every query head on its own KV head.
+    """
+    layout = _layout.get()
+    if layout is None or axis_name not in names:
+        return w
+    i = names.index(axis_name)
+    tp = math.prod(layout.mesh.shape[a] for a in dict(layout.weights)[axis_name])
+    if w.shape[i] >= tp or tp % w.shape[i]:
+        return w
+    return jnp.repeat(w, tp // w.shape[i], axis=i)
 
 
 def tree_shardings(names_tree, shapes_tree, layout: Layout, rules: Rules):

@@ -103,7 +103,7 @@ def _start_bytes(opcode: str, type_str: str) -> int:
 def _parse(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
     """Computations of an HLO module as {name: [instruction, ...]} plus the ENTRY name.
 
-    Each instruction is {"type", "opcode", "attrs", "trip"}; `attrs` has quoted
+    Each instruction is {"name", "type", "opcode", "attrs", "trip"}; `attrs` has quoted
     strings (metadata, backend_config) removed so names inside them never look
     like references. Expects one instruction per line, as `as_text()` prints.
     """
@@ -129,12 +129,17 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
         if not op:
             continue
         trip = _TRIP.search(rest)
-        comps[current].append({"type": type_str, "opcode": op.group(1),
+        comps[current].append({"name": m.group(1), "type": type_str, "opcode": op.group(1),
                                "attrs": _QUOTED.sub('""', rest[op.end():]),
                                "trip": int(trip.group(1)) if trip else None})
     if entry is None:
         raise ValueError("no ENTRY computation found in HLO text")
     return comps, entry
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
+    """The parsed module: {computation name: [instruction, ...]} and the ENTRY name (see `_parse`)."""
+    return _parse(hlo_text)
 
 
 def _refs(attrs: str, key: str) -> list[str]:

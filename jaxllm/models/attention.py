@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models.layers import rope
+from jaxllm.models.layers import column_parallel, rope, row_parallel
 from jaxllm.sharding import constrain, weight
 
 NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
@@ -38,11 +38,14 @@ def attend(q, k, v, positions, segment_ids):
 
 
 def attention_layer(p: dict, x, positions, segment_ids, *, family: str, rope_theta: float, dtype):
-    q = jnp.einsum("bsd,dhk->bshk", x, weight(p["wq"], ("embed", "heads", "head_dim"), dtype))
-    k = jnp.einsum("bsd,dhk->bshk", x, weight(p["wk"], ("embed", "kv_heads", "head_dim"), dtype))
-    v = jnp.einsum("bsd,dhk->bshk", x, weight(p["wv"], ("embed", "kv_heads", "head_dim"), dtype))
+    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
+    q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
+                                  (p["wk"], ("embed", "kv_heads", "head_dim")),
+                                  (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype)
     if family == "gpt2":
-        q, k, v = q + p["bq"].astype(dtype), k + p["bk"].astype(dtype), v + p["bv"].astype(dtype)
+        q = q + weight(p["bq"], ("heads", "head_dim"), dtype)
+        k = k + weight(p["bk"], ("kv_heads", "head_dim"), dtype)
+        v = v + weight(p["bv"], ("kv_heads", "head_dim"), dtype)
     else:
         q, k = rope(q, positions, rope_theta), rope(k, positions, rope_theta)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
@@ -50,7 +53,7 @@ def attention_layer(p: dict, x, positions, segment_ids, *, family: str, rope_the
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
     out = checkpoint_name(attend(q, k, v, positions, segment_ids), "attention")
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-    y = jnp.einsum("bshk,hkd->bsd", out, weight(p["wo"], ("heads", "head_dim", "embed"), dtype))
+    y = row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype)
     if family == "gpt2":
         y = y + p["bo"].astype(dtype)
     return y

@@ -1,7 +1,13 @@
-"""Small building blocks: norms, rotary embeddings, feed-forward layers.
+"""Small building blocks: norms, rotary embeddings, projections, feed-forward layers.
 
 Pure functions over parameter dicts. Statistics are computed in fp32; outputs come
 back in the compute dtype of their input.
+
+`column_parallel` and `row_parallel` are the projections into and out of a
+tensor-parallel region (Megatron's column- and row-parallel linears). Without
+`model.collective_matmul` they are plain contractions and the partitioner places
+the collectives the shardings imply; with it they dispatch to the collective-matmul
+island, the one place where that choice is made.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.sharding import constrain, weight
+from jaxllm.parallel import collective_matmul
+from jaxllm.sharding import constrain, current_layout, weight
 
 
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
@@ -41,16 +48,42 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype) -> list[jax.Array]:
+    """x [batch, seq, embed] times each weight [embed, ...] (given with its logical names) -> [batch, seq, ...].
+
+    The weights' output dimensions are split over tp; x enters from the residual stream
+    (sequence-split over tp under sequence parallelism, so it is gathered along the sequence).
+    """
+    ws = [weight(w, names, dtype) for w, names in weights]
+    layout = current_layout()
+    if layout is not None and layout.collective_matmul:
+        return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
+    # the whole sequence enters the region (under sequence parallelism: the all-gather is here)
+    x = constrain(x, ("batch", "seq", "embed"))
+    return [jnp.tensordot(x, w, axes=1) for w in ws]
+
+
+def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
+    """h [batch, seq, *c] times w [*c, embed] -> [batch, seq, embed]: the contracted dimensions are
+    split over tp, so the result is a sum over tp (all-reduced, or reduce-scattered along the
+    sequence into the residual stream under sequence parallelism)."""
+    w = weight(w, names, dtype)
+    layout = current_layout()
+    if layout is not None and layout.collective_matmul:
+        return collective_matmul.matmul_reduce_scatter(h, w, names, layout)
+    return jnp.tensordot(h, w, axes=w.ndim - 1)
+
+
 def gelu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     """GPT-2 feed-forward: column-parallel in, GELU, row-parallel out."""
-    h = jnp.einsum("bsd,df->bsf", x, weight(p["w_in"], ("embed", "mlp"), dtype)) + p["b_in"].astype(dtype)
+    (h,) = column_parallel(x, [(p["w_in"], ("embed", "mlp"))], dtype)
+    h = h + weight(p["b_in"], ("mlp",), dtype)
     h = checkpoint_name(constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp")), "mlp_hidden")
-    return jnp.einsum("bsf,fd->bsd", h, weight(p["w_out"], ("mlp", "embed"), dtype)) + p["b_out"].astype(dtype)
+    return row_parallel(h, p["w_out"], ("mlp", "embed"), dtype) + p["b_out"].astype(dtype)
 
 
 def swiglu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     """LLaMA feed-forward: silu(x W_gate) * (x W_up), then W_down."""
-    gate = jnp.einsum("bsd,df->bsf", x, weight(p["w_gate"], ("embed", "mlp"), dtype))
-    up = jnp.einsum("bsd,df->bsf", x, weight(p["w_up"], ("embed", "mlp"), dtype))
+    gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype)
     h = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
-    return jnp.einsum("bsf,fd->bsd", h, weight(p["w_down"], ("mlp", "embed"), dtype))
+    return row_parallel(h, p["w_down"], ("mlp", "embed"), dtype)

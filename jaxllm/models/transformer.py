@@ -16,6 +16,7 @@ stacked over repeats, and `blocks` scans over the repeats.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from jaxllm.models.attention import attention_layer
 from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
 from jaxllm.sharding import constrain, weight
 
-ACT = ("batch", "seq", "embed")
+ACT = ("batch", "residual_seq", "embed")  # the residual stream
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,11 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     x = jnp.take(table, tokens, axis=0)
     if m.family == "gpt2":
         x = x + jnp.take(weight(params["embed"]["pos"], ("pos", "embed"), dtype), positions, axis=0)
-    return constrain(x, ACT)
+    # The vocabulary is split over tp: each rank looks up its own rows and the lookup is summed
+    # over tp at full sequence length, then enters the residual stream (under sequence
+    # parallelism: split along the sequence, an all-reduce + slice, i.e. a reduce-scatter).
+    # Constraining straight to the residual layout lets the partitioner gather the table instead.
+    return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
 def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
@@ -180,9 +185,8 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
     return x
 
 
-def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
-    """fp32 logits over the padded vocabulary; padding columns are pushed to -1e30."""
-    x = norm(m.family, params["final_norm"], x, m.norm_eps)
+def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
     if m.family == "gpt2":  # tied embeddings
         w = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
         logits = jnp.einsum("bsd,vd->bsv", x, w, preferred_element_type=jnp.float32)
@@ -196,23 +200,61 @@ def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     return logits + padding
 
 
-def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dtype):
-    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32."""
-    logits = head_logits(params, x, m, dtype)
+def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits over the padded vocabulary for the residual stream x."""
+    return _logits(params, norm(m.family, params["final_norm"], x, m.norm_eps), m, dtype)
+
+
+def _token_losses(params: dict, x, targets, loss_mask, m: ModelConfig, dtype):
+    """Cross-entropy summed over the unmasked tokens of normed x, and their count.
+
+    With the vocabulary split over tp, each rank holds [tokens, vocab/tp] logits; the
+    max and the sum of exponentials reduce over tp as small [tokens] all-reduces, and
+    the target logit is a masked local lookup plus one more, so no device ever holds
+    full-vocabulary logits (tests/test_tensor_parallel.py reads the compiled program).
+    """
+    logits = _logits(params, x, m, dtype)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     mask = loss_mask.astype(jnp.float32)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
 
 
+def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dtype, chunk: int = 0):
+    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32.
+
+    `chunk` > 0 (`train.loss_chunk`) computes the logits `chunk` sequence positions at a
+    time in a rematerialised scan, so only [batch, chunk, vocab] logits exist at once,
+    in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks):
+    strided, so a sequence split in contiguous blocks over a mesh axis stays split.
+    """
+    x = constrain(norm(m.family, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+    if not chunk or chunk >= x.shape[1]:
+        return _token_losses(params, x, targets, loss_mask, m, dtype)
+    b, s = targets.shape
+    n = s // chunk
+
+    def split(a):  # [b, s, ...] -> [n, b, chunk, ...]
+        return jnp.moveaxis(a.reshape(b, chunk, n, *a.shape[2:]), 2, 0)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def body(carry, xs):
+        total, count = _token_losses(params, *xs, m, dtype)
+        return (carry[0] + total, carry[1] + count), None
+
+    (total, count), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)),
+                                     (split(x), split(targets), split(loss_mask)))
+    return total, count
+
+
 # ---------------------------------------------------------------- whole model
 
 
-def forward_loss(params: dict, batch: dict, m: ModelConfig, dtype):
+def forward_loss(params: dict, batch: dict, m: ModelConfig, dtype, loss_chunk: int = 0):
     """The whole model on one batch: (loss sum, token count)."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
     x = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    return head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype)
+    return head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype, loss_chunk)
 
 
 def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:

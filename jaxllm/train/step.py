@@ -17,6 +17,7 @@ count, so microbatching and data sharding do not change it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm.config import Config, batch_shards
 from jaxllm.models import transformer
 from jaxllm.parallel.accumulation import reduce_once
-from jaxllm.sharding import ACTIVATION_RULES, BATCH_AXES, Layout, param_rules, use_layout, with_rule
+from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout, with_rule
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 
 
@@ -80,7 +81,8 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         # fp32 must mean fp32 on GPU too (no TF32 matmuls).
         jax.config.update("jax_default_matmul_precision", "highest")
     stage = t.zero_stage
-    layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=stage == 3))
+    layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=stage == 3),
+                    activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul)
     sharded = param_rules(shard_over_fsdp=True)
     table = transformer.param_table(m)
     names = transformer.param_names(m)
@@ -119,8 +121,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     shards = batch_shards(dict(mesh.shape))
     microbatch_sh = NamedSharding(mesh, P(None, BATCH_AXES))
     # inside the accumulation island the batch axes are manual: activations carry no batch sharding
-    local_layout = Layout(mesh=mesh, params=layout.params, activations=with_rule(ACTIVATION_RULES, "batch", ()),
-                          manual=True)
+    local_layout = dataclasses.replace(layout, activations=with_rule(layout.activations, "batch", ()), manual=True)
 
     def constrain_tree(tree, sh):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
@@ -128,7 +129,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     def loss_share(params, batch, count):
         """This batch's token losses summed and divided by the global batch's token count.
         Dividing inside the loss scales the (scalar) cotangent, not every gradient afterwards."""
-        return transformer.forward_loss(params, batch, m, dtype)[0] / count
+        return transformer.forward_loss(params, batch, m, dtype, t.loss_chunk)[0] / count
 
     def accumulate(params, batch, count, shards, pin_grads, pin_microbatches):
         """Sums of (loss, gradients) over `train.microbatches` microbatches (a scan)."""
@@ -174,7 +175,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
 
     def eval_loss(params, tokens):
         with use_layout(layout):
-            return transformer.forward_loss(params, lm_batch(tokens), m, dtype)
+            return transformer.forward_loss(params, lm_batch(tokens), m, dtype, t.loss_chunk)
 
     def init(seed):
         params = transformer.init_params(m, jax.random.key(seed))
