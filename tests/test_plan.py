@@ -1,4 +1,5 @@
-"""tools.plan: compiled memory follows the ZeRO table, collectives are per step, the CLI contract.
+"""tools.plan: compiled memory follows the ZeRO table, collectives are per step, the CLI contract,
+and the tensor-parallel theory (collectives per layer, saved activations) against a compiled step.
 
 Runs on the 8 fake CPU devices of conftest.py. Each compile takes a few seconds, so the
 in-process plans are cached per (stage, microbatches) for the module.
@@ -13,11 +14,11 @@ import sys
 import jax
 import pytest
 
-from jaxllm.config import build_config
+from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import plan, theory
+from tools.plan import format_table, plan, tensor_parallel_theory, theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,6 +141,9 @@ def test_cli_json_contract(tmp_path):
     assert out["theory"]["fp32"]["argument_bytes"] == round(12 * out["params"] / 8)
     assert set(out["theory"]["fp32"]["stages"]) == set(out["theory"]["bf16_seeds"]["stages"]) == set("0123")
     assert "memory per device" in r.stderr  # the human table goes to stderr with --json
+    tp = out["tensor_parallel"]  # tp=1: the marker, no made-up collectives
+    assert tp["enabled"] is False and tp["tp"] == 1
+    assert all(c["forward"] == c["backward"] == [] for c in tp["collectives_per_layer"].values())
 
 
 def test_cli_bad_config_exits_2():
@@ -162,3 +166,103 @@ def test_zero1_accumulation_all_reduces_gradients_once_per_step(plans):
     phi = one["params"]
     assert four["collectives"]["all-reduce"]["bytes"] <= one["collectives"]["all-reduce"]["bytes"]
     assert four["collectives"]["all-reduce"]["bytes"] < 1.5 * 4 * phi  # one fp32 gradient's worth
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+TP_CONFIG = ["model.preset=tiny-llama", "model.vocab_size=257", "mesh.dp=2", "mesh.tp=4", "train.global_batch=16",
+             "train.microbatches=2", "precision.compute=bfloat16"]
+
+
+def tp_theory(*extra: str) -> dict:
+    cfg = build_config(None, TP_CONFIG + list(extra))
+    shape, _ = validate(cfg, 8)
+    return tensor_parallel_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
+
+
+def by_kind(entries: list[dict]) -> dict:
+    return {e["kind"]: (e["count"], e["bytes_per_call"], e["sent_bytes"]) for e in entries}
+
+
+def test_tensor_parallel_theory_collectives():
+    """tiny-llama on dp=2 × tp=4, 2 microbatches, bf16: b = 16/2/2 = 4 rows, s = 64, d = 64, E = 2."""
+    th = tp_theory("train.sequence_parallel=true")
+    n, b, s, d, E = 4, 4, 64, 64, 2
+    full, shard = b * s * d * E, b * s // n * d * E
+    assert (th["enabled"], th["tp"], th["setting"], th["b"], th["s"], th["d"], th["dtype_bytes"]) == (
+        True, n, "sp", b, s, d, E)
+    c = th["collectives_per_layer"]
+    # Megatron, TP alone: 2 all-reduces of [b, s, d] each way; a ring all-reduce sends 2(n-1)/n of it
+    assert by_kind(c["tp"]["forward"]) == by_kind(c["tp"]["backward"]) == {
+        "all-reduce": (2, full, 2 * 2 * (n - 1) * full // n)}
+    # sequence parallelism: all-gathers in (full result), reduce-scatters out (shard result), (n-1)/n sent
+    assert by_kind(c["sp"]["forward"]) == by_kind(c["sp"]["backward"]) == {
+        "all-gather": (2, full, 2 * (n - 1) * full // n), "reduce-scatter": (2, shard, 2 * (n - 1) * full // n)}
+    # collective matmul: 4 calls x 2(n-1) permutes of half a sequence block each way
+    half = b * (s // n // 2) * d * E
+    assert by_kind(c["sp_cm"]["forward"]) == by_kind(c["sp_cm"]["backward"]) == {
+        "collective-permute": (4 * 2 * (n - 1), half, 4 * 2 * (n - 1) * half)}
+    # all three move the same bytes over the links per layer
+    sent = {k: sum(v["sent_bytes"] for v in c[k]["per_layer"].values()) for k in c}
+    assert set(sent.values()) == {8 * (n - 1) * full // n}, sent
+    # per step: n_layers (2) x microbatches (2)
+    assert c["sp_cm"]["per_step"]["collective-permute"]["count"] == 2 * 2 * 2 * 4 * 2 * (n - 1)
+    assert c["sp"]["per_step"]["all-gather"]["bytes"] == 2 * 2 * 4 * full
+
+    # an odd sequence block (s/tp = 3) travels as one ring: n-1 permutes per call of the whole block
+    odd = tp_theory("model.seq_len=12", "train.sequence_parallel=true", "model.collective_matmul=true")
+    assert odd["setting"] == "sp_cm"
+    assert by_kind(odd["collectives_per_layer"]["sp_cm"]["forward"]) == {
+        "collective-permute": (4 * (n - 1), b * 3 * d * E, 4 * (n - 1) * b * 3 * d * E)}
+
+    # tp = 1: the marker, no numbers
+    one = tp_theory("mesh.tp=1", "mesh.dp=8")
+    assert one["enabled"] is False and one["tp"] == 1 and "no tensor parallelism" in one["note"]
+    for setting in one["collectives_per_layer"].values():
+        assert setting["forward"] == setting["backward"] == [] and setting["per_layer"] == setting["per_step"] == {}
+
+
+def test_tensor_parallel_theory_activations():
+    """Saved activations per layer: SP divides only the residual-region tensors (the two norm inputs) by tp."""
+    th = tp_theory()
+    n, b, s, d, E, H, KV, F, L = 4, 4, 64, 64, 2, 8, 4, 128, 2
+    dh = d // H
+    a = th["activation_bytes_per_layer"]
+    residual = 2 * b * s * d * E
+    expected = (residual + 2 * b * s * d * E + b * s * (H + 2 * max(KV, n)) * dh * E // n
+                + b * H * s * s * (4 + E) // n + b * s * d * E // n + 3 * b * s * F * E // n)
+    assert a["without_sp"] == expected
+    assert a["with_sp"] < a["without_sp"]
+    assert a["sp_saving"] == a["without_sp"] - a["with_sp"] == residual - residual // n
+    assert th["activation_bytes"] == {k: L * a[k] for k in ("without_sp", "with_sp", "sp_saving")}
+    # KV heads fewer than tp are repeated up to tp: at tp=8 each rank holds one KV head of k and v
+    t8 = tp_theory("mesh.tp=8", "mesh.dp=1", "train.global_batch=8")["activation_bytes_per_layer"]["terms"]["qkv"]
+    assert t8["without_sp"] == 4 * s * (H + 2 * 8) * dh * E // 8
+    # gpt2 keeps two MLP hidden tensors (before and after GELU); fp32 has no second copy of the probabilities
+    g = tp_theory("model.preset=tiny-gpt2", "precision.compute=float32")["activation_bytes_per_layer"]["terms"]
+    assert g["mlp_hidden"]["without_sp"] == 2 * b * s * 256 * 4 // n
+    assert g["attention_probs"]["without_sp"] == b * H * s * s * 4 // n
+
+
+def test_collective_matmul_permutes_match_theory():
+    """The compiled step of SP + collective matmuls holds exactly the theory's collective-permutes:
+    per layer forward + backward, times the layers, in count and in bytes (nothing else permutes).
+
+    Inspected on this JAX/XLA (CPU): 24 f32[8,4,64] permutes in the body of the forward layer scan
+    and 24 in the backward one (2 trips each), i.e. 4 calls x 2 directions x (tp-1) each way."""
+    cfg = build_config(None, ["model.preset=tiny-gpt2", "model.vocab_size=257", "model.seq_len=32", "mesh.dp=2",
+                              "mesh.tp=4", "train.global_batch=16", "precision.compute=float32",
+                              "train.sequence_parallel=true", "model.collective_matmul=true"])
+    p = plan(cfg)
+    th = p["tensor_parallel"]
+    assert th["setting"] == "sp_cm" and th["b"] == 8 and th["s"] == 32
+    layer = th["collectives_per_layer"]["sp_cm"]
+    count = sum(e["count"] for e in layer["forward"] + layer["backward"])
+    size = sum(e["bytes"] for e in layer["forward"] + layer["backward"])
+    assert count == 4 * 2 * 3 * 2 and size == count * 8 * 4 * 64 * 4
+    compiled = p["collectives"]["collective-permute"]
+    assert p["unknown_trip_loops"] == 0
+    assert compiled == {"count": count * p["config"]["n_layers"], "bytes": size * p["config"]["n_layers"]}
+    assert compiled == {k: layer["per_step"]["collective-permute"][k] for k in ("count", "bytes")}
+    table = format_table(p)
+    assert "tensor parallelism (tp=4)" in table and "*sp_cm" in table and "with SP*" in table

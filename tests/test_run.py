@@ -84,6 +84,8 @@ BAD = {
     "wrong_type": (["train.steps=lots"], "train.steps"),
     "missing_data_path": (["data.source=/no/such/corpus.txt"], "data.source"),
     "batch_not_divisible": (["train.global_batch=12", "train.microbatches=2"], "train.global_batch"),
+    "collective_matmul_without_sp": (["mesh.dp=2", "mesh.tp=4", "model.collective_matmul=true"],
+                                     "model.collective_matmul"),
 }
 
 

@@ -1,5 +1,8 @@
 """Options of the step: precision, remat policies, optimizers (incl. Muon on stacked weights), config parsing."""
 
+import glob
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,7 +119,11 @@ def test_validation_of_the_mesh_and_tp_splits():
     for over, match in [({"mesh.dp": 2, "mesh.fsdp": -1, "mesh.tp": -1}, "only one axis"),
                         ({"mesh.dp": 1, "mesh.tp": 8, "model.d_ff": 100}, "model.d_ff"),
                         ({"mesh.sp": 8, "mesh.dp": 1, "model.seq_len": 60}, "model.seq_len"),
-                        ({"train.global_batch": 12}, "train.global_batch")]:
+                        ({"train.global_batch": 12}, "train.global_batch"),
+                        ({"mesh.dp": 1, "mesh.tp": 8, "model.collective_matmul": True}, "model.collective_matmul"),
+                        ({"mesh.dp": 1, "mesh.tp": 8, "model.seq_len": 60, "train.sequence_parallel": True},
+                         "train.sequence_parallel"),
+                        ({"train.loss_chunk": 7}, "train.loss_chunk")]:
         cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, **over})
         with pytest.raises(ConfigError, match=match):
             validate(cfg, 8)
@@ -131,3 +138,9 @@ def test_weight_decay_only_on_matrices():
         assert not mask["blocks"][0]["ln1"]["scale"] and not mask["final_norm"]["scale"]
         if preset == "tiny-gpt2":  # biases, including the 2-D-per-layer attention biases
             assert not any([attn["bq"], attn["bk"], attn["bv"], attn["bo"], mask["blocks"][0]["mlp"]["b_in"]])
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments",
+                                                             "configs", "*.toml"))))
+def test_shipped_configs_validate_on_eight_devices(path):
+    validate(build_config(path, {"model.vocab_size": 257}), 8)

@@ -7,10 +7,18 @@ and without loading any data, and reports per device:
   (donated) bytes, temporaries, and total = arguments + outputs - aliased + temporaries);
 - collectives per step by kind, read from the optimized HLO, loops counted per trip;
 - beside them, the ZeRO theory with Φ = parameter count and N = `fsdp` size, for this
-  project's layout (fp32 params, grads and Adam moments) and for the seeds' bf16 layout.
+  project's layout (fp32 params, grads and Adam moments) and for the seeds' bf16 layout;
+- the tensor-parallel theory (`tensor_parallel_theory`, no compiling): the activation
+  collectives of one layer's forward and backward for TP alone, with sequence
+  parallelism and with collective matmuls (count, bytes per call, ring bytes sent),
+  and an estimate of the activations autodiff saves per layer with and without
+  sequence parallelism, beside the compiled temporaries.
 
-The theory assumes Adam (two fp32 moments per parameter) and does not divide the
-tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it.
+The ZeRO theory assumes Adam (two fp32 moments per parameter) and does not divide the
+tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it. The
+tensor-parallel collectives are exact for the layers (tests/test_plan.py checks the
+collective-permutes of a compiled step against them); the activation numbers are an
+estimate of what autodiff saves (see `tensor_parallel_theory`), not read from XLA.
 
 Config handling is the same as `experiments.run`: experiments/configs/default.toml unless
 `--config` is given, then the `key=value` overrides; `model.vocab_size=0` takes the
@@ -75,6 +83,168 @@ def theory(n_params: int, fsdp: int, stage: int) -> dict:
             "bf16_seeds": {**bf16[str(stage)], "stages": bf16}}
 
 
+# ---------------------------------------------------------------- tensor parallelism
+
+TP_SETTINGS = {"tp": "TP alone", "sp": "sequence parallel", "sp_cm": "SP + collective matmul"}
+
+TP_ASSUMES = ("Megatron layout: per layer 2 column-parallel entries (QKV, MLP in) and 2 row-parallel exits "
+              "(attention out, MLP out); only the [b, s, d] activation collectives of the layers are counted "
+              "(not the embedding, the loss, or parameter-gradient reductions such as the norms' over tp "
+              "under SP); per device per microbatch")
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dtype_bytes(dtype) -> int:
+    name = str(getattr(dtype, "name", dtype))
+    if name in _DTYPE_BYTES:
+        return _DTYPE_BYTES[name]
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+def _collective(kind: str, count: int, bytes_per_call: int, sent_per_call: int, where: str) -> dict:
+    return {"kind": kind, "count": count, "bytes_per_call": bytes_per_call, "bytes": count * bytes_per_call,
+            "sent_bytes_per_call": sent_per_call, "sent_bytes": count * sent_per_call, "where": where}
+
+
+def _sum_by_kind(entries: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for e in entries:
+        k = out.setdefault(e["kind"], {"count": 0, "bytes": 0, "sent_bytes": 0})
+        for key in k:
+            k[key] += e[key]
+    return out
+
+
+def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
+    """Tensor-parallel collectives and saved activations of one layer, per device: pure arithmetic.
+
+    b = batch rows per device per microbatch (global_batch / microbatches / (dp·fsdp·ep)),
+    s = seq_len / sp, d = d_model, n = tp, E = bytes per element of `compute_dtype`.
+
+    Collectives (Megatron, per layer per device, for the three settings "tp", "sp", "sp_cm"):
+
+    - "tp" (TP alone): forward 2 all-reduces of the [b, s, d] outputs of the row-parallel
+      projections; backward 2 all-reduces of the input gradients of the column-parallel ones.
+    - "sp" (sequence parallelism): forward 2 all-gathers of the sequence into the region and
+      2 reduce-scatters out of it; backward the duals, 2 reduce-scatters and 2 all-gathers.
+      (On CPU XLA writes a reduce-scatter as an all-reduce of the full array plus a slice.)
+    - "sp_cm" (SP + collective matmul): forward 4 calls × 2(n-1) collective-permutes of
+      b·(s/n/2)·d elements (the two halves of a sequence block travel opposite ways; when
+      s/n is odd one ring of n-1 permutes of b·(s/n)·d elements); backward the same count,
+      since autodiff turns each ring into its dual (jaxllm/parallel/collective_matmul.py).
+
+    Each entry is {kind, count, bytes_per_call, bytes, sent_bytes_per_call, sent_bytes, where}:
+    `bytes_per_call` is the size of XLA's result (all-reduce and all-gather: the full
+    [b, s, d]; reduce-scatter and collective-permute: the shard), as tools.collectives counts;
+    `sent_bytes_per_call` is what each device sends on a ring: (n-1)/n of the full array for
+    an all-gather or reduce-scatter, 2(n-1)/n for an all-reduce, the whole operand for a
+    collective-permute. `per_layer` sums forward and backward by kind; `per_step` multiplies
+    by n_layers × microbatches (the layer scan runs once per microbatch). With tp = 1 there
+    is nothing to count: `enabled` is False and every list is empty.
+
+    Activations: an estimate of what autodiff saves for one layer's backward pass (no remat),
+    following the form of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models" (their sbh(10 + 24/t + 5as/(ht)) without and sbh(34/t + 5as/(ht)) with
+    sequence parallelism assume fp16 and count dropout masks, which this model has not):
+
+    - residual: the two norm inputs, 2·b·s·d·E; divided by n under SP only;
+    - region inputs: the two norm outputs gathered to the full sequence that feed the
+      column-parallel matmuls, 2·b·s·d·E, in both (collective matmul saves the same blocks);
+    - qkv: b·s·(H + 2·KV_eff)·dh·E / n, KV_eff = max(KV, n) (KV heads are repeated up to n);
+    - attention probabilities: b·H·s·S/n·(4 + E) with S = seq_len the keys' length, the fp32
+      softmax output plus the compute-dtype copy fed to the PV matmul (with E = 4 there is no
+      copy, astype to the same dtype is a no-op: 4 bytes);
+    - attention output: b·s·d·E/n;
+    - MLP hidden: gpt2 2·b·s·F·E/n (before and after GELU), llama 3·b·s·F·E/n (gate, up and
+      their product).
+
+    Left out: norm statistics (b·s fp32 per norm), the attention mask, rotary tables, biases.
+
+    Returns {"enabled", "note", "tp", "setting" (this config's: "tp", "sp" or "sp_cm"),
+             "settings" (name -> label), "b", "s", "d", "dtype_bytes", "n_layers", "microbatches", "assumes",
+             "collectives_per_layer": {"tp" | "sp" | "sp_cm": {"forward": [entry], "backward": [entry],
+                                        "per_layer": {kind: {"count", "bytes", "sent_bytes"}}, "per_step": same}},
+             "activation_bytes_per_layer": {"without_sp", "with_sp", "sp_saving",
+                                            "terms": {name: {"without_sp", "with_sp"}}},
+             "activation_bytes": {"without_sp", "with_sp", "sp_saving"} (× n_layers)}.
+    """
+    from jaxllm.config import batch_shards, kv_heads
+
+    m, t = model_cfg, train_cfg
+    n = int(mesh_shape.get("tp", 1))
+    E = _dtype_bytes(compute_dtype)
+    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    s = m.seq_len // mesh_shape.get("sp", 1)
+    d, H, F = m.d_model, m.n_heads, m.d_ff
+    dh = d // H
+    kv_eff = max(kv_heads(m), n)
+    setting = "sp_cm" if t.sequence_parallel and m.collective_matmul else "sp" if t.sequence_parallel else "tp"
+    full = b * s * d * E
+    shard = full // n  # the residual stream's sequence block under SP (s divisible by sp·tp there)
+    enabled = n > 1
+
+    collectives: dict[str, dict] = {}
+    for name in TP_SETTINGS:
+        fwd: list[dict] = []
+        bwd: list[dict] = []
+        if enabled and name == "tp":
+            ar = 2 * (n - 1) * full // n
+            fwd = [_collective("all-reduce", 2, full, ar, "outputs of the 2 row-parallel projections")]
+            bwd = [_collective("all-reduce", 2, full, ar, "input gradients of the 2 column-parallel entries")]
+        elif enabled and name == "sp":
+            ring = (n - 1) * full // n
+            ag_in = _collective("all-gather", 2, full, ring, "the sequence into the 2 column-parallel entries")
+            rs_out = _collective("reduce-scatter", 2, shard, ring, "the 2 row-parallel outputs into the residual")
+            ag_bwd = _collective("all-gather", 2, full, ring, "gradients of the 2 row-parallel outputs")
+            rs_bwd = _collective("reduce-scatter", 2, shard, ring, "input gradients of the 2 column-parallel entries")
+            fwd, bwd = [ag_in, rs_out], [rs_bwd, ag_bwd]
+        elif enabled and name == "sp_cm":
+            block = s // n
+            pieces = 1 if block % 2 else 2
+            per_call = 2 * (n - 1) if pieces == 2 else n - 1
+            size = b * (block // pieces) * d * E
+            count = 4 * per_call
+            fwd = [_collective("collective-permute", count, size, size,
+                               f"4 calls (2 all-gather→matmul, 2 matmul→reduce-scatter) × {per_call} permutes")]
+            bwd = [_collective("collective-permute", count, size, size, "the dual rings of the same 4 calls")]
+        per_layer = _sum_by_kind(fwd + bwd)
+        reps = m.n_layers * t.microbatches
+        collectives[name] = {
+            "forward": fwd, "backward": bwd, "per_layer": per_layer,
+            "per_step": {k: {key: v * reps for key, v in c.items()} for k, c in per_layer.items()}}
+
+    # saved activations of one layer, per device (estimate, see the docstring)
+    terms_tp = {
+        "residual": 2 * b * s * d * E,
+        "region_inputs": 2 * b * s * d * E,
+        "qkv": b * s * (H + 2 * kv_eff) * dh * E // n,
+        "attention_probs": b * H * s * m.seq_len * (4 + (E if E != 4 else 0)) // n,
+        "attention_out": b * s * d * E // n,
+        "mlp_hidden": (2 if m.family == "gpt2" else 3) * b * s * F * E // n,
+    }
+    terms = {k: {"without_sp": v, "with_sp": v // n if k == "residual" else v} for k, v in terms_tp.items()}
+    without_sp = sum(v["without_sp"] for v in terms.values())
+    with_sp = sum(v["with_sp"] for v in terms.values())
+    L = m.n_layers
+    return {
+        "enabled": enabled,
+        "note": "" if enabled else "no tensor parallelism (mesh.tp=1)",
+        "tp": n,
+        "setting": setting,
+        "settings": dict(TP_SETTINGS),
+        "b": b, "s": s, "d": d, "dtype_bytes": E, "n_layers": L, "microbatches": t.microbatches,
+        "assumes": TP_ASSUMES,
+        "collectives_per_layer": collectives,
+        "activation_bytes_per_layer": {"without_sp": without_sp, "with_sp": with_sp,
+                                       "sp_saving": without_sp - with_sp, "terms": terms},
+        "activation_bytes": {"without_sp": L * without_sp, "with_sp": L * with_sp,
+                             "sp_saving": L * (without_sp - with_sp)},
+    }
+
+
 def resolve(cfg):
     """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
     from jaxllm.train.loop import resolve as resolve_config
@@ -129,6 +299,8 @@ def plan(cfg) -> dict:
             "remat": m.remat,
             "optimizer": t.optimizer,
             "compute": cfg.precision.compute,
+            "sequence_parallel": t.sequence_parallel,
+            "collective_matmul": m.collective_matmul,
         },
         "params": n_params,
         "memory": {k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
@@ -136,10 +308,60 @@ def plan(cfg) -> dict:
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
         "theory": theory(n_params, shape["fsdp"], t.zero_stage),
+        "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
     }
+
+
+def _format_tensor_parallel(tp: dict, temp_bytes: int) -> list[str]:
+    """The "tensor parallelism" section of `format_table`."""
+    from tools.collectives import format_bytes
+
+    n = tp["tp"]
+    a, layers = tp["activation_bytes_per_layer"], tp["n_layers"]
+    lines = ["", f"tensor parallelism (tp={n})"]
+    if not tp["enabled"]:
+        lines.append(f"  {tp['note']}: no tensor-parallel collectives")
+    else:
+        lines.append(f"  collectives per layer per device: b={tp['b']} rows × s={tp['s']} × d={tp['d']}, "
+                     f"{tp['dtype_bytes']} bytes per element; size per call as XLA's result, sent = ring bytes "
+                     "each device sends")
+        lines.append(f"  {'setting':<31}{'pass':<10}{'count':>6}  {'kind':<20}{'size/call':>11}{'sent':>12}")
+        for name, label in tp["settings"].items():
+            mark = "*" if name == tp["setting"] else " "
+            first = f"{mark}{name:<6}{label}"
+            c = tp["collectives_per_layer"][name]
+            for pas in ("forward", "backward"):
+                for e in c[pas]:
+                    lines.append(f"  {first:<31}{pas:<10}{e['count']:>6}  {e['kind']:<20}"
+                                 f"{format_bytes(e['bytes_per_call']):>11}{format_bytes(e['sent_bytes']):>12}")
+                    first, pas = "", ""
+            sent = sum(v["sent_bytes"] for v in c["per_layer"].values())
+            lines.append(f"  {'':<31}{'layer':<10}{sum(v['count'] for v in c['per_layer'].values()):>6}  "
+                         f"{'':<20}{'':>11}{format_bytes(sent):>12}")
+        reps = layers * tp["microbatches"]
+        lines.append(f"  (* this config; per step × {layers} layers × {tp['microbatches']} microbatch(es) = × {reps}; "
+                     "on CPU a reduce-scatter compiles to an all-reduce of the full array and a slice;")
+        lines.append("   the embedding, the loss and parameter-gradient reductions are left out here, "
+                     "counted in the step totals above)")
+    sp_now = tp["setting"] != "tp"
+    heads = ("without SP" + ("" if sp_now else "*"), "with SP" + ("*" if sp_now else ""))
+    lines.append(f"  saved activations per device, no remat (estimate)  {heads[0]:>12}{heads[1]:>12}")
+    labels = {"residual": "residual (2 norm inputs)", "region_inputs": "region inputs (2 gathered)",
+              "qkv": "q, k, v", "attention_probs": "attention probabilities", "attention_out": "attention output",
+              "mlp_hidden": "MLP hidden"}
+    for k, v in a["terms"].items():
+        lines.append(f"    {labels.get(k, k):<49}{format_bytes(v['without_sp']):>12}{format_bytes(v['with_sp']):>12}")
+    total = tp["activation_bytes"]
+    lines.append(f"    {'per layer':<49}{format_bytes(a['without_sp']):>12}{format_bytes(a['with_sp']):>12}")
+    lines.append(f"    {f'× {layers} layers':<49}{format_bytes(total['without_sp']):>12}"
+                 f"{format_bytes(total['with_sp']):>12}")
+    lines.append(f"  sequence parallelism saves {format_bytes(total['sp_saving'])} "
+                 f"({format_bytes(a['sp_saving'])} per layer); compiled temporaries of this program: "
+                 f"{format_bytes(temp_bytes)} (gradients, logits and optimizer work included)")
+    return lines
 
 
 def format_table(p: dict) -> str:
@@ -188,6 +410,8 @@ def format_table(p: dict) -> str:
                      f"{f32['argument_formula']:>15} {format_bytes(f32['argument_bytes']):>10}"
                      f"{b16['total_formula']:>15} {format_bytes(b16['total_bytes']):>10}")
     lines.append(f"  (* this config; assumes {th['assumes']})")
+    if "tensor_parallel" in p:
+        lines += _format_tensor_parallel(p["tensor_parallel"], mem["temp_bytes"])
     return "\n".join(lines)
 
 
