@@ -78,6 +78,9 @@ class ModelConfig:
     # Tensor-parallel projections overlap their sequence all-gather / reduce-scatter with partial
     # matmuls (a ring of ppermutes over tp); needs train.sequence_parallel.
     collective_matmul: bool = False
+    # Attention with the sequence split over mesh.sp: ring | allgather | ulysses.
+    cp_strategy: str = "ring"
+    cp_load_balance: bool = True  # zig-zag order, so every sp rank does the same causal work
 
 
 @dataclass
@@ -159,6 +162,7 @@ PRESETS: dict[str, dict] = {
 CHOICES = {
     "model.family": ("gpt2", "llama"),
     "model.remat": ("none", "full", "save-dots", "save-named"),
+    "model.cp_strategy": ("ring", "allgather", "ulysses"),
     "train.optimizer": ("adamw", "sgd", "adafactor", "lion", "muon"),
     "precision.compute": ("bfloat16", "float32"),
     "data.tokenizer": ("byte", "gpt2"),
@@ -420,6 +424,18 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     if t.loss_chunk and t.loss_chunk % shape["sp"]:
         raise ConfigError(f"train.loss_chunk={t.loss_chunk} is not divisible by mesh.sp={shape['sp']}; "
                           "make it a multiple of sp")
+    sp = shape["sp"]
+    if sp > 1 and m.cp_load_balance and m.seq_len % (2 * sp):
+        raise ConfigError(f"model.cp_load_balance: model.seq_len={m.seq_len} must divide into 2×mesh.sp={2 * sp} "
+                          "chunks; change seq_len or set model.cp_load_balance=false")
+    if sp > 1 and m.cp_strategy == "ulysses":
+        if m.n_heads % (sp * tp):
+            raise ConfigError(f"model.cp_strategy=ulysses needs model.n_heads={m.n_heads} divisible by "
+                              f"mesh.sp×mesh.tp={sp * tp}; use ring or allgather, or change sp/tp")
+        kv_local = max(kv, tp) // tp
+        if kv_local % sp and sp % kv_local:
+            raise ConfigError(f"model.cp_strategy=ulysses: {kv_local} KV head(s) per tp rank and mesh.sp={sp}: one "
+                              "must divide the other; use ring or allgather, or change sp")
     if m.seq_len % shape["sp"]:
         raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by mesh.sp={shape['sp']}; change one of them")
     if m.n_layers % shape["pp"]:

@@ -103,6 +103,18 @@ def logical_spec(names: tuple[str, ...], rules: Rules, mesh: Mesh, shape: tuple[
     return P(*out)
 
 
+def manual_spec(names: tuple[str, ...], rules: Rules, mesh: Mesh, shape, axes: set[str]) -> P:
+    """The spec of `names` under `rules`, keeping only the mesh `axes` an island is manual over
+    (one entry per dimension; a dimension split over other axes too keeps just these)."""
+    spec = list(logical_spec(tuple(names), rules, mesh, shape))
+    spec += [None] * (len(shape) - len(spec))
+    out = []
+    for e in spec:
+        kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where arrays live on one mesh: the rule tables in force for a run."""
@@ -119,12 +131,21 @@ class Layout:
     # Tensor-parallel projections run as collective matmuls (jaxllm/parallel/collective_matmul.py).
     collective_matmul: bool = False
 
+    # How attention runs when the sequence is split over sp: ring | allgather | ulysses.
+    context_attention: str = "ring"
+
     def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
         return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
 
     def constraint(self, names, rules: Rules, shape) -> NamedSharding | P:
         spec = logical_spec(tuple(names), rules, self.mesh, shape)
         return spec if self.manual else NamedSharding(self.mesh, spec)
+
+
+def island_mesh(layout: Layout):
+    """The mesh a shard_map island maps over: inside another island (gradient accumulation,
+    manual over the batch axes) the context's abstract mesh, which records those axes as manual."""
+    return jax.sharding.get_abstract_mesh() if layout.manual else layout.mesh
 
 
 _layout: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxllm_layout", default=None)

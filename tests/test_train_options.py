@@ -123,7 +123,10 @@ def test_validation_of_the_mesh_and_tp_splits():
                         ({"mesh.dp": 1, "mesh.tp": 8, "model.collective_matmul": True}, "model.collective_matmul"),
                         ({"mesh.dp": 1, "mesh.tp": 8, "model.seq_len": 60, "train.sequence_parallel": True},
                          "train.sequence_parallel"),
-                        ({"train.loss_chunk": 7}, "train.loss_chunk")]:
+                        ({"train.loss_chunk": 7}, "train.loss_chunk"),
+                        ({"mesh.dp": 1, "mesh.sp": 8, "model.cp_strategy": "ulysses", "model.n_heads": 4,
+                          "model.n_kv_heads": 4, "model.d_model": 64}, "n_heads"),
+                        ({"mesh.dp": 1, "mesh.sp": 8, "model.seq_len": 24}, "model.cp_load_balance")]:
         cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, **over})
         with pytest.raises(ConfigError, match=match):
             validate(cfg, 8)

@@ -12,13 +12,18 @@ and without loading any data, and reports per device:
   collectives of one layer's forward and backward for TP alone, with sequence
   parallelism and with collective matmuls (count, bytes per call, ring bytes sent),
   and an estimate of the activations autodiff saves per layer with and without
-  sequence parallelism, beside the compiled temporaries.
+  sequence parallelism, beside the compiled temporaries;
+- the attention memory per layer (`attention_memory_theory`, no compiling): plain attention
+  at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
+  their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len.
 
 The ZeRO theory assumes Adam (two fp32 moments per parameter) and does not divide the
 tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it. The
 tensor-parallel collectives are exact for the layers (tests/test_plan.py checks the
 collective-permutes of a compiled step against them); the activation numbers are an
-estimate of what autodiff saves (see `tensor_parallel_theory`), not read from XLA.
+estimate of what autodiff saves (see `tensor_parallel_theory`), not read from XLA; so is
+the attention memory (checked by hand against compiled attention at seq 4096, see
+`attention_memory_theory`).
 
 Config handling is the same as `experiments.run`: experiments/configs/default.toml unless
 `--config` is given, then the `key=value` overrides; `model.vocab_size=0` takes the
@@ -245,6 +250,174 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
     }
 
 
+# ---------------------------------------------------------------- attention memory (context parallelism)
+
+CP_STRATEGIES = ("ring", "allgather", "ulysses")
+CP_TREND_SP = (1, 2, 4, 8)
+
+ATTENTION_ASSUMES = ("estimate of one attention call's forward + backward working set per device per layer, "
+                     "same rows per device b at every sp; not read from XLA (the scheduler may overlap or "
+                     "free buffers differently); norms, rotary tables and the projections left out")
+
+_ATTENTION_TERMS = {
+    "probabilities": "plain: fp32 softmax output [b, h/tp, s, s] kept for backward (+ the compute-dtype copy "
+                     "fed to the PV matmul when that is not fp32)",
+    "score_gradients": "plain: the backward's fp32 gradients of the probabilities and of the scores, "
+                       "2 × [b, h/tp, s, s]",
+    "block_scores": "blockwise: one K/V step rematerialised in the backward keeps, for each (query piece, key "
+                    "piece) pair of the step, the fp32 masked scores (for the row max's gradient), the fp32 "
+                    "exp (+ its compute-dtype copy when that is not fp32) and the 1-byte mask",
+    "block_score_gradients": "blockwise: the backward's fp32 gradients of one pair at a time, 3 pair-sized "
+                             "buffers",
+    "running_state": "blockwise: the online softmax's running (out fp32 [b, rows, heads, d], max and sum "
+                     "[b, rows, heads] fp32) saved at each of the sp steps",
+    "kv_blocks": "blockwise: the K/V the backward re-reads, b·s·kv·d·E × 2 with the int32 positions and segment "
+                 "ids (ring: the block held at each of the sp steps; allgather: the gathered K/V; ulysses: the "
+                 "whole sequence of this rank's KV heads)",
+    "qkv_out": "q, k, v and the attention output at the island's edge (ulysses: and their head-split copies "
+               "after the all-to-all)",
+}
+
+
+def _cp_shapes(strategy: str, S: int, sp: int, heads: int, kv: int) -> dict | None:
+    """Per rank: query rows, heads, KV heads and the piece lengths of the blockwise kernel
+    (`parallel/blockwise.py`), or None where `strategy` cannot run at this sp."""
+    from jaxllm.parallel.blockwise import pieces_of
+
+    if S % sp:
+        return None
+    t = S // sp
+    nk = pieces_of(t)
+    if strategy == "ulysses":
+        if heads % sp or (kv % sp and sp % kv):
+            return None
+        # the whole sequence for h/(tp·sp) heads; queries in sp pieces of t against sp K/V blocks of t
+        return {"rows": S, "heads": heads // sp, "kv": max(kv, sp) // sp, "nq": sp, "tq": t, "nk": nk, "tk": t // nk}
+    nq = pieces_of(t)
+    return {"rows": t, "heads": heads, "kv": kv, "nq": nq, "tq": t // nq, "nk": nk, "tk": t // nk}
+
+
+def _attention_terms(strategy: str, b: int, S: int, sp: int, heads: int, kv: int, dh: int, E: int) -> dict | None:
+    """Bytes per device of one attention call (forward + backward) by term; see `attention_memory_theory`."""
+    copy = E if E != 4 else 0  # astype to fp32 is a no-op
+    if sp == 1:
+        probs = b * heads * S * S
+        return {"probabilities": probs * (4 + copy), "score_gradients": 2 * probs * 4,
+                "qkv_out": b * S * (2 * heads + 2 * kv) * dh * E}
+    c = _cp_shapes(strategy, S, sp, heads, kv)
+    if c is None:
+        return None
+    pair = b * c["heads"] * c["tq"] * c["tk"]
+    t = S // sp
+    qkv_out = b * t * (2 * heads + 2 * kv) * dh * E
+    if strategy == "ulysses":
+        qkv_out += b * S * (2 * c["heads"] + 2 * c["kv"]) * dh * E
+    # The ring's sp-1 steps run in a scan and its last step after it; at sp=2 the scan has one trip,
+    # XLA unrolls it, and both steps' recomputed blocks are live at once (seen in the compiled program).
+    steps_live = 2 if strategy == "ring" and sp == 2 else 1
+    return {
+        "block_scores": steps_live * c["nq"] * c["nk"] * pair * (8 + 1 + copy),
+        "block_score_gradients": 3 * pair * 4,
+        "running_state": sp * b * c["rows"] * c["heads"] * (dh + 2) * 4,
+        "kv_blocks": 2 * b * S * c["kv"] * dh * E + 2 * b * S * 4,
+        "qkv_out": qkv_out,
+    }
+
+
+def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
+    """Attention memory of one layer per device, plain attention (sp=1) against context parallelism: pure arithmetic.
+
+    An estimate of the bytes one attention call needs for its forward and backward pass
+    (what autodiff keeps plus the backward's largest working buffers), per device per
+    layer, with b = batch rows per device per microbatch (as in `tensor_parallel_theory`,
+    kept the same at every sp), S = seq_len, t = S/sp, h = n_heads/tp, kv = max(n_kv_heads, tp)/tp
+    (KV heads repeated up to tp), d = head_dim, E = bytes per element of `compute_dtype`.
+
+    sp = 1, plain attention (`models/attention.dot_product_attention`), the full [b, h, S, S] scores:
+    - probabilities: b·h·S·S·(4 + E), the fp32 softmax output autodiff keeps and its
+      compute-dtype copy for the PV matmul (4 bytes in fp32: no copy);
+    - score_gradients: 2·b·h·S·S·4, the backward's gradients of the probabilities and scores;
+    - qkv_out: q, k, v and out, b·S·(2h + 2kv)·d·E.
+
+    sp > 1, the blockwise kernel (`parallel/blockwise.py`) keeps no scores across K/V steps:
+    each step is rematerialised, so only one step's score blocks exist at a time. A step splits
+    the queries into nq pieces of tq rows and its K/V block into nk pieces of tk keys; a pair's
+    block is b·H·tq·tk elements (H the rank's heads). Per rank:
+    - ring / allgather: queries t = S/sp rows in nq = 2 pieces of t/2 (1 piece when t is odd),
+      K/V blocks of t keys in 2 pieces, H = h, KV = kv;
+    - ulysses: after the all-to-all the whole sequence for H = h/sp heads (KV = max(kv, sp)/sp,
+      the KV heads repeated first when fewer than sp), queries in nq = sp pieces of t against
+      sp K/V blocks of t keys in 2 pieces.
+    Terms:
+    - block_scores: nq·nk·b·H·tq·tk·(8 + 1 + E): the step being differentiated recomputes all
+      its pairs and keeps each one's fp32 masked scores (the row max's gradient), fp32 exp
+      (+ the compute-dtype copy) and 1-byte mask until its backward has run (read off the
+      compiled program: all pairs of the step are live at once, not one pair). Ring at sp=2
+      counts two steps: its scan of sp-1 = 1 trip is unrolled by XLA and both steps' blocks
+      are live together;
+    - block_score_gradients: 3·b·H·tq·tk·4, the gradients of one pair at a time;
+    - running_state: sp·b·rows·H·(d + 2)·4, the online softmax's (out fp32 [b, rows, H, d],
+      max and sum [b, rows, H]) saved at each of the sp steps (rows = t, or S for ulysses);
+    - kv_blocks: 2·b·S·KV·d·E + 2·b·S·4: the K/V (and the int32 positions and segment ids) the
+      backward re-reads: the ring's block of each of its sp steps, i.e. the whole K/V; the
+      all-gather's gathered K/V; Ulysses' whole sequence of its KV heads;
+    - qkv_out: the local q, k, v and out, b·t·(2h + 2kv)·d·E (ulysses: plus their head-split
+      copies, b·S·(2H + 2KV)·d·E).
+
+    The scores of plain attention grow as S², the blockwise blocks as t² = (S/sp)², the rest
+    as S (running state, K/V) or t (q, k, v, out): at long sequences the ratio this config /
+    sp=1 falls faster than 1/sp (about as 1/sp² while the score blocks dominate). Left out:
+    plain attention's mask (XLA fuses it) and what XLA's scheduler overlaps or frees otherwise.
+
+    Checked by hand against compiled attention (`jax.grad` of sum(attend(q, k, v) · ct), fp32,
+    b=1, 8 heads / 4 KV heads, head_dim 8, seq 4096, this JAX/XLA on CPU): compiled
+    temporaries / estimate = 1.000 for plain attention at sp=1 and 1.01 to 1.09 for each
+    strategy at sp ∈ {2, 4, 8} (sp=8: ring 28.09 MiB against 26.66 MiB, sp=1 1539 MiB).
+
+    Returns {"enabled" (sp > 1), "sp", "strategy" (this config's; "plain" at sp=1), "b", "seq_len", "heads",
+             "kv_heads", "head_dim", "dtype_bytes", "n_layers", "assumes", "terms" (name -> description),
+             "sp1": {"terms": {name: bytes}, "bytes_per_layer"},
+             "this": same for this config, "ratio" (this / sp1),
+             "strategies": {strategy: {"terms", "bytes_per_layer", "ratio"} or None where it cannot run},
+             "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
+    """
+    from jaxllm.config import batch_shards, kv_heads
+
+    m, t = model_cfg, train_cfg
+    tp = int(mesh_shape.get("tp", 1))
+    sp = int(mesh_shape.get("sp", 1))
+    E = _dtype_bytes(compute_dtype)
+    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    S = m.seq_len
+    H, dh = m.n_heads // tp, m.d_model // m.n_heads
+    KV = max(kv_heads(m), tp) // tp
+
+    def total(strategy: str, n: int) -> dict | None:
+        terms = _attention_terms(strategy, b, S, n, H, KV, dh, E)
+        return None if terms is None else {"terms": terms, "bytes_per_layer": sum(terms.values())}
+
+    sp1 = total("plain", 1)
+    ratio = lambda x: None if x is None else x["bytes_per_layer"] / sp1["bytes_per_layer"]
+    strategies = {}
+    for name in CP_STRATEGIES:
+        x = total(name, sp)
+        strategies[name] = None if x is None else {**x, "ratio": ratio(x)}
+    this = total(m.cp_strategy, sp)
+    return {
+        "enabled": sp > 1,
+        "sp": sp,
+        "strategy": m.cp_strategy if sp > 1 else "plain",
+        "b": b, "seq_len": S, "heads": H, "kv_heads": KV, "head_dim": dh, "dtype_bytes": E, "n_layers": m.n_layers,
+        "assumes": ATTENTION_ASSUMES,
+        "terms": dict(_ATTENTION_TERMS),
+        "sp1": sp1,
+        "this": this,
+        "ratio": ratio(this),
+        "strategies": strategies,
+        "ratio_by_sp": {name: {str(n): ratio(total(name, n)) for n in CP_TREND_SP} for name in CP_STRATEGIES},
+    }
+
+
 def resolve(cfg):
     """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
     from jaxllm.train.loop import resolve as resolve_config
@@ -309,6 +482,7 @@ def plan(cfg) -> dict:
         "unknown_trip_loops": report["unknown_trip_loops"],
         "theory": theory(n_params, shape["fsdp"], t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
+        "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -364,6 +538,35 @@ def _format_tensor_parallel(tp: dict, temp_bytes: int) -> list[str]:
     return lines
 
 
+_ATTENTION_LABELS = {"probabilities": "probabilities", "score_gradients": "score gradients",
+                     "block_scores": "block scores", "block_score_gradients": "block gradients",
+                     "running_state": "running state", "kv_blocks": "K/V", "qkv_out": "q/k/v/out"}
+
+
+def _format_attention(at: dict) -> list[str]:
+    """The "attention memory per layer" section of `format_table`."""
+    from tools.collectives import format_bytes
+
+    sp, strategy = at["sp"], at["strategy"]
+    terms = lambda x: ", ".join(f"{_ATTENTION_LABELS.get(k, k)} {format_bytes(v)}" for k, v in x["terms"].items())
+    lines = ["", f"attention memory per layer (sp={sp}, {strategy})",
+             f"  per device, estimate: b={at['b']} rows, seq_len={at['seq_len']}, {at['heads']} heads / "
+             f"{at['kv_heads']} KV heads per tp rank, head_dim={at['head_dim']}, {at['dtype_bytes']} bytes per element",
+             f"  {'sp=1 plain attention':<24}{format_bytes(at['sp1']['bytes_per_layer']):>12}   {terms(at['sp1'])}"]
+    if at["enabled"]:
+        lines.append(f"  {f'sp={sp} {strategy}':<24}{format_bytes(at['this']['bytes_per_layer']):>12}   "
+                     f"{terms(at['this'])}")
+        others = ", ".join(f"{k} {v['ratio']:.4f}" + ("*" if k == strategy else "") if v else f"{k} n/a"
+                           for k, v in at["strategies"].items())
+        lines.append(f"  this / sp=1 = {at['ratio']:.4f} (1/sp = {1 / sp:.4f}); at sp={sp}: {others}")
+    trend_strategy = strategy if at["enabled"] else next(iter(at["ratio_by_sp"]))
+    trend = at["ratio_by_sp"].get(trend_strategy) or {}
+    cells = ", ".join(f"sp={n} " + ("n/a" if r is None else f"{r:.4f}") for n, r in trend.items())
+    refs = ", ".join(f"{1 / int(n):g}" for n in trend)
+    lines.append(f"  this / sp=1 by sp at seq_len {at['seq_len']} ({trend_strategy}): {cells}   (1/sp: {refs})")
+    return lines
+
+
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     from tools.collectives import KINDS, format_bytes
@@ -412,6 +615,8 @@ def format_table(p: dict) -> str:
     lines.append(f"  (* this config; assumes {th['assumes']})")
     if "tensor_parallel" in p:
         lines += _format_tensor_parallel(p["tensor_parallel"], mem["temp_bytes"])
+    if "attention" in p:
+        lines += _format_attention(p["attention"])
     return "\n".join(lines)
 
 

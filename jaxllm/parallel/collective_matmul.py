@@ -34,22 +34,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.sharding import Layout, logical_spec
+from jaxllm.sharding import Layout, island_mesh, manual_spec
 
 AXIS = "tp"
 
 
 def _tp_spec(names: tuple[str, ...], layout: Layout, shape) -> list:
     """Per dimension: 'tp' where the weight rule splits it over tp, else None."""
-    spec = list(logical_spec(tuple(names), layout.weights, layout.mesh, shape))
-    spec += [None] * (len(shape) - len(spec))
-    return [AXIS if e == AXIS or (isinstance(e, tuple) and AXIS in e) else None for e in spec]
-
-
-def _mesh(layout: Layout):
-    """The mesh to map over: inside another island (gradient accumulation, manual over the
-    batch axes) the context's abstract mesh, which records those axes as manual."""
-    return jax.sharding.get_abstract_mesh() if layout.manual else layout.mesh
+    return list(manual_spec(names, layout.weights, layout.mesh, shape, {AXIS}))
 
 
 def _halves(t: int) -> list[tuple[int, int, int]]:
@@ -85,7 +77,7 @@ def all_gather_matmul(x: jax.Array, ws: list[jax.Array], names: list[tuple[str, 
         return outs
 
     return jax.shard_map(
-        local, mesh=_mesh(layout), axis_names={AXIS}, check_vma=False,
+        local, mesh=island_mesh(layout), axis_names={AXIS}, check_vma=False,
         in_specs=(P(None, AXIS), *[P(*s) for s in w_specs]),
         out_specs=[P(None, None, *s[1:]) for s in w_specs])(x, *ws)
 
@@ -112,6 +104,6 @@ def matmul_reduce_scatter(h: jax.Array, w: jax.Array, names: tuple[str, ...], la
         return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
     return jax.shard_map(
-        local, mesh=_mesh(layout), axis_names={AXIS}, check_vma=False,
+        local, mesh=island_mesh(layout), axis_names={AXIS}, check_vma=False,
         in_specs=(P(None, None, *w_spec[:c]), P(*w_spec)),
         out_specs=P(None, AXIS))(h, w)

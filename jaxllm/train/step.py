@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm.config import Config, batch_shards
 from jaxllm.models import transformer
 from jaxllm.parallel.accumulation import reduce_once
+from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout, with_rule
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 
@@ -82,7 +83,8 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         jax.config.update("jax_default_matmul_precision", "highest")
     stage = t.zero_stage
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=stage == 3),
-                    activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul)
+                    activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
+                    context_attention=m.cp_strategy)
     sharded = param_rules(shard_over_fsdp=True)
     table = transformer.param_table(m)
     names = transformer.param_names(m)
@@ -123,6 +125,14 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     # inside the accumulation island the batch axes are manual: activations carry no batch sharding
     local_layout = dataclasses.replace(layout, activations=with_rule(layout.activations, "batch", ()), manual=True)
 
+    sp = mesh.shape["sp"]
+    order = zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None
+
+    def model_batch(tokens):
+        """The batch as the model sees it: with load-balanced context parallelism, in zig-zag order."""
+        batch = lm_batch(tokens)
+        return batch if order is None else {k: v[:, order] for k, v in batch.items()}
+
     def constrain_tree(tree, sh):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
 
@@ -146,7 +156,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
 
     def loss_and_grads(params, tokens):
         with use_layout(layout):
-            batch = lm_batch(tokens)
+            batch = model_batch(tokens)
             count = jnp.sum(batch["loss_mask"])
             if t.microbatches == 1:
                 loss, grads = jax.value_and_grad(loss_share)(params, batch, count)
@@ -175,7 +185,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
 
     def eval_loss(params, tokens):
         with use_layout(layout):
-            return transformer.forward_loss(params, lm_batch(tokens), m, dtype, t.loss_chunk)
+            return transformer.forward_loss(params, model_batch(tokens), m, dtype, t.loss_chunk)
 
     def init(seed):
         params = transformer.init_params(m, jax.random.key(seed))
