@@ -1,5 +1,6 @@
 """tools.plan: compiled memory follows the ZeRO table, collectives are per step, the CLI contract,
-and the tensor-parallel theory (collectives per layer, saved activations) against a compiled step.
+the tensor-parallel theory (collectives per layer, saved activations) against a compiled step,
+and the attention memory per layer under context parallelism (pure arithmetic, no compiling).
 
 Runs on the 8 fake CPU devices of conftest.py. Each compile takes a few seconds, so the
 in-process plans are cached per (stage, microbatches) for the module.
@@ -18,7 +19,7 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import format_table, plan, tensor_parallel_theory, theory
+from tools.plan import _format_attention, attention_memory_theory, format_table, plan, tensor_parallel_theory, theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,6 +145,10 @@ def test_cli_json_contract(tmp_path):
     tp = out["tensor_parallel"]  # tp=1: the marker, no made-up collectives
     assert tp["enabled"] is False and tp["tp"] == 1
     assert all(c["forward"] == c["backward"] == [] for c in tp["collectives_per_layer"].values())
+    at = out["attention"]  # sp=1: plain attention against itself
+    assert at["enabled"] is False and at["sp"] == 1 and at["strategy"] == "plain" and at["ratio"] == 1
+    assert at["this"] == at["sp1"] and at["sp1"]["bytes_per_layer"] == sum(at["sp1"]["terms"].values())
+    assert "attention memory per layer (sp=1, plain)" in r.stderr
 
 
 def test_cli_bad_config_exits_2():
@@ -266,3 +271,82 @@ def test_collective_matmul_permutes_match_theory():
     assert compiled == {k: layer["per_step"]["collective-permute"][k] for k in ("count", "bytes")}
     table = format_table(p)
     assert "tensor parallelism (tp=4)" in table and "*sp_cm" in table and "with SP*" in table
+
+
+# ---------------------------------------------------------------- attention memory (context parallelism)
+
+CP_CONFIG = ["model.preset=tiny-llama", "model.vocab_size=257", "model.seq_len=4096", "mesh.dp=-1",
+             "train.global_batch=8", "precision.compute=float32"]
+
+
+def attention_theory(sp: int, strategy: str = "ring", *extra: str) -> dict:
+    cfg = build_config(None, CP_CONFIG + [f"mesh.sp={sp}", f"model.cp_strategy={strategy}", *extra])
+    shape, _ = validate(cfg, 8)
+    return attention_memory_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
+
+
+def test_attention_memory_sp1_is_plain_attention():
+    """sp=1: the full [b, h, s, s] scores of plain attention, kept and differentiated; the ratio is 1.
+    tiny-llama at seq 4096 on dp=8: b = 1 row, 8 heads, 4 KV heads, head_dim 8."""
+    th = attention_theory(1)
+    b, S, H, KV, d = 1, 4096, 8, 4, 8
+    assert (th["enabled"], th["sp"], th["strategy"], th["b"], th["heads"], th["kv_heads"], th["head_dim"]) == (
+        False, 1, "plain", b, H, KV, d)
+    assert th["sp1"]["terms"] == {"probabilities": b * H * S * S * 4, "score_gradients": 2 * b * H * S * S * 4,
+                                  "qkv_out": b * S * (2 * H + 2 * KV) * d * 4}
+    assert th["this"] == th["sp1"] and th["ratio"] == 1
+    assert all(r["1"] == 1 for r in th["ratio_by_sp"].values())
+    # in bf16 the probabilities also have their bf16 copy for the PV matmul
+    bf16 = attention_theory(1, "ring", "precision.compute=bfloat16")["sp1"]["terms"]
+    assert bf16["probabilities"] == b * H * S * S * (4 + 2) and bf16["qkv_out"] == b * S * 24 * d * 2
+
+
+def test_attention_memory_blockwise_terms():
+    """sp=8 at seq 4096 on dp=1 (b = 8 rows, t = 512 per rank): the blockwise kernel's per-step blocks."""
+    b, S, H, KV, d, sp, t = 8, 4096, 8, 4, 8, 8, 512
+    ring = attention_theory(sp, "ring")
+    pair = b * H * (t // 2) * (t // 2)  # half-block query piece × half-block key piece
+    assert ring["this"]["terms"] == {
+        "block_scores": 4 * pair * (4 + 4 + 1),  # 2 × 2 pairs per step: scores, exp, mask
+        "block_score_gradients": 3 * pair * 4,
+        "running_state": sp * b * t * H * (d + 2) * 4,  # (out, max, sum) at each of the sp steps
+        "kv_blocks": 2 * b * S * KV * d * 4 + 2 * b * S * 4,  # the whole K/V over the steps
+        "qkv_out": b * t * (2 * H + 2 * KV) * d * 4}
+    assert ring["strategies"]["allgather"]["terms"] == ring["this"]["terms"]  # the gathered K/V: same bytes
+    assert ring["ratio"] == ring["strategies"]["ring"]["ratio"] == ring["ratio_by_sp"]["ring"]["8"]
+    # ulysses: the whole sequence for h/sp = 1 head (KV heads repeated up to sp, one per rank),
+    # queries in sp pieces of t against K/V blocks in 2 pieces
+    u = attention_theory(sp, "ulysses")["this"]["terms"]
+    upair = b * 1 * t * (t // 2)
+    assert u == {"block_scores": sp * 2 * upair * 9, "block_score_gradients": 3 * upair * 4,
+                 "running_state": sp * b * S * 1 * (d + 2) * 4, "kv_blocks": 2 * b * S * 1 * d * 4 + 2 * b * S * 4,
+                 "qkv_out": b * t * (2 * H + 2 * KV) * d * 4 + b * S * (2 + 2) * d * 4}
+    # the ring at sp=2 runs its scan for one trip, which XLA unrolls: two steps' blocks live at once
+    two = attention_theory(2, "ring")
+    assert two["this"]["terms"]["block_scores"] == 2 * 4 * two["b"] * H * (S // 4) ** 2 * 9
+    # tp=2 × sp=4: 4 heads and 2 KV heads per tp rank; Ulysses cannot split 4 heads over sp=8
+    tp = attention_theory(4, "ring", "mesh.tp=2")
+    assert (tp["heads"], tp["kv_heads"]) == (4, 2)
+    assert tp["ratio_by_sp"]["ulysses"]["8"] is None and tp["ratio_by_sp"]["ring"]["8"] is not None
+    lines = "\n".join(_format_attention(ring))
+    assert "attention memory per layer (sp=8, ring)" in lines and "sp=8 ring" in lines
+    assert f"sp=8 {ring['ratio']:.4f}" in lines and "(1/sp: 1, 0.5, 0.25, 0.125)" in lines
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+def test_attention_memory_falls_with_sp(strategy):
+    """Per-device attention memory / plain attention at sp=1, seq 4096: falls monotonically with sp,
+    at least as fast as 1/sp and, while the score blocks dominate, about as 1/sp² (each rank's
+    blocks are (s/sp)² and the blockwise kernel keeps one K/V step's at a time, where plain
+    attention keeps [s, s]). The compiled programs agree (see `attention_memory_theory`)."""
+    ratios = {}
+    for sp in (1, 2, 4, 8):
+        th = attention_theory(sp, strategy)
+        ratios[sp] = th["ratio"]
+        assert th["ratio_by_sp"][strategy][str(sp)] == pytest.approx(th["ratio"])  # the trend line agrees
+    assert ratios[1] == 1
+    assert ratios[1] > ratios[2] > ratios[4] > ratios[8]
+    for sp in (2, 4, 8):
+        assert ratios[sp] * sp <= 1, (sp, ratios[sp])
+        assert 0.5 <= ratios[sp] * sp * sp <= 2, (sp, ratios[sp])
+    assert ratios[8] <= 1 / 4

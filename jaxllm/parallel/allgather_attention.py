@@ -16,9 +16,10 @@ round, at the price of holding the whole K/V on every rank.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.parallel import blockwise
-from jaxllm.parallel.ring_attention import AXES, specs
+from jaxllm.parallel.ring_attention import manual_axes, specs
 from jaxllm.sharding import Layout, island_mesh
 
 
@@ -28,9 +29,15 @@ def attend(q, k, v, positions, segment_ids, layout: Layout):
 
     def local(q, k, v, pos, seg):
         gather = lambda x: jax.lax.all_gather(x, "sp", axis=1, tiled=True)
-        blocks = tuple(blockwise.blocks_of(gather(x), n) for x in (k, v, pos, seg))
+        if jax.default_backend() == "cpu" and k.dtype == jnp.bfloat16:
+            # XLA:CPU aborts on the bf16 reduce-scatter that transposes this gather
+            # (AllReducePromotion); gather in fp32 there. GPU/TPU gather bf16.
+            k, v = (gather(x.astype(jnp.float32)).astype(x.dtype) for x in (k, v))
+        else:
+            k, v = gather(k), gather(v)
+        blocks = tuple(blockwise.blocks_of(x, n) for x in (k, v, gather(pos), gather(seg)))
         return blockwise.over_blocks(q, pos, seg, blocks, blockwise.pieces_of(q.shape[1]))
 
-    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=AXES, check_vma=False,
+    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
                          out_specs=q_spec)(q, k, v, positions, segment_ids)

@@ -26,15 +26,18 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.parallel import blockwise
 from jaxllm.sharding import Layout, island_mesh, manual_spec
 
-AXES = {"sp", "tp"}
+def manual_axes(layout: Layout) -> set[str]:
+    """sp, and tp where it is larger than 1. (A size-1 manual axis would only add trivial
+    all-reduces of the cotangents, which XLA:CPU's bf16 all-reduce promotion rejects.)"""
+    return {a for a in ("sp", "tp") if a == "sp" or layout.mesh.shape[a] > 1}
 
 
 def specs(layout: Layout, q, k):
     """(q spec, k/v spec, positions spec) of the islands over sp and tp."""
-    rules, mesh = layout.activations, layout.mesh
-    return (manual_spec(("batch", "seq", "heads", "head_dim"), rules, mesh, q.shape, AXES),
-            manual_spec(("batch", "seq", "kv_heads", "head_dim"), rules, mesh, k.shape, AXES),
-            manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], AXES))
+    rules, mesh, axes = layout.activations, layout.mesh, manual_axes(layout)
+    return (manual_spec(("batch", "seq", "heads", "head_dim"), rules, mesh, q.shape, axes),
+            manual_spec(("batch", "seq", "kv_heads", "head_dim"), rules, mesh, k.shape, axes),
+            manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], axes))
 
 
 def attend(q, k, v, positions, segment_ids, layout: Layout):
@@ -55,6 +58,6 @@ def attend(q, k, v, positions, segment_ids, layout: Layout):
         (state, kv), _ = jax.lax.scan(body, ([blockwise.empty(x) for x in qs], kv), length=n - 1)
         return blockwise.finish(blockwise.step(state, qs, ps, ss, kv), q.dtype)
 
-    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=AXES, check_vma=False,
+    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
                          out_specs=q_spec)(q, k, v, positions, segment_ids)

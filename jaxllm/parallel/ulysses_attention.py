@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.parallel import blockwise
-from jaxllm.parallel.ring_attention import AXES, specs
+from jaxllm.parallel.ring_attention import manual_axes, specs
 from jaxllm.sharding import Layout, island_mesh
 
 
@@ -38,6 +38,6 @@ def attend(q, k, v, positions, segment_ids, layout: Layout):
         out = blockwise.over_blocks(q, pos, seg, blocks, n)
         return jax.lax.all_to_all(out, "sp", split_axis=1, concat_axis=2, tiled=True)
 
-    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=AXES, check_vma=False,
+    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
                          out_specs=q_spec)(q, k, v, positions, segment_ids)
