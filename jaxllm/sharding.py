@@ -36,10 +36,9 @@ Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 BATCH_AXES = ("dp", "fsdp", "ep")
 
-ACTIVATION_RULES: Rules = (
-    ("batch", BATCH_AXES),
-    ("seq", ("sp",)),
-    ("residual_seq", ("sp",)),
+# The model's own dimensions, laid out alike in activations and in weights: Megatron's
+# tensor-parallel split of heads, the MLP hidden dimension and the vocabulary.
+TENSOR_RULES: Rules = (
     ("embed", ()),
     ("heads", ("tp",)),
     ("kv_heads", ("tp",)),
@@ -48,16 +47,9 @@ ACTIVATION_RULES: Rules = (
     ("vocab", ("tp",)),
 )
 
-WEIGHT_RULES: Rules = (
-    ("layers", ()),
-    ("pos", ()),
-    ("embed", ()),
-    ("heads", ("tp",)),
-    ("kv_heads", ("tp",)),
-    ("head_dim", ()),
-    ("mlp", ("tp",)),
-    ("vocab", ("tp",)),
-)
+ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES
+
+WEIGHT_RULES: Rules = (("layers", ()), ("pos", ())) + TENSOR_RULES
 
 
 def with_rule(rules: Rules, name: str, axes: tuple[str, ...]) -> Rules:

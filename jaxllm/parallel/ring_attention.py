@@ -21,7 +21,6 @@ ring the other way (the transpose of each ppermute) and the blocks again.
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel import blockwise
 from jaxllm.sharding import Layout, island_mesh, manual_spec
