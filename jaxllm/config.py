@@ -91,6 +91,11 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step
     microbatches: int = 1
     zero_stage: int = 0
+    # Pipeline (mesh.pp > 1): the schedule, model chunks per stage (interleaved), and under ZeRO-3
+    # whether a stage's weights are gathered once per step rather than at every microbatch.
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_virtual: int = 1
+    pp_gather_once: bool = False
     # Megatron sequence parallelism: norms and residual adds hold the sequence sharded over tp.
     sequence_parallel: bool = False
     loss_chunk: int = 0  # sequence positions per chunk of the loss; 0: all logits at once
@@ -163,6 +168,7 @@ CHOICES = {
     "model.family": ("gpt2", "llama"),
     "model.remat": ("none", "full", "save-dots", "save-named"),
     "model.cp_strategy": ("ring", "allgather", "ulysses"),
+    "train.pp_schedule": ("gpipe", "1f1b", "interleaved"),
     "train.optimizer": ("adamw", "sgd", "adafactor", "lion", "muon"),
     "precision.compute": ("bfloat16", "float32"),
     "data.tokenizer": ("byte", "gpt2"),
@@ -438,10 +444,24 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
                               "must divide the other; use ring or allgather, or change sp")
     if m.seq_len % shape["sp"]:
         raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by mesh.sp={shape['sp']}; change one of them")
-    if m.n_layers % shape["pp"]:
-        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pp={shape['pp']}; change one of them")
-    if shape["pp"] > 1:
-        raise ConfigError("mesh.pp > 1: pipeline parallelism is not built yet; set mesh.pp=1")
+    pp, v = shape["pp"], t.pp_virtual
+    if v < 1:
+        raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
+    repeats = m.n_layers // len(m.pattern)
+    if repeats % (pp * v):
+        raise ConfigError(f"model.n_layers={m.n_layers} ({repeats} repeats of the pattern) does not split into "
+                          f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")
+    if pp > 1:
+        from jaxllm.parallel.pipeline_schedules import check
+
+        try:
+            check(t.pp_schedule, pp, t.microbatches, v)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif v > 1:
+        raise ConfigError(f"train.pp_virtual={v} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
+    if t.pp_gather_once and (pp == 1 or t.zero_stage != 3):
+        notes.append("train.pp_gather_once=true only matters with mesh.pp>1 and train.zero_stage=3; it has no effect")
     rows = t.microbatches * batch_shards(shape)
     if t.global_batch % rows:
         raise ConfigError(

@@ -62,8 +62,10 @@ def activation_rules(sequence_parallel: bool) -> Rules:
 
 
 def param_rules(shard_over_fsdp: bool) -> Rules:
-    """Stored parameter layout: the use layout, plus `embed` over fsdp when ZeRO shards it."""
-    return with_rule(WEIGHT_RULES, "embed", ("fsdp",)) if shard_over_fsdp else WEIGHT_RULES
+    """Stored parameter layout: the use layout with the layer stack split over pipeline stages
+    (contiguous, in canonical order), plus `embed` over fsdp when ZeRO shards it."""
+    rules = with_rule(WEIGHT_RULES, "layers", ("pp",))
+    return with_rule(rules, "embed", ("fsdp",)) if shard_over_fsdp else rules
 
 
 _warned: set = set()

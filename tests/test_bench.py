@@ -9,6 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm.config import build_config, padded_vocab, validate
 from jaxllm.mesh import make_mesh
@@ -107,3 +108,37 @@ def test_baseline_only_where_plain_gpt_applies():
     assert "remat" in baseline_unavailable(cfg(**{"model.remat": "full"}), 1)
     assert "microbatches" in baseline_unavailable(cfg(**{"train.microbatches": 2}), 1)
     assert "adamw" in baseline_unavailable(cfg(**{"train.optimizer": "lion"}), 1)
+
+
+def test_bench_pipeline_reports_measured_and_table_bubble():
+    """mesh.pp=2 on 2 fake CPU devices: the bench reports both bubbles (timings on CPU are not asserted)."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+    p, mb = 2, 4
+    args = ["model.preset=tiny-gpt2", "model.n_layers=4", f"mesh.pp={p}", "mesh.dp=1", f"train.microbatches={mb}",
+            "train.global_batch=8", "model.seq_len=32", "model.vocab_size=257", "precision.compute=float32"]
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", *args, "--no-baseline", "--steps", "1", "--warmup",
+                           "1", "--windows", "1", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["mesh"] == {"pp": p}
+    assert result["pipeline_bubble_table"] == pytest.approx((p - 1) / (mb + p - 1))
+    assert isinstance(result["pipeline_bubble_measured"], float)
+    stage = result["pipeline"]
+    assert stage["stage_layers"] == 2 and stage["stage_rows"] == 2 and stage["stage_devices"] == 1
+    assert stage["t_stage_microbatch_s"] > 0
+    assert "from the table" in proc.stdout and "measured" in proc.stdout
+
+
+def test_stage_config_is_one_stage_one_microbatch():
+    from tools.bench import stage_config
+
+    cfg = build_config(None, {**TINY, "model.n_layers": 8, "mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2,
+                              "train.microbatches": 4, "train.global_batch": 16, "train.pp_schedule": "interleaved",
+                              "train.pp_virtual": 2})
+    shape, _ = validate(cfg, 8)
+    s = stage_config(cfg, shape)
+    assert (s.model.n_layers, s.train.global_batch, s.train.microbatches, s.train.pp_virtual) == (4, 2, 1, 1)
+    assert validate(s, 2)[0] == {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "sp": 1, "tp": 2}
+    assert (cfg.model.n_layers, cfg.mesh.pp) == (8, 2)  # the original is left alone

@@ -16,11 +16,30 @@ CPU time per step is reported too (less sensitive to other processes on a shared
 On CPU the MFU peak is a matmul measured in this process (`peak_flops`), once per round,
 keeping the best.
 With --json the last stdout line is a JSON object. Config mistakes: `error: ...`, exit 2.
+
+Pipeline parallelism (mesh.pp > 1): also a measured time bubble. Next to the pipelined
+step, the bench times one stage's work for one microbatch with no pipeline around it:
+the same config with n_layers/pp layers and mesh pp=1 (dp=fsdp=ep=1, sp and tp kept, so
+one device when sp=tp=1), the forward and backward (`jax.value_and_grad` of the loss,
+the step's own gradient path) of one microbatch's rows per batch shard,
+global_batch/(microbatches·dp·fsdp·ep). Then
+
+    pipeline_bubble_measured = 1 - microbatches · t_stage_microbatch / t_step
+
+is the share of the step a stage is not computing, reported next to the schedule
+table's `pipeline_bubble_table` (`bubble_fraction`, forward:backward = 1:2). The stage
+includes the embedding and the head, which only the first and last stages run, so it
+over-estimates a middle stage's work (and under-estimates the bubble); the step's
+optimizer update and the send/receive between stages count as bubble. On fake CPU
+devices (--xla_force_host_platform_device_count) every stage shares the same host cores,
+so the number says nothing there; it is meaningful on real accelerators, where each
+stage is its own device.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -56,10 +75,11 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.config import padded_vocab
+    from jaxllm.config import padded_vocab, validate
     from jaxllm.errors import ConfigError
     from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
+    from jaxllm.parallel.pipeline_schedules import bubble_fraction, make_schedule
     from jaxllm.train.loop import flops_per_token, peak_flops, resolve
     from jaxllm.train.step import make_step_fns
 
@@ -122,15 +142,39 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
             pbox["params"], pbox["opt"] = p, o
             return (time.perf_counter() - start) / n, (time.process_time() - cpu) / n
 
+    # ---- one pipeline stage, one microbatch, on its own (mesh.pp > 1)
+    stage_window = None
+    if shape["pp"] > 1:
+        scfg = stage_config(cfg, shape)
+        n_stage = shape["sp"] * shape["tp"]
+        sshape, _ = validate(scfg, n_stage)
+        sfns = make_step_fns(scfg, make_mesh(sshape, scfg, devices=jax.local_devices()[:n_stage]))
+        stage_tokens = jax.device_put(tokens_np[:scfg.train.global_batch], sfns.batch_sharding)
+        stage_params = sfns.init(t.seed)["params"]
+        t0 = time.perf_counter()
+        stage_fn = sfns.loss_and_grads.lower(stage_params, stage_tokens).compile()
+        stage_compile = time.perf_counter() - t0
+
+        def stage_window(n):
+            start = time.perf_counter()
+            for _ in range(n):
+                loss_grads = stage_fn(stage_params, stage_tokens)
+            jax.block_until_ready(loss_grads)
+            return (time.perf_counter() - start) / n
+
     if warmup:
         ours_window(warmup)
         if plain_window:
             plain_window(warmup)
-    ours_times, plain_times, peaks = [], [], []
+        if stage_window:
+            stage_window(warmup)
+    ours_times, plain_times, stage_times, peaks = [], [], [], []
     for i in range(windows):  # interleaved, in ABBA order, so background load and drift hit both alike
         if plain_window and i % 2:
             plain_times.append(plain_window(steps))
         ours_times.append(ours_window(steps))
+        if stage_window:  # about as long as the step window: microbatches stage calls per step
+            stage_times.append(stage_window(steps * t.microbatches))
         if plain_window and not i % 2:
             plain_times.append(plain_window(steps))
         # On CPU the peak is a matmul measured now: once per round, keeping the best, so that a moment
@@ -164,7 +208,30 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         out["overhead"] = 1.0 - out["jaxllm"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
         # Per-round ratios: each pair ran back to back, so this is the least noisy comparison.
         out["overhead_paired"] = statistics.median(1.0 - p[0] / o[0] for o, p in zip(ours_times, plain_times))
+    if stage_window:
+        t_stage = statistics.median(stage_times)
+        out["pipeline_bubble_measured"] = 1.0 - t.microbatches * t_stage / out["jaxllm"]["step_time_s"]
+        out["pipeline_bubble_table"] = bubble_fraction(make_schedule(t.pp_schedule, shape["pp"], t.microbatches,
+                                                                     t.pp_virtual))
+        out["pipeline"] = {"schedule": t.pp_schedule, "stages": shape["pp"], "virtual": t.pp_virtual,
+                           "microbatches": t.microbatches, "stage_layers": scfg.model.n_layers,
+                           "stage_rows": scfg.train.global_batch, "stage_devices": n_stage,
+                           "t_stage_microbatch_s": t_stage, "window_stage_times_s": stage_times,
+                           "stage_compile_s": stage_compile}
     return out
+
+
+def stage_config(cfg, shape: dict):
+    """One pipeline stage's work for one microbatch as a config of its own: n_layers/pp layers, mesh pp=1 with
+    dp=fsdp=ep=1 (sp, tp kept), and one microbatch's rows per batch shard as the whole batch."""
+    from jaxllm.config import MeshConfig, batch_shards
+
+    s = copy.deepcopy(cfg)
+    s.model.n_layers = cfg.model.n_layers // shape["pp"]
+    s.train.global_batch = cfg.train.global_batch // (cfg.train.microbatches * batch_shards(shape))
+    s.train.microbatches, s.train.pp_virtual, s.train.pp_gather_once = 1, 1, False
+    s.mesh = MeshConfig(pp=1, dp=1, fsdp=1, ep=1, sp=shape["sp"], tp=shape["tp"])
+    return s
 
 
 def format_table(r: dict) -> str:
@@ -192,6 +259,14 @@ def format_table(r: dict) -> str:
     else:
         lines.append(f"overhead: {r['overhead'] * 100:+.1f}% (1 - jaxllm/plain tokens/s; "
                      f"median of per-window pairs {r['overhead_paired'] * 100:+.1f}%)")
+    if "pipeline" in r:
+        p = r["pipeline"]
+        v = f", v={p['virtual']}" if p["virtual"] > 1 else ""
+        lines.append(f"pipeline {p['schedule']} p={p['stages']} m={p['microbatches']}{v}: bubble "
+                     f"{r['pipeline_bubble_table'] * 100:.1f}% from the table, "
+                     f"{r['pipeline_bubble_measured'] * 100:.1f}% measured (1 - m x "
+                     f"{p['t_stage_microbatch_s'] * 1e3:.2f} ms per stage microbatch / step time; "
+                     "only meaningful with a device per stage)")
     return "\n".join(lines)
 
 

@@ -210,12 +210,17 @@ def _token_losses(params: dict, x, targets, loss_mask, m: ModelConfig, dtype):
 
     With the vocabulary split over tp, each rank holds [tokens, vocab/tp] logits; the
     max and the sum of exponentials reduce over tp as small [tokens] all-reduces, and
-    the target logit is a masked local lookup plus one more, so no device ever holds
+    the target logit is a masked sum over each rank's slice plus one more, so no device ever holds
     full-vocabulary logits (tests/test_tensor_parallel.py reads the compiled program).
     """
     logits = _logits(params, x, m, dtype)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # The target logit as a masked sum rather than a gather: each tp rank sums its own slice of
+    # the vocabulary and one [tokens] all-reduce adds them. (A gather along the split vocabulary,
+    # with the batch split over an axis the compiler owns, crashes XLA's partitioner inside the
+    # pipeline island, JAX 0.10; the masked sum's backward is a select, not a scatter.)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
     mask = loss_mask.astype(jnp.float32)
     return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
 

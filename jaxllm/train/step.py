@@ -28,9 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.config import Config, batch_shards
 from jaxllm.models import transformer
+from jaxllm.parallel import pipeline
 from jaxllm.parallel.accumulation import reduce_once
+from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.parallel.load_balance import zigzag_order
-from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout, with_rule
+from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, logical_spec, param_rules, use_layout, with_rule
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 
 
@@ -125,6 +127,8 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     # inside the accumulation island the batch axes are manual: activations carry no batch sharding
     local_layout = dataclasses.replace(layout, activations=with_rule(layout.activations, "batch", ()), manual=True)
 
+    schedule = (make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
+                if mesh.shape["pp"] > 1 else None)
     sp = mesh.shape["sp"]
     order = zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None
 
@@ -158,6 +162,9 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         with use_layout(layout):
             batch = model_batch(tokens)
             count = jnp.sum(batch["loss_mask"])
+            if mesh.shape["pp"] > 1:
+                loss, grads = pipelined(params, batch, count)
+                return loss, constrain_tree(grads, grad_sh)
             if t.microbatches == 1:
                 loss, grads = jax.value_and_grad(loss_share)(params, batch, count)
                 grads = constrain_tree(grads, grad_sh)
@@ -169,6 +176,47 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
                 loss, grads = accumulate(params, batch, count, shards, lambda g: constrain_tree(g, grad_sh),
                                          lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
             return loss, grads
+
+    def pipelined(params, batch, count):
+        """(loss, grads) through the pipeline executor over pp (parallel/pipeline.py)."""
+        batch_manual = stage <= 1  # as in the accumulation island: reduce over the batch axes once
+        inner = dataclasses.replace(layout, manual=True, activations=with_rule(layout.activations, "batch", ())
+                                    if batch_manual else layout.activations)
+        mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            split_microbatches(x, t.microbatches, shards), microbatch_sh), batch)
+
+        def island_specs(key, rules):
+            """Specs of the params under `key` ("blocks" or the rest) inside the island: pp is manual there,
+            so a stack leaf [v, R/v, ...] gets two leading Nones in place of its layer dimension."""
+            pick = (lambda tree: tree["blocks"]) if key == "blocks" else (
+                lambda tree: {k: v for k, v in tree.items() if k != "blocks"})
+            lead = 1 if key == "blocks" else 0
+            return jax.tree.map(
+                lambda n, a: P(*(None,) * (2 * lead), *logical_spec(tuple(n[lead:]), rules, mesh, a.shape[lead:])),
+                pick(names), pick(shapes), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+
+        grad_rules = sharded if stage >= 2 else layout.params
+        stack_grad_specs, shared_grad_specs = island_specs("blocks", grad_rules), island_specs("shared", grad_rules)
+
+        def pin_grads(g_stack, g_shared):
+            return (jax.tree.map(jax.lax.with_sharding_constraint, g_stack, stack_grad_specs),
+                    jax.tree.map(jax.lax.with_sharding_constraint, g_shared, shared_grad_specs))
+
+        def gather_once(stack, shared):
+            """ZeRO-3: the stage's weights cast and gathered over fsdp once, before the loop."""
+            use = lambda tree, specs: jax.tree.map(lambda a, sp: jax.lax.with_sharding_constraint(a.astype(dtype), sp),
+                                                   tree, specs)
+            return (use(stack, island_specs("blocks", layout.weights)),
+                    use(shared, island_specs("shared", layout.weights)))
+
+        return pipeline.loss_and_grads(
+            params, mbs, count, schedule, inner,
+            embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
+            blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype),
+            loss_fn=lambda sh, x, mb: transformer.head_loss(sh, x, mb["targets"], mb["loss_mask"], m, dtype,
+                                                            t.loss_chunk)[0],
+            pin_grads=pin_grads, batch_manual=batch_manual,
+            gather_once=gather_once if t.pp_gather_once and stage == 3 else None)
 
     def train_step(state, tokens):
         params, opt_state = state["params"], state["opt_state"]

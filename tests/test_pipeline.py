@@ -1,0 +1,276 @@
+"""Pipeline parallelism over `pp`: schedule tables, the executor's equivalence, its memory and collectives.
+
+Tables (no JAX): every generated table is a valid program for the executor (each
+forward and backward exactly once, dependencies one tick apart, every slot read holds
+what the table put there), its bubble equals the formula, and its buffer depth is the
+bound the issue states. Executor (8 fake CPU devices, fp32): one step's loss and
+gradients equal the same 8-layer model run plainly on one device, for GPipe and 1F1B
+on pp ∈ {2, 4} × microbatches ∈ {4, 8}, interleaved with v = 2, and 3D meshes
+(pp2×fsdp2×tp2 at every ZeRO stage, pp2×dp2×tp2). Then the compiled programs: 1F1B's
+temporaries below GPipe's by at least the buffer slots the tables save, and ZeRO-3's
+gather-once option leaving no weight all-gather inside the tick loop.
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ConfigError, build_config, validate
+from jaxllm.mesh import make_mesh
+from jaxllm.models import transformer
+from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
+                                                tick_times)
+from jaxllm.train.step import lm_batch, make_step_fns
+from test_equivalence import GRAD_RTOL, LOSS_RTOL, PRESETS, max_rel_err, tokens
+from tools.collectives import memory_summary
+
+LAYERS = 8  # divisible by pp·v = 4·2
+
+
+# ---------------------------------------------------------------- tables
+
+
+def run_table(s):
+    """Execute a table symbolically: buffers hold (microbatch, global stage) keys. Returns the
+    forward and backward ticks of each key, asserting every read finds what it should."""
+    p, v = s.stages, s.chunks
+    last = p * v - 1
+    f = {name: s.field(name) for name in FIELDS}
+    acts = [[None] * s.act_depth for _ in range(p)]
+    grads = [[None] * s.grad_depth for _ in range(p)]
+    fwd, bwd = {}, {}
+    for t in range(s.ticks):
+        sent, sent_back = [None] * p, [None] * p
+        for st in range(p):
+            i, c = f["fwd_mb"][t, st], f["fwd_chunk"][t, st]
+            if i >= 0:
+                g = c * p + st
+                assert (i, g) not in fwd
+                if g > 0:
+                    assert acts[st][f["fwd_slot"][t, st]] == (i, g)
+                fwd[(i, g)] = t
+                sent[st] = (i, g + 1) if g < last else None
+            i, c = f["bwd_mb"][t, st], f["bwd_chunk"][t, st]
+            if i >= 0:
+                g = c * p + st
+                assert (i, g) not in bwd and fwd.get((i, g), t + 1) <= t
+                if g > 0:
+                    assert acts[st][f["bwd_slot"][t, st]] == (i, g)
+                if g < last:
+                    assert grads[st][f["bwd_grad_slot"][t, st]] == (i, g)
+                bwd[(i, g)] = t
+                sent_back[st] = (i, g - 1) if g > 0 else None
+        for st in range(p):  # the exchange at the end of the tick
+            arrived, arrived_back = sent[(st - 1) % p], sent_back[(st + 1) % p]
+            assert (f["recv_slot"][t, st] >= 0) == (arrived is not None)
+            assert (f["grad_recv_slot"][t, st] >= 0) == (arrived_back is not None)
+            if arrived is not None:
+                assert acts[st][f["recv_slot"][t, st]] is None or acts[st][f["recv_slot"][t, st]] in bwd
+                acts[st][f["recv_slot"][t, st]] = arrived
+            if arrived_back is not None:
+                grads[st][f["grad_recv_slot"][t, st]] = arrived_back
+    keys = {(i, g) for i in range(s.microbatches) for g in range(p * v)}
+    assert set(fwd) == keys and set(bwd) == keys
+    return fwd, bwd
+
+
+TABLES = ([(name, p, m, 1) for name in ("gpipe", "1f1b") for p in (2, 4, 8) for m in (8, 16, 32)]
+          + [("gpipe", 4, 2, 1), ("1f1b", 4, 4, 1)]
+          + [("interleaved", p, m, v) for p in (2, 4) for m in (4, 8, 16) for v in (2, 3)])
+
+
+@pytest.mark.parametrize("name,p,m,v", TABLES)
+def test_table_runs_and_its_bubble_is_the_formula(name, p, m, v):
+    s = make_schedule(name, p, m, v)
+    fwd, bwd = run_table(s)
+    for (i, g), t in fwd.items():  # a stage's input is one tick behind its upstream neighbour
+        assert g == 0 or fwd[(i, g - 1)] < t
+    for (i, g), t in bwd.items():
+        assert g == p * v - 1 or bwd[(i, g + 1)] < t
+    expected = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
+    assert bubble_formula(s) == pytest.approx(expected)
+    for forward, backward in [(1.0, 2.0), (1.0, 1.0), (1.0, 3.0)]:
+        assert bubble_fraction(s, forward, backward) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [8, 16, 32, 64])
+def test_1f1b_keeps_at_most_2p_minus_1_inputs_and_gpipe_keeps_m(p, m):
+    one, gpipe = make_schedule("1f1b", p, m), make_schedule("gpipe", p, m)
+    assert one.act_depth <= 2 * p - 1
+    assert gpipe.act_depth == m
+    # Stage 0 reads tokens, so the deepest buffer is stage 1's: its input waits 2(p−1)−1 ticks for
+    # its backward, whatever m is. 1F1B takes fewer ticks (its steady ticks do both kinds of work).
+    assert one.act_depth == min(m, 2 * p - 3)
+    assert one.ticks == m + 2 * (p - 1) and gpipe.ticks == 2 * (m + p - 1) - 1
+    assert tick_times(one).sum() == pytest.approx(tick_times(gpipe).sum())
+
+
+BAD = {
+    "layers": ({"mesh.pp": 4, "model.n_layers": 6}, "model.n_layers"),
+    "layers_virtual": ({"mesh.pp": 2, "train.pp_schedule": "interleaved", "train.pp_virtual": 3,
+                        "train.microbatches": 4}, "pp_virtual"),
+    "1f1b_few_microbatches": ({"mesh.pp": 4, "train.microbatches": 2}, "train.microbatches=2"),
+    "interleaved_groups": ({"mesh.pp": 2, "train.pp_schedule": "interleaved", "train.pp_virtual": 2,
+                            "train.microbatches": 3, "train.global_batch": 6}, "multiple of 2"),
+    "virtual_without_interleaving": ({"mesh.pp": 2, "train.pp_virtual": 2, "train.microbatches": 4},
+                                     "interleaved"),
+    "virtual_without_pp": ({"train.pp_virtual": 2}, "mesh.pp"),
+    "unknown_schedule": ({"mesh.pp": 2, "train.pp_schedule": "zigzag"}, "train.pp_schedule"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_pipeline_configs_are_one_line_errors(case):
+    over, needle = BAD[case]
+    cfg = build_config(None, {"model.preset": "tiny-gpt2", "model.vocab_size": 257, "model.n_layers": 8, "mesh.dp": -1,
+                             **over})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 8)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def config(family: str, **over):
+    base = {"model.preset": PRESETS[family], "model.vocab_size": 257, "model.seq_len": 32, "model.n_layers": LAYERS,
+            "precision.compute": "float32", "train.global_batch": 16, "train.lr": 1e-3, "train.warmup_steps": 0,
+            "train.steps": 20, "mesh.dp": 1}
+    return build_config(None, {**base, **over})
+
+
+@functools.lru_cache(maxsize=None)
+def reference(family: str):
+    """Initial params, loss and grads of the 8-layer model on one device, no layout at all."""
+    m = config(family).model
+    params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
+
+    @jax.jit
+    def loss_and_grads(p, toks):
+        batch = lm_batch(toks)
+        count = batch["loss_mask"].sum()
+        return jax.value_and_grad(lambda q: transformer.forward_loss(q, batch, m, jnp.float32)[0] / count)(p)
+
+    loss, grads = loss_and_grads(params, jnp.asarray(tokens()))
+    return jax.device_get(params), float(loss), jax.device_get(grads)
+
+
+def pipeline_fns(family: str, **over):
+    cfg = config(family, **over)
+    n = math.prod(v for k, v in over.items() if k.startswith("mesh."))
+    shape, _ = validate(cfg, n)
+    return make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:n]))
+
+
+def assert_matches_one_device(family: str, **over):
+    ref_params, ref_loss, ref_grads = reference(family)
+    fns = pipeline_fns(family, **over)
+    params = jax.device_put(ref_params, fns.state_shardings["params"])
+    loss, grads = fns.loss_and_grads(params, jax.device_put(tokens(), fns.batch_sharding))
+    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
+    assert max_rel_err(grads, ref_grads) <= GRAD_RTOL
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+
+
+# The tied GPT-2 embeddings (used on the first and the last stage) are the harder case, so gpt2 runs
+# every case and llama (untied head, grouped-query attention) a few.
+SCHEDULE_CASES = ([("gpt2", name, p, m) for name in ("gpipe", "1f1b") for p in (2, 4) for m in (4, 8)]
+                  + [("llama", "gpipe", 2, 4), ("llama", "1f1b", 4, 8)])
+
+
+@pytest.mark.parametrize("family,schedule,pp,microbatches", SCHEDULE_CASES)
+def test_schedules_match_one_device(family, schedule, pp, microbatches):
+    assert_matches_one_device(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
+                                         "train.pp_schedule": schedule})
+
+
+@pytest.mark.parametrize("family,pp,microbatches", [("gpt2", 2, 4), ("gpt2", 4, 4), ("gpt2", 4, 8), ("llama", 4, 8)])
+def test_interleaved_matches_one_device(family, pp, microbatches):
+    assert_matches_one_device(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
+                                         "train.pp_schedule": "interleaved", "train.pp_virtual": 2})
+
+
+PP_FSDP_TP = {"mesh.pp": 2, "mesh.fsdp": 2, "mesh.tp": 2}
+MESHES_3D = {  # name -> (axes and options, ZeRO stage, families)
+    "pp2_fsdp2_tp2_zero0": (PP_FSDP_TP, 0, ("gpt2",)),
+    "pp2_fsdp2_tp2_zero1": (PP_FSDP_TP, 1, ("gpt2",)),
+    "pp2_fsdp2_tp2_zero2": (PP_FSDP_TP, 2, ("gpt2",)),
+    "pp2_fsdp2_tp2_zero3": (PP_FSDP_TP, 3, ("gpt2", "llama")),
+    "pp2_fsdp2_tp2_zero3_gather_once": ({**PP_FSDP_TP, "train.pp_gather_once": True}, 3, ("gpt2", "llama")),
+    "pp2_fsdp2_tp2_zero3_sequence_parallel": ({**PP_FSDP_TP, "train.sequence_parallel": True}, 3, ("gpt2",)),
+    "pp2_dp2_tp2_interleaved": ({"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2, "train.pp_schedule": "interleaved",
+                                 "train.pp_virtual": 2}, 1, ("gpt2", "llama")),
+}
+
+
+@pytest.mark.parametrize("mesh,family", [(mesh, f) for mesh, (_, _, fams) in MESHES_3D.items() for f in fams])
+def test_3d_parallel_matches_one_device(mesh, family):
+    axes, stage, _ = MESHES_3D[mesh]
+    assert_matches_one_device(family, **axes, **{"train.zero_stage": stage, "train.microbatches": 4})
+
+
+def test_pipelined_train_step_matches_one_device_step():
+    """A whole step (clipping, AdamW, ZeRO-1 sharded update) on pp2×dp2×tp2 equals the one-device step."""
+    over = {"train.zero_stage": 1, "train.microbatches": 4}
+    one = pipeline_fns("llama", **{"mesh.pp": 1}, **over)
+    fns = pipeline_fns("llama", **{"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2}, **over)
+    state0 = jax.device_get(one.init(0))
+    new_one, m_one = one.train_step(jax.device_put(state0, one.state_shardings), jnp.asarray(tokens()))
+    new, m = fns.train_step(jax.device_put(state0, fns.state_shardings), jax.device_put(tokens(), fns.batch_sharding))
+    assert float(m["loss"]) == pytest.approx(float(m_one["loss"]), rel=LOSS_RTOL)
+    assert float(m["grad_norm"]) == pytest.approx(float(m_one["grad_norm"]), rel=GRAD_RTOL)
+    delta = lambda a, b: jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b)
+    assert max_rel_err(delta(new["params"], state0["params"]), delta(new_one["params"], state0["params"])) <= GRAD_RTOL
+
+
+# ---------------------------------------------------------------- compiled programs
+
+MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8, "mesh.pp": 2}
+
+
+def compiled(fns, batch: int, seq: int):
+    toks = jax.ShapeDtypeStruct((batch, seq + 1), jnp.uint16, sharding=fns.batch_sharding)
+    return fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile()
+
+
+def test_1f1b_temporaries_below_gpipe():
+    """p=2, m=8: GPipe keeps 8 stage inputs, 1F1B one; the compiled temporaries differ by at least those slots."""
+    temps = {}
+    for name in ("gpipe", "1f1b"):
+        fns = pipeline_fns("gpt2", **MEMORY, **{"train.pp_schedule": name})
+        temps[name] = memory_summary(compiled(fns, 64, 64))["temp_bytes"]
+    cfg = config("gpt2", **MEMORY)
+    slot = (64 // 8) * 64 * cfg.model.d_model * 4  # one microbatch's [rows, seq, d_model] fp32 input
+    saved = make_schedule("gpipe", 2, 8).act_depth - make_schedule("1f1b", 2, 8).act_depth
+    assert saved == 7
+    assert temps["gpipe"] - temps["1f1b"] >= saved * slot, temps
+
+
+def weight_gathers_in_loop(hlo: str, shapes: set) -> int:
+    """All-gathers inside the tick loop whose result has the full shape of one layer's weight (or of a
+    shared weight): the per-microbatch ZeRO-3 gathers."""
+    n = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", line)
+        if m and "/while/body/" in line:
+            n += tuple(int(d) for d in m.group(1).split(",") if d) in shapes
+    return n
+
+
+def test_zero3_gather_once_takes_weight_gathers_out_of_the_loop():
+    over = {"mesh.pp": 2, "mesh.fsdp": 4, "train.zero_stage": 3, "train.microbatches": 4}
+    m = config("llama").model
+    table = transformer.param_table(m)
+    is_leaf = lambda x: isinstance(x, transformer.Leaf)
+    shapes = {l.shape[1:] for l in jax.tree.leaves(table["blocks"], is_leaf=is_leaf)}
+    shapes |= {l.shape for k, sub in table.items() if k != "blocks" for l in jax.tree.leaves(sub, is_leaf=is_leaf)}
+    per_microbatch = weight_gathers_in_loop(compiled(pipeline_fns("llama", **over), 16, 32).as_text(), shapes)
+    once = weight_gathers_in_loop(
+        compiled(pipeline_fns("llama", **over, **{"train.pp_gather_once": True}), 16, 32).as_text(), shapes)
+    assert per_microbatch > 0 and once == 0, (per_microbatch, once)
