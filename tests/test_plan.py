@@ -19,7 +19,8 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import _format_attention, attention_memory_theory, format_table, plan, tensor_parallel_theory, theory
+from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, pipeline_theory,
+                        plan, stage_params, tensor_parallel_theory, theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,6 +150,9 @@ def test_cli_json_contract(tmp_path):
     assert at["enabled"] is False and at["sp"] == 1 and at["strategy"] == "plain" and at["ratio"] == 1
     assert at["this"] == at["sp1"] and at["sp1"]["bytes_per_layer"] == sum(at["sp1"]["terms"].values())
     assert "attention memory per layer (sp=1, plain)" in r.stderr
+    pl = out["pipeline"]  # pp=1: the marker; Φ is all parameters
+    assert pl["enabled"] is False and pl["pp"] == 1 and pl["params"]["stage"] == out["params"]
+    assert "pipeline (pp=" not in r.stderr
 
 
 def test_cli_bad_config_exits_2():
@@ -350,3 +354,83 @@ def test_attention_memory_falls_with_sp(strategy):
         assert ratios[sp] * sp <= 1, (sp, ratios[sp])
         assert 0.5 <= ratios[sp] * sp * sp <= 2, (sp, ratios[sp])
     assert ratios[8] <= 1 / 4
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+
+PP_CONFIG = ["model.preset=tiny-gpt2", "model.n_layers=4", "model.vocab_size=257", "mesh.pp=2", "mesh.dp=4",
+             "train.microbatches=4", "train.global_batch=16", "precision.compute=float32"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_plan():
+    return plan(build_config(None, PP_CONFIG))
+
+
+def test_pipeline_permutes_match_table(pipeline_plan):
+    """The compiled step holds exactly the table's collective-permutes: 2 per tick (forward output
+    down, input gradient up), one microbatch's per-device activations each.
+
+    tiny-gpt2 on pp=2 × dp=4, 1F1B with 4 microbatches: 6 ticks; b = 16/4/4 = 1 row, s = 64, d = 64, fp32.
+    Inspected on this JAX/XLA (CPU): 2 f32[1,64,64] permutes in the tick scan's body (6 trips); with
+    precision.compute=bfloat16 the same 2 permutes are f32 too (bf16 converted to f32 around each),
+    which the plan reports as the moved dtype."""
+    p = pipeline_plan
+    pl = p["pipeline"]
+    assert (pl["enabled"], pl["schedule"], pl["p"], pl["v"], pl["m"], pl["ticks"]) == (True, "1f1b", 2, 1, 4, 6)
+    assert (pl["b"], pl["s"], pl["d"], pl["dtype_bytes"]) == (1, 64, 64, 4)
+    slot = 1 * 64 * 64 * 4
+    cp = pl["collective_permute"]
+    assert (cp["count"], cp["bytes_per_call"], cp["bytes"]) == (2 * 6, slot, 2 * 6 * slot)
+    assert cp["moved_dtype"] == "float32" and cp["compiled_dtypes"] == ["float32"]
+    assert p["unknown_trip_loops"] == 0
+    assert p["collectives"]["collective-permute"] == cp["compiled"] == {"count": cp["count"], "bytes": cp["bytes"]}
+    assert pl["buffer_bytes"] == (pl["act_depth"] + pl["grad_depth"]) * slot
+    assert pl["bubble"]["formula"] == pytest.approx((2 - 1) / (4 + 2 - 1))
+    assert pl["bubble"]["table"] == pytest.approx(pl["bubble"]["formula"])
+    table = format_table(p)
+    assert "pipeline (pp=2, 1f1b, v=1, m=4)" in table and "table: 2 × 6 ticks, float32" in table
+
+
+def test_pipeline_zero_theory_per_stage(pipeline_plan):
+    """A device holds one stage: Φ = layer stack / pp + embedding and final norm (replicated over pp),
+    and the compiled arguments (ZeRO-0: 12 bytes per parameter) follow it within 10%."""
+    p = pipeline_plan
+    model = build_config(None, PP_CONFIG).model
+    table = transformer.param_table(model)
+    shared = sum(math.prod(leaf.shape) for name in ("embed", "final_norm")
+                 for leaf in jax.tree.leaves(table[name], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
+    stack = transformer.count_params(model) - shared
+    phi = stack // 2 + shared
+    assert p["pipeline"]["params"] == {"stack": stack, "shared": shared, "stage": phi} == stage_params(model, 2)
+    assert p["params"] == stack + shared and p["theory"]["params"] == phi
+    assert p["theory"]["fp32"]["argument_bytes"] == 12 * phi
+    got = p["memory"]["argument_bytes"]
+    assert abs(got - 12 * phi) <= 0.10 * 12 * phi, (got, 12 * phi)
+    assert "theory Φ = stack / pp + embedding/head/final norm" in format_table(p)
+
+
+def test_pipeline_theory_arithmetic():
+    """No compiling: interleaved v=2 under ZeRO-3 and Megatron sequence parallelism (the residual stream's
+    sequence split over tp), bf16; and the element types read from compiled HLO text."""
+    cfg = build_config(None, ["model.preset=tiny-llama", "model.n_layers=4", "model.vocab_size=257", "mesh.pp=2",
+                              "mesh.fsdp=2", "mesh.tp=2", "mesh.dp=1", "train.zero_stage=3", "train.microbatches=4",
+                              "train.global_batch=16", "train.pp_schedule=interleaved", "train.pp_virtual=2",
+                              "train.sequence_parallel=true", "precision.compute=bfloat16"])
+    shape, _ = validate(cfg, 8)
+    pl = pipeline_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
+    b, s, d, E = 16 // 4 // 2, cfg.model.seq_len // 2, cfg.model.d_model, 2
+    assert (pl["schedule"], pl["v"], pl["b"], pl["s"], pl["d"], pl["dtype_bytes"]) == ("interleaved", 2, b, s, d, E)
+    assert pl["collective_permute"] == {"count": 2 * pl["ticks"], "bytes_per_call": b * s * d * E,
+                                        "bytes": 2 * pl["ticks"] * b * s * d * E}
+    assert pl["bubble"]["formula"] == pytest.approx(1 / (2 * 4 + 1))
+    hlo = """HloModule m
+
+ENTRY %main (a: bf16[1,64,64]) -> f32[1,64,64] {
+  %a = bf16[1,64,64]{2,1,0} parameter(0)
+  %c = f32[1,64,64]{2,1,0} convert(%a)
+  %p = f32[1,64,64]{2,1,0} collective-permute(%c), channel_id=1, source_target_pairs={{0,1}}
+  ROOT %q = bf16[8,4]{1,0} collective-permute(%a), channel_id=2, source_target_pairs={{1,0}}
+}
+"""
+    assert permute_dtypes(hlo, 64 * 64) == ["float32"] and permute_dtypes(hlo, 32) == ["bfloat16"]

@@ -30,10 +30,11 @@ def run(run_dir, **over):
 
 
 def test_resume_is_exact_and_restores_onto_another_mesh(tmp_path):
-    full, part, other = tmp_path / "full", tmp_path / "part", tmp_path / "other"
+    full, part, other, piped = tmp_path / "full", tmp_path / "part", tmp_path / "other", tmp_path / "piped"
     run(full, **{"train.steps": 6, "train.checkpoint_every": 3})
     run(part, **{"train.steps": 3, "train.schedule_steps": 6, "train.checkpoint_every": 3})
     shutil.copytree(part, other)
+    shutil.copytree(part, piped)
     run(part, **{"train.steps": 6, "train.checkpoint_every": 3, "train.resume": True})
     ref, resumed = losses(full), losses(part)
     assert sorted(resumed) == list(range(1, 7))
@@ -44,6 +45,10 @@ def test_resume_is_exact_and_restores_onto_another_mesh(tmp_path):
     moved = losses(other)
     np.testing.assert_allclose([moved[s] for s in range(4, 7)], [ref[s] for s in range(4, 7)], rtol=1e-5)
     assert moved[4] != ref[3]  # it really trained on
+    # and continued through a pipeline (pp=2 × dp=2 × tp=2, 1F1B): the checkpoint's layer order is canonical
+    run(piped, **{"train.steps": 6, "train.checkpoint_every": 3, "train.resume": True, "mesh.pp": 2,
+                  "mesh.dp": 2, "mesh.fsdp": 1, "mesh.tp": 2, "train.zero_stage": 1, "train.microbatches": 2})
+    np.testing.assert_allclose([losses(piped)[s] for s in range(4, 7)], [ref[s] for s in range(4, 7)], rtol=1e-5)
 
 
 def cli(*args, env_devices=8, cwd=ROOT):

@@ -15,7 +15,13 @@ and without loading any data, and reports per device:
   sequence parallelism, beside the compiled temporaries;
 - the attention memory per layer (`attention_memory_theory`, no compiling): plain attention
   at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
-  their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len.
+  their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len;
+- with mesh.pp > 1, the pipeline (`pipeline_theory`, from the schedule's table): ticks, bubble
+  (table and formula), activation buffer bytes, and the 2 × ticks collective-permutes the
+  table predicts beside the compiled ones and the element type the program actually moves.
+
+With pp > 1 a device holds one stage's parameters, so the ZeRO theory's Φ is the layer
+stack's parameters / pp plus the embedding, head and final norm (replicated over pp).
 
 The ZeRO theory assumes Adam (two fp32 moments per parameter) and does not divide the
 tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it. The
@@ -37,6 +43,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
+import re
 import sys
 import time
 
@@ -418,6 +426,100 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     }
 
 
+# ---------------------------------------------------------------- pipeline parallelism
+
+PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype, one microbatch's residual "
+                    "stream per slot; per device")
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
+
+
+def stage_params(model_cfg, pp: int) -> dict:
+    """Parameters one pipeline stage holds: {"stack" (all layers), "shared" (embedding, head, final norm:
+    replicated over pp), "stage" = stack / pp + shared}."""
+    import jax
+
+    from jaxllm.models import transformer
+
+    leaf = lambda x: isinstance(x, transformer.Leaf)
+    stack = sum(math.prod(l.shape) for l in jax.tree.leaves(transformer.param_table(model_cfg)["blocks"], is_leaf=leaf))
+    shared = transformer.count_params(model_cfg) - stack
+    return {"stack": stack, "shared": shared, "stage": stack // pp + shared}
+
+
+def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
+    """The pipeline schedule's table and what it costs per device: pure arithmetic, no compiling.
+
+    b = rows per microbatch per device (global_batch / microbatches / (dp·fsdp·ep)); s = seq_len over
+    the axes that split the residual stream's sequence (sp, and sp·tp under sequence parallelism);
+    d = d_model; E = bytes per element of `compute_dtype`. One slot is b·s·d·E bytes.
+
+    - the activation buffers hold (act_depth + grad_depth) slots: stage inputs kept for the
+      backward and output gradients waiting for it (parallel/pipeline_schedules.py);
+    - the executor sends 2 collective-permutes per tick (forward output downstream, input gradient
+      upstream), one slot each: 2 × ticks per step;
+    - the bubble from the table (`bubble_fraction`, forward 1 and backward 2 per microbatch) beside
+      (p−1)/(v·m+p−1).
+
+    Returns {"enabled" (pp > 1), "note", "pp", "params" (`stage_params`), "assumes"} and, when enabled,
+    "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula"}, "act_depth", "grad_depth", "b", "s", "d",
+    "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
+    "collective_permute": {"count", "bytes_per_call", "bytes"}.
+    """
+    from jaxllm.config import batch_shards
+    from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
+
+    m, t = model_cfg, train_cfg
+    pp = int(mesh_shape.get("pp", 1))
+    out = {"enabled": pp > 1, "note": "" if pp > 1 else "no pipeline parallelism (mesh.pp=1)", "pp": pp,
+           "params": stage_params(m, pp), "assumes": PIPELINE_ASSUMES}
+    if pp == 1:
+        return out
+    sch = make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
+    split = mesh_shape.get("sp", 1) * (mesh_shape.get("tp", 1) if t.sequence_parallel else 1)
+    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    s = m.seq_len // split if m.seq_len % split == 0 else m.seq_len  # not divisible: replicated (sharding.py)
+    E = _dtype_bytes(compute_dtype)
+    slot = b * s * m.d_model * E
+    return {**out, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
+            "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch)},
+            "act_depth": sch.act_depth, "grad_depth": sch.grad_depth, "b": b, "s": s, "d": m.d_model,
+            "dtype": str(getattr(compute_dtype, "name", compute_dtype)), "dtype_bytes": E, "slot_bytes": slot,
+            "buffer_bytes": (sch.act_depth + sch.grad_depth) * slot,
+            "collective_permute": {"count": 2 * sch.ticks, "bytes_per_call": slot, "bytes": 2 * sch.ticks * slot}}
+
+
+def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
+    """Element types (as numpy names) of the compiled collective-permutes that move `elements` values."""
+    from tools.collectives import computations
+
+    comps, _ = computations(hlo_text)
+    found = set()
+    for ins in (i for instrs in comps.values() for i in instrs):
+        if ins["opcode"] in ("collective-permute", "collective-permute-start"):
+            for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", ins["type"]):
+                if math.prod(int(x) for x in dims.split(",") if x) == elements:
+                    found.add(_HLO_DTYPES.get(dtype, dtype))
+    return sorted(found)
+
+
+def _pipeline_compiled(pl: dict, hlo_text: str, compiled: dict) -> dict:
+    """The pipeline theory with the compiled program's side: the element type its permutes of one slot
+    move ("moved_dtype"; XLA:CPU promotes bf16 collective-permutes to f32), the table's bytes at that
+    type ("moved") and the compiled collective-permutes per step ("compiled", all of them)."""
+    if not pl["enabled"]:
+        return pl
+    cp = pl["collective_permute"]
+    elements = cp["bytes_per_call"] // pl["dtype_bytes"]
+    moved = permute_dtypes(hlo_text, elements)
+    moved_dtype = moved[0] if len(moved) == 1 else pl["dtype"]
+    per_call = elements * _dtype_bytes(moved_dtype)
+    return {**pl, "collective_permute": {
+        **cp, "moved_dtype": moved_dtype, "compiled_dtypes": moved,
+        "moved": {"count": cp["count"], "bytes_per_call": per_call, "bytes": cp["count"] * per_call},
+        "compiled": dict(compiled)}}
+
+
 def resolve(cfg):
     """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
     from jaxllm.train.loop import resolve as resolve_config
@@ -452,8 +554,11 @@ def plan(cfg) -> dict:
     compiled = fns.train_step.lower(fns.abstract_state, batch).compile()
     seconds = time.perf_counter() - start
     memory = memory_summary(compiled)
-    report = collective_report(compiled.as_text())
+    hlo = compiled.as_text()
+    report = collective_report(hlo)
     n_params = transformer.count_params(m)
+    pipeline = pipeline_theory(m, t, shape, cfg.precision.compute)
+    pipeline = _pipeline_compiled(pipeline, hlo, report["collectives"]["collective-permute"])
     return {
         "config": {
             "mesh": dict(shape),
@@ -480,9 +585,11 @@ def plan(cfg) -> dict:
                                            "total_bytes")},
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
-        "theory": theory(n_params, shape["fsdp"], t.zero_stage),
+        # with pp > 1 a device holds one stage: Φ = stack / pp + embedding/head/final norm
+        "theory": theory(pipeline["params"]["stage"], shape["fsdp"], t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
+        "pipeline": pipeline,
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -567,6 +674,37 @@ def _format_attention(at: dict) -> list[str]:
     return lines
 
 
+def _format_pipeline(pl: dict) -> list[str]:
+    """The "pipeline" section of `format_table` (pp > 1 only)."""
+    from tools.collectives import format_bytes
+
+    cp, bub = pl["collective_permute"], pl["bubble"]
+    slots = pl["act_depth"] + pl["grad_depth"]
+    lines = ["", f"pipeline (pp={pl['pp']}, {pl['schedule']}, v={pl['v']}, m={pl['m']})",
+             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (forward 1, backward 2), "
+             f"(p−1)/(v·m+p−1) = {bub['formula']:.4f}",
+             f"  buffers: {pl['act_depth']} stage input(s) kept + {pl['grad_depth']} gradient slot(s) = {slots} × "
+             f"b={pl['b']} × s={pl['s']} × d={pl['d']} × {pl['dtype_bytes']} B ({pl['dtype']}) = "
+             f"{format_bytes(pl['buffer_bytes'])} per device",
+             f"  collective-permutes per step       {'count':>6}{'size/call':>12}{'bytes':>12}"]
+    rows = [(f"table: 2 × {pl['ticks']} ticks, {pl['dtype']}", cp)]
+    if "compiled" in cp:
+        if cp["moved_dtype"] != pl["dtype"]:
+            rows.append((f"table at {cp['moved_dtype']} (as moved)", cp["moved"]))
+        c = cp["compiled"]
+        rows.append(("compiled", {**c, "bytes_per_call": c["bytes"] // c["count"] if c["count"] else 0}))
+    for label, v in rows:
+        size, total = format_bytes(v["bytes_per_call"]), format_bytes(v["bytes"])
+        lines.append(f"    {label:<33}{v['count']:>6}{size:>12}{total:>12}")
+    if "compiled" in cp:
+        types = ", ".join(cp["compiled_dtypes"]) or "none found"
+        note = (f"the program moves {cp['moved_dtype']}, not {pl['dtype']} (XLA converts around each permute)"
+                if cp["moved_dtype"] != pl["dtype"] else f"the program moves {cp['moved_dtype']}")
+        lines.append(f"  (element type of the compiled permutes of one slot: {types}; {note}; "
+                     "compiled counts every collective-permute of the step)")
+    return lines
+
+
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     from tools.collectives import KINDS, format_bytes
@@ -596,6 +734,11 @@ def format_table(p: dict) -> str:
         lines.append(f"  {name:<24}{format_bytes(val):>12}   {a:>12}   {b:>17}")
     lines.append(f"  (total = arguments + outputs - aliased + temporaries; theory for stage {stage}: "
                  f"arguments {fp['argument_formula']}, total {fp['total_formula']}, seeds {bf['total_formula']})")
+    pl = p.get("pipeline", {})
+    if pl.get("enabled"):
+        ps = pl["params"]
+        lines.append(f"  (pp={pl['pp']}: a device holds one stage, so theory Φ = stack / pp + embedding/head/final "
+                     f"norm (replicated over pp) = {ps['stack']:,} / {pl['pp']} + {ps['shared']:,} = {ps['stage']:,})")
     if fp["argument_bytes"]:
         lines.append(f"  compiled arguments / theory arguments = {mem['argument_bytes'] / fp['argument_bytes']:.3f}")
     lines += ["", f"collectives per step per device (loops counted per trip)", f"  {'kind':<20}{'count':>8}{'bytes':>14}"]
@@ -604,7 +747,8 @@ def format_table(p: dict) -> str:
         lines.append(f"  {k:<20}{v['count']:>8}{format_bytes(v['bytes']):>14}")
     if p.get("unknown_trip_loops"):
         lines.append(f"  ({p['unknown_trip_loops']} loop(s) without a known trip count were counted once)")
-    lines += ["", f"ZeRO theory per device, Φ = {p['params']:,}, N = fsdp = {n}",
+    phi = f"Φ = {th['params']:,} (one of {pl['pp']} stages)" if pl.get("enabled") else f"Φ = {p['params']:,}"
+    lines += ["", f"ZeRO theory per device, {phi}, N = fsdp = {n}",
               f"  {'stage':<7}{'fp32 total':>22}{'fp32 arguments':>26}{'bf16 seeds total':>26}"]
     for s in ("0", "1", "2", "3"):
         f32, b16 = fp["stages"][s], bf["stages"][s]
@@ -617,6 +761,8 @@ def format_table(p: dict) -> str:
         lines += _format_tensor_parallel(p["tensor_parallel"], mem["temp_bytes"])
     if "attention" in p:
         lines += _format_attention(p["attention"])
+    if pl.get("enabled"):
+        lines += _format_pipeline(pl)
     return "\n".join(lines)
 
 

@@ -75,6 +75,7 @@ class StepFns:
     loss_and_grads: Callable  # (params, tokens) -> (loss, grads), the step's own gradient path
     eval_loss: Callable  # (params, tokens) -> (sum, count)
     abstract_state: Any
+    schedule: Any = None  # the pipeline's Schedule table when mesh.pp > 1
 
 
 def make_step_fns(cfg: Config, mesh) -> StepFns:
@@ -253,4 +254,5 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         loss_and_grads=jax.jit(loss_and_grads, in_shardings=(param_sh, batch_sh), out_shardings=(replicated, grad_sh)),
         eval_loss=jax.jit(eval_loss, in_shardings=(param_sh, batch_sh), out_shardings=replicated),
         abstract_state=abstract_state,
+        schedule=schedule,
     )
