@@ -22,7 +22,7 @@ from jaxllm.config import Config, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import transformer
-from jaxllm.parallel.pipeline_schedules import bubble_fraction
+from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train.step import make_step_fns
@@ -156,9 +156,9 @@ def train(cfg: Config) -> dict:
              cfg.model.family, n_params / 1e6, t.zero_stage, t.microbatches, cfg.precision.compute)
     if fns.schedule is not None:
         s = fns.schedule
-        log.info("pipeline: %s over %d stages × %d chunk(s), %d microbatches, %d ticks; bubble %.1f%% "
-                 "(p−1)/(v·m+p−1); %d stage input(s) buffered", s.name, s.stages, s.chunks, s.microbatches,
-                 s.ticks, 100 * bubble_fraction(s), s.act_depth)
+        log.info("pipeline: %s over %d stages × %d chunk(s), %d microbatches, %d ticks; bubble %.1f%% of the "
+                 "table (formula %.1f%%); %d stage input(s) buffered", s.name, s.stages, s.chunks, s.microbatches,
+                 s.ticks, 100 * bubble_fraction(s), 100 * bubble_formula(s), s.act_depth)
     if state is None:
         state = fns.init(t.seed)
     else:
