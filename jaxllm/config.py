@@ -458,6 +458,14 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
             check(t.pp_schedule, pp, t.microbatches, v)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        # The islands' ppermutes inside a stage's branch wait for every device of the mesh on XLA:CPU,
+        # while only that stage's devices take the branch: they hang (docs/design-notes.md).
+        if shape["sp"] > 1:
+            raise ConfigError(f"mesh.pp={pp} with mesh.sp={shape['sp']}: context parallelism inside pipeline stages "
+                              "is not supported yet; set mesh.sp=1 or mesh.pp=1")
+        if m.collective_matmul:
+            raise ConfigError(f"model.collective_matmul=true with mesh.pp={pp} is not supported yet; set "
+                              "collective_matmul=false (sequence_parallel works) or mesh.pp=1")
     elif v > 1:
         raise ConfigError(f"train.pp_virtual={v} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
     if t.pp_gather_once and (pp == 1 or t.zero_stage != 3):

@@ -122,6 +122,10 @@ BAD = {
                                      "interleaved"),
     "virtual_without_pp": ({"train.pp_virtual": 2}, "mesh.pp"),
     "unknown_schedule": ({"mesh.pp": 2, "train.pp_schedule": "zigzag"}, "train.pp_schedule"),
+    "context_parallel_inside": ({"mesh.pp": 2, "mesh.sp": 2, "train.microbatches": 4}, "mesh.sp=2"),
+    "collective_matmul_inside": ({"mesh.pp": 2, "mesh.tp": 2, "train.microbatches": 4,
+                                  "train.sequence_parallel": True, "model.collective_matmul": True},
+                                 "collective_matmul"),
 }
 
 
