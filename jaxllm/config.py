@@ -60,6 +60,19 @@ class DistributedConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts feed-forward, used by the "moe" blocks of `model.pattern`."""
+
+    n_experts: int = 8
+    top_k: int = 2  # 1 as in Switch, 2 as in Mixtral
+    d_ff: int = 0  # each expert's hidden size; 0: model.d_ff
+    shared_expert: bool = False  # a dense feed-forward every token also goes through
+    capacity_factor: float = 1.25  # buffer slots per expert = factor · tokens·top_k / n_experts; 0: dropless
+    balance_weight: float = 0.01  # Switch load-balancing loss
+    z_weight: float = 0.001  # router z-loss
+
+
+@dataclass
 class ModelConfig:
     preset: str = ""
     family: str = "gpt2"  # gpt2 | llama
@@ -81,6 +94,7 @@ class ModelConfig:
     # Attention with the sequence split over mesh.sp: ring | allgather | ulysses.
     cp_strategy: str = "ring"
     cp_load_balance: bool = True  # zig-zag order, so every sp rank does the same causal work
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 @dataclass
@@ -162,6 +176,13 @@ PRESETS: dict[str, dict] = {
     "llama-1b": dict(_LLAMA, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192),
     "llama-3b": dict(_LLAMA, n_layers=28, d_model=3072, n_heads=24, n_kv_heads=8, d_ff=8192),
     "llama-8b": dict(_LLAMA, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336),
+    # tiny-llama with 8 experts, top-2, in every layer
+    "tiny-moe": dict(family="llama", n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=128, seq_len=64,
+                     pattern=["moe"], **{"moe.n_experts": 8, "moe.top_k": 2}),
+    # Mixtral 8x7B's shape: 32 layers of 8 experts, top-2, d_ff 14336, 8 KV heads, 32k vocabulary
+    "mixtral-8x7b": dict(_LLAMA, vocab_size=32000, seq_len=4096, rope_theta=1e6, n_layers=32, d_model=4096,
+                         n_heads=32, n_kv_heads=8, d_ff=14336, pattern=["moe"],
+                         **{"moe.n_experts": 8, "moe.top_k": 2}),
 }
 
 CHOICES = {
@@ -369,6 +390,28 @@ def batch_shards(mesh_shape: dict[str, int]) -> int:
 # ---------------------------------------------------------------- validation
 
 
+def _validate_moe(m: ModelConfig, t: TrainConfig, shape: dict[str, int]) -> None:
+    e = m.moe
+    if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
+        raise ConfigError(f"model.moe: need n_experts ≥ 1 and 1 ≤ top_k ≤ n_experts, got n_experts={e.n_experts}, "
+                          f"top_k={e.top_k}")
+    if e.capacity_factor < 0 or e.d_ff < 0 or e.balance_weight < 0 or e.z_weight < 0:
+        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight and z_weight must be 0 or more")
+    ep = shape["ep"]
+    if e.n_experts % ep:
+        raise ConfigError(f"model.moe.n_experts={e.n_experts} is not divisible by mesh.ep={ep}; each ep rank owns "
+                          "an equal share of the experts")
+    if (e.d_ff or m.d_ff) % shape["tp"]:
+        raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
+    if shape["pp"] > 1:
+        raise ConfigError("model.pattern with 'moe' blocks and mesh.pp>1 is not supported yet; set mesh.pp=1")
+    if batch_shards(shape) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
+        raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
+                          "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "
+                          "statistics would not be global); use train.zero_stage≥2 or one microbatch")
+
+
+
 def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     """Check the config against the devices; return the mesh shape and notes to log.
 
@@ -398,10 +441,13 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
         raise ConfigError(f"model.n_kv_heads={kv}: the gpt2 family has no grouped-query attention; set it to {m.n_heads} or 0")
     if m.family == "llama" and (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model: head dimension {m.d_model // m.n_heads} must be even for RoPE; change d_model or n_heads")
-    if not m.pattern or any(k != "dense" for k in m.pattern):
-        raise ConfigError(f"model.pattern: {m.pattern} — only 'dense' blocks exist so far; use [\"dense\"]")
+    if not m.pattern or any(k not in ("dense", "moe") for k in m.pattern):
+        raise ConfigError(f"model.pattern: {m.pattern} — block kinds are 'dense' and 'moe', e.g. [\"dense\", \"moe\"] "
+                          "for an MoE feed-forward every second layer")
     if m.n_layers % len(m.pattern):
         raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
+    if "moe" in m.pattern:
+        _validate_moe(m, t, shape)
     tp = shape["tp"]
     if m.n_heads % tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; use a tp that divides the heads")

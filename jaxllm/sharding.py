@@ -45,6 +45,8 @@ TENSOR_RULES: Rules = (
     ("head_dim", ()),
     ("mlp", ("tp",)),
     ("vocab", ("tp",)),
+    ("experts", ("ep",)),  # expert parallelism: each ep rank owns a share of the experts
+    ("router", ()),  # the router's expert dimension: every rank routes to all experts
 )
 
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES

@@ -10,6 +10,7 @@ program must move tokens by all-to-all and never gather expert weights.
 """
 
 import functools
+import json
 import math
 import re
 
@@ -18,9 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.mesh import make_mesh
-from jaxllm.models import moe
+from jaxllm.models import moe, transformer
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
+from jaxllm.train.loop import train
+from jaxllm.train.step import lm_batch, make_step_fns
+from test_equivalence import GRAD_RTOL, LOSS_RTOL, max_rel_err
+from test_equivalence import tokens as lm_tokens
 
 T, D, F, E = 64, 16, 32, 8
 
@@ -157,3 +163,109 @@ def test_top1_gate_keeps_a_router_gradient_and_topk_gates_sum_to_one():
     np.testing.assert_allclose(np.asarray(gates2.sum(-1)), 1.0, rtol=1e-6)
     g = jax.grad(lambda r: jnp.sum(moe.route(r, x, 1)[2]))(params["router"])
     assert float(jnp.linalg.norm(g)) > 0
+
+
+# ---------------------------------------------------------------- the model and the trainer
+
+MODEL = {"model.preset": "tiny-moe", "model.vocab_size": 257, "model.seq_len": 32, "precision.compute": "float32",
+         "train.global_batch": 16, "train.lr": 1e-3, "train.warmup_steps": 0, "train.steps": 20, "mesh.dp": 1,
+         "model.moe.capacity_factor": 0.0}
+
+
+def model_config(over: dict):
+    return build_config(None, {**MODEL, **over})
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(model_keys: str):
+    """Initial params, LM loss and gradients of the whole objective (LM loss + aux losses) on one device."""
+    m = model_config(json.loads(model_keys)).model
+    params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
+
+    @jax.jit
+    def loss_and_grads(p, toks):
+        batch = lm_batch(toks)
+        count = batch["loss_mask"].sum()
+
+        def objective(q):
+            total, _, stats = transformer.forward_loss(q, batch, m, jnp.float32)
+            return total / count + moe.objective(stats, m), total / count
+
+        return jax.value_and_grad(objective, has_aux=True)(p)
+
+    (_, loss), grads = loss_and_grads(params, jnp.asarray(lm_tokens()))
+    return jax.device_get(params), float(loss), jax.device_get(grads)
+
+
+MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
+    "ep4_fsdp2": ({"mesh.ep": 4, "mesh.fsdp": 2}, {}),
+    "ep2_tp2_fsdp2": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2}, {}),
+    "ep2_tp2_fsdp2_zero3_shared_expert": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2, "train.zero_stage": 3},
+                                          {"model.moe.shared_expert": True}),
+    "ep8_top1": ({"mesh.ep": 8}, {"model.moe.top_k": 1}),
+    "dp8_gpt2_every_second_layer": ({"mesh.dp": 8}, {"model.family": "gpt2", "model.n_kv_heads": 8,
+                                                     "model.pattern": ["dense", "moe"]}),
+    # per-microbatch routing statistics: the balance loss (not linear in them) is left out here
+    "ep4_fsdp2_zero2_microbatches": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 2, "train.microbatches": 2},
+                                     {"model.moe.balance_weight": 0.0}),
+}
+
+
+@pytest.mark.parametrize("mesh", MOE_MESHES)
+def test_moe_model_matches_one_device(mesh):
+    axes, model_keys = MOE_MESHES[mesh]
+    ref_params, ref_loss, ref_grads = one_device(json.dumps(model_keys, sort_keys=True))
+    cfg = model_config({**axes, **model_keys})
+    shape, _ = validate(cfg, 8)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    params = jax.device_put(ref_params, fns.state_shardings["params"])
+    loss, grads = fns.loss_and_grads(params, jax.device_put(lm_tokens(), fns.batch_sharding))
+    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
+    assert max_rel_err(grads, ref_grads) <= GRAD_RTOL
+    if shape["ep"] > 1:  # expert weights stay split over ep
+        w = grads["blocks"][0]["moe"]["experts"]["w_up" if cfg.model.family == "llama" else "w_in"]
+        assert "ep" in str(w.sharding.spec)
+
+
+def test_mixtral_preset_has_mixtrals_size():
+    m = build_config(None, {"model.preset": "mixtral-8x7b"}).model
+    assert transformer.count_params(m) == pytest.approx(46.7e9, rel=0.01)
+    assert transformer.count_params(m, active=True) == pytest.approx(12.9e9, rel=0.01)
+
+
+BAD_MOE = {
+    "experts_over_ep": ({"mesh.ep": 8, "model.moe.n_experts": 4}, "model.moe.n_experts=4"),
+    "top_k": ({"model.moe.top_k": 9}, "top_k"),
+    "pipeline": ({"mesh.pp": 2, "train.microbatches": 2}, "mesh.pp"),
+    "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
+    "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MOE)
+def test_bad_moe_configs_are_one_line_errors(case):
+    over, needle = BAD_MOE[case]
+    with pytest.raises(ConfigError) as e:
+        validate(model_config({"mesh.dp": -1, **over}), 8)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tiny_moe_trains_on_the_default_corpus_and_the_balance_loss_balances(tmp_path):
+    """Loss falls and the router statistics are logged; with the Switch balance loss the busiest expert
+    carries less than without it."""
+    rows = {}
+    for weight in (0.01, 0.0):
+        cfg = build_config(None, {"model.preset": "tiny-moe", "mesh.dp": 2, "mesh.ep": 4, "train.steps": 60,
+                                  "train.log_every": 10, "train.eval_every": 0, "train.checkpoint_every": 0,
+                                  "run.sample_tokens": 0, "run.progress": False, "run.dir": str(tmp_path / str(weight)),
+                                  "model.moe.balance_weight": weight})
+        train(cfg)
+        with open(tmp_path / str(weight) / "metrics.jsonl") as f:
+            rows[weight] = [json.loads(line) for line in f if "moe_balance" in line]
+    balanced, free = rows[0.01], rows[0.0]
+    assert balanced[-1]["loss"] < balanced[0]["loss"] - 1.5
+    for key in ("moe_balance", "moe_z", "moe_dropped", "moe_load_max_over_mean"):
+        assert all(np.isfinite(r[key]) for r in balanced)
+    late = lambda rs, key: np.mean([r[key] for r in rs[-3:]])
+    assert late(balanced, "moe_load_max_over_mean") < late(free, "moe_load_max_over_mean")
+    assert late(balanced, "moe_balance") < late(free, "moe_balance")

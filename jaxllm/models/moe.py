@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 
 def route(router_w: jax.Array, x: jax.Array, top_k: int):
-    """(logits [T, E], probs [T, E], gates [T, k], experts [T, k]) in fp32 for tokens x [T, D]."""
-    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router_w.astype(jnp.float32))
+    """(logits [..., E], probs [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router_w.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, top_k)
     if top_k > 1:
@@ -89,7 +89,8 @@ def expert_ffn(p: dict, buffer: jax.Array, family: str, dtype) -> jax.Array:
 def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:
     """Switch load-balancing loss, router z-loss, and the per-expert load (share of assignments)."""
     n_experts = probs.shape[-1]
-    load = jnp.mean(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32), axis=(0, 1))  # f_e, sums to 1
+    probs, logits = probs.reshape(-1, n_experts), logits.reshape(-1, n_experts)
+    load = jnp.mean(jax.nn.one_hot(experts.reshape(-1), n_experts, dtype=jnp.float32), axis=0)  # f_e, sums to 1
     importance = jnp.mean(probs, axis=0)  # P_e
     return {"balance": n_experts * jnp.sum(load * importance),
             "z": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
@@ -111,3 +112,63 @@ def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_fa
     split = lambda a: a.reshape(groups, t // groups, *a.shape[1:])
     y, dropped = jax.vmap(one)(split(x), split(gates), split(experts))
     return y.reshape(t, -1), jnp.sum(dropped)
+
+
+def zero_stats(m) -> dict:
+    """Router statistics of no MoE layer (the start of a sum over layers)."""
+    return {"balance": jnp.float32(0), "z": jnp.float32(0), "dropped": jnp.float32(0),
+            "load": jnp.zeros(m.moe.n_experts, jnp.float32), "layers": jnp.float32(0)}
+
+
+def moe_ffn(p: dict, h: jax.Array, m, dtype):
+    """The MoE feed-forward on normed h [b, s, D]: (y [b, s, D], this layer's router statistics).
+
+    Routing runs on the whole batch (its statistics are global, whatever the mesh). The
+    experts run where they live: with `mesh.ep > 1` in the expert-parallel island
+    (`parallel/expert_dispatch.py`), otherwise here, in one group per batch shard (the
+    rows one device holds), so tokens drop alike on every mesh with as many batch shards.
+    """
+    from jaxllm.sharding import BATCH_AXES, current_layout, weight
+
+    e = m.moe
+    logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k)
+    layout = current_layout()
+    island = layout is not None and layout.mesh.shape["ep"] > 1
+    # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
+    # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
+    w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
+    w = {n: weight(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")), w_dtype)
+         for n, a in p["experts"].items()}
+    if island:
+        from jaxllm.parallel.expert_dispatch import expert_parallel_moe
+
+        y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.family, dtype,
+                                         layout.mesh)
+    else:
+        b, s, d = h.shape
+        groups = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+        y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
+                               e.n_experts, e.capacity_factor, m.family, dtype, groups if b % groups == 0 else 1)
+        y = y.reshape(b, s, d)
+    aux = aux_losses(logits, probs, experts)
+    stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1)}
+    return y.astype(h.dtype), stats
+
+
+def objective(stats: dict, m) -> jax.Array:
+    """The auxiliary losses added to the language-model loss: weighted means over the MoE layers."""
+    if not stats:
+        return jnp.float32(0)
+    layers = jnp.maximum(stats["layers"], 1)
+    return (m.moe.balance_weight * stats["balance"] + m.moe.z_weight * stats["z"]) / layers
+
+
+def metrics(stats: dict) -> dict:
+    """Router statistics for the log, as means over MoE layers (and microbatches): the two auxiliary
+    losses, the share of (token, choice) pairs dropped, and the busiest expert's load over the mean."""
+    if not stats:
+        return {}
+    n = jnp.maximum(stats["layers"], 1)
+    load = stats["load"] / n
+    return {"moe_balance": stats["balance"] / n, "moe_z": stats["z"] / n, "moe_dropped": stats["dropped"] / n,
+            "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}

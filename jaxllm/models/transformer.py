@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig, kv_heads, padded_vocab
+from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import attention_layer
 from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
 from jaxllm.sharding import constrain, weight
@@ -79,7 +80,23 @@ def _dense_block(m: ModelConfig, repeats: int) -> dict:
     return {"ln1": _norm(m, R, L), "attn": attn, "ln2": _norm(m, R, L), "mlp": mlp}
 
 
-BLOCK_KINDS = {"dense": _dense_block}
+def _moe_block(m: ModelConfig, repeats: int) -> dict:
+    """Attention as in a dense block; the feed-forward is a router and `n_experts` experts stacked on
+    an `experts` dimension (and optionally a shared dense feed-forward)."""
+    block = _dense_block(m, repeats)
+    R, L = (repeats,), ("layers",)
+    D, E, F = m.d_model, m.moe.n_experts, m.moe.d_ff or m.d_ff
+    names = ("w_in", "w_out") if m.family == "gpt2" else ("w_gate", "w_up", "w_down")
+    experts = {n: Leaf(R + (E, F, D) if n in ("w_out", "w_down") else R + (E, D, F),
+                       L + (("experts", "mlp", "embed") if n in ("w_out", "w_down") else ("experts", "embed", "mlp")),
+                       "normal_out" if n in ("w_out", "w_down") else "normal") for n in names}
+    moe = {"router": Leaf(R + (D, E), L + ("embed", "router"), "normal"), "experts": experts}
+    if m.moe.shared_expert:
+        moe["shared"] = block["mlp"]
+    return {"ln1": block["ln1"], "attn": block["attn"], "ln2": block["ln2"], "moe": moe}
+
+
+BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block}
 
 
 def param_table(m: ModelConfig) -> dict:
@@ -110,12 +127,17 @@ def param_shapes(m: ModelConfig):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.shape, jnp.float32), param_table(m), is_leaf=_is_leaf)
 
 
-def count_params(m: ModelConfig, embeddings: bool = True) -> int:
-    """Parameter count; without embeddings drops the token/position tables (the tied GPT-2 head stays out too)."""
+def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) -> int:
+    """Parameter count; without embeddings drops the token/position tables (the tied GPT-2 head stays out too);
+    `active` counts only the top_k of n_experts experts a token goes through (for FLOPs)."""
     table = param_table(m)
     total = sum(math.prod(l.shape) for l in jax.tree.leaves(table, is_leaf=_is_leaf))
     if not embeddings:
         total -= sum(math.prod(l.shape) for l in jax.tree.leaves(table["embed"], is_leaf=_is_leaf))
+    if active:
+        experts = [l for block in table["blocks"] if "moe" in block
+                   for l in jax.tree.leaves(block["moe"]["experts"], is_leaf=_is_leaf)]
+        total -= round(sum(math.prod(l.shape) for l in experts) * (1 - m.moe.top_k / m.moe.n_experts))
     return total
 
 
@@ -158,10 +180,21 @@ def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
                                       rope_theta=m.rope_theta, dtype=dtype), ACT)
     h = norm(m.family, p["ln2"], x, m.norm_eps)
     mlp = gelu_mlp if m.family == "gpt2" else swiglu_mlp
-    return constrain(x + mlp(p["mlp"], h, dtype), ACT)
+    return constrain(x + mlp(p["mlp"], h, dtype), ACT), {}
 
 
-BLOCK_APPLY = {"dense": _dense_apply}
+def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
+    h = norm(m.family, p["ln1"], x, m.norm_eps)
+    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, family=m.family,
+                                      rope_theta=m.rope_theta, dtype=dtype), ACT)
+    h = norm(m.family, p["ln2"], x, m.norm_eps)
+    y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
+    if "shared" in p["moe"]:
+        y = y + (gelu_mlp if m.family == "gpt2" else swiglu_mlp)(p["moe"]["shared"], h, dtype)
+    return constrain(x + y, ACT), stats
+
+
+BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply}
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -171,18 +204,24 @@ REMAT_POLICIES = {
 }
 
 
-def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype) -> jax.Array:
-    """Run a slice of the layer stack: scan over repeats of the block pattern."""
+def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype):
+    """Run a slice of the layer stack: scan over repeats of the block pattern.
 
-    def body(x, layer):
+    Returns (x, stats): the MoE layers' router statistics summed over the slice (see
+    `models/moe.py`; empty for a dense model)."""
+
+    def body(carry, layer):
+        x, total = carry
         for kind, p in zip(m.pattern, layer):
-            x = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
-        return x, None
+            x, stats = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
+            total = jax.tree.map(jnp.add, total, stats) if stats else total
+        return (x, total), None
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, stack)
-    return x
+    zeros = moe_lib.zero_stats(m) if "moe" in m.pattern else {}
+    (x, stats), _ = jax.lax.scan(body, (x, zeros), stack)
+    return x, stats
 
 
 def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
@@ -256,10 +295,10 @@ def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dt
 
 
 def forward_loss(params: dict, batch: dict, m: ModelConfig, dtype, loss_chunk: int = 0):
-    """The whole model on one batch: (loss sum, token count)."""
+    """The whole model on one batch: (loss sum, token count, MoE router statistics (empty if dense))."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
-    x = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    return head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype, loss_chunk)
+    x, stats = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
+    return (*head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype, loss_chunk), stats)
 
 
 def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:
@@ -268,5 +307,5 @@ def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Arr
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     segment_ids = jnp.zeros((b, t), jnp.int32)
     x = embed(params, tokens, positions, m, dtype)
-    x = blocks(params["blocks"], x, positions, segment_ids, m, dtype)
+    x, _ = blocks(params["blocks"], x, positions, segment_ids, m, dtype)
     return head_logits(params, x, m, dtype)

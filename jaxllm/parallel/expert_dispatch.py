@@ -34,12 +34,14 @@ AXIS = "ep"
 
 def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Array, n_experts: int,
                         capacity_factor: float, family: str, dtype, mesh):
-    """Routed experts on tokens x [T, D] (T split over the batch axes), experts split over ep.
-    Returns (y [T, D], dropped pairs over all devices)."""
+    """Routed experts on tokens x [..., D] (the leading dimension split over the batch axes; gates
+    and experts [..., k]), experts split over ep. Returns (y like x, dropped pairs over all devices)."""
     ep = mesh.shape[AXIS]
     local_experts = n_experts // ep
 
     def local(p, x, gates, experts):
+        shape = x.shape
+        x, gates, experts = x.reshape(-1, shape[-1]), gates.reshape(-1, gates.shape[-1]), experts.reshape(-1, experts.shape[-1])
         t, k = experts.shape
         slots = moe.capacity(t, n_experts, k, capacity_factor)
         pos = moe.queue_positions(experts, n_experts)
@@ -50,7 +52,7 @@ def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Ar
         out = moe.expert_ffn(p, rows, family, dtype).astype(x.dtype)
         out = out.reshape(local_experts, ep, slots, -1).transpose(1, 0, 2, 3)
         out = jax.lax.all_to_all(out, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (owner), E/ep, C, D]
-        y = moe.combine(out.reshape(n_experts, slots, -1), experts, pos, gates)
+        y = moe.combine(out.reshape(n_experts, slots, -1), experts, pos, gates).reshape(shape)
         return y, jax.lax.psum(jnp.sum(pos >= slots), BATCH_AXES)
 
     tokens = P(BATCH_AXES)

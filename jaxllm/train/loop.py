@@ -82,7 +82,7 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
 
 def flops_per_token(cfg: Config) -> float:
     m = cfg.model
-    n = transformer.count_params(m, embeddings=False) + m.d_model * m.vocab_size  # + LM head matmul
+    n = transformer.count_params(m, embeddings=False, active=True) + m.d_model * m.vocab_size  # + LM head matmul
     return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, m.d_model)
 
 
@@ -203,12 +203,16 @@ def train(cfg: Config) -> dict:
                 row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                        "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt,
                        "step_time_s": dt, "mfu": metrics_lib.mfu(tokens_per_step / dt, fpt, peak)}
+                row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
                 last["loss"] = row["loss"]
                 if writer:
                     writer.write(row)
                     msg = (f"step {step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm "
                            f"{row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.0f} ms | "
                            f"mfu {row['mfu'] * 100:.1f}%")
+                    if "moe_balance" in row:
+                        msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
+                                f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
                     bar.write(msg) if bar else log.info(msg)
                 if not math.isfinite(row["loss"]):
                     raise FloatingPointError(f"loss is {row['loss']} at step {step}; lower train.lr or check the data")

@@ -30,7 +30,8 @@ def learning_rate(t: TrainConfig):
 
 
 def _matrix_dims(leaf: Leaf) -> tuple[int, ...]:
-    return tuple(i for i, n in enumerate(leaf.names) if n != "layers")
+    """The dimensions of the matrix itself: stacked layers and stacked experts are batches of matrices."""
+    return tuple(i for i, n in enumerate(leaf.names) if n not in ("layers", "experts"))
 
 
 def _is_matrix(leaf: Leaf) -> bool:
@@ -48,7 +49,7 @@ def muon_dimensions(table):
 
     def dims(leaf: Leaf):
         d = _matrix_dims(leaf)
-        if not _is_matrix(leaf) or "vocab" in leaf.names or "pos" in leaf.names:
+        if not _is_matrix(leaf) or {"vocab", "pos", "router"} & set(leaf.names):
             return None
         if leaf.names[d[0]] == "embed":  # x @ W: contract the model dimension
             return contrib.MuonDimensionNumbers(reduction_axis=(d[0],), output_axis=d[1:])

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.config import Config, batch_shards
+from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.parallel import pipeline
 from jaxllm.parallel.accumulation import reduce_once
@@ -141,42 +142,53 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     def constrain_tree(tree, sh):
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, sh)
 
+    moe = "moe" in m.pattern
+    no_stats = moe_lib.zero_stats(m) if moe else {}
+
     def loss_share(params, batch, count):
-        """This batch's token losses summed and divided by the global batch's token count.
-        Dividing inside the loss scales the (scalar) cotangent, not every gradient afterwards."""
-        return transformer.forward_loss(params, batch, m, dtype, t.loss_chunk)[0] / count
+        """This batch's token losses summed and divided by the global batch's token count (dividing
+        inside the loss scales the scalar cotangent, not every gradient afterwards), plus this
+        microbatch's share of the MoE auxiliary losses. Aux: (that token-loss share, router statistics)."""
+        total, _, stats = transformer.forward_loss(params, batch, m, dtype, t.loss_chunk)
+        share = total / count
+        return share + moe_lib.objective(stats, m) / t.microbatches, (share, stats)
 
     def accumulate(params, batch, count, shards, pin_grads, pin_microbatches):
-        """Sums of (loss, gradients) over `train.microbatches` microbatches (a scan)."""
+        """Sums of (loss, router statistics, gradients) over `train.microbatches` microbatches (a scan)."""
         mbs = jax.tree.map(lambda x: pin_microbatches(split_microbatches(x, t.microbatches, shards)), batch)
 
         def body(carry, mb):
-            total, acc = carry
-            s, g = jax.value_and_grad(loss_share)(params, mb, count)
-            return (total + s, pin_grads(jax.tree.map(jnp.add, acc, g))), None
+            total, stats, acc = carry
+            (_, (s, st)), g = jax.value_and_grad(loss_share, has_aux=True)(params, mb, count)
+            return (total + s, jax.tree.map(jnp.add, stats, st), pin_grads(jax.tree.map(jnp.add, acc, g))), None
 
         zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
-        (total, grads), _ = jax.lax.scan(body, (jnp.float32(0), zeros), mbs)
-        return total, grads
+        (total, stats, grads), _ = jax.lax.scan(body, (jnp.float32(0), no_stats, zeros), mbs)
+        return total, stats, grads
 
-    def loss_and_grads(params, tokens):
+    def loss_grads_stats(params, tokens):
+        """(language-model loss, gradients of the whole objective, router statistics summed over layers
+        and microbatches; empty for a dense model)."""
         with use_layout(layout):
             batch = model_batch(tokens)
             count = jnp.sum(batch["loss_mask"])
             if mesh.shape["pp"] > 1:
                 loss, grads = pipelined(params, batch, count)
-                return loss, constrain_tree(grads, grad_sh)
+                return loss, constrain_tree(grads, grad_sh), no_stats
             if t.microbatches == 1:
-                loss, grads = jax.value_and_grad(loss_share)(params, batch, count)
+                (_, (loss, stats)), grads = jax.value_and_grad(loss_share, has_aux=True)(params, batch, count)
                 grads = constrain_tree(grads, grad_sh)
             elif stage <= 1:  # reduce each device's partial sums once per step
-                loss, grads = reduce_once(
+                loss, stats, grads = reduce_once(
                     lambda p, b, c: accumulate(p, b, c, 1, lambda g: g, lambda x: x), params, batch, count,
                     local_layout)
             else:  # ZeRO-2/3: the accumulator is sharded, so each microbatch is reduce-scattered into it
-                loss, grads = accumulate(params, batch, count, shards, lambda g: constrain_tree(g, grad_sh),
-                                         lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
-            return loss, grads
+                loss, stats, grads = accumulate(params, batch, count, shards, lambda g: constrain_tree(g, grad_sh),
+                                                lambda x: jax.lax.with_sharding_constraint(x, microbatch_sh))
+            return loss, grads, stats
+
+    def loss_and_grads(params, tokens):
+        return loss_grads_stats(params, tokens)[:2]
 
     def pipelined(params, batch, count):
         """(loss, grads) through the pipeline executor over pp (parallel/pipeline.py)."""
@@ -213,7 +225,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         return pipeline.loss_and_grads(
             params, mbs, count, schedule, inner,
             embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
-            blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype),
+            blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype)[0],
             loss_fn=lambda sh, x, mb: transformer.head_loss(sh, x, mb["targets"], mb["loss_mask"], m, dtype,
                                                             t.loss_chunk)[0],
             pin_grads=pin_grads, batch_manual=batch_manual,
@@ -221,7 +233,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
 
     def train_step(state, tokens):
         params, opt_state = state["params"], state["opt_state"]
-        loss, grads = loss_and_grads(params, tokens)
+        loss, grads, stats = loss_grads_stats(params, tokens)
         grad_norm = optax.tree.norm(grads)
         if stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, opt_param_sh)
@@ -229,12 +241,12 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         if stage in (1, 2):
             updates = constrain_tree(updates, opt_param_sh)
         params = constrain_tree(optax.apply_updates(params, updates), param_sh)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state["step"]), **moe_lib.metrics(stats)}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     def eval_loss(params, tokens):
         with use_layout(layout):
-            return transformer.forward_loss(params, model_batch(tokens), m, dtype, t.loss_chunk)
+            return transformer.forward_loss(params, model_batch(tokens), m, dtype, t.loss_chunk)[:2]
 
     def init(seed):
         params = transformer.init_params(m, jax.random.key(seed))
