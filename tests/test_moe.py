@@ -266,6 +266,25 @@ def test_tiny_moe_trains_on_the_default_corpus_and_the_balance_loss_balances(tmp
     assert balanced[-1]["loss"] < balanced[0]["loss"] - 1.5
     for key in ("moe_balance", "moe_z", "moe_dropped", "moe_load_max_over_mean"):
         assert all(np.isfinite(r[key]) for r in balanced)
+    for r in balanced:  # per-expert loads: shares of the routed pairs, and max/mean is read off them
+        load = [r[f"moe_load_{e}"] for e in range(8)]
+        assert sum(load) == pytest.approx(1.0, abs=1e-5)
+        assert r["moe_load_max_over_mean"] == pytest.approx(max(load) * 8, rel=1e-5)
     late = lambda rs, key: np.mean([r[key] for r in rs[-3:]])
     assert late(balanced, "moe_load_max_over_mean") < late(free, "moe_load_max_over_mean")
     assert late(balanced, "moe_balance") < late(free, "moe_balance")
+
+
+def test_trainer_step_moves_tokens_not_expert_weights():
+    """ep=4×fsdp=2, ZeRO-0: the gradient program has the island's all-to-alls and no all-gather of any expert
+    weight (whole, or one ep rank's share)."""
+    cfg = model_config({"mesh.ep": 4, "mesh.fsdp": 2})
+    shape, _ = validate(cfg, 8)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    toks = jax.ShapeDtypeStruct((16, 33), jnp.uint16, sharding=fns.batch_sharding)
+    hlo = fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile().as_text()
+    assert hlo.count("all-to-all(") >= 4
+    experts = fns.abstract_state["params"]["blocks"][0]["moe"]["experts"]
+    shapes = {",".join(map(str, (n,) + a.shape[2:])) for a in experts.values() for n in (8, 2)}
+    gathered = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)
+    assert not shapes & set(gathered), gathered

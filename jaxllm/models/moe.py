@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllm.sharding import BATCH_AXES, current_layout, weight
+
 
 def route(router_w: jax.Array, x: jax.Array, top_k: int):
     """(logits [..., E], probs [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
@@ -128,8 +130,6 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     (`parallel/expert_dispatch.py`), otherwise here, in one group per batch shard (the
     rows one device holds), so tokens drop alike on every mesh with as many batch shards.
     """
-    from jaxllm.sharding import BATCH_AXES, current_layout, weight
-
     e = m.moe
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k)
     layout = current_layout()
@@ -146,7 +146,8 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
                                          layout.mesh)
     else:
         b, s, d = h.shape
-        groups = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+        # inside an island manual over the batch axes, h is already one device's rows
+        groups = 1 if layout is None or layout.manual else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
         y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
                                e.n_experts, e.capacity_factor, m.family, dtype, groups if b % groups == 0 else 1)
         y = y.reshape(b, s, d)
@@ -165,10 +166,11 @@ def objective(stats: dict, m) -> jax.Array:
 
 def metrics(stats: dict) -> dict:
     """Router statistics for the log, as means over MoE layers (and microbatches): the two auxiliary
-    losses, the share of (token, choice) pairs dropped, and the busiest expert's load over the mean."""
+    losses, the share of (token, choice) pairs dropped, each expert's share of the pairs
+    (`moe_load`, [n_experts]) and the busiest expert's load over the mean."""
     if not stats:
         return {}
     n = jnp.maximum(stats["layers"], 1)
     load = stats["load"] / n
     return {"moe_balance": stats["balance"] / n, "moe_z": stats["z"] / n, "moe_dropped": stats["dropped"] / n,
-            "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}
+            "moe_load": load, "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}

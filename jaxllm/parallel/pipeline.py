@@ -120,8 +120,8 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
                 return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0)
 
             def first():
-                run = lambda ch, sh: blocks_fn(ch, embed_fn(sh, mb), mb)
-                _, pull = jax.vjp(run, chunk, used_shared)
+                stage = lambda ch, sh: blocks_fn(ch, embed_fn(sh, mb), mb)
+                _, pull = jax.vjp(stage, chunk, used_shared)
                 g_chunk, g_shared = pull(dy)
                 return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0)
 
@@ -131,8 +131,8 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
                 return dx, cast(g_chunk), f32(used_shared), jnp.float32(0)
 
             def final():
-                run = lambda ch, sh, x: loss_fn(sh, blocks_fn(ch, x, mb), mb) / count
-                loss, pull = jax.vjp(run, chunk, used_shared, x_in)
+                stage = lambda ch, sh, x: loss_fn(sh, blocks_fn(ch, x, mb), mb) / count
+                loss, pull = jax.vjp(stage, chunk, used_shared, x_in)
                 g_chunk, g_shared, dx = pull(jnp.ones_like(loss))
                 return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32)
 

@@ -203,7 +203,9 @@ def train(cfg: Config) -> dict:
                 row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                        "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt,
                        "step_time_s": dt, "mfu": metrics_lib.mfu(tokens_per_step / dt, fpt, peak)}
-                row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_")})
+                row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_") and k != "moe_load"})
+                # each expert's share of the routed pairs, one column per expert
+                row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
                 last["loss"] = row["loss"]
                 if writer:
                     writer.write(row)
