@@ -402,12 +402,29 @@ def test_pipeline_zero_theory_per_stage(pipeline_plan):
                  for leaf in jax.tree.leaves(table[name], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
     stack = transformer.count_params(model) - shared
     phi = stack // 2 + shared
-    assert p["pipeline"]["params"] == {"stack": stack, "shared": shared, "stage": phi} == stage_params(model, 2)
+    assert (p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "stage": phi}
+            == stage_params(model, 2))
     assert p["params"] == stack + shared and p["theory"]["params"] == phi
     assert p["theory"]["fp32"]["argument_bytes"] == 12 * phi
     got = p["memory"]["argument_bytes"]
     assert abs(got - 12 * phi) <= 0.10 * 12 * phi, (got, 12 * phi)
     assert "theory Φ = stack / pp + embedding/head/final norm" in format_table(p)
+
+
+def test_expert_parallel_theory_counts_a_share_of_the_experts():
+    """tiny-moe on ep=4 × dp=2 (ZeRO-0): a device holds 1/4 of the experts and all else, and the compiled
+    arguments follow 12 bytes per parameter of that within 10%."""
+    cfg = build_config(None, ["model.preset=tiny-moe", "model.vocab_size=257", "model.seq_len=32", "mesh.ep=4",
+                              "mesh.dp=2", "train.global_batch=16", "precision.compute=float32"])
+    p = plan(cfg)
+    table = transformer.param_table(cfg.model)
+    experts = sum(math.prod(leaf.shape) for block in table["blocks"]
+                  for leaf in jax.tree.leaves(block["moe"]["experts"], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
+    phi = p["params"] - experts + experts // 4
+    assert p["theory"]["params"] == phi
+    assert abs(p["memory"]["argument_bytes"] - 12 * phi) <= 0.10 * 12 * phi
+    assert p["collectives"]["all-to-all"]["count"] > 0
+    assert "1/4 of the experts" in format_table(p)
 
 
 def test_pipeline_theory_arithmetic():

@@ -21,7 +21,8 @@ and without loading any data, and reports per device:
   table predicts beside the compiled ones and the element type the program actually moves.
 
 With pp > 1 a device holds one stage's parameters, so the ZeRO theory's Φ is the layer
-stack's parameters / pp plus the embedding, head and final norm (replicated over pp).
+stack's parameters / pp plus the embedding, head and final norm (replicated over pp);
+MoE experts split over ep count 1/ep of theirs.
 
 The ZeRO theory assumes Adam (two fp32 moments per parameter) and does not divide the
 tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it. The
@@ -434,17 +435,22 @@ PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype
 _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
 
 
-def stage_params(model_cfg, pp: int) -> dict:
-    """Parameters one pipeline stage holds: {"stack" (all layers), "shared" (embedding, head, final norm:
-    replicated over pp), "stage" = stack / pp + shared}."""
+def stage_params(model_cfg, pp: int, ep: int = 1) -> dict:
+    """Parameters one device holds of the model: {"stack" (all layers), "experts" (the MoE experts in the
+    stack), "shared" (embedding, head, final norm: replicated over pp), "stage" = (stack − experts) / pp
+    + experts / (pp·ep) + shared}."""
     import jax
 
     from jaxllm.models import transformer
 
     leaf = lambda x: isinstance(x, transformer.Leaf)
-    stack = sum(math.prod(l.shape) for l in jax.tree.leaves(transformer.param_table(model_cfg)["blocks"], is_leaf=leaf))
+    blocks = transformer.param_table(model_cfg)["blocks"]
+    size = lambda tree: sum(math.prod(l.shape) for l in jax.tree.leaves(tree, is_leaf=leaf))
+    stack = size(blocks)
+    experts = sum(size(b["moe"]["experts"]) for b in blocks if "moe" in b)
     shared = transformer.count_params(model_cfg) - stack
-    return {"stack": stack, "shared": shared, "stage": stack // pp + shared}
+    return {"stack": stack, "experts": experts, "ep": ep, "shared": shared,
+            "stage": (stack - experts) // pp + experts // (pp * ep) + shared}
 
 
 def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
@@ -472,7 +478,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     m, t = model_cfg, train_cfg
     pp = int(mesh_shape.get("pp", 1))
     out = {"enabled": pp > 1, "note": "" if pp > 1 else "no pipeline parallelism (mesh.pp=1)", "pp": pp,
-           "params": stage_params(m, pp), "assumes": PIPELINE_ASSUMES}
+           "params": stage_params(m, pp, int(mesh_shape.get("ep", 1))), "assumes": PIPELINE_ASSUMES}
     if pp == 1:
         return out
     sch = make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
@@ -585,7 +591,8 @@ def plan(cfg) -> dict:
                                            "total_bytes")},
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
-        # with pp > 1 a device holds one stage: Φ = stack / pp + embedding/head/final norm
+        # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp
+        # + experts / (pp·ep) + embedding/head/final norm
         "theory": theory(pipeline["params"]["stage"], shape["fsdp"], t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
@@ -747,7 +754,10 @@ def format_table(p: dict) -> str:
         lines.append(f"  {k:<20}{v['count']:>8}{format_bytes(v['bytes']):>14}")
     if p.get("unknown_trip_loops"):
         lines.append(f"  ({p['unknown_trip_loops']} loop(s) without a known trip count were counted once)")
-    phi = f"Φ = {th['params']:,} (one of {pl['pp']} stages)" if pl.get("enabled") else f"Φ = {p['params']:,}"
+    held = [f"one of {pl['pp']} stages"] if pl.get("enabled") else []
+    if pl["params"]["experts"] and pl["params"]["ep"] > 1:
+        held.append(f"1/{pl['params']['ep']} of the experts")
+    phi = f"Φ = {th['params']:,}" + (f" ({', '.join(held)})" if held else "")
     lines += ["", f"ZeRO theory per device, {phi}, N = fsdp = {n}",
               f"  {'stage':<7}{'fp32 total':>22}{'fp32 arguments':>26}{'bf16 seeds total':>26}"]
     for s in ("0", "1", "2", "3"):
