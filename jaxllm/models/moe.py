@@ -134,6 +134,8 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k)
     layout = current_layout()
     island = layout is not None and layout.mesh.shape["ep"] > 1
+    if island and layout.manual:  # validation keeps MoE out of the pipeline and ZeRO-0/1 accumulation
+        raise NotImplementedError("the expert-parallel island cannot nest inside another island yet")
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
     w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
@@ -146,7 +148,8 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
                                          layout.mesh)
     else:
         b, s, d = h.shape
-        # inside an island manual over the batch axes, h is already one device's rows
+        # inside an island manual over the batch axes, h is already one device's rows; a batch smaller
+        # than the batch shards (sampling one sequence) is one group
         groups = 1 if layout is None or layout.manual else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
         y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
                                e.n_experts, e.capacity_factor, m.family, dtype, groups if b % groups == 0 else 1)

@@ -14,10 +14,11 @@ available on CPU), `all_to_all` over ep so that each rank holds [ep, E/ep, C, D]
 (every source's tokens for its own experts), run its experts as batched matmuls over
 ep·C rows each, `all_to_all` back, and combine with the gates.
 
-Collectives per call (per device, E bytes per element of the compute dtype): two
+Collectives per call (per device, B bytes per element of the compute dtype): two
 all-to-alls of E·C·D elements each, (ep−1)/ep of them leaving the device, so
-2·(ep−1)/ep·E·C·D·E bytes; the backward pass makes the same two in reverse. Expert
-weights are never gathered.
+2·(ep−1)/ep·E·C·D·B bytes; the backward pass makes the same two in reverse. Expert
+weights are never gathered over ep (under ZeRO-3 they are gathered over fsdp at use,
+before the island, like every weight).
 """
 
 from __future__ import annotations

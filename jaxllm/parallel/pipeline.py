@@ -27,9 +27,13 @@ Collectives per call (per device; b·t·d activations of one microbatch, E bytes
 2 collective-permutes per tick, b·t·d·E bytes each, over the schedule's ticks
 (2(m+p−1)−1 for GPipe, m+2(p−1) for 1F1B); then one all-reduce over pp of the loss and
 the embedding/head gradients, and under ZeRO-0/1 one all-reduce over the batch axes of
-all gradients. Under ZeRO-3 each forward and backward slot all-gathers the chunk's
-weights over fsdp, unless `gather_once`: then the stage's weights are gathered once
-(in the compute dtype) before the loop.
+all gradients. Under ZeRO-2/3 the gradients are reduce-scattered over fsdp into the
+sharded accumulators every tick, and under ZeRO-3 each forward and backward slot
+all-gathers the chunk's weights over fsdp, unless `gather_once`: then the stage's
+weights are gathered once (in the compute dtype) before the loop. With v > 1 the
+[v, p, L/(p·v)] view of the layer stack is not the contiguous split the weights are
+stored in, so at the island's edge the partitioner moves most of each stage's weights
+in (all-to-all over pp) and their gradients back, once per step.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def tick_times(s: Schedule, forward: float = 1.0, backward: float = 2.0) -> np.n
 
 
 def bubble_fraction(s: Schedule, forward: float = 1.0, backward: float = 2.0) -> float:
-    """The share of stage-time spent idle: 1 − (work per stage) / (stages × makespan)."""
+    """The share of stage-time spent idle: 1 − (work per stage) / makespan."""
     work = s.microbatches * (forward + backward)
     return 1.0 - work / float(tick_times(s, forward, backward).sum())
 

@@ -36,8 +36,9 @@ def _matrix_dims(leaf: Leaf) -> tuple[int, ...]:
 
 def _is_matrix(leaf: Leaf) -> bool:
     """A weight matrix maps the model dimension somewhere: it has `embed` and one more dimension.
-    (Attention biases are 2-D per layer, [heads, head_dim], but are biases.)"""
-    return len(_matrix_dims(leaf)) >= 2 and "embed" in leaf.names
+    (Attention biases are 2-D per layer, [heads, head_dim], but are biases; the MoE router is a
+    matrix but is left undecayed, as its logits' scale is what the z-loss governs.)"""
+    return len(_matrix_dims(leaf)) >= 2 and "embed" in leaf.names and "router" not in leaf.names
 
 
 def decay_mask(table):
@@ -49,7 +50,7 @@ def muon_dimensions(table):
 
     def dims(leaf: Leaf):
         d = _matrix_dims(leaf)
-        if not _is_matrix(leaf) or {"vocab", "pos", "router"} & set(leaf.names):
+        if not _is_matrix(leaf) or {"vocab", "pos"} & set(leaf.names):
             return None
         if leaf.names[d[0]] == "embed":  # x @ W: contract the model dimension
             return contrib.MuonDimensionNumbers(reduction_axis=(d[0],), output_axis=d[1:])
