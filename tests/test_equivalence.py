@@ -67,7 +67,11 @@ def tokens(step: int = 0) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def reference(family: str):
     """Initial params, loss and grads on one device, no layout at all."""
-    m = config(family, "one", 0, 1).model
+    return plain_reference(config(family, "one", 0, 1).model)
+
+
+def plain_reference(m):
+    """Initial params (seed 0), loss and grads of model config `m` on `tokens()`, run plainly on one device."""
     params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
 
     @jax.jit

@@ -25,8 +25,8 @@ from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
                                                 tick_times)
-from jaxllm.train.step import lm_batch, make_step_fns
-from test_equivalence import GRAD_RTOL, LOSS_RTOL, PRESETS, max_rel_err, tokens
+from jaxllm.train.step import make_step_fns
+from test_equivalence import GRAD_RTOL, LOSS_RTOL, PRESETS, max_rel_err, plain_reference, tokens
 from tools.collectives import memory_summary
 
 LAYERS = 8  # divisible by pp·v = 4·2
@@ -152,17 +152,7 @@ def config(family: str, **over):
 @functools.lru_cache(maxsize=None)
 def reference(family: str):
     """Initial params, loss and grads of the 8-layer model on one device, no layout at all."""
-    m = config(family).model
-    params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
-
-    @jax.jit
-    def loss_and_grads(p, toks):
-        batch = lm_batch(toks)
-        count = batch["loss_mask"].sum()
-        return jax.value_and_grad(lambda q: transformer.forward_loss(q, batch, m, jnp.float32)[0] / count)(p)
-
-    loss, grads = loss_and_grads(params, jnp.asarray(tokens()))
-    return jax.device_get(params), float(loss), jax.device_get(grads)
+    return plain_reference(config(family).model)
 
 
 def pipeline_fns(family: str, **over):
