@@ -174,20 +174,22 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
-def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
+def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
+    """The first half of every block: (residual stream after attention, its normed copy for the feed-forward)."""
     h = norm(m.family, p["ln1"], x, m.norm_eps)
     x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, family=m.family,
                                       rope_theta=m.rope_theta, dtype=dtype), ACT)
-    h = norm(m.family, p["ln2"], x, m.norm_eps)
+    return x, norm(m.family, p["ln2"], x, m.norm_eps)
+
+
+def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
+    x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
     mlp = gelu_mlp if m.family == "gpt2" else swiglu_mlp
     return constrain(x + mlp(p["mlp"], h, dtype), ACT), {}
 
 
 def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
-    h = norm(m.family, p["ln1"], x, m.norm_eps)
-    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, family=m.family,
-                                      rope_theta=m.rope_theta, dtype=dtype), ACT)
-    h = norm(m.family, p["ln2"], x, m.norm_eps)
+    x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
         y = y + (gelu_mlp if m.family == "gpt2" else swiglu_mlp)(p["moe"]["shared"], h, dtype)

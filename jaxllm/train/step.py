@@ -193,8 +193,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     def pipelined(params, batch, count):
         """(loss, grads) through the pipeline executor over pp (parallel/pipeline.py)."""
         batch_manual = stage <= 1  # as in the accumulation island: reduce over the batch axes once
-        inner = dataclasses.replace(layout, manual=True, activations=with_rule(layout.activations, "batch", ())
-                                    if batch_manual else layout.activations)
+        inner = local_layout if batch_manual else dataclasses.replace(layout, manual=True)
         mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             split_microbatches(x, t.microbatches, shards), microbatch_sh), batch)
 
@@ -212,8 +211,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
         stack_grad_specs, shared_grad_specs = island_specs("blocks", grad_rules), island_specs("shared", grad_rules)
 
         def pin_grads(g_stack, g_shared):
-            return (jax.tree.map(jax.lax.with_sharding_constraint, g_stack, stack_grad_specs),
-                    jax.tree.map(jax.lax.with_sharding_constraint, g_shared, shared_grad_specs))
+            return constrain_tree(g_stack, stack_grad_specs), constrain_tree(g_shared, shared_grad_specs)
 
         def gather_once(stack, shared):
             """ZeRO-3: the stage's weights cast and gathered over fsdp once, before the loop."""
