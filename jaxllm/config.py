@@ -405,6 +405,9 @@ def _validate_moe(m: ModelConfig, t: TrainConfig, shape: dict[str, int]) -> None
         raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
     if shape["pp"] > 1:
         raise ConfigError("model.pattern with 'moe' blocks and mesh.pp>1 is not supported yet; set mesh.pp=1")
+    if shape["sp"] > 1:
+        raise ConfigError(f"model.pattern with 'moe' blocks and mesh.sp={shape['sp']} is not supported yet (routing "
+                          "and capacity are per batch shard, not per sequence shard); set mesh.sp=1")
     if batch_shards(shape) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
         raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
                           "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "

@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harness import step_fns, subprocess_env
 from jaxllm.config import build_config, padded_vocab, validate
-from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
-from jaxllm.train.step import make_step_fns
 from tools import plain_gpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +34,7 @@ def test_plain_gpt_matches_jaxllm():
     """Same weights, same tokens: one train step of each gives the same loss and the same weight changes."""
     cfg = build_config(None, dict(TINY))
     m, t = cfg.model, cfg.train
-    shape, _ = validate(cfg, 1)
-    fns = make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:1]))
+    fns = step_fns(cfg)
     c = _plain_config(m)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, m.vocab_size, (t.global_batch, m.seq_len + 1), dtype=np.int32)
@@ -73,7 +71,7 @@ def test_plain_gpt_matches_jaxllm():
 
 
 def test_bench_cli_runs_both():
-    env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="", JAX_PLATFORMS="cpu")  # one CPU device
+    env = subprocess_env(1)  # one CPU device
     args = ["model.family=gpt2", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=0",
             "model.d_ff=64", "model.seq_len=16", "train.global_batch=2"]
     proc = subprocess.run([sys.executable, "-m", "tools.bench", *args, "--steps", "2", "--warmup", "1",
@@ -88,7 +86,7 @@ def test_bench_cli_runs_both():
 
 
 def test_bench_config_error_exits_2():
-    env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = subprocess_env(1)
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "model.d_model=64", "model.n_heads=3"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
@@ -112,8 +110,7 @@ def test_baseline_only_where_plain_gpt_applies():
 
 def test_bench_pipeline_reports_measured_and_table_bubble():
     """mesh.pp=2 on 2 fake CPU devices: the bench reports both bubbles (timings on CPU are not asserted)."""
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
+    env = subprocess_env(2)
     p, mb = 2, 4
     args = ["model.preset=tiny-gpt2", "model.n_layers=4", f"mesh.pp={p}", "mesh.dp=1", f"train.microbatches={mb}",
             "train.global_batch=8", "model.seq_len=32", "model.vocab_size=257", "precision.compute=float32"]

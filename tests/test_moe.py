@@ -19,14 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harness import CORPUS, assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tokens
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import moe, transformer
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.train.loop import train
-from jaxllm.train.step import lm_batch, make_step_fns
-from test_equivalence import GRAD_RTOL, LOSS_RTOL, max_rel_err
-from test_equivalence import tokens as lm_tokens
 
 T, D, F, E = 64, 16, 32, 8
 
@@ -167,34 +165,22 @@ def test_top1_gate_keeps_a_router_gradient_and_topk_gates_sum_to_one():
 
 # ---------------------------------------------------------------- the model and the trainer
 
-MODEL = {"model.preset": "tiny-moe", "model.vocab_size": 257, "model.seq_len": 32, "precision.compute": "float32",
-         "train.global_batch": 16, "train.lr": 1e-3, "train.warmup_steps": 0, "train.steps": 20, "mesh.dp": 1,
-         "model.moe.capacity_factor": 0.0}
+MODEL = {"model.moe.capacity_factor": 0.0}
 
 
 def model_config(over: dict):
-    return build_config(None, {**MODEL, **over})
+    return equivalence_config("tiny-moe", **{**MODEL, **over})
 
 
-@functools.lru_cache(maxsize=None)
-def one_device(model_keys: str):
-    """Initial params, LM loss and gradients of the whole objective (LM loss + aux losses) on one device."""
-    m = model_config(json.loads(model_keys)).model
-    params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
-
-    @jax.jit
-    def loss_and_grads(p, toks):
-        batch = lm_batch(toks)
-        count = batch["loss_mask"].sum()
-
-        def objective(q):
-            total, _, stats = transformer.forward_loss(q, batch, m, jnp.float32)
-            return total / count + moe.objective(stats, m), total / count
-
-        return jax.value_and_grad(objective, has_aux=True)(p)
-
-    (_, loss), grads = loss_and_grads(params, jnp.asarray(lm_tokens()))
-    return jax.device_get(params), float(loss), jax.device_get(grads)
+def one_device(model_keys: dict):
+    """(params, LM loss, gradients of the whole objective) on one device: the independent reference
+    (tools/plain_llama.py) where it has the model, else jaxllm on one device."""
+    cfg = model_config(model_keys)
+    if cfg.model.family == "llama" and cfg.model.pattern == ["moe"]:
+        return reference(cfg.model)
+    params = jax.device_get(step_fns(cfg).init(0)["params"])
+    loss, grads = loss_and_grads(step_fns(cfg), params)
+    return params, float(loss), jax.device_get(grads)
 
 
 MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
@@ -212,19 +198,38 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
 
 
 @pytest.mark.parametrize("mesh", MOE_MESHES)
-def test_moe_model_matches_one_device(mesh):
+def test_moe_model_matches_the_reference(mesh):
     axes, model_keys = MOE_MESHES[mesh]
-    ref_params, ref_loss, ref_grads = one_device(json.dumps(model_keys, sort_keys=True))
+    ref = one_device(model_keys)
     cfg = model_config({**axes, **model_keys})
-    shape, _ = validate(cfg, 8)
-    fns = make_step_fns(cfg, make_mesh(shape, cfg))
-    params = jax.device_put(ref_params, fns.state_shardings["params"])
-    loss, grads = fns.loss_and_grads(params, jax.device_put(lm_tokens(), fns.batch_sharding))
-    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
-    assert max_rel_err(grads, ref_grads) <= GRAD_RTOL
-    if shape["ep"] > 1:  # expert weights stay split over ep
+    loss, grads = loss_and_grads(step_fns(cfg), ref[0])
+    assert_matches(loss, grads, ref)
+    if cfg.mesh.ep > 1:  # expert weights stay split over ep
         w = grads["blocks"][0]["moe"]["experts"]["w_up" if cfg.model.family == "llama" else "w_in"]
         assert "ep" in str(w.sharding.spec)
+
+
+# The default capacity (factor 1.25) drops pairs, per batch shard: meshes with as many batch shards
+# (8) drop the same pairs, whether the experts run locally (dp) or behind the all-to-alls (ep).
+CAPACITY_MESHES = {"ep8": {"mesh.ep": 8}, "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
+                   "ep2_dp4": {"mesh.ep": 2, "mesh.dp": 4}}
+
+
+def capacity_config(over: dict):
+    return equivalence_config("tiny-moe", **over)  # the preset's default capacity factor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", CAPACITY_MESHES)
+def test_default_capacity_drops_alike_on_meshes_with_equal_batch_shards(mesh):
+    assert capacity_config({}).model.moe.capacity_factor == 1.25
+    base = step_fns(capacity_config({"mesh.dp": 8}))  # the experts run locally, one group per device
+    params = jax.device_get(base.init(0)["params"])
+    _, metrics = base.train_step(base.init(0), jax.device_put(tokens(), base.batch_sharding))
+    assert float(metrics["moe_dropped"]) > 0.01  # the capacity really drops pairs
+    ref_loss, ref_grads = loss_and_grads(base, params)
+    loss, grads = loss_and_grads(step_fns(capacity_config(CAPACITY_MESHES[mesh])), params)
+    assert_matches(loss, grads, (params, float(ref_loss), jax.device_get(ref_grads)))
 
 
 def test_mixtral_preset_has_mixtrals_size():
@@ -239,6 +244,7 @@ BAD_MOE = {
     "pipeline": ({"mesh.pp": 2, "train.microbatches": 2}, "mesh.pp"),
     "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
+    "context_parallel": ({"mesh.sp": 2}, "mesh.sp"),
 }
 
 
@@ -250,12 +256,13 @@ def test_bad_moe_configs_are_one_line_errors(case):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_tiny_moe_trains_on_the_default_corpus_and_the_balance_loss_balances(tmp_path):
+def test_tiny_moe_trains_and_the_balance_loss_balances(tmp_path):
     """Loss falls and the router statistics are logged; with the Switch balance loss the busiest expert
     carries less than without it."""
     rows = {}
     for weight in (0.01, 0.0):
         cfg = build_config(None, {"model.preset": "tiny-moe", "mesh.dp": 2, "mesh.ep": 4, "train.steps": 60,
+                                  "data.source": CORPUS,
                                   "train.log_every": 10, "train.eval_every": 0, "train.checkpoint_every": 0,
                                   "run.sample_tokens": 0, "run.progress": False, "run.dir": str(tmp_path / str(weight)),
                                   "model.moe.balance_weight": weight})
@@ -278,9 +285,7 @@ def test_tiny_moe_trains_on_the_default_corpus_and_the_balance_loss_balances(tmp
 def test_trainer_step_moves_tokens_not_expert_weights():
     """ep=4×fsdp=2, ZeRO-0: the gradient program has the island's all-to-alls and no all-gather of any expert
     weight (whole, or one ep rank's share)."""
-    cfg = model_config({"mesh.ep": 4, "mesh.fsdp": 2})
-    shape, _ = validate(cfg, 8)
-    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    fns = step_fns(model_config({"mesh.ep": 4, "mesh.fsdp": 2}))
     toks = jax.ShapeDtypeStruct((16, 33), jnp.uint16, sharding=fns.batch_sharding)
     hlo = fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile().as_text()
     assert hlo.count("all-to-all(") >= 4

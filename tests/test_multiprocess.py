@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import subprocess_env
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TIMEOUT_S = 300
@@ -39,11 +41,7 @@ COMMON = [
 
 
 def _env(n_devices: int) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n_devices}"  # replaces the test process's 8
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return subprocess_env(n_devices)  # replaces the test process's 8 devices
 
 
 def _free_port() -> int:

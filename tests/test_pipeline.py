@@ -11,8 +11,6 @@ temporaries below GPipe's by at least the buffer slots the tables save, and ZeRO
 gather-once option leaving no weight all-gather inside the tick loop.
 """
 
-import functools
-import math
 import re
 
 import jax
@@ -20,14 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, loss_and_grads, max_rel_err,
+                     reference, step_fns, train_step)
 from jaxllm.config import ConfigError, build_config, validate
-from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
                                                 tick_times)
-from jaxllm.train.step import make_step_fns
-from test_equivalence import GRAD_RTOL, LOSS_RTOL, PRESETS, max_rel_err, plain_reference, tokens
 from tools.collectives import memory_summary
+
+PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 
 LAYERS = 8  # divisible by pp·v = 4·2
 
@@ -143,33 +142,18 @@ def test_bad_pipeline_configs_are_one_line_errors(case):
 
 
 def config(family: str, **over):
-    base = {"model.preset": PRESETS[family], "model.vocab_size": 257, "model.seq_len": 32, "model.n_layers": LAYERS,
-            "precision.compute": "float32", "train.global_batch": 16, "train.lr": 1e-3, "train.warmup_steps": 0,
-            "train.steps": 20, "mesh.dp": 1}
-    return build_config(None, {**base, **over})
-
-
-@functools.lru_cache(maxsize=None)
-def reference(family: str):
-    """Initial params, loss and grads of the 8-layer model on one device, no layout at all."""
-    return plain_reference(config(family).model)
+    """The equivalence config with 8 layers (divisible by pp·v = 4·2)."""
+    return equivalence_config(PRESETS[family], **{"model.n_layers": LAYERS, **over})
 
 
 def pipeline_fns(family: str, **over):
-    cfg = config(family, **over)
-    n = math.prod(v for k, v in over.items() if k.startswith("mesh."))
-    shape, _ = validate(cfg, n)
-    return make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:n]))
+    return step_fns(config(family, **over))
 
 
-def assert_matches_one_device(family: str, **over):
-    ref_params, ref_loss, ref_grads = reference(family)
-    fns = pipeline_fns(family, **over)
-    params = jax.device_put(ref_params, fns.state_shardings["params"])
-    loss, grads = fns.loss_and_grads(params, jax.device_put(tokens(), fns.batch_sharding))
-    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
-    assert max_rel_err(grads, ref_grads) <= GRAD_RTOL
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+def assert_matches_the_reference(family: str, **over):
+    ref = reference(config(family).model)
+    loss, grads = loss_and_grads(pipeline_fns(family, **over), ref[0])
+    assert_matches(loss, grads, ref)
 
 
 # The tied GPT-2 embeddings (used on the first and the last stage) are the harder case, so gpt2 runs
@@ -180,13 +164,13 @@ SCHEDULE_CASES = ([("gpt2", name, p, m) for name in ("gpipe", "1f1b") for p in (
 
 @pytest.mark.parametrize("family,schedule,pp,microbatches", SCHEDULE_CASES)
 def test_schedules_match_one_device(family, schedule, pp, microbatches):
-    assert_matches_one_device(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
+    assert_matches_the_reference(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
                                          "train.pp_schedule": schedule})
 
 
 @pytest.mark.parametrize("family,pp,microbatches", [("gpt2", 2, 4), ("gpt2", 4, 4), ("gpt2", 4, 8), ("llama", 4, 8)])
 def test_interleaved_matches_one_device(family, pp, microbatches):
-    assert_matches_one_device(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
+    assert_matches_the_reference(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
                                          "train.pp_schedule": "interleaved", "train.pp_virtual": 2})
 
 
@@ -206,17 +190,34 @@ MESHES_3D = {  # name -> (axes and options, ZeRO stage, families)
 @pytest.mark.parametrize("mesh,family", [(mesh, f) for mesh, (_, _, fams) in MESHES_3D.items() for f in fams])
 def test_3d_parallel_matches_one_device(mesh, family):
     axes, stage, _ = MESHES_3D[mesh]
-    assert_matches_one_device(family, **axes, **{"train.zero_stage": stage, "train.microbatches": 4})
+    assert_matches_the_reference(family, **axes, **{"train.zero_stage": stage, "train.microbatches": 4})
+
+
+# remat policies and the chunked loss inside pipeline stages
+STAGE_OPTIONS = {
+    "gpt2_full_remat_chunked_loss_pp2_dp2_tp2": ("gpt2", {"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2, "train.zero_stage": 1,
+                                                           "model.remat": "full", "train.loss_chunk": 8}),
+    "llama_save_named_pp2_fsdp4_zero3": ("llama", {"mesh.pp": 2, "mesh.fsdp": 4, "train.zero_stage": 3,
+                                                   "model.remat": "save-named"}),
+    "llama_save_dots_chunked_loss_pp4_dp2": ("llama", {"mesh.pp": 4, "mesh.dp": 2, "model.remat": "save-dots",
+                                                       "train.loss_chunk": 16}),
+}
+
+
+@pytest.mark.parametrize("name", STAGE_OPTIONS)
+def test_remat_and_chunked_loss_in_stages_match_the_reference(name):
+    family, over = STAGE_OPTIONS[name]
+    assert_matches_the_reference(family, **over, **{"train.microbatches": 4})
 
 
 def test_pipelined_train_step_matches_one_device_step():
     """A whole step (clipping, AdamW, ZeRO-1 sharded update) on pp2×dp2×tp2 equals the one-device step."""
     over = {"train.zero_stage": 1, "train.microbatches": 4}
-    one = pipeline_fns("llama", **{"mesh.pp": 1}, **over)
+    one = pipeline_fns("llama", **over)
     fns = pipeline_fns("llama", **{"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2}, **over)
     state0 = jax.device_get(one.init(0))
-    new_one, m_one = one.train_step(jax.device_put(state0, one.state_shardings), jnp.asarray(tokens()))
-    new, m = fns.train_step(jax.device_put(state0, fns.state_shardings), jax.device_put(tokens(), fns.batch_sharding))
+    new_one, m_one = train_step(one, state0)
+    new, m = train_step(fns, state0)
     assert float(m["loss"]) == pytest.approx(float(m_one["loss"]), rel=LOSS_RTOL)
     assert float(m["grad_norm"]) == pytest.approx(float(m_one["grad_norm"]), rel=GRAD_RTOL)
     delta = lambda a, b: jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b)
@@ -233,17 +234,24 @@ def compiled(fns, batch: int, seq: int):
     return fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile()
 
 
-def test_1f1b_temporaries_below_gpipe():
-    """p=2, m=8: GPipe keeps 8 stage inputs, 1F1B one; the compiled temporaries differ by at least those slots."""
+@pytest.mark.slow
+def test_1f1b_temporaries_stay_flat_in_microbatches_and_below_gpipe():
+    """p=2, 8 rows per microbatch. From m=8 to m=16 GPipe keeps 8 more stage inputs and its compiled
+    temporaries grow by at least those slots; 1F1B's buffers do not depend on m and its temporaries
+    grow by less than one slot. At m=8 GPipe's are above 1F1B's by at least the 7 slots the tables save."""
+    rows, seq = 8, MEMORY["model.seq_len"]
     temps = {}
     for name in ("gpipe", "1f1b"):
-        fns = pipeline_fns("gpt2", **MEMORY, **{"train.pp_schedule": name})
-        temps[name] = memory_summary(compiled(fns, 64, 64))["temp_bytes"]
-    cfg = config("gpt2", **MEMORY)
-    slot = (64 // 8) * 64 * cfg.model.d_model * 4  # one microbatch's [rows, seq, d_model] fp32 input
-    saved = make_schedule("gpipe", 2, 8).act_depth - make_schedule("1f1b", 2, 8).act_depth
-    assert saved == 7
-    assert temps["gpipe"] - temps["1f1b"] >= saved * slot, temps
+        for m in (8, 16):
+            fns = pipeline_fns("gpt2", **{**MEMORY, "train.microbatches": m, "train.global_batch": rows * m,
+                                          "train.pp_schedule": name})
+            temps[name, m] = memory_summary(compiled(fns, rows * m, seq))["temp_bytes"]
+    slot = rows * seq * config("gpt2").model.d_model * 4  # one microbatch's [rows, seq, d_model] fp32 input
+    depth = lambda name, m: make_schedule(name, 2, m).act_depth
+    assert (depth("gpipe", 16) - depth("gpipe", 8), depth("1f1b", 16) - depth("1f1b", 8)) == (8, 0)
+    assert temps["gpipe", 16] - temps["gpipe", 8] >= 8 * slot, temps
+    assert abs(temps["1f1b", 16] - temps["1f1b", 8]) < slot, temps
+    assert temps["gpipe", 8] - temps["1f1b", 8] >= (depth("gpipe", 8) - depth("1f1b", 8)) * slot, temps
 
 
 def weight_gathers_in_loop(hlo: str, shapes: set) -> int:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from harness import subprocess_env
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from tools.pipeline import boxes
 
@@ -14,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_tool(*args, cwd=REPO):
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = subprocess_env(1)
     return subprocess.run([sys.executable, "-m", "tools.pipeline", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
 

@@ -1,6 +1,8 @@
-"""tools.plan: compiled memory follows the ZeRO table, collectives are per step, the CLI contract,
-the tensor-parallel theory (collectives per layer, saved activations) against a compiled step,
-and the attention memory per layer under context parallelism (pure arithmetic, no compiling).
+"""tools.plan: compiled memory follows the ZeRO theory, collectives are per step, the CLI contract,
+the tensor-parallel and pipeline collective-permutes against compiled steps, and the properties of
+the attention-memory trend. (The planner's per-layer tensor-parallel collectives and its attention
+memory are checked against compiled programs in test_tensor_parallel.py and test_context_parallel.py;
+no test here restates a formula of the planner.)
 
 Runs on the 8 fake CPU devices of conftest.py. Each compile takes a few seconds, so the
 in-process plans are cached per (stage, microbatches) for the module.
@@ -15,12 +17,13 @@ import sys
 import jax
 import pytest
 
+from harness import subprocess_env
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, pipeline_theory,
-                        plan, stage_params, tensor_parallel_theory, theory)
+from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, plan, stage_params,
+                        tensor_parallel_theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,34 +51,18 @@ def plans():
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, "-m", "tools.plan", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "tools.plan", *args], cwd=ROOT, env=subprocess_env(8),
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_theory_formulas():
-    phi, n = 1000, 8
-    t = theory(phi, n, 2)
-    assert [t["fp32"]["stages"][s]["total_bytes"] for s in "0123"] == [16000, 9000, 5500, 2000]
-    assert [t["fp32"]["stages"][s]["argument_bytes"] for s in "0123"] == [12000, 5000, 5000, 1500]
-    assert [t["bf16_seeds"]["stages"][s]["total_bytes"] for s in "0123"] == [16000, 5500, 3750, 2000]
-    assert (t["fp32"]["total_bytes"], t["fp32"]["argument_bytes"], t["bf16_seeds"]["total_bytes"]) == (5500, 5000, 3750)
-    # With N = 1 every stage is plain data parallelism.
-    one = theory(phi, 1, 3)
-    assert {one["fp32"]["stages"][s]["total_bytes"] for s in "0123"} == {16000}
-    assert {one["bf16_seeds"]["stages"][s]["total_bytes"] for s in "0123"} == {16000}
-
-
 def test_argument_bytes_follow_zero_table(plans):
+    """The compiled step's arguments per device are the planner's ZeRO theory (12Φ, 4Φ + 8Φ/N, 12Φ/N for
+    fp32 parameters and Adam moments) within 10%, with Φ the model's parameter count."""
     p0, p1, p3 = plans(0), plans(1), plans(3)
-    phi = p0["params"]
-    assert phi == transformer.count_params(build_config(None, SMALL + ["model.vocab_size=257"]).model)
-    expected = {0: 12 * phi, 1: 4 * phi + 8 * phi / N, 3: 12 * phi / N}
+    assert p0["params"] == transformer.count_params(build_config(None, SMALL + ["model.vocab_size=257"]).model)
     for stage, p in ((0, p0), (1, p1), (3, p3)):
-        got = p["memory"]["argument_bytes"]
-        assert abs(got - expected[stage]) <= 0.10 * expected[stage], (stage, got, expected[stage])
-        assert p["theory"]["fp32"]["argument_bytes"] == pytest.approx(expected[stage], abs=1)
+        got, expected = p["memory"]["argument_bytes"], p["theory"]["fp32"]["argument_bytes"]
+        assert abs(got - expected) <= 0.10 * expected, (stage, got, expected)
         assert p["config"]["zero_stage"] == stage and p["config"]["mesh"]["fsdp"] == N
         assert p["devices"] == 8
     ratio = p3["memory"]["argument_bytes"] / p0["memory"]["argument_bytes"]
@@ -140,7 +127,8 @@ def test_cli_json_contract(tmp_path):
         assert isinstance(out["collectives"][kind]["count"], int)
         assert isinstance(out["collectives"][kind]["bytes"], int)
     assert out["collectives"]["all-gather"]["count"] > 0
-    assert out["theory"]["fp32"]["argument_bytes"] == round(12 * out["params"] / 8)
+    theory_args = out["theory"]["fp32"]["argument_bytes"]
+    assert abs(out["memory"]["argument_bytes"] - theory_args) <= 0.10 * theory_args
     assert set(out["theory"]["fp32"]["stages"]) == set(out["theory"]["bf16_seeds"]["stages"]) == set("0123")
     assert "memory per device" in r.stderr  # the human table goes to stderr with --json
     tp = out["tensor_parallel"]  # tp=1: the marker, no made-up collectives
@@ -193,64 +181,13 @@ def by_kind(entries: list[dict]) -> dict:
     return {e["kind"]: (e["count"], e["bytes_per_call"], e["sent_bytes"]) for e in entries}
 
 
-def test_tensor_parallel_theory_collectives():
-    """tiny-llama on dp=2 × tp=4, 2 microbatches, bf16: b = 16/2/2 = 4 rows, s = 64, d = 64, E = 2."""
-    th = tp_theory("train.sequence_parallel=true")
-    n, b, s, d, E = 4, 4, 64, 64, 2
-    full, shard = b * s * d * E, b * s // n * d * E
-    assert (th["enabled"], th["tp"], th["setting"], th["b"], th["s"], th["d"], th["dtype_bytes"]) == (
-        True, n, "sp", b, s, d, E)
-    c = th["collectives_per_layer"]
-    # Megatron, TP alone: 2 all-reduces of [b, s, d] each way; a ring all-reduce sends 2(n-1)/n of it
-    assert by_kind(c["tp"]["forward"]) == by_kind(c["tp"]["backward"]) == {
-        "all-reduce": (2, full, 2 * 2 * (n - 1) * full // n)}
-    # sequence parallelism: all-gathers in (full result), reduce-scatters out (shard result), (n-1)/n sent
-    assert by_kind(c["sp"]["forward"]) == by_kind(c["sp"]["backward"]) == {
-        "all-gather": (2, full, 2 * (n - 1) * full // n), "reduce-scatter": (2, shard, 2 * (n - 1) * full // n)}
-    # collective matmul: 4 calls x 2(n-1) permutes of half a sequence block each way
-    half = b * (s // n // 2) * d * E
-    assert by_kind(c["sp_cm"]["forward"]) == by_kind(c["sp_cm"]["backward"]) == {
-        "collective-permute": (4 * 2 * (n - 1), half, 4 * 2 * (n - 1) * half)}
-    # all three move the same bytes over the links per layer
-    sent = {k: sum(v["sent_bytes"] for v in c[k]["per_layer"].values()) for k in c}
-    assert set(sent.values()) == {8 * (n - 1) * full // n}, sent
-    # per step: n_layers (2) x microbatches (2)
-    assert c["sp_cm"]["per_step"]["collective-permute"]["count"] == 2 * 2 * 2 * 4 * 2 * (n - 1)
-    assert c["sp"]["per_step"]["all-gather"]["bytes"] == 2 * 2 * 4 * full
-
-    # an odd sequence block (s/tp = 3) travels as one ring: n-1 permutes per call of the whole block
-    odd = tp_theory("model.seq_len=12", "train.sequence_parallel=true", "model.collective_matmul=true")
-    assert odd["setting"] == "sp_cm"
-    assert by_kind(odd["collectives_per_layer"]["sp_cm"]["forward"]) == {
-        "collective-permute": (4 * (n - 1), b * 3 * d * E, 4 * (n - 1) * b * 3 * d * E)}
-
-    # tp = 1: the marker, no numbers
+def test_tensor_parallel_theory_without_tp_is_a_marker():
+    """tp = 1: no made-up collectives or activation savings. (The numbers for tp > 1 are checked against
+    compiled programs: tests/test_tensor_parallel.py.)"""
     one = tp_theory("mesh.tp=1", "mesh.dp=8")
     assert one["enabled"] is False and one["tp"] == 1 and "no tensor parallelism" in one["note"]
     for setting in one["collectives_per_layer"].values():
         assert setting["forward"] == setting["backward"] == [] and setting["per_layer"] == setting["per_step"] == {}
-
-
-def test_tensor_parallel_theory_activations():
-    """Saved activations per layer: SP divides only the residual-region tensors (the two norm inputs) by tp."""
-    th = tp_theory()
-    n, b, s, d, E, H, KV, F, L = 4, 4, 64, 64, 2, 8, 4, 128, 2
-    dh = d // H
-    a = th["activation_bytes_per_layer"]
-    residual = 2 * b * s * d * E
-    expected = (residual + 2 * b * s * d * E + b * s * (H + 2 * max(KV, n)) * dh * E // n
-                + b * H * s * s * (4 + E) // n + b * s * d * E // n + 3 * b * s * F * E // n)
-    assert a["without_sp"] == expected
-    assert a["with_sp"] < a["without_sp"]
-    assert a["sp_saving"] == a["without_sp"] - a["with_sp"] == residual - residual // n
-    assert th["activation_bytes"] == {k: L * a[k] for k in ("without_sp", "with_sp", "sp_saving")}
-    # KV heads fewer than tp are repeated up to tp: at tp=8 each rank holds one KV head of k and v
-    t8 = tp_theory("mesh.tp=8", "mesh.dp=1", "train.global_batch=8")["activation_bytes_per_layer"]["terms"]["qkv"]
-    assert t8["without_sp"] == 4 * s * (H + 2 * 8) * dh * E // 8
-    # gpt2 keeps two MLP hidden tensors (before and after GELU); fp32 has no second copy of the probabilities
-    g = tp_theory("model.preset=tiny-gpt2", "precision.compute=float32")["activation_bytes_per_layer"]["terms"]
-    assert g["mlp_hidden"]["without_sp"] == 2 * b * s * 256 * 4 // n
-    assert g["attention_probs"]["without_sp"] == b * H * s * s * 4 // n
 
 
 def test_collective_matmul_permutes_match_theory():
@@ -289,52 +226,16 @@ def attention_theory(sp: int, strategy: str = "ring", *extra: str) -> dict:
     return attention_memory_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
 
 
-def test_attention_memory_sp1_is_plain_attention():
-    """sp=1: the full [b, h, s, s] scores of plain attention, kept and differentiated; the ratio is 1.
-    tiny-llama at seq 4096 on dp=8: b = 1 row, 8 heads, 4 KV heads, head_dim 8."""
-    th = attention_theory(1)
-    b, S, H, KV, d = 1, 4096, 8, 4, 8
-    assert (th["enabled"], th["sp"], th["strategy"], th["b"], th["heads"], th["kv_heads"], th["head_dim"]) == (
-        False, 1, "plain", b, H, KV, d)
-    assert th["sp1"]["terms"] == {"probabilities": b * H * S * S * 4, "score_gradients": 2 * b * H * S * S * 4,
-                                  "qkv_out": b * S * (2 * H + 2 * KV) * d * 4}
-    assert th["this"] == th["sp1"] and th["ratio"] == 1
-    assert all(r["1"] == 1 for r in th["ratio_by_sp"].values())
-    # in bf16 the probabilities also have their bf16 copy for the PV matmul
-    bf16 = attention_theory(1, "ring", "precision.compute=bfloat16")["sp1"]["terms"]
-    assert bf16["probabilities"] == b * H * S * S * (4 + 2) and bf16["qkv_out"] == b * S * 24 * d * 2
-
-
-def test_attention_memory_blockwise_terms():
-    """sp=8 at seq 4096 on dp=1 (b = 8 rows, t = 512 per rank): the blockwise kernel's per-step blocks."""
-    b, S, H, KV, d, sp, t = 8, 4096, 8, 4, 8, 8, 512
-    ring = attention_theory(sp, "ring")
-    pair = b * H * (t // 2) * (t // 2)  # half-block query piece × half-block key piece
-    assert ring["this"]["terms"] == {
-        "block_scores": 4 * pair * (4 + 4 + 1),  # 2 × 2 pairs per step: scores, exp, mask
-        "block_score_gradients": 3 * pair * 4,
-        "running_state": sp * b * t * H * (d + 2) * 4,  # (out, max, sum) at each of the sp steps
-        "kv_blocks": 2 * b * S * KV * d * 4 + 2 * b * S * 4,  # the whole K/V over the steps
-        "qkv_out": b * t * (2 * H + 2 * KV) * d * 4}
-    assert ring["strategies"]["allgather"]["terms"] == ring["this"]["terms"]  # the gathered K/V: same bytes
-    assert ring["ratio"] == ring["strategies"]["ring"]["ratio"] == ring["ratio_by_sp"]["ring"]["8"]
-    # ulysses: the whole sequence for h/sp = 1 head (KV heads repeated up to sp, one per rank),
-    # queries in sp pieces of t against K/V blocks in 2 pieces
-    u = attention_theory(sp, "ulysses")["this"]["terms"]
-    upair = b * 1 * t * (t // 2)
-    assert u == {"block_scores": sp * 2 * upair * 9, "block_score_gradients": 3 * upair * 4,
-                 "running_state": sp * b * S * 1 * (d + 2) * 4, "kv_blocks": 2 * b * S * 1 * d * 4 + 2 * b * S * 4,
-                 "qkv_out": b * t * (2 * H + 2 * KV) * d * 4 + b * S * (2 + 2) * d * 4}
-    # the ring at sp=2 runs its scan for one trip, which XLA unrolls: two steps' blocks live at once
-    two = attention_theory(2, "ring")
-    assert two["this"]["terms"]["block_scores"] == 2 * 4 * two["b"] * H * (S // 4) ** 2 * 9
-    # tp=2 × sp=4: 4 heads and 2 KV heads per tp rank; Ulysses cannot split 4 heads over sp=8
-    tp = attention_theory(4, "ring", "mesh.tp=2")
-    assert (tp["heads"], tp["kv_heads"]) == (4, 2)
-    assert tp["ratio_by_sp"]["ulysses"]["8"] is None and tp["ratio_by_sp"]["ring"]["8"] is not None
+def test_attention_memory_table():
+    """The plan's attention section names the strategy and lists the trend over sp. (The numbers are
+    checked against compiled attention: tests/test_context_parallel.py.)"""
+    ring = attention_theory(8, "ring")
+    assert ring["enabled"] and 0 < ring["ratio"] < 1
     lines = "\n".join(_format_attention(ring))
     assert "attention memory per layer (sp=8, ring)" in lines and "sp=8 ring" in lines
     assert f"sp=8 {ring['ratio']:.4f}" in lines and "(1/sp: 1, 0.5, 0.25, 0.125)" in lines
+    plain = attention_theory(1)
+    assert (plain["enabled"], plain["strategy"], plain["ratio"]) == (False, "plain", 1)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
@@ -405,7 +306,6 @@ def test_pipeline_zero_theory_per_stage(pipeline_plan):
     assert (p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "stage": phi}
             == stage_params(model, 2))
     assert p["params"] == stack + shared and p["theory"]["params"] == phi
-    assert p["theory"]["fp32"]["argument_bytes"] == 12 * phi
     got = p["memory"]["argument_bytes"]
     assert abs(got - 12 * phi) <= 0.10 * 12 * phi, (got, 12 * phi)
     assert "theory Φ = stack / pp + embedding/head/final norm" in format_table(p)
@@ -420,27 +320,14 @@ def test_expert_parallel_theory_counts_a_share_of_the_experts():
     table = transformer.param_table(cfg.model)
     experts = sum(math.prod(leaf.shape) for block in table["blocks"]
                   for leaf in jax.tree.leaves(block["moe"]["experts"], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
-    phi = p["params"] - experts + experts // 4
-    assert p["theory"]["params"] == phi
+    phi = p["params"] - experts + experts // 4  # counted from the parameter table
     assert abs(p["memory"]["argument_bytes"] - 12 * phi) <= 0.10 * 12 * phi
     assert p["collectives"]["all-to-all"]["count"] > 0
     assert "1/4 of the experts" in format_table(p)
 
 
-def test_pipeline_theory_arithmetic():
-    """No compiling: interleaved v=2 under ZeRO-3 and Megatron sequence parallelism (the residual stream's
-    sequence split over tp), bf16; and the element types read from compiled HLO text."""
-    cfg = build_config(None, ["model.preset=tiny-llama", "model.n_layers=4", "model.vocab_size=257", "mesh.pp=2",
-                              "mesh.fsdp=2", "mesh.tp=2", "mesh.dp=1", "train.zero_stage=3", "train.microbatches=4",
-                              "train.global_batch=16", "train.pp_schedule=interleaved", "train.pp_virtual=2",
-                              "train.sequence_parallel=true", "precision.compute=bfloat16"])
-    shape, _ = validate(cfg, 8)
-    pl = pipeline_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
-    b, s, d, E = 16 // 4 // 2, cfg.model.seq_len // 2, cfg.model.d_model, 2
-    assert (pl["schedule"], pl["v"], pl["b"], pl["s"], pl["d"], pl["dtype_bytes"]) == ("interleaved", 2, b, s, d, E)
-    assert pl["collective_permute"] == {"count": 2 * pl["ticks"], "bytes_per_call": b * s * d * E,
-                                        "bytes": 2 * pl["ticks"] * b * s * d * E}
-    assert pl["bubble"]["formula"] == pytest.approx(1 / (2 * 4 + 1))
+def test_permute_dtypes_reads_the_moved_element_type():
+    """The planner reports the element type a pipeline's collective-permutes move, read from HLO text."""
     hlo = """HloModule m
 
 ENTRY %main (a: bf16[1,64,64]) -> f32[1,64,64] {

@@ -1,18 +1,17 @@
 """Options of the step: precision, remat policies, optimizers (incl. Muon on stacked weights), config parsing."""
 
-import glob
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import PartitionSpec as P
+
+from harness import GRAD_RTOL, LOSS_RTOL, equivalence_config, max_rel_err, step_fns, train_step
 from jaxllm.config import ConfigError, build_config, padded_vocab, validate
-from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.train.optimizer import decay_mask, make_optimizer, muon_dimensions
-from jaxllm.train.step import make_step_fns
+from tools.collectives import memory_summary
 
 BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 8,
         "mesh.dp": 1, "train.warmup_steps": 0}
@@ -20,8 +19,7 @@ BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 
 
 def one_device_fns(**over):
     cfg = build_config(None, {**BASE, **over})
-    shape, _ = validate(cfg, 1)
-    return cfg, make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:1]))
+    return cfg, step_fns(cfg)
 
 
 def tokens(seed=0):
@@ -57,6 +55,19 @@ def test_remat_policies_give_the_same_gradients(remat):
     assert float(l0) == pytest.approx(float(l1), rel=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_save_named_keeps_more_than_full_remat_and_less_than_none():
+    """Compiled temporaries of the gradient program: `full` recomputes everything (least memory), `none`
+    keeps every activation (most), `save-named` keeps q, k, v, the attention output and the MLP hidden
+    state: strictly in between."""
+    def temps(remat: str) -> int:
+        _, fns = one_device_fns(**{"precision.compute": "float32", "model.remat": remat})
+        toks = jax.ShapeDtypeStruct(tokens().shape, jnp.int32, sharding=fns.batch_sharding)
+        return memory_summary(fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile())["temp_bytes"]
+
+    full, named, none = temps("full"), temps("save-named"), temps("none")
+    assert full < named < none, (full, named, none)
 
 
 @pytest.mark.parametrize("optimizer,lr", [("sgd", 0.3), ("adafactor", 0.1), ("lion", 3e-4), ("muon", 2e-2)])
@@ -143,7 +154,73 @@ def test_weight_decay_only_on_matrices():
             assert not any([attn["bq"], attn["bk"], attn["bv"], attn["bo"], mask["blocks"][0]["mlp"]["b_in"]])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "experiments",
-                                                             "configs", "*.toml"))))
-def test_shipped_configs_validate_on_eight_devices(path):
-    validate(build_config(path, {"model.vocab_size": 257}), 8)
+# ---------------------------------------------------------------- optimizers under ZeRO on fsdp × tp
+
+OPTIMIZERS = {"sgd": 0.3, "adafactor": 0.1, "lion": 3e-4, "muon": 2e-2}  # name -> learning rate
+# d_ff = d_model: w_up [embed, mlp] and w_down [mlp, embed] have one shape but not one layout
+SHARDED = {"model.d_ff": 64, "mesh.fsdp": 4, "mesh.tp": 2}
+
+
+def optimizer_config(optimizer: str, stage: int, **over):
+    return equivalence_config("tiny-llama", **{"model.d_ff": 64, "train.optimizer": optimizer,
+                                               "train.lr": OPTIMIZERS[optimizer], "train.zero_stage": stage, **over})
+
+
+def owner(state_path: str, param_paths) -> str | None:
+    """The parameter a state leaf belongs to: the longest parameter path that ends the leaf's path."""
+    owners = [p for p in param_paths if state_path.endswith(p)]
+    return max(owners, key=len) if owners else None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_state_is_laid_out_as_its_parameter(optimizer, stage):
+    """Every optimizer-state leaf of a parameter's shape is sharded as that parameter is under ZeRO-3
+    (over fsdp and tp), found by tree path; the rest (counts, factored statistics) are replicated."""
+    fns = step_fns(optimizer_config(optimizer, stage, **SHARDED))
+    params = step_fns(optimizer_config(optimizer, 3, **SHARDED)).abstract_state["params"]
+    by_path = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(params)}
+    matched = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(fns.abstract_state["opt_state"]):
+        key = owner(jax.tree_util.keystr(path), by_path)
+        if key is not None and by_path[key].shape == leaf.shape:
+            assert leaf.sharding.spec == by_path[key].sharding.spec, (jax.tree_util.keystr(path), leaf.sharding)
+            matched[key] = leaf.sharding.spec
+        else:
+            assert leaf.sharding.spec == P(), jax.tree_util.keystr(path)
+    up, down = "['blocks'][0]['mlp']['w_up']", "['blocks'][0]['mlp']['w_down']"
+    assert matched[up] != matched[down] and {"fsdp", "tp"} <= set(jax.tree.leaves(tuple(matched[up])))
+
+
+WARM = {"sgd": {}, "adafactor": {".v[": 1e-4}, "lion": {".mu[": 1e-2}, "muon": {".nu[": 1e-4}}
+
+
+def warm_optimizer(state, optimizer: str):
+    """A state as after some training, so one update is a smooth function of the gradient: second
+    moments positive (at step 1 Adam-like updates are g/|g|, rounding noise made O(1)), and Lion's
+    momentum large enough that its sign does not hang on gradients at the level of rounding."""
+    def leaf(path, a):
+        key = jax.tree_util.keystr(path)
+        value = next((v for tag, v in WARM[optimizer].items() if tag in key), None)
+        return a if value is None else a * 0 + value
+
+    return {**state, "opt_state": jax.tree_util.tree_map_with_path(leaf, state["opt_state"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_step_on_fsdp_and_tp_matches_one_device(optimizer, stage):
+    one = step_fns(optimizer_config(optimizer, 0))
+    fns = step_fns(optimizer_config(optimizer, stage, **SHARDED))
+    start = jax.device_get(warm_optimizer(one.init(0), optimizer))
+    ref, ref_metrics = train_step(one, start)
+    new, metrics = train_step(fns, start)
+    assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=LOSS_RTOL)
+    assert float(metrics["grad_norm"]) == pytest.approx(float(ref_metrics["grad_norm"]), rel=GRAD_RTOL)
+    floats = lambda tree: [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert max_rel_err(floats(new["opt_state"]), floats(ref["opt_state"])) <= GRAD_RTOL
+    for got, want, old in zip(*map(jax.tree.leaves, (new["params"], ref["params"], start["params"]))):
+        got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
+        bound = GRAD_RTOL * np.linalg.norm(want - old) + np.linalg.norm(np.spacing(np.abs(want)))
+        assert np.linalg.norm(got - want) <= bound

@@ -122,6 +122,11 @@ def loss_fn(params, tokens, c: GPT, dtype=jnp.float32):
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def losses(params, tokens, c: GPT, dtype=jnp.float32):
+    """(cross-entropy, auxiliary losses): the interface `tools/plain_llama.py` has; GPT-2 has no MoE."""
+    return loss_fn(params, tokens, c, dtype), jnp.float32(0)
+
+
 def make_optimizer(lr=1e-3, warmup_steps=20, total_steps=200, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
                    weight_decay=0.1, grad_clip=1.0) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW with weight decay on the weight matrices only."""

@@ -269,10 +269,11 @@ ATTENTION_ASSUMES = ("estimate of one attention call's forward + backward workin
                      "free buffers differently); norms, rotary tables and the projections left out")
 
 _ATTENTION_TERMS = {
+    "exponentials": "plain: the softmax's fp32 unnormalised exponentials [b, h/tp, s, s], kept for its backward",
     "probabilities": "plain: fp32 softmax output [b, h/tp, s, s] kept for backward (+ the compute-dtype copy "
                      "fed to the PV matmul when that is not fp32)",
-    "score_gradients": "plain: the backward's fp32 gradients of the probabilities and of the scores, "
-                       "2 × [b, h/tp, s, s]",
+    "score_gradients": "plain: the backward's gradients of the probabilities (from the PV matmul, in the compute "
+                       "dtype, then fp32) and of the scores (fp32), [b, h/tp, s, s] each",
     "block_scores": "blockwise: one K/V step rematerialised in the backward keeps, for each (query piece, key "
                     "piece) pair of the step, the fp32 masked scores (for the row max's gradient), the fp32 "
                     "exp (+ its compute-dtype copy when that is not fp32) and the 1-byte mask",
@@ -311,7 +312,7 @@ def _attention_terms(strategy: str, b: int, S: int, sp: int, heads: int, kv: int
     copy = E if E != 4 else 0  # astype to fp32 is a no-op
     if sp == 1:
         probs = b * heads * S * S
-        return {"probabilities": probs * (4 + copy), "score_gradients": 2 * probs * 4,
+        return {"exponentials": probs * 4, "probabilities": probs * (4 + copy), "score_gradients": probs * (8 + copy),
                 "qkv_out": b * S * (2 * heads + 2 * kv) * dh * E}
     c = _cp_shapes(strategy, S, sp, heads, kv)
     if c is None:
@@ -343,9 +344,11 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     (KV heads repeated up to tp), d = head_dim, E = bytes per element of `compute_dtype`.
 
     sp = 1, plain attention (`models/attention.dot_product_attention`), the full [b, h, S, S] scores:
+    - exponentials: b·h·S·S·4, the softmax's unnormalised exp, which its backward keeps;
     - probabilities: b·h·S·S·(4 + E), the fp32 softmax output autodiff keeps and its
       compute-dtype copy for the PV matmul (4 bytes in fp32: no copy);
-    - score_gradients: 2·b·h·S·S·4, the backward's gradients of the probabilities and scores;
+    - score_gradients: b·h·S·S·(8 + E), the backward's gradients of the probabilities (the PV
+      matmul's transpose gives them in the compute dtype, then fp32; no copy in fp32) and of the scores;
     - qkv_out: q, k, v and out, b·S·(2h + 2kv)·d·E.
 
     sp > 1, the blockwise kernel (`parallel/blockwise.py`) keeps no scores across K/V steps:
@@ -378,10 +381,11 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     sp=1 falls faster than 1/sp (about as 1/sp² while the score blocks dominate). Left out:
     plain attention's mask (XLA fuses it) and what XLA's scheduler overlaps or frees otherwise.
 
-    Checked by hand against compiled attention (`jax.grad` of sum(attend(q, k, v) · ct), fp32,
-    b=1, 8 heads / 4 KV heads, head_dim 8, seq 4096, this JAX/XLA on CPU): compiled
-    temporaries / estimate = 1.000 for plain attention at sp=1 and 1.01 to 1.09 for each
-    strategy at sp ∈ {2, 4, 8} (sp=8: ring 28.09 MiB against 26.66 MiB, sp=1 1539 MiB).
+    Checked against compiled attention (`jax.grad` of sum(attend(q, k, v) · ct), b=1, 8 heads / 2 KV
+    heads, head_dim 8, seq 4096, sp=8, fp32): tests/test_context_parallel.py holds the compiled
+    ratio this / sp=1 within 0.8 to 1.2 of this one for each strategy (1.05 for the ring, plain
+    attention 2.15 GB against 2.15 GB estimated; in bf16 plain attention compiles to the 20 bytes per
+    score element the terms add up to).
 
     Returns {"enabled" (sp > 1), "sp", "strategy" (this config's; "plain" at sp=1), "b", "seq_len", "heads",
              "kv_heads", "head_dim", "dtype_bytes", "n_layers", "assumes", "terms" (name -> description),

@@ -40,24 +40,28 @@ def visible(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
-def step(state, q, q_pos, q_seg, kv):
+def step(state, q, q_pos, q_seg, kv, count=None):
     """Fold one K/V block into the running softmax of each query piece.
 
     state: [(out, max, sum)] per query piece; q, q_pos, q_seg: lists of query pieces;
     kv: (k, v, k_pos, k_seg) of the block, itself split in pieces for the skipping.
+    With `count` (an int32 scalar, for tests) also returns it plus the number of piece
+    pairs computed rather than skipped: the counter is incremented in the taken branch.
     """
     k, v, k_pos, k_seg = kv
     n = pieces_of(k.shape[1])
     keys = list(zip(split(k, n), split(v, n), split(k_pos, n), split(k_seg, n)))
+    counting = count is not None
+    count = jnp.int32(0) if count is None else count
     out = []
     for acc, qa, pa, sa in zip(state, q, q_pos, q_seg):
         for kc, vc, pc, sc in keys:
-            acc = jax.lax.cond(visible(pa, pc),
-                               lambda acc, qa=qa, pa=pa, sa=sa, kc=kc, vc=vc, pc=pc, sc=sc:
-                               merge_blocks(acc, attention_block(qa, kc, vc, pa, pc, sa, sc)),
-                               lambda acc: acc, acc)
+            acc, count = jax.lax.cond(visible(pa, pc),
+                                      lambda acc, c, qa=qa, pa=pa, sa=sa, kc=kc, vc=vc, pc=pc, sc=sc:
+                                      (merge_blocks(acc, attention_block(qa, kc, vc, pa, pc, sa, sc)), c + 1),
+                                      lambda acc, c: (acc, c), acc, count)
         out.append(acc)
-    return out
+    return (out, count) if counting else out
 
 
 def finish(state, dtype) -> jax.Array:

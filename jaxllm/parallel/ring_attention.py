@@ -21,9 +21,12 @@ ring the other way (the transpose of each ppermute) and the blocks again.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel import blockwise
 from jaxllm.sharding import Layout, island_mesh, manual_spec
+
 
 def manual_axes(layout: Layout) -> set[str]:
     """sp, and tp where it is larger than 1. (A size-1 manual axis would only add trivial
@@ -39,7 +42,10 @@ def specs(layout: Layout, q, k):
             manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], axes))
 
 
-def attend(q, k, v, positions, segment_ids, layout: Layout):
+def attend(q, k, v, positions, segment_ids, layout: Layout, count_blocks: bool = False):
+    """Ring attention of the sequence-split q, k, v. With `count_blocks` (tests only) also returns, per
+    sp rank, how many (query piece, key piece) score blocks it computed: counted inside the island, in
+    the branch that runs when a pair is not skipped."""
     n = layout.mesh.shape["sp"]
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
 
@@ -48,15 +54,22 @@ def attend(q, k, v, positions, segment_ids, layout: Layout):
         qs, ps, ss = blockwise.split(q, pieces), blockwise.split(pos, pieces), blockwise.split(seg, pieces)
         ring = [(j, (j + 1) % n) for j in range(n)]
 
-        def body(carry, _):
-            state, kv = carry
-            nxt = jax.lax.ppermute(kv, "sp", ring)  # independent of this step's work: it can overlap
-            return (blockwise.step(state, qs, ps, ss, kv), nxt), None
+        def fold(state, count, kv):  # the block step, counting its computed piece pairs only in tests
+            if count_blocks:
+                return blockwise.step(state, qs, ps, ss, kv, count)
+            return blockwise.step(state, qs, ps, ss, kv), count
 
-        kv = (k, v, pos, seg)
-        (state, kv), _ = jax.lax.scan(body, ([blockwise.empty(x) for x in qs], kv), length=n - 1)
-        return blockwise.finish(blockwise.step(state, qs, ps, ss, kv), q.dtype)
+        def body(carry, _):
+            state, count, kv = carry
+            nxt = jax.lax.ppermute(kv, "sp", ring)  # independent of this step's work: it can overlap
+            return (*fold(state, count, kv), nxt), None
+
+        start = ([blockwise.empty(x) for x in qs], jnp.int32(0), (k, v, pos, seg))
+        (state, count, kv), _ = jax.lax.scan(body, start, length=n - 1)
+        state, count = fold(state, count, kv)
+        out = blockwise.finish(state, q.dtype)
+        return (out, count[None]) if count_blocks else out
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
-                         out_specs=q_spec)(q, k, v, positions, segment_ids)
+                         out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids)

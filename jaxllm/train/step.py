@@ -62,6 +62,25 @@ def split_microbatches(x: jax.Array, microbatches: int, shards: int) -> jax.Arra
     return x.reshape(microbatches, shards * rows, *x.shape[3:])
 
 
+def optimizer_state_shardings(abstract_opt, table, layout: Layout, rules):
+    """Each optimizer-state leaf laid out as its parameter under `rules`, matched by tree path: a state
+    leaf belongs to the parameter whose path ends its own (`...mu['blocks'][0]['attn']['wq']`) and
+    whose shape it has. The rest (step counts, Adafactor's factored statistics) are replicated.
+    (Matching by shape alone would confuse parameters of equal shape and different layouts, such as
+    [embed, mlp] and [mlp, embed] with d_ff = d_model.)"""
+    params = {jax.tree_util.keystr(path): leaf for path, leaf in
+              jax.tree_util.tree_leaves_with_path(table, is_leaf=lambda x: isinstance(x, transformer.Leaf))}
+
+    def one(path, leaf):
+        key = jax.tree_util.keystr(path)
+        owners = [p for p, spec in params.items() if key.endswith(p) and spec.shape == leaf.shape]
+        if not owners:
+            return NamedSharding(layout.mesh, P())
+        return layout.sharding(params[max(owners, key=len)].names, rules, leaf.shape)
+
+    return jax.tree_util.tree_map_with_path(one, abstract_opt)
+
+
 @dataclass
 class StepFns:
     """Everything compiled for one config on one mesh."""
@@ -107,21 +126,7 @@ def make_step_fns(cfg: Config, mesh) -> StepFns:
     lr_fn = learning_rate(t)
     abstract_opt = jax.eval_shape(tx.init, shapes)
 
-    def opt_leaf(leaf, spec: transformer.Leaf):
-        if leaf.ndim != len(spec.names):  # factored statistics (Adafactor) and the like
-            return replicated
-        return layout.sharding(spec.names, sharded if stage >= 1 else layout.params, leaf.shape)
-
-    try:
-        opt_sh = optax.tree_map_params(tx, opt_leaf, abstract_opt, table,
-                                       transform_non_params=lambda _: replicated,
-                                       is_leaf=lambda x: isinstance(x, transformer.Leaf))
-    except ValueError:
-        # Optimizers built from partitions (Muon: muon/adam subsets) defeat tree_map_params;
-        # match each state leaf to the parameter of the same shape instead.
-        by_shape = {l.shape: l for l in jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, transformer.Leaf))}
-        opt_sh = jax.tree.map(lambda a: opt_leaf(a, by_shape[a.shape]) if a.shape in by_shape else replicated,
-                              abstract_opt)
+    opt_sh = optimizer_state_shardings(abstract_opt, table, layout, sharded if stage >= 1 else layout.params)
     state_sh = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
     batch_sh = NamedSharding(mesh, P(BATCH_AXES))
     shards = batch_shards(dict(mesh.shape))

@@ -1,0 +1,231 @@
+"""What the test files share: one registry of compiled programs, the batches a step gets, the
+independent references, the equivalence tolerances and subprocess environments.
+
+- `step_fns(cfg, devices)` is the session's one registry of step programs: a config (resolved
+  to TOML) on n devices is built once, so every test file asking for the same program gets
+  the same jitted functions, already compiled. (JAX's persistent compilation cache, set up
+  in conftest.py, catches what is left: equal programs built from different configs, and
+  the programs of subprocesses.)
+- `loss_and_grads`, `train_step`, `eval_loss` are the only places a test hands a batch to a
+  step: they lay the parameters and the token batch out as the step wants them.
+- `reference(model_cfg)` is the loss and gradients of the model written independently of
+  `jaxllm/models/` (`tools/plain_gpt.py`, `tools/plain_llama.py`) on `tokens()`, from
+  jaxllm's own initial parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # tools/ is importable from the tests
+    sys.path.insert(0, str(REPO))
+
+# LLVM at -O0 and XLA:CPU's older loop emitters: each about halves the compile time of a step.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+BATCH, SEQ = 16, 32  # the equivalence batch: 16 windows of 33 tokens
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-8
+
+# A small real text for runs where the corpus does not matter: the `os` module's source (~40 KB),
+# on every machine with Python, loaded in milliseconds (the default corpus, the whole standard
+# library, takes seconds to read and tokenise).
+CORPUS = os.__file__
+
+
+def compile_flags(n_devices: int) -> str:
+    return " ".join((f"--xla_force_host_platform_device_count={n_devices}",) + COMPILE_FLAGS)
+
+
+def subprocess_env(n_devices: int = 8) -> dict:
+    """The environment for a CLI the tests start: this checkout importable, n fake CPU devices, the
+    cheap-compile flags, and (inherited) the session's persistent compilation cache."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices))
+    return env
+
+
+# ---------------------------------------------------------------- configs and the program registry
+
+
+def build(over: dict, base: dict | None = None):
+    from jaxllm.config import build_config
+
+    return build_config(None, {**(base or {}), **over})
+
+
+def equivalence_config(preset: str, **over):
+    """The equivalence tests' config: `preset` at seq 32, batch 16, byte vocabulary, fp32, one device
+    unless the overrides name mesh axes."""
+    base = {"model.preset": preset, "model.vocab_size": 257, "model.seq_len": SEQ, "precision.compute": "float32",
+            "train.global_batch": BATCH, "train.lr": 1e-3, "train.warmup_steps": 0, "train.steps": 20,
+            "mesh.dp": 1}
+    return build(over, base)
+
+
+_programs: dict = {}
+
+
+def step_fns(cfg, devices: int | None = None):
+    """The compiled step functions of `cfg` on the first `devices` devices (default: as many as the
+    mesh uses), built once per session."""
+    import jax
+
+    from jaxllm.config import to_toml, validate
+    from jaxllm.mesh import make_mesh
+    from jaxllm.train.step import make_step_fns
+
+    if devices is None:
+        devices = math.prod(v for k, v in vars(cfg.mesh).items() if isinstance(v, int) and v > 0)
+    key = (to_toml(cfg), devices)
+    if key not in _programs:
+        shape, notes = validate(cfg, devices)
+        fns = make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:devices]))
+        fns.notes = notes
+        _programs[key] = fns
+    return _programs[key]
+
+
+# ---------------------------------------------------------------- batches and steps
+
+
+@functools.lru_cache(maxsize=None)
+def _text():
+    import numpy as np
+
+    return np.frombuffer(open(CORPUS, "rb").read(), np.uint8).astype(np.uint16)
+
+
+def tokens(step: int = 0, batch: int = BATCH, seq: int = SEQ):
+    """[batch, seq + 1] windows of real text (bytes of the `os` module), different for each step."""
+    from jaxllm.data import batch_rows, window_starts
+
+    stream = _text()
+    return batch_rows(stream, window_starts(len(stream), 0, step, batch, seq), slice(None), seq)
+
+
+def _put(fns, params, toks):
+    import jax
+
+    return jax.device_put(params, fns.state_shardings["params"]), jax.device_put(toks, fns.batch_sharding)
+
+
+def loss_and_grads(fns, params, toks=None):
+    """One step's (loss, gradients) for `params` on a token batch (default `tokens()`)."""
+    return fns.loss_and_grads(*_put(fns, params, tokens() if toks is None else toks))
+
+
+def eval_loss(fns, params, toks=None):
+    """(summed token loss, token count) of the evaluation program."""
+    return fns.eval_loss(*_put(fns, params, tokens() if toks is None else toks))
+
+
+def train_step(fns, state, toks=None):
+    """One optimizer step from `state` (laid out as the step wants it): (new state, metrics)."""
+    import jax
+
+    state = jax.device_put(state, fns.state_shardings)
+    return fns.train_step(state, jax.device_put(tokens() if toks is None else toks, fns.batch_sharding))
+
+
+# ---------------------------------------------------------------- the independent references
+
+
+def plain_model(m):
+    """(module, config) of the plain reference for model config `m`."""
+    from jaxllm.config import kv_heads, padded_vocab
+    from tools import plain_gpt, plain_llama
+
+    if m.family == "gpt2":
+        assert m.pattern == ["dense"], "plain_gpt has no mixture of experts"
+        return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
+                                        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
+                                        eps=m.norm_eps, init_std=m.init_std)
+    assert m.pattern in (["dense"], ["moe"]), "plain_llama has every layer dense or every layer MoE"
+    e = m.moe
+    return plain_llama, plain_llama.Llama(
+        vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len, n_layers=m.n_layers,
+        d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=kv_heads(m), d_ff=m.d_ff, eps=m.norm_eps,
+        rope_theta=m.rope_theta, init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
+        top_k=e.top_k, expert_d_ff=e.d_ff, shared_expert=e.shared_expert, balance_weight=e.balance_weight,
+        z_weight=e.z_weight)
+
+
+_references: dict = {}
+
+
+def reference(m):
+    """(jaxllm's initial parameters (seed 0), loss, gradients) of model config `m` on `tokens()`, computed
+    by the plain reference in fp32: the language-model loss, and the gradients of the whole objective
+    (MoE: with the auxiliary losses), in jaxllm's tree."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.models import transformer
+
+    key = repr(m)
+    if key not in _references:
+        module, c = plain_model(m)
+
+        def objective(p, t):  # (LM loss + auxiliary losses, LM loss)
+            lm, aux = module.losses(module.from_jaxllm(p), t, c)
+            return lm + aux, lm
+
+        params = jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0))
+        (_, loss), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params, jnp.asarray(tokens()))
+        _references[key] = (jax.device_get(params), float(loss), jax.device_get(grads))
+    return _references[key]
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def leaf_errors(a, b) -> dict:
+    """Per gradient leaf (by tree path): ||a - b|| and ||b||, in float64."""
+    import jax
+    import numpy as np
+
+    out = {}
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        out[jax.tree_util.keystr(path)] = (float(np.linalg.norm(x - y)), float(np.linalg.norm(y)))
+    return out
+
+
+def assert_matches(loss, grads, ref, loss_rtol: float = LOSS_RTOL, grad_rtol: float = GRAD_RTOL) -> None:
+    """The equivalence contract: |loss - ref| <= 1e-5 |ref| and, per gradient leaf,
+    ||g - ref|| <= 1e-4 ||ref|| + 1e-8. `ref` is (params, loss, grads) as `reference` returns it."""
+    import jax
+
+    _, ref_loss, ref_grads = ref
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    assert abs(float(loss) - ref_loss) <= loss_rtol * abs(ref_loss), (float(loss), ref_loss)
+    bad = {k: (d, n) for k, (d, n) in leaf_errors(grads, ref_grads).items() if d > grad_rtol * n + GRAD_ATOL}
+    assert not bad, f"gradient leaves off the reference (||a-b||, ||b||): {bad}"
+
+
+def max_rel_err(a, b) -> float:
+    """Largest per-leaf ||a - b|| / ||b|| between two runs of jaxllm (mesh against one device).
+
+    A leaf whose exact gradient is zero holds only rounding noise (GPT-2's key bias: adding a
+    constant to every key shifts all scores of a query equally, which softmax ignores), so its
+    norm is floored at 1e-6 of the whole tree's norm."""
+    import numpy as np
+
+    errs = leaf_errors(a, b)
+    total = float(np.sqrt(sum(n * n for _, n in errs.values())))
+    return max(d / max(n, 1e-6 * total) for d, n in errs.values())
+
+
+def warm(state):
+    """Adam's state as after some training: a positive second moment, so that one update is a smooth
+    function of the gradient. (At step 1 the update is g / (|g| + eps), which turns the rounding
+    noise of entries with |g| ~ eps into O(1) differences.) Shardings are kept."""
+    import jax
+
+    clip, (adam, *rest) = state["opt_state"]
+    adam = adam._replace(count=adam.count * 0 + 10, nu=jax.tree.map(lambda v: v * 0 + 1e-4, adam.nu))
+    return {**state, "opt_state": (clip, (adam, *rest))}
