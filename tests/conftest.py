@@ -5,10 +5,11 @@
   compile cheaply: LLVM at optimisation level 0, and the older loop emitters instead of
   the fusion emitters (`--xla_cpu_use_fusion_emitters=false` halves the compile time of a
   train step on XLA:CPU, JAX 0.10).
-- JAX's persistent compilation cache in a temporary folder for this session (unless
-  `JAX_COMPILATION_CACHE_DIR` is set already, e.g. to keep a warm cache between runs of
-  the fast tier). Subprocesses the tests start inherit it, so a program compiled once —
-  in-process or in a CLI run — is read back, not compiled again.
+- JAX's persistent compilation cache for the command lines the tests start
+  (`harness.subprocess_env`), in a temporary folder for this session: a program one CLI run
+  compiled is read back by the next (two processes of one run, a run and its resumption).
+  The test process itself compiles through the registry in harness.py, each program once
+  per test file.
 - The `slow` marker: `python -m pytest -m "not slow"` is the fast tier for development.
 """
 
@@ -16,7 +17,9 @@ import os
 import shutil
 import tempfile
 
-from harness import compile_flags
+import pytest
+
+from harness import compile_flags, forget_programs
 
 for _flag in compile_flags(8).split():
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -24,11 +27,18 @@ for _flag in compile_flags(8).split():
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _OWN_CACHE = None
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+if not os.environ.get("JAXLLM_TEST_CACHE_DIR"):
     _OWN_CACHE = tempfile.mkdtemp(prefix="jaxllm-test-xla-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-# cache every program that took a noticeable time to compile (the default is 1 s)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ["JAXLLM_TEST_CACHE_DIR"] = _OWN_CACHE
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop each file's compiled programs when it is done. XLA:CPU maps its code for every executable
+    (about a hundred memory regions each): a whole session that kept them all passed Linux's 65,530
+    mappings per process and crashed inside a compile."""
+    yield
+    forget_programs()
 
 
 def pytest_configure(config):

@@ -1,11 +1,10 @@
 """What the test files share: one registry of compiled programs, the batches a step gets, the
 independent references, the equivalence tolerances and subprocess environments.
 
-- `step_fns(cfg, devices)` is the session's one registry of step programs: a config (resolved
-  to TOML) on n devices is built once, so every test file asking for the same program gets
-  the same jitted functions, already compiled. (JAX's persistent compilation cache, set up
-  in conftest.py, catches what is left: equal programs built from different configs, and
-  the programs of subprocesses.)
+- `step_fns(cfg, devices)` is the one registry of step programs: a config (resolved to TOML)
+  on n devices is built once, so every test asking for the same program gets the same jitted
+  functions, already compiled. conftest.py empties it after each test file (`forget_programs`). The command lines tests start share JAX's
+  persistent compilation cache instead (`subprocess_env`; see conftest.py).
 - `loss_and_grads`, `train_step`, `eval_loss` are the only places a test hands a batch to a
   step: they lay the parameters and the token batch out as the step wants them.
 - `reference(model_cfg)` is the loss and gradients of the model written independently of
@@ -43,18 +42,14 @@ def compile_flags(n_devices: int) -> str:
 
 def subprocess_env(n_devices: int = 8) -> dict:
     """The environment for a CLI the tests start: this checkout importable, n fake CPU devices, the
-    cheap-compile flags, and (inherited) the session's persistent compilation cache."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices))
-    return env
+    cheap-compile flags, and the session's persistent compilation cache (every program that took
+    a noticeable time to compile; JAX's default threshold is 1 s)."""
+    return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices),
+                JAX_COMPILATION_CACHE_DIR=os.environ.get("JAXLLM_TEST_CACHE_DIR", ""),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
 
 
 # ---------------------------------------------------------------- configs and the program registry
-
-
-def build(over: dict, base: dict | None = None):
-    from jaxllm.config import build_config
-
-    return build_config(None, {**(base or {}), **over})
 
 
 def equivalence_config(preset: str, **over):
@@ -63,7 +58,9 @@ def equivalence_config(preset: str, **over):
     base = {"model.preset": preset, "model.vocab_size": 257, "model.seq_len": SEQ, "precision.compute": "float32",
             "train.global_batch": BATCH, "train.lr": 1e-3, "train.warmup_steps": 0, "train.steps": 20,
             "mesh.dp": 1}
-    return build(over, base)
+    from jaxllm.config import build_config
+
+    return build_config(None, {**base, **over})
 
 
 _programs: dict = {}
@@ -87,6 +84,14 @@ def step_fns(cfg, devices: int | None = None):
         fns.notes = notes
         _programs[key] = fns
     return _programs[key]
+
+
+def forget_programs() -> None:
+    """Drop the registry and JAX's caches, so their executables (and the code XLA mapped for them) are freed."""
+    import jax
+
+    _programs.clear()
+    jax.clear_caches()
 
 
 # ---------------------------------------------------------------- batches and steps
@@ -134,26 +139,6 @@ def train_step(fns, state, toks=None):
 # ---------------------------------------------------------------- the independent references
 
 
-def plain_model(m):
-    """(module, config) of the plain reference for model config `m`."""
-    from jaxllm.config import kv_heads, padded_vocab
-    from tools import plain_gpt, plain_llama
-
-    if m.family == "gpt2":
-        assert m.pattern == ["dense"], "plain_gpt has no mixture of experts"
-        return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
-                                        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
-                                        eps=m.norm_eps, init_std=m.init_std)
-    assert m.pattern in (["dense"], ["moe"]), "plain_llama has every layer dense or every layer MoE"
-    e = m.moe
-    return plain_llama, plain_llama.Llama(
-        vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len, n_layers=m.n_layers,
-        d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=kv_heads(m), d_ff=m.d_ff, eps=m.norm_eps,
-        rope_theta=m.rope_theta, init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
-        top_k=e.top_k, expert_d_ff=e.d_ff, shared_expert=e.shared_expert, balance_weight=e.balance_weight,
-        z_weight=e.z_weight)
-
-
 _references: dict = {}
 
 
@@ -165,6 +150,8 @@ def reference(m):
     import jax.numpy as jnp
 
     from jaxllm.models import transformer
+
+    from tools.bench import plain_model
 
     key = repr(m)
     if key not in _references:
@@ -229,3 +216,12 @@ def warm(state):
     clip, (adam, *rest) = state["opt_state"]
     adam = adam._replace(count=adam.count * 0 + 10, nu=jax.tree.map(lambda v: v * 0 + 1e-4, adam.nu))
     return {**state, "opt_state": (clip, (adam, *rest))}
+
+
+def tiers(cases, fast) -> list:
+    """pytest parameters for `cases` (tuples, or single values): those in `fast` run in the fast tier,
+    the rest are marked slow."""
+    import pytest
+
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=() if c in fast else pytest.mark.slow)
+            for c in cases]

@@ -1,12 +1,14 @@
 """Context parallelism over `sp`: ring, all-gather and Ulysses attention (fp32, 8 fake CPU devices).
 
 Attention level: each strategy's forward and the gradients of q, k and v equal plain
-causal attention for sp ∈ {2, 4, 8}, with and without zig-zag load balancing, with
+causal attention for sp ∈ {2, 4, 8}, with and without zig-zag load balancing (pairwise), with
 grouped-query attention (2 KV heads for 8 query heads: fewer than sp at sp=4 and 8).
-Model level: one step's loss and gradients equal the single-device reference on
-sp=4, sp=2×fsdp=4 and sp=2×tp=2×fsdp=2. Then the compiled programs (the ring moves
-K/V by collective-permutes only; attention temporaries at seq 4096 and sp=8) and the
-causal work per rank under load balancing.
+Model level: one step's loss and gradients equal the independent reference on
+sp=4, sp=2×fsdp=4 and sp=2×tp=2×fsdp=2, and with 2 microbatches (the accumulation island
+at ZeRO-0 and the sharded scan at ZeRO-3) for each strategy. Then the compiled programs (the
+ring moves K/V by collective-permutes only; each strategy's attention memory at seq 4096 and
+sp=8 against tools.plan's estimate), the score blocks the ring computes (counted inside the
+island), and the causal work per rank under load balancing.
 """
 
 import functools
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns
+from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
 from jaxllm.config import build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models.attention import attend, dot_product_attention
@@ -80,10 +82,14 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
-@pytest.mark.parametrize("balanced", [False, True], ids=["in_order", "zigzag"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("sp", [2, 4, 8])
-def test_attention_matches_full_causal_attention(sp, strategy, balanced):
+# every strategy at every sp, each (strategy, order) and (sp, order) pair covered
+ATTENTION_CASES = [("ring", 2, True), ("ring", 4, False), ("ring", 8, True),
+                   ("allgather", 2, False), ("allgather", 4, True), ("allgather", 8, False),
+                   ("ulysses", 2, True), ("ulysses", 4, False), ("ulysses", 8, True)]
+
+
+@pytest.mark.parametrize("strategy,sp,balanced", tiers(ATTENTION_CASES, {("ring", 4, False), ("ulysses", 8, True)}))
+def test_attention_matches_full_causal_attention(strategy, sp, balanced):
     layout = layout_for(sp, strategy)
     order = zigzag_order(S, sp) if balanced else np.arange(S)
     q, k, v, ct = qkv()
@@ -133,7 +139,9 @@ def cp_config(family: str, mesh: str, strategy: str, **extra):
                                                   "train.zero_stage": stage, "model.cp_strategy": strategy, **extra})
 
 
-@pytest.mark.parametrize("family,mesh,strategy", [(f, *c) for c in CASES for f in PRESETS] + MICROBATCH_CASES)
+@pytest.mark.parametrize("family,mesh,strategy", tiers(
+    [(f, *c) for c in CASES for f in PRESETS] + MICROBATCH_CASES,
+    {("gpt2", "sp4", "ring"), ("llama", "sp2_tp2_fsdp2", "ulysses"), ("llama", "dp2_sp2_fsdp2_zero3_mb2", "ring")}))
 def test_loss_and_grads_match_the_reference(family, mesh, strategy):
     cfg = cp_config(family, mesh, strategy)
     ref = reference(equivalence_config(PRESETS[family]).model)
@@ -183,8 +191,8 @@ def test_attention_memory_is_what_the_planner_says(strategy):
     assert eight <= one / 4
 
 
-@pytest.mark.parametrize("balanced", [False, True], ids=["in_order", "zigzag"])
-@pytest.mark.parametrize("sp", [2, 4, 8])
+@pytest.mark.parametrize("sp,balanced", tiers([(sp, b) for sp in (2, 4, 8) for b in (False, True)],
+                                              {(4, False), (4, True)}))
 def test_ring_computes_only_the_visible_blocks(sp, balanced):
     """The ring island counts, in the branch that runs, the (query piece, key piece) score blocks it
     computes: per rank, exactly the blocks in which some query may see some key (by position), fewer

@@ -5,8 +5,8 @@ The reference is the model written without jaxllm (`tools/plain_gpt.py`, `tools/
 `harness.reference`), from jaxllm's own initial parameters: one step's loss within 1e-5 and each
 gradient leaf within 1e-4 of it (`harness.assert_matches`), on one device and on meshes
 {dp=8, fsdp=8, dp=2×fsdp=4} × ZeRO stages × {with, without} accumulation. Then a whole optimizer
-step and a 20-step loss curve against one device, and initial parameters bitwise equal on every
-mesh. Programs come from the session's registry (`harness.step_fns`); ZeRO stages 0 and 1 share a
+step on every mesh at every stage (each family on every mesh and at every stage) and a 20-step
+loss curve against one device, and initial parameters bitwise equal on every mesh. Programs come from the session's registry (`harness.step_fns`); ZeRO stages 0 and 1 share a
 gradient program (they differ only in the optimizer state's layout, which the one-step test
 covers), see `same_program`.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, max_rel_err, reference, step_fns,
-                     tokens, train_step, warm)
+                     tiers, tokens, train_step, warm)
 from harness import loss_and_grads as run_loss_and_grads
 from jaxllm.models import transformer
 from jaxllm.train.optimizer import make_optimizer
@@ -52,8 +52,7 @@ FAST = {("fsdp8", 3, 2), ("dp2_fsdp4", 1, 2)}  # the rest run in the slow tier
 
 
 @pytest.mark.parametrize("family", PRESETS)
-@pytest.mark.parametrize("mesh,stage,microbatches",
-                         [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow) for c in CASES])
+@pytest.mark.parametrize("mesh,stage,microbatches", tiers(CASES, FAST))
 def test_loss_and_grads_match_the_reference(family, mesh, stage, microbatches):
     ref = reference(config(family, "one", 0, 1).model)
     fns = fns_for(family, mesh, same_program(mesh, stage, grads_only=True), microbatches)
@@ -65,8 +64,7 @@ def test_loss_and_grads_match_the_reference(family, mesh, stage, microbatches):
     assert sharded_over_fsdp == (stage >= 2 and "fsdp" in mesh)
 
 
-@pytest.mark.parametrize("family", PRESETS)
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("family,mesh", tiers([(f, m) for f in PRESETS for m in MESHES], {("llama", "fsdp8")}))
 def test_initial_params_bitwise_equal(family, mesh):
     ref_params = reference(config(family, "one", 0, 1).model)[0]
     for stage in (0, 3):
@@ -75,10 +73,12 @@ def test_initial_params_bitwise_equal(family, mesh):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# every mesh at every stage, each family on every mesh and at every stage
+STEP_CASES = [(mesh, stage, ("gpt2", "llama")[(i + stage) % 2]) for i, mesh in enumerate(MESHES) for stage in range(4)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", PRESETS)
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mesh,stage,family", STEP_CASES)
 def test_one_train_step_matches_one_device(family, mesh, stage):
     """The whole step (accumulation over 2 microbatches, clipping, AdamW on the ZeRO layout)
     equals the update one device computes from the reference's gradients."""

@@ -10,7 +10,7 @@ device draws from the same parameters with the same seed.
 import jax
 import pytest
 
-from harness import LOSS_RTOL, equivalence_config, eval_loss, reference, step_fns
+from harness import LOSS_RTOL, equivalence_config, eval_loss, reference, step_fns, tiers
 from jaxllm.data import get_tokenizer
 from jaxllm.train.loop import sample
 
@@ -24,7 +24,7 @@ FORMS = {  # name -> (preset, mesh and options)
 MODEL_KEYS = ("model.n_layers", "model.moe.capacity_factor")
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", tiers(FORMS, {"tp4_dp2_sequence_parallel"}))
 def test_validation_loss_and_sample_match_one_device(form):
     preset, over = FORMS[form]
     one = equivalence_config(preset, **{k: v for k, v in over.items() if k in MODEL_KEYS})

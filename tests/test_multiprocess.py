@@ -26,6 +26,8 @@ import pytest
 
 from harness import subprocess_env
 
+pytestmark = pytest.mark.slow  # real processes, each compiling its own programs
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TIMEOUT_S = 300

@@ -49,13 +49,14 @@ def test_cli_default_path(tmp_path):
     assert os.listdir(tmp_path) == ["pipeline-interleaved-p2-m4-v2.png"]
 
 
-def test_cli_bad_combination_exits_2_and_writes_nothing(tmp_path):
+def test_cli_bad_combination_exits_2_and_writes_nothing(tmp_path, capsys):
+    from tools.pipeline import main
+
     out = tmp_path / "bad.png"
-    proc = run_tool("--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual", "2",
-                    "--out", str(out))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "multiple of 4" in lines[0], proc.stderr
+    assert main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual", "2",
+                 "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "multiple of 4" in lines[0], lines
     assert not out.exists() and os.listdir(tmp_path) == []
 
 

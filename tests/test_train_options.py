@@ -45,6 +45,7 @@ def test_bfloat16_compute_keeps_fp32_master_and_grads():
     assert "bf16" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "save-dots", "save-named"])
 def test_remat_policies_give_the_same_gradients(remat):
     _, plain = one_device_fns(**{"precision.compute": "float32"})
@@ -70,6 +71,7 @@ def test_save_named_keeps_more_than_full_remat_and_less_than_none():
     assert full < named < none, (full, named, none)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer,lr", [("sgd", 0.3), ("adafactor", 0.1), ("lion", 3e-4), ("muon", 2e-2)])
 def test_other_optimizers_train(optimizer, lr):
     _, fns = one_device_fns(**{"precision.compute": "float32", "train.optimizer": optimizer, "train.lr": lr,

@@ -1,12 +1,13 @@
-"""`python -m tools.bench [--config FILE] [key=value ...]`: time jaxllm's train step against a plain JAX GPT-2.
+"""`python -m tools.bench [--config FILE] [key=value ...]`: time jaxllm's train step against the same model in plain JAX.
 
 Builds the train step for the config exactly as `experiments.run` would (same config
 file default, overrides, validation, mesh and `make_step_fns`), feeds it synthetic
 random tokens, and reports tokens/s, step time and MFU (the trainer's own FLOPs per
-token and peak). Then does the same for `tools.plain_gpt`, the same model and step
-written plainly, with identical shapes, and prints jaxllm's overhead over it
-(1 - ours/plain tokens/s). The baseline exists for the gpt2 family on one device with
-AdamW, no remat and no microbatching; otherwise it is reported as n/a.
+token and peak). Then does the same for the same model and step written plainly
+(`tools/plain_gpt.py` for gpt2, `tools/plain_llama.py` for llama), with identical shapes,
+and prints jaxllm's overhead over it (1 - ours/plain tokens/s). The baseline exists for
+dense models on one device with AdamW, no remat and no microbatching; otherwise it is
+reported as n/a.
 
 Timing: both steps are compiled first (compile time is reported, never timed as a step),
 run `--warmup` steps each, then timed in `--windows` rounds of `--steps` steps, jaxllm
@@ -51,15 +52,36 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "experiments", "configs", "default.toml")
 
 
+def plain_model(m):
+    """(module, its config) of the model `tools/plain_gpt.py` or `tools/plain_llama.py` writes plainly for
+    jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE)."""
+    from jaxllm.config import kv_heads, padded_vocab
+    from tools import plain_gpt, plain_llama
+
+    if m.family == "gpt2":
+        if m.pattern != ["dense"]:
+            raise ValueError("plain_gpt has no mixture of experts")
+        return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
+                                        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
+                                        eps=m.norm_eps, init_std=m.init_std)
+    if m.pattern not in (["dense"], ["moe"]):
+        raise ValueError("plain_llama has every layer dense or every layer MoE")
+    e = m.moe
+    return plain_llama, plain_llama.Llama(
+        vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len, n_layers=m.n_layers,
+        d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=kv_heads(m), d_ff=m.d_ff, eps=m.norm_eps,
+        rope_theta=m.rope_theta, init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
+        top_k=e.top_k, expert_d_ff=e.d_ff, shared_expert=e.shared_expert, balance_weight=e.balance_weight,
+        z_weight=e.z_weight)
+
+
 def baseline_unavailable(cfg, n_devices: int) -> str | None:
-    """Why plain_gpt cannot run this config (None: it can)."""
+    """Why the plain baseline cannot run this config (None: it can)."""
     m, t = cfg.model, cfg.train
-    if m.family != "gpt2":
-        return f"model.family={m.family} (plain baseline is gpt2 only)"
     if n_devices != 1:
         return f"mesh has {n_devices} devices (plain baseline is one device)"
     if m.pattern != ["dense"]:
-        return f"model.pattern={m.pattern}"
+        return f"model.pattern={m.pattern} (the plain MoE runs every expert on every token: not a peer)"
     if m.remat != "none":
         return f"model.remat={m.remat} (plain baseline has no remat)"
     if t.microbatches != 1:
@@ -70,7 +92,7 @@ def baseline_unavailable(cfg, n_devices: int) -> str | None:
 
 
 def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: bool = True) -> dict:
-    """Compile, warm up and time jaxllm's step (and plain_gpt's); return the numbers as a dict."""
+    """Compile, warm up and time jaxllm's step (and the plain baseline's); return the numbers as a dict."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -118,19 +140,15 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     why_not = baseline_unavailable(cfg, n_dev) if baseline else "--no-baseline"
     plain_window = None
     if why_not is None:
-        from tools import plain_gpt
-
-        c = plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
-                          n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
-                          eps=m.norm_eps, init_std=m.init_std)
-        tx = plain_gpt.make_optimizer(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.schedule_steps or t.steps,
-                                      min_lr_ratio=t.min_lr_ratio, b1=t.beta1, b2=t.beta2, eps=t.eps,
-                                      weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+        module, c = plain_model(m)
+        tx = module.make_optimizer(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.schedule_steps or t.steps,
+                                   min_lr_ratio=t.min_lr_ratio, b1=t.beta1, b2=t.beta2, eps=t.eps,
+                                   weight_decay=t.weight_decay, grad_clip=t.grad_clip)
         plain_tokens = jax.device_put(tokens_np, jax.devices()[0])
-        params = jax.jit(plain_gpt.init_params, static_argnums=0)(c, jax.random.key(t.seed))
+        params = jax.jit(module.init_params, static_argnums=0)(c, jax.random.key(t.seed))
         pbox = {"params": params, "opt": jax.jit(tx.init)(params)}
         t0 = time.perf_counter()
-        plain_step = plain_gpt.make_train_step(c, tx, dtype).lower(pbox["params"], pbox["opt"], plain_tokens).compile()
+        plain_step = module.make_train_step(c, tx, dtype).lower(pbox["params"], pbox["opt"], plain_tokens).compile()
         plain_compile = time.perf_counter() - t0
 
         def plain_window(n):
@@ -278,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
     parser.add_argument("--windows", type=int, default=3, help="timing windows; medians are reported (default 3)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the plain JAX GPT-2 (tools/plain_gpt.py) and report the overhead")
+                        help="also time the same model in plain JAX (tools/plain_gpt.py, tools/plain_llama.py) "
+                             "and report the overhead")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
