@@ -1,7 +1,8 @@
 """What every command-line entry point shares: `[--config FILE] [key=value ...]`, logging, user errors.
 
-A `UserError` (bad config, data, checkpoint) becomes one line `error: ...` on stderr and
-exit code 2, with no traceback.
+A `UserError` (bad config, data, checkpoint, a diverged loss) becomes one line `error: ...` on
+stderr and exit code 2, with no traceback; a run stopped by a signal, one line `stopped: ...` and
+128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ def config_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def run(main: Callable[[], object]) -> int:
-    """Log to stderr, run `main`, turn a UserError into `error: ...` and exit code 2."""
+    """Log to stderr, run `main`, turn a UserError into `error: ...` and exit code 2, a stop into `stopped: ...`."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from jaxllm.errors import UserError
+    from jaxllm.errors import Stopped, UserError
 
     try:
         main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

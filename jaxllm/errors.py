@@ -1,8 +1,8 @@
-"""Errors a user can fix: the CLI prints them as one line and exits 2."""
+"""What the command lines turn into one line and an exit code instead of a traceback."""
 
 
 class UserError(Exception):
-    """A problem in what the user gave us (config, data, checkpoint), with the fix in its message."""
+    """A problem in what the user gave us (config, data, checkpoint), with the fix in its message: exit 2."""
 
 
 class ConfigError(UserError):
@@ -15,3 +15,15 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     pass
+
+
+class TrainingDiverged(UserError):
+    """The loss or gradient norm stopped being finite; the message says what to try and where to resume."""
+
+
+class Stopped(Exception):
+    """The run stopped early on request (a signal) after saving a checkpoint it can resume from."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

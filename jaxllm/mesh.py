@@ -81,3 +81,16 @@ def barrier(name: str, timeout_s: int = 600) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def all_agree(name: str, ok: bool, timeout_s: int = 600) -> bool:
+    """True when `ok` holds on every process (itself with one), through the coordinator's key-value
+    store: no collective, so no device program is needed to decide."""
+    if jax.process_count() == 1:
+        return ok
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"{name}/{jax.process_index()}", "1" if ok else "0")
+    return all(client.blocking_key_value_get(f"{name}/{p}", timeout_s * 1000) == "1"
+               for p in range(jax.process_count()))

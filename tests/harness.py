@@ -3,10 +3,12 @@ independent references, the equivalence tolerances and subprocess environments.
 
 - `step_fns(cfg, devices)` is the one registry of step programs: a config (resolved to TOML)
   on n devices is built once, so every test asking for the same program gets the same jitted
-  functions, already compiled. conftest.py empties it after each test file (`forget_programs`). The command lines tests start share JAX's
-  persistent compilation cache instead (`subprocess_env`; see conftest.py).
-- `loss_and_grads`, `train_step`, `eval_loss` are the only places a test hands a batch to a
-  step: they lay the parameters and the token batch out as the step wants them.
+  functions, already compiled. conftest.py empties it after each test file (`forget_programs`).
+  The command lines tests start share JAX's persistent compilation cache instead
+  (`subprocess_env`; see conftest.py).
+- `loss_and_grads`, `train_step`, `eval_loss` and `lower_loss_and_grads` are the only places a
+  test hands a batch to a step: they lay the parameters and the token batch out as the step wants
+  them.
 - `reference(model_cfg)` is the loss and gradients of the model written independently of
   `jaxllm/models/` (`tools/plain_gpt.py`, `tools/plain_llama.py`) on `tokens()`, from
   jaxllm's own initial parameters.
@@ -68,7 +70,7 @@ _programs: dict = {}
 
 def step_fns(cfg, devices: int | None = None):
     """The compiled step functions of `cfg` on the first `devices` devices (default: as many as the
-    mesh uses), built once per session."""
+    mesh uses; an axis at -1 counts as 1), built once per test file."""
     import jax
 
     from jaxllm.config import to_toml, validate
@@ -134,6 +136,19 @@ def train_step(fns, state, toks=None):
 
     state = jax.device_put(state, fns.state_shardings)
     return fns.train_step(state, jax.device_put(tokens() if toks is None else toks, fns.batch_sharding))
+
+
+def lower_loss_and_grads(fns, batch: int = BATCH, seq: int = SEQ, params=None, toks=None):
+    """The loss-and-gradients program lowered for a [batch, seq + 1] token batch (or for `params` and
+    `toks` as given), for reading its program and, compiled, its memory without running it."""
+    import jax
+    import jax.numpy as jnp
+
+    if toks is None:
+        toks = jax.ShapeDtypeStruct((batch, seq + 1), jnp.uint16, sharding=fns.batch_sharding)
+        params = fns.abstract_state["params"] if params is None else params
+        return fns.loss_and_grads.lower(params, toks)
+    return fns.loss_and_grads.lower(*_put(fns, params, toks))
 
 
 # ---------------------------------------------------------------- the independent references

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import step_fns, subprocess_env
+from harness import step_fns, subprocess_env, train_step
 from jaxllm.config import build_config, validate
 from jaxllm.models import transformer
 from tools.bench import plain_model
@@ -44,7 +44,7 @@ def test_plain_baseline_step_matches_jaxllm(family):
         norm["scale"] += 1
     params = jax.device_put(old, fns.state_shardings["params"])
     state = {"step": jnp.int32(0), "params": params, "opt_state": jax.jit(fns.tx.init)(params)}
-    new_state, metrics = fns.train_step(state, jax.device_put(tokens, fns.batch_sharding))
+    new_state, metrics = train_step(fns, state, tokens)
 
     plain_old = module.from_jaxllm(old)
     assert (jax.tree.map(jnp.shape, plain_old)

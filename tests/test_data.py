@@ -297,3 +297,56 @@ def test_eval_batch():
     assert np.array_equal(again, batches[1])
     with pytest.raises(ValueError):
         eval_batch(tokens, 3, 3, 8, 31, sharding)
+
+
+# ---------------------------------------------------------------- bad data through the trainer's command line
+
+
+def _shards_with(tmp_path, damage):
+    """A shard folder whose validation shard `damage` spoils."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_shard(folder / "x_train_000001.bin", np.arange(5000) % 200)
+    write_shard(folder / "x_val_000000.bin", np.arange(5000) % 200)
+    damage(folder / "x_val_000000.bin")
+    return folder
+
+
+def _header(magic=20240520, version=1, count=5000):
+    def write(path):
+        data = bytearray(path.read_bytes())
+        data[:12] = np.array([magic, version, count], "<i4").tobytes()
+        path.write_bytes(bytes(data))
+    return write
+
+
+def _file(path, data: bytes):
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+BAD_DATA = {  # name -> (make the source under a folder, words the one line must hold)
+    "empty_file": (lambda d: _file(d / "empty.txt", b""), "empty"),
+    "empty_folder": (lambda d: _file(d / "none" / ".hidden", b"x").parent, "no non-empty UTF-8 text"),
+    "binary_file": (lambda d: _file(d / "x.txt", bytes(range(256)) * 4), "not a UTF-8 text file"),
+    "shorter_than_a_window": (lambda d: _file(d / "short.txt", b"a few words\n" * 20), "model.seq_len"),
+    "folder_without_text": (lambda d: _file(d / "bin" / "a.dat", b"\0\1" * 99).parent, "no non-empty UTF-8 text"),
+    "shard_magic": (lambda d: _shards_with(d, _header(magic=1234)), "magic"),
+    "shard_version": (lambda d: _shards_with(d, _header(version=5)), "version"),
+    "shard_length": (lambda d: _shards_with(d, _header(count=6000)), "truncated or corrupt"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_line_exit_2_and_nothing_written(case, tmp_path, capsys):
+    from experiments import run as run_cli
+
+    make, words = BAD_DATA[case]
+    source, run_dir = make(tmp_path), tmp_path / "run"
+    assert run_cli.main([f"data.source={source}", f"run.dir={run_dir}", "model.preset=tiny-gpt2",
+                         "model.seq_len=256"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
+    assert str(source) in lines[0]  # names the file
+    assert not run_dir.exists()

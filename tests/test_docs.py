@@ -54,6 +54,7 @@ def test_readme_names_only_files_that_exist():
     paths = set(re.findall(r"\b((?:tests|tools|experiments/configs|jaxllm|docs)/[\w/.-]+\.(?:py|toml|md))", README))
     paths |= {f"tools/{m}.py" for m in re.findall(r"python -m tools\.(\w+)", README)}
     paths |= set(re.findall(r"(?<![\w/-])([\w-]+\.md)\b", README))
+    paths |= {f"tests/{name}" for name in re.findall(r"(?<![\w/])(test_\w+\.py)\b", README)}  # named bare
     assert len(paths) > 20
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing, missing

@@ -6,9 +6,9 @@ The reference is the model written without jaxllm (`tools/plain_gpt.py`, `tools/
 gradient leaf within 1e-4 of it (`harness.assert_matches`), on one device and on meshes
 {dp=8, fsdp=8, dp=2×fsdp=4} × ZeRO stages × {with, without} accumulation. Then a whole optimizer
 step on every mesh at every stage (each family on every mesh and at every stage) and a 20-step
-loss curve against one device, and initial parameters bitwise equal on every mesh. Programs come from the session's registry (`harness.step_fns`); ZeRO stages 0 and 1 share a
-gradient program (they differ only in the optimizer state's layout, which the one-step test
-covers), see `same_program`.
+loss curve against one device, and initial parameters bitwise equal on every mesh. Programs come
+from the registry (`harness.step_fns`); ZeRO stages 0 and 1 share a gradient program (they
+differ only in the optimizer state's layout, which the one-step test covers), see `same_program`.
 """
 
 import jax

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import CORPUS, assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers, tokens
+from harness import (CORPUS, assert_matches, equivalence_config, loss_and_grads, lower_loss_and_grads, reference,
+                     step_fns, tiers, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import moe, transformer
@@ -229,7 +230,7 @@ def test_default_capacity_drops_alike_on_meshes_with_equal_batch_shards(mesh):
     assert capacity_config({}).model.moe.capacity_factor == 1.25
     base = step_fns(capacity_config({"mesh.dp": 8}))  # the experts run locally, one group per device
     params = jax.device_get(base.init(0)["params"])
-    _, metrics = base.train_step(base.init(0), jax.device_put(tokens(), base.batch_sharding))
+    _, metrics = train_step(base, base.init(0))
     assert float(metrics["moe_dropped"]) > 0.01  # the capacity really drops pairs
     ref_loss, ref_grads = loss_and_grads(base, params)
     loss, grads = loss_and_grads(step_fns(capacity_config(CAPACITY_MESHES[mesh])), params)
@@ -267,7 +268,8 @@ def test_tiny_moe_trains_and_the_balance_loss_balances(tmp_path):
     rows = {}
     for weight in (0.01, 0.0):
         cfg = build_config(None, {"model.preset": "tiny-moe", "model.seq_len": 32, "mesh.dp": 2, "mesh.ep": 4,
-                                  "train.steps": 60, "data.source": CORPUS, "train.log_every": 10, "train.eval_every": 0, "train.checkpoint_every": 0,
+                                  "train.steps": 60, "data.source": CORPUS, "train.log_every": 10,
+                                  "train.eval_every": 0, "train.checkpoint_every": 0,
                                   "run.sample_tokens": 0, "run.progress": False, "run.dir": str(tmp_path / str(weight)),
                                   "model.moe.balance_weight": weight})
         train(cfg)
@@ -290,8 +292,7 @@ def test_trainer_step_moves_tokens_not_expert_weights():
     """ep=4×fsdp=2, ZeRO-0: the gradient program has the island's all-to-alls and no all-gather of any expert
     weight (whole, or one ep rank's share)."""
     fns = step_fns(model_config({"mesh.ep": 4, "mesh.fsdp": 2}))
-    toks = jax.ShapeDtypeStruct((16, 33), jnp.uint16, sharding=fns.batch_sharding)
-    hlo = fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile().as_text()
+    hlo = lower_loss_and_grads(fns).compile().as_text()
     assert hlo.count("all-to-all(") >= 4
     experts = fns.abstract_state["params"]["blocks"][0]["moe"]["experts"]
     shapes = {",".join(map(str, (n,) + a.shape[2:])) for a in experts.values() for n in (8, 2)}

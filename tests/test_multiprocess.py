@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -174,9 +175,7 @@ def test_two_processes_train_like_one(runs):
     assert (multi / "config.toml").is_file()
     assert 'coordinator_address = "127.0.0.1:' in (multi / "config.toml").read_text()
     # Orbax wrote complete multi-process checkpoints into the shared run.dir.
-    from jaxllm.train.checkpoint import latest_step
-
-    assert latest_step(str(multi)) == 4
+    assert sorted(os.listdir(multi / "checkpoints")) == ["2", "4"]
     for step in ("2", "4"):
         assert (multi / "checkpoints" / step / "state").is_dir(), sorted(os.listdir(multi / "checkpoints"))
     assert not list(multi.glob("checkpoints/*.orbax-checkpoint-tmp*")), "an unfinished checkpoint was left behind"
@@ -199,9 +198,7 @@ def test_two_processes_resume_from_their_checkpoint(runs):
     # Steps 5-6 after a 2-process save + restore (params and Adam moments) follow the uninterrupted run.
     _assert_close([r["loss"] for r in rows[4:]], [r["loss"] for r in ref[4:]], 1e-5, "losses after resume")
     _assert_close([r["lr"] for r in rows[4:]], [r["lr"] for r in ref[4:]], 1e-6, "learning rates after resume")
-    from jaxllm.train.checkpoint import latest_step
-
-    assert latest_step(str(multi)) == 6
+    assert sorted(os.listdir(multi / "checkpoints"), key=int)[-1] == "6"
 
 
 def test_each_process_reads_only_its_rows(tmp_path):
@@ -225,3 +222,25 @@ def test_each_process_reads_only_its_rows(tmp_path):
             assert layout["n_reads"] <= layout["n_cells"]
         # Rows split over dp×fsdp: this process's 8 rows of 32 tokens, each read once.
         assert all(b["n_cells"] == 8 * 32 for b in res["batch"]), res
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(runs, tmp_path):
+    """A preemption notice that reaches one process only: JAX's preemption service tells the other, both
+    stop after the same step, save it together and exit 143 with the same line."""
+    run_dir = tmp_path / "run"
+    procs = Procs(tmp_path)
+    _start_distributed_run(procs, runs["config"], run_dir,
+                           ["train.steps=400", "train.schedule_steps=400", "train.checkpoint_every=0"], tag="p")
+    victim = next(proc for name, proc, _, _ in procs.items if name == "p1")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert all(p.poll() is None for _, p, _, _ in procs.items) and time.monotonic() < deadline
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGTERM)
+    codes = [proc.wait(timeout=TIMEOUT_S) for _, proc, _, _ in procs.items]
+    lines = [procs.stderr(name).strip().splitlines()[-1] for name in ("p0", "p1")]
+    assert codes == [143, 143], procs._report("exit codes")
+    stop = _metrics(run_dir)[-1]["step"]
+    assert lines[0] == lines[1] and lines[0].startswith(f"stopped: SIGTERM at step {stop}: "), lines
+    assert 1 <= stop < 400 and [r["step"] for r in _metrics(run_dir)] == list(range(1, stop + 1))
+    assert sorted(os.listdir(run_dir / "checkpoints")) == [str(stop)]

@@ -15,12 +15,11 @@ gather-once option leaving no weight all-gather inside the tick loop.
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, loss_and_grads, max_rel_err,
-                     reference, step_fns, tiers, train_step)
+from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, loss_and_grads, lower_loss_and_grads,
+                     max_rel_err, reference, step_fns, tiers, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
@@ -170,8 +169,8 @@ def test_schedules_match_the_reference(family, schedule, pp, microbatches):
                                          "train.pp_schedule": schedule})
 
 
-@pytest.mark.parametrize("family,pp,microbatches", tiers([("gpt2", 2, 4), ("gpt2", 4, 4), ("gpt2", 4, 8), ("llama", 4, 8)],
-                                                        {("gpt2", 4, 8)}))
+@pytest.mark.parametrize("family,pp,microbatches",
+                         tiers([("gpt2", 2, 4), ("gpt2", 4, 4), ("gpt2", 4, 8), ("llama", 4, 8)], {("gpt2", 4, 8)}))
 def test_interleaved_matches_the_reference(family, pp, microbatches):
     assert_matches_the_reference(family, **{"mesh.pp": pp, "train.microbatches": microbatches,
                                          "train.pp_schedule": "interleaved", "train.pp_virtual": 2})
@@ -200,8 +199,9 @@ def test_3d_parallel_matches_the_reference(mesh, family):
 
 # remat policies and the chunked loss inside pipeline stages
 STAGE_OPTIONS = {
-    "gpt2_full_remat_chunked_loss_pp2_dp2_tp2": ("gpt2", {"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2, "train.zero_stage": 1,
-                                                           "model.remat": "full", "train.loss_chunk": 8}),
+    "gpt2_full_remat_chunked_loss_pp2_dp2_tp2": ("gpt2", {"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2,
+                                                           "train.zero_stage": 1, "model.remat": "full",
+                                                           "train.loss_chunk": 8}),
     "llama_save_named_pp2_fsdp4_zero3": ("llama", {"mesh.pp": 2, "mesh.fsdp": 4, "train.zero_stage": 3,
                                                    "model.remat": "save-named"}),
     "llama_save_dots_chunked_loss_pp4_dp2": ("llama", {"mesh.pp": 4, "mesh.dp": 2, "model.remat": "save-dots",
@@ -237,8 +237,7 @@ MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8
 
 
 def compiled(fns, batch: int, seq: int):
-    toks = jax.ShapeDtypeStruct((batch, seq + 1), jnp.uint16, sharding=fns.batch_sharding)
-    return fns.loss_and_grads.lower(fns.abstract_state["params"], toks).compile()
+    return lower_loss_and_grads(fns, batch, seq).compile()
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, plan, stage_params,
+from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, plan,
                         tensor_parallel_theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,10 +183,6 @@ def tp_theory(*extra: str) -> dict:
     return tensor_parallel_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
 
 
-def by_kind(entries: list[dict]) -> dict:
-    return {e["kind"]: (e["count"], e["bytes_per_call"], e["sent_bytes"]) for e in entries}
-
-
 def test_tensor_parallel_theory_without_tp_is_a_marker():
     """tp = 1: no made-up collectives or activation savings. (The numbers for tp > 1 are checked against
     compiled programs: tests/test_tensor_parallel.py.)"""
@@ -212,7 +208,6 @@ def test_collective_matmul_permutes_match_theory():
     layer = th["collectives_per_layer"]["sp_cm"]
     count = sum(e["count"] for e in layer["forward"] + layer["backward"])
     size = sum(e["bytes"] for e in layer["forward"] + layer["backward"])
-    assert count == 4 * 2 * 3 * 2 and size == count * 8 * 4 * 64 * 4
     compiled = p["collectives"]["collective-permute"]
     assert p["unknown_trip_loops"] == 0
     assert compiled == {"count": count * p["config"]["n_layers"], "bytes": size * p["config"]["n_layers"]}
@@ -255,7 +250,6 @@ def test_attention_memory_falls_with_sp(strategy):
     for sp in (1, 2, 4, 8):
         th = attention_theory(sp, strategy)
         ratios[sp] = th["ratio"]
-        assert th["ratio_by_sp"][strategy][str(sp)] == pytest.approx(th["ratio"])  # the trend line agrees
     assert ratios[1] == 1
     assert ratios[1] > ratios[2] > ratios[4] > ratios[8]
     for sp in (2, 4, 8):
@@ -312,8 +306,7 @@ def test_pipeline_zero_theory_per_stage(pipeline_plan):
                  for leaf in jax.tree.leaves(table[name], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
     stack = transformer.count_params(model) - shared
     phi = stack // 2 + shared
-    assert (p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "stage": phi}
-            == stage_params(model, 2))
+    assert p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "stage": phi}
     assert p["params"] == stack + shared and p["theory"]["params"] == phi
     got = p["memory"]["argument_bytes"]
     assert abs(got - 12 * phi) <= 0.10 * 12 * phi, (got, 12 * phi)

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import (GRAD_RTOL, LOSS_RTOL, REPO, assert_matches, equivalence_config, loss_and_grads, reference,
-                     step_fns, tiers, tokens, train_step, warm)
+from harness import (GRAD_RTOL, LOSS_RTOL, REPO, assert_matches, equivalence_config, loss_and_grads,
+                     lower_loss_and_grads, reference, step_fns, tiers, tokens, train_step, warm)
 from jaxllm.config import build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
@@ -238,8 +238,7 @@ def test_vocab_parallel_loss_never_holds_full_logits(family):
 
     def program(mesh_axes, chunk=0):
         fns = step_fns(equivalence_config(PRESETS[family], **mesh_axes, **{"train.loss_chunk": chunk}))
-        params = jax.device_put(ref_for(family)[0], fns.state_shardings["params"])
-        return fns.loss_and_grads.lower(params, jax.device_put(tokens(), fns.batch_sharding)).compile().as_text()
+        return lower_loss_and_grads(fns, params=ref_for(family)[0], toks=tokens()).compile().as_text()
 
     v, tp, chunk = padded_vocab(equivalence_config(PRESETS[family]).model), 4, 8
     rows, seq = tokens().shape[0], tokens().shape[1] - 1

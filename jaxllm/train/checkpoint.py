@@ -1,37 +1,56 @@
-"""Orbax checkpoints of the train state: async saves, keep the last K, restore onto any mesh.
+"""Orbax checkpoints of the train state: async saves, keep the last K, restore onto any mesh, skip damage.
 
-A checkpoint holds the state (step, fp32 params, optimizer state) and, beside it as
-JSON, the resolved config. Restoring reads each array straight into the shardings of
-the *current* mesh, so a run saved on fsdp=8 continues on dp=2×fsdp=4.
+A checkpoint holds the state (step, fp32 params, optimizer state) and, beside it as JSON, the
+resolved config. Restoring reads each array straight into the shardings of the *current* mesh, so
+a run saved on fsdp=8 continues on dp=2×fsdp=4.
+
+Orbax writes each save into a temporary folder and renames it to `<step>` only when complete, so
+a killed save leaves `<step>.orbax-checkpoint-tmp-…` and never a half-written `<step>`. Resuming
+takes the newest step that restores; damaged newer steps and temporary folders are logged and
+moved aside to `<step>.bad` (Orbax ignores that name, so a new save of the step and pruning work).
+Detected: missing or truncated array files, unreadable metadata, interrupted saves. Not detected:
+bits flipped inside array data (Orbax keeps no checksums).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxllm.errors import CheckpointError
+from jaxllm.mesh import all_agree, barrier
+
+log = logging.getLogger("jaxllm")
+TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a save in progress
 
 
 def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(os.path.abspath(run_dir), "checkpoints")
 
 
-def open_manager(run_dir: str, keep: int) -> ocp.CheckpointManager:
+def open_manager(run_dir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
         checkpoint_dir(run_dir),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True, create=True),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not read_only,
+                                             create=not read_only, read_only=read_only),
     )
 
 
-def latest_step(run_dir: str) -> int | None:
-    """The newest complete checkpoint's step in run_dir, or None (without creating anything)."""
+def _entries(run_dir: str) -> tuple[list[int], list[str]]:
+    """(complete steps, newest first; folders of interrupted saves) in run_dir's checkpoint folder."""
     path = checkpoint_dir(run_dir)
-    if not os.path.isdir(path):
-        return None
-    steps = [int(d) for d in os.listdir(path) if d.isdigit() and os.path.isdir(os.path.join(path, d))]
-    return max(steps) if steps else None
+    names = os.listdir(path) if os.path.isdir(path) else []
+    steps = sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(path, n))), reverse=True)
+    return steps, sorted(n for n in names if TMP_MARK in n and not n.endswith(".bad"))
+
+
+def has_checkpoints(run_dir: str) -> bool:
+    """Whether run_dir holds any checkpoint, complete or not (without creating anything)."""
+    steps, interrupted = _entries(run_dir)
+    return bool(steps or interrupted)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
@@ -39,20 +58,78 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 
-def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None):
-    """(state, meta) of a checkpoint, laid out as `abstract_state`'s shardings say."""
-    step = mngr.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no checkpoint in {mngr.directory}; start without train.resume=true")
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The JSON saved beside step's state; CheckpointError if it cannot be read."""
     try:
-        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many kinds; all mean the same to the user
-        raise CheckpointError(f"checkpoint {step} in {mngr.directory} is unreadable ({type(e).__name__}); "
-                              "delete that step's folder to fall back to an earlier one") from None
+        raise CheckpointError(f"its metadata is unreadable ({_first_line(e)})") from None
+
+
+def read_state(mngr: ocp.CheckpointManager, step: int, abstract_state):
+    """step's train state laid out as `abstract_state`'s shardings say; CheckpointError if unreadable."""
     try:
-        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+        return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
     except Exception as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {step} in {mngr.directory} does not fit this run's model/optimizer "
-                              f"({first}); resume with the settings it was saved with") from None
-    return state, meta
+        raise CheckpointError(f"its arrays are unreadable ({_first_line(e)})") from None
+
+
+def _attempt(name: str, read):
+    """(read()'s value, None) when it succeeded on every process, else (None, why)."""
+    try:
+        value, why = read(), None
+    except CheckpointError as e:
+        value, why = None, str(e)
+    if not all_agree(name, why is None):
+        return None, why or "unreadable on another process"
+    return value, None
+
+
+def restore_newest(run_dir: str, abstract_state, check_meta) -> tuple[object, dict]:
+    """(state, meta) of the newest checkpoint in run_dir that restores. `check_meta(meta)` raises a
+    UserError when the checkpoint belongs to another model (that is not damage: nothing is skipped).
+    Damaged newer steps and interrupted saves are logged and set aside once a good step is found;
+    when none restores, CheckpointError names them all and nothing is moved."""
+    steps, interrupted = _entries(run_dir)
+    skipped = [(name, "an interrupted save") for name in interrupted]
+    found = None
+    mngr = open_manager(run_dir, keep=1, read_only=True)
+    try:
+        for step in steps:
+            meta, why = _attempt(f"jaxllm_meta_{step}", lambda: read_meta(mngr, step))
+            if why is None:
+                check_meta(meta)
+                state, why = _attempt(f"jaxllm_state_{step}", lambda: read_state(mngr, step, abstract_state))
+            if why is None:
+                found = state, meta
+                break
+            skipped.append((str(step), why))
+    finally:
+        mngr.close()
+    if found is None:
+        what = "; ".join(f"{name}: {why}" for name, why in skipped) or "none found"
+        raise CheckpointError(f"no checkpoint in {checkpoint_dir(run_dir)} can be restored ({what}); "
+                              "move the run's checkpoints folder away to start again from step 0")
+    for name, why in skipped:
+        log.warning("checkpoint %s skipped: %s; moved to %s", name, why, set_aside(run_dir, name))
+    return found
+
+
+def set_aside(run_dir: str, name: str) -> str:
+    """Rename checkpoints/<name> to `<step>.bad` (then .bad-2, ...) on process 0; returns the new name."""
+    root = checkpoint_dir(run_dir)
+    step = name.split(".")[0]
+    target, n = f"{step}.bad", 1
+    while os.path.exists(os.path.join(root, target)):
+        n += 1
+        target = f"{step}.bad-{n}"
+    barrier(f"jaxllm_before_set_aside_{name}")  # every process has chosen the name before process 0 renames
+    if jax.process_index() == 0:
+        os.rename(os.path.join(root, name), os.path.join(root, target))
+    barrier(f"jaxllm_set_aside_{name}")
+    return target

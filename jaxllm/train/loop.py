@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +21,12 @@ import numpy as np
 
 from jaxllm import data as data_lib
 from jaxllm.config import Config, to_dict, to_toml, validate
-from jaxllm.errors import ConfigError
+from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.train import checkpoint as ckpt
+from jaxllm.train import faults, preemption
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train.step import make_step_fns
 
@@ -51,21 +54,23 @@ def prepare(cfg: Config):
     corpus = data_lib.load_corpus(cfg.data.source, tokenizer, cfg.data.val_percent)
     for name, stream in (("train", corpus.train), ("validation", corpus.val)):
         if len(stream) < cfg.model.seq_len + 1:
-            raise ConfigError(f"data.source: the {name} split has {len(stream)} tokens, fewer than model.seq_len+1="
-                              f"{cfg.model.seq_len + 1}; use more data or a shorter model.seq_len")
+            raise ConfigError(f"data.source {cfg.data.source!r}: the {name} split has {len(stream)} tokens, fewer than "
+                              f"model.seq_len+1={cfg.model.seq_len + 1}; use more data or a shorter model.seq_len")
     return tokenizer, shape, notes, corpus
 
 
-def _check_run_dir(cfg: Config) -> int | None:
-    """The checkpoint step to resume from (None: fresh start); refuse to overwrite another run."""
-    step = ckpt.latest_step(cfg.run.dir)
+def _check_run_dir(cfg: Config) -> bool:
+    """Whether to resume from a checkpoint; refuse to overwrite another run."""
     if cfg.train.resume:
-        return step
+        if ckpt.has_checkpoints(cfg.run.dir):
+            return True
+        log.info("train.resume=true: no checkpoint in %s yet, so training starts at step 0", cfg.run.dir)
+        return False
     used = [n for n in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(cfg.run.dir, n))]
     if used:
         raise ConfigError(f"run.dir '{cfg.run.dir}' already holds a run; set train.resume=true to continue it "
                           "or choose another run.dir")
-    return None
+    return False
 
 
 def _check_resumable(cfg: Config, meta: dict) -> None:
@@ -78,6 +83,16 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
         if a != b:
             raise ConfigError(f"run.dir '{cfg.run.dir}' was trained with different {section} settings; "
                               "resume with the same ones or choose another run.dir")
+
+
+def _restore(cfg: Config, fns):
+    """(state, step) of the newest checkpoint that restores onto this run's mesh."""
+    state, _ = ckpt.restore_newest(cfg.run.dir, fns.abstract_state, lambda meta: _check_resumable(cfg, meta))
+    start = int(state["step"])
+    if start >= cfg.train.steps:
+        raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
+                          "raise train.steps to train further")
+    return state, start
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -116,6 +131,151 @@ def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int
     return tokenizer.decode(np.asarray(ids, np.uint32))
 
 
+def _log_setup(cfg: Config, shape: dict, notes: list[str], corpus, fns) -> None:
+    t = cfg.train
+    mesh_desc = " ".join(f"{a}={n}" for a, n in shape.items() if n > 1) or "1 device"
+    log.info("mesh: %s over %d %s device(s); %s", mesh_desc, jax.device_count(), jax.devices()[0].platform,
+             corpus.description)
+    for note in notes:
+        log.info(note)
+    log.info("model: %s, %.2fM parameters; zero_stage=%d, microbatches=%d, compute %s", cfg.model.family,
+             transformer.count_params(cfg.model) / 1e6, t.zero_stage, t.microbatches, cfg.precision.compute)
+    if fns.schedule is not None:
+        s = fns.schedule
+        log.info("pipeline: %s over %d stages × %d chunk(s), %d microbatches, %d ticks; bubble %.1f%% of the "
+                 "table (formula %.1f%%); %d stage input(s) buffered", s.name, s.stages, s.chunks, s.microbatches,
+                 s.ticks, 100 * bubble_fraction(s), 100 * bubble_formula(s), s.act_depth)
+
+
+@dataclass
+class _Run:
+    """What the step loop shares: the config, the compiled programs, where output goes, and the
+    newest checkpoint whose loss and gradient norm were finite."""
+    cfg: Config
+    fns: object
+    corpus: object
+    step_fn: object
+    eval_fn: object
+    mngr: object = None
+    writer: object = None
+    bar: object = None
+    flops_per_token: float = 0.0
+    peak: float = 0.0
+    good_checkpoint: int | None = None
+    last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
+
+
+def _show(run: _Run, msg: str) -> None:
+    run.bar.write(msg) if run.bar else log.info(msg)
+
+
+def _metrics_row(run: _Run, step: int, metrics, dt: float) -> dict:
+    """The logged row of one step (synchronises with the device)."""
+    cfg, metrics = run.cfg, jax.device_get(metrics)
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+           "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+           "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak)}
+    row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_") and k != "moe_load"})
+    # each expert's share of the routed pairs, one column per expert
+    row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
+    return row
+
+
+def _write_row(run: _Run, row: dict) -> None:
+    run.last["loss"] = row["loss"]
+    if not run.writer:
+        return
+    run.writer.write(row)
+    msg = (f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
+           f"{row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.0f} ms | mfu {row['mfu'] * 100:.1f}%")
+    if "moe_balance" in row:
+        msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
+                f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
+    _show(run, msg)
+
+
+def _check_finite(run: _Run, row: dict) -> None:
+    """A non-finite loss or gradient norm ends the run, pointing at the newest good checkpoint."""
+    if math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]):
+        return
+    where = (f"the newest checkpoint with a finite loss is step {run.good_checkpoint} in "
+             f"{ckpt.checkpoint_dir(run.cfg.run.dir)}; resume from it with train.resume=true"
+             if run.good_checkpoint is not None else "no checkpoint was saved before it")
+    raise TrainingDiverged(f"loss {row['loss']}, gradient norm {row['grad_norm']} at step {row['step']}: "
+                           f"lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data; {where}")
+
+
+def _evaluate(run: _Run, params) -> float:
+    t, total, count = run.cfg.train, 0.0, 0.0
+    for i in range(t.eval_batches):
+        vb = data_lib.eval_batch(run.corpus.val, i, t.eval_batches, t.global_batch, run.cfg.model.seq_len,
+                                 run.fns.batch_sharding)
+        s, c = run.eval_fn(params, vb)
+        total, count = total + float(s), count + float(c)
+    return total / count
+
+
+def _save(run: _Run, step: int, state) -> None:
+    if run.mngr is None:
+        run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
+    faults.before_save(step)
+    ckpt.save(run.mngr, step, state, {"config": to_dict(run.cfg), "step": step})
+    run.good_checkpoint = step  # its row was checked finite first
+    faults.after_save(run.mngr, step)
+
+
+def _batch(run: _Run, step: int):
+    t = run.cfg.train
+    return data_lib.global_batch(run.corpus.train, t.seed, step, t.global_batch, run.cfg.model.seq_len,
+                                 run.fns.batch_sharding)
+
+
+def _train_steps(run: _Run, state, start: int, should_stop):
+    """Steps start+1 .. train.steps: log, evaluate and checkpoint as configured; on a stop request save
+    this step and raise Stopped."""
+    t = run.cfg.train
+    mark_time, mark_step = time.time(), start
+    for step in range(start + 1, t.steps + 1):
+        state, metrics = run.step_fn(state, _batch(run, step - 1))
+        faults.after_dispatch(step, run.mngr)
+        signum = should_stop(step)
+        saving = signum is not None or step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+        logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
+        if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
+            now = time.time()
+            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step))
+            if logging_now:
+                mark_time, mark_step = now, step
+                _write_row(run, row)
+            _check_finite(run, row)
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            run.last["val_loss"] = _evaluate(run, state["params"])
+            if run.writer:
+                run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
+                _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
+            mark_time = time.time()  # evaluation is not training time
+        if saving and (t.checkpoint_every > 0 or signum is not None):
+            _save(run, step, state)
+        if run.bar:
+            run.bar.update(1)
+            run.bar.set_postfix(loss=f"{run.last['loss']:.3f}")
+        if signum is not None:
+            raise Stopped(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in "
+                          f"{ckpt.checkpoint_dir(run.cfg.run.dir)}; continue with train.resume=true "
+                          f"run.dir={run.cfg.run.dir}", 128 + signum)
+    return state
+
+
+def _compile(cfg: Config, fns, state, batch):
+    t0 = time.time()
+    with faults.compiling():
+        step_fn = fns.train_step.lower(state, batch).compile()
+        eval_fn = fns.eval_loss.lower(state["params"], batch).compile() if cfg.train.eval_every else None
+    log.info("compiled the train step in %.1f s", time.time() - t0)
+    return step_fn, eval_fn
+
+
 def train(cfg: Config) -> dict:
     """Run training as configured. Returns a summary (final losses, run dir, ...)."""
     initialize_distributed(cfg.distributed)
@@ -124,122 +284,52 @@ def train(cfg: Config) -> dict:
         raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
         cfg.run.dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    resume_step = _check_run_dir(cfg)
+    resume = _check_run_dir(cfg)
     barrier("jaxllm_run_dir_checked")  # every process has looked at run.dir before process 0 writes to it
     lead = jax.process_index() == 0
-    mesh = make_mesh(shape, cfg)
-    fns = make_step_fns(cfg, mesh)
-    t = cfg.train
-
-    mngr = None
-    state, start = None, 0
-    if resume_step is not None:
-        mngr = ckpt.open_manager(cfg.run.dir, t.keep_checkpoints)
-        state, meta = ckpt.restore(mngr, fns.abstract_state, resume_step)
-        _check_resumable(cfg, meta)
-        start = int(state["step"])
-        if start >= t.steps:
-            raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={t.steps}; "
-                              "raise train.steps to train further")
+    fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
+    state, start = _restore(cfg, fns) if resume else (None, 0)
 
     # From here on the run directory is written.
     os.makedirs(cfg.run.dir, exist_ok=True)
     if lead:
         with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
-    mesh_desc = " ".join(f"{a}={n}" for a, n in shape.items() if n > 1) or "1 device"
-    log.info("mesh: %s over %d %s device(s); %s", mesh_desc, jax.device_count(), jax.devices()[0].platform, corpus.description)
-    for note in notes:
-        log.info(note)
-    n_params = transformer.count_params(cfg.model)
-    log.info("model: %s, %.2fM parameters; zero_stage=%d, microbatches=%d, compute %s",
-             cfg.model.family, n_params / 1e6, t.zero_stage, t.microbatches, cfg.precision.compute)
-    if fns.schedule is not None:
-        s = fns.schedule
-        log.info("pipeline: %s over %d stages × %d chunk(s), %d microbatches, %d ticks; bubble %.1f%% of the "
-                 "table (formula %.1f%%); %d stage input(s) buffered", s.name, s.stages, s.chunks, s.microbatches,
-                 s.ticks, 100 * bubble_fraction(s), 100 * bubble_formula(s), s.act_depth)
+        if t.resume:  # the steps after the restored one are trained (and logged) again
+            metrics_lib.keep_rows_through(cfg.run.dir, start)
+    _log_setup(cfg, shape, notes, corpus, fns)
     if state is None:
         state = fns.init(t.seed)
     else:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
-    if mngr is None and t.checkpoint_every > 0:
-        mngr = ckpt.open_manager(cfg.run.dir, t.keep_checkpoints)
+    with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
+        run = _Run(cfg, fns, corpus, *_compile(cfg, fns, state, data_lib.global_batch(
+            corpus.train, t.seed, start, t.global_batch, cfg.model.seq_len, fns.batch_sharding)))
+        run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
+        run.good_checkpoint = start if resume else None
+        if lead:
+            run.writer = metrics_lib.MetricsWriter(cfg.run.dir, resumed=t.resume)
+            if cfg.run.progress:
+                from tqdm import tqdm
 
-    def batch(step: int):
-        return data_lib.global_batch(corpus.train, t.seed, step, t.global_batch, cfg.model.seq_len, fns.batch_sharding)
+                run.bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+                               dynamic_ncols=True)
+        try:
+            state = _train_steps(run, state, start, should_stop)
+        finally:
+            for closing in (run.bar, run.writer):
+                if closing:
+                    closing.close()
+            if run.mngr is not None:
+                run.mngr.wait_until_finished()
+                run.mngr.close()
+    return _finish(cfg, run, state, tokenizer, lead)
 
-    t0 = time.time()
-    step_fn = fns.train_step.lower(state, batch(start)).compile()
-    eval_fn = fns.eval_loss.lower(state["params"], batch(start)).compile() if t.eval_every else None
-    log.info("compiled the train step in %.1f s", time.time() - t0)
-    tokens_per_step = t.global_batch * cfg.model.seq_len
-    fpt, peak = flops_per_token(cfg), peak_flops(cfg)
 
-    def evaluate() -> float:
-        total, count = 0.0, 0.0
-        for i in range(t.eval_batches):
-            vb = data_lib.eval_batch(corpus.val, i, t.eval_batches, t.global_batch, cfg.model.seq_len, fns.batch_sharding)
-            s, c = eval_fn(state["params"], vb)
-            total, count = total + float(s), count + float(c)
-        return total / count
-
-    writer = metrics_lib.MetricsWriter(cfg.run.dir) if lead else None
-    bar = None
-    if lead and cfg.run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-    last = {"loss": math.nan, "val_loss": math.nan}
-    mark_time, mark_step = time.time(), start
-    try:
-        for step in range(start + 1, t.steps + 1):
-            state, metrics = step_fn(state, batch(step - 1))
-            if step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps:
-                metrics = jax.device_get(metrics)
-                now = time.time()
-                dt = (now - mark_time) / (step - mark_step)
-                mark_time, mark_step = now, step
-                row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                       "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt,
-                       "step_time_s": dt, "mfu": metrics_lib.mfu(tokens_per_step / dt, fpt, peak)}
-                row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_") and k != "moe_load"})
-                # each expert's share of the routed pairs, one column per expert
-                row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
-                last["loss"] = row["loss"]
-                if writer:
-                    writer.write(row)
-                    msg = (f"step {step:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm "
-                           f"{row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {dt * 1e3:.0f} ms | "
-                           f"mfu {row['mfu'] * 100:.1f}%")
-                    if "moe_balance" in row:
-                        msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
-                                f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
-                    bar.write(msg) if bar else log.info(msg)
-                if not math.isfinite(row["loss"]):
-                    raise FloatingPointError(f"loss is {row['loss']} at step {step}; lower train.lr or check the data")
-            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                last["val_loss"] = evaluate()
-                if writer:
-                    writer.write({"step": step, "val_loss": last["val_loss"]})
-                    msg = f"step {step:>6} | val_loss {last['val_loss']:.4f}"
-                    bar.write(msg) if bar else log.info(msg)
-                mark_time = time.time()  # evaluation is not training time
-            if mngr is not None and (step % t.checkpoint_every == 0 or step == t.steps):
-                ckpt.save(mngr, step, state, {"config": to_dict(cfg), "step": step})
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{last['loss']:.3f}")
-    finally:
-        if bar:
-            bar.close()
-        if writer:
-            writer.close()
-        if mngr is not None:
-            mngr.wait_until_finished()
-            mngr.close()
-
-    summary = {"run_dir": cfg.run.dir, "steps": t.steps, "loss": last["loss"], "val_loss": last["val_loss"]}
+def _finish(cfg: Config, run: _Run, state, tokenizer, lead: bool) -> dict:
+    """The loss plot and the end-of-run sample; the run's summary."""
+    summary = {"run_dir": cfg.run.dir, "steps": cfg.train.steps, "loss": run.last["loss"],
+               "val_loss": run.last["val_loss"]}
     if lead:
         summary["plot"] = metrics_lib.plot_metrics(cfg.run.dir)
         log.info("loss curves: %s", summary["plot"])

@@ -1,7 +1,8 @@
 """Training metrics: a JSONL + TensorBoard writer, FLOP accounting for MFU, and loss-curve PNGs.
 
-`metrics.jsonl` in the run directory is the source of truth (plain text, append-only, survives
-crashes and resumes); TensorBoard event files are a convenience view of the same rows.
+`metrics.jsonl` in the run directory is the source of truth (plain text, one row per logged step; a
+resumed run first drops the rows it will train again); TensorBoard event files are a convenience
+view of the same rows.
 """
 
 from __future__ import annotations
@@ -51,11 +52,14 @@ def _is_number(value) -> bool:
 class MetricsWriter:
     """Appends metric rows to `<run_dir>/metrics.jsonl` and mirrors numbers to TensorBoard.
 
-    Append mode means a resumed run continues the same file; every row is flushed so a crash
-    loses at most the row being written.
+    Append mode means a resumed run continues the same file (after `keep_rows_through` dropped the
+    rows it trains again); every row is flushed so a crash loses at most the row being written.
+    TensorBoard's events are written from a queue by a background thread, so a killed run's last
+    rows may never reach its event files: a resumed run (`resumed=True`) hides every earlier event
+    (`purge_step=1`) and writes metrics.jsonl's rows to TensorBoard again.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str, tensorboard: bool = True, resumed: bool = False):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._file = open(self.path, "a+", encoding="utf-8")
@@ -64,7 +68,10 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"))
+            self._tb = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"), purge_step=1 if resumed else None)
+            if resumed and os.path.getsize(self.path):
+                for row in read_metrics(run_dir):
+                    self._add_scalars(row)
 
     def _end_torn_line(self):
         """A crash mid-write can leave a line without '\\n'; terminate it so our first row stays intact."""
@@ -79,15 +86,17 @@ class MetricsWriter:
         if "step" not in row:
             raise ValueError(f"metric rows need a 'step' key, got keys {sorted(row)}")
         plain = {key: _plain(value) for key, value in row.items()}
-        step = plain["step"]
         line = json.dumps({k: _json_safe(v) for k, v in plain.items()}, allow_nan=False)
         self._file.write(line + "\n")
         self._file.flush()
         if self._tb is not None:
-            for key, value in plain.items():
-                if key != "step" and _is_number(value):
-                    self._tb.add_scalar(key, value, global_step=step)
+            self._add_scalars(plain)
             self._tb.flush()
+
+    def _add_scalars(self, row: dict) -> None:
+        for key, value in row.items():
+            if key != "step" and _is_number(value):
+                self._tb.add_scalar(key, value, global_step=row["step"])
 
     def close(self) -> None:
         if not self._file.closed:
@@ -101,6 +110,19 @@ class MetricsWriter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def keep_rows_through(run_dir: str, step: int) -> None:
+    """Drop the rows of `<run_dir>/metrics.jsonl` after `step` (and torn lines), atomically: a resumed
+    run trains those steps again and logs each once."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return
+    kept = [row for row in read_metrics(run_dir) if row.get("step", math.inf) <= step]
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+    os.replace(tmp, path)
 
 
 def read_metrics(run_dir: str) -> list[dict]:

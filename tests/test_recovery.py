@@ -1,0 +1,218 @@
+"""A killed, stopped or broken run loses nothing and never lies (real processes, real Orbax checkpoints).
+
+- Hard kills (SIGKILL) at four points of a real `python -m experiments.run` (jaxllm/train/faults.py
+  picks the point): the run resumed with train.resume=true writes the same metrics.jsonl, row for
+  row and loss for loss (fp32, bitwise), as the run that was never killed.
+- SIGTERM and Ctrl-C: the run saves the step it is at, exits 128 + the signal with one line, and
+  resumes exactly.
+- Damaged checkpoints: each kind is skipped with a log line and set aside as `<step>.bad`; the run
+  goes on from the newest good one and can save the damaged step again; with none good, one line
+  and exit 2, nothing moved.
+- A non-finite loss ends the run with one line; the checkpoints left are all finite.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from harness import CORPUS, REPO, subprocess_env
+from jaxllm.config import build_config
+from jaxllm.train import checkpoint as ckpt
+from jaxllm.train.loop import train
+from experiments import run as run_cli
+
+pytestmark = pytest.mark.slow  # real processes and whole training runs
+
+# tiny-gpt2 on 8 devices (fsdp=8, ZeRO-3), fp32, one row per step; the schedule is pinned so runs of
+# different lengths share it
+RUN = {"model.preset": "tiny-gpt2", "precision.compute": "float32", "train.global_batch": 16, "train.lr": 1e-3,
+       "train.warmup_steps": 1, "train.schedule_steps": 100, "train.log_every": 1, "train.eval_every": 0,
+       "train.checkpoint_every": 2, "train.keep_checkpoints": 3, "run.sample_tokens": 0, "run.progress": False,
+       "mesh.dp": 1, "mesh.fsdp": 8, "train.zero_stage": 3, "data.source": CORPUS}
+TIMING = {"tokens_per_s", "step_time_s", "mfu"}  # the columns that differ between any two runs
+
+
+def config(run_dir, **over):
+    return build_config(None, {**RUN, "run.dir": str(run_dir), **over})
+
+
+def rows(run_dir) -> list[dict]:
+    """metrics.jsonl without the timing columns."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def args(run_dir, **over) -> list[str]:
+    literal = lambda v: str(v).lower() if isinstance(v, bool) else v  # TOML's true/false
+    return [f"{k}={literal(v)}" for k, v in {**RUN, "run.dir": run_dir, **over}.items()]
+
+
+def start(run_dir, env: dict | None = None, **over) -> subprocess.Popen:
+    """`python -m experiments.run` with RUN and `over`, on 8 fake devices."""
+    return subprocess.Popen([sys.executable, "-m", "experiments.run", *args(run_dir, **over)], cwd=REPO,
+                            env={**subprocess_env(8), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The metrics of a 6-step run that nothing interrupted, and its run directory."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    train(config(run_dir, **{"train.steps": 6}))
+    return rows(run_dir), run_dir
+
+
+def listing(run_dir) -> list[str]:
+    path = ckpt.checkpoint_dir(str(run_dir))
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def tensorboard_losses(run_dir) -> list[tuple[int, float]]:
+    """(step, loss) as TensorBoard shows them, read by TensorBoard's own loader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("loss")] if "loss" in events.Tags()["scalars"] else []
+
+
+# ---------------------------------------------------------------- hard kills
+
+KILLS = {  # point -> what the killed run left in checkpoints/ and the steps of its metrics rows
+    "compile": ([], []),
+    "dispatched:3": (["2"], [1, 2]),
+    "saving:4": (["2", "4" + ckpt.TMP_MARK], [1, 2, 3, 4]),
+    "saved:4": (["2", "4"], [1, 2, 3, 4]),
+}
+
+
+@pytest.mark.parametrize("point", KILLS)
+def test_a_killed_run_resumes_to_the_same_metrics(point, uninterrupted, tmp_path):
+    reference, _ = uninterrupted
+    run_dir = tmp_path / "run"
+    env = {"JAXLLM_TEST_KILL": point}
+    if point == "compile":  # a compile read from the cache would be over before the kill
+        env["JAX_COMPILATION_CACHE_DIR"] = ""
+    proc = start(run_dir, env, **{"train.steps": 6})
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err
+    saved, logged = KILLS[point]
+    assert [name.split(ckpt.TMP_MARK)[0] + (ckpt.TMP_MARK if ckpt.TMP_MARK in name else "")
+            for name in listing(run_dir)] == saved  # a temporary folder's name ends in a timestamp
+    assert [r["step"] for r in rows(run_dir)] == logged if logged else not (run_dir / "metrics.jsonl").exists()
+
+    train(config(run_dir, **{"train.steps": 6, "train.resume": True}))
+    assert rows(run_dir) == reference  # every step once, the same losses bit for bit
+    assert tensorboard_losses(run_dir) == [(r["step"], r["loss"]) for r in reference]
+    assert listing(run_dir) == (["2", "4", "4.bad", "6"] if point.startswith("saving") else ["2", "4", "6"])
+
+
+# ---------------------------------------------------------------- SIGTERM and Ctrl-C
+
+
+def wait_for_row(proc, run_dir, timeout: float = 120) -> None:
+    """Until the run has logged its first step."""
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_a_step_with_a_checkpoint(signum, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, **{"train.steps": 100, "train.checkpoint_every": 0})
+    wait_for_row(proc, run_dir)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    stop = rows(run_dir)[-1]["step"]
+    assert last.startswith(f"stopped: {signal.Signals(signum).name} at step {stop}: checkpoint saved in ")
+    assert "train.resume=true" in last and "Traceback" not in err
+    assert 1 <= stop < 100 and listing(run_dir) == [str(stop)]
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, stop + 1))
+
+    train(config(run_dir, **{"train.steps": stop + 2, "train.resume": True}))
+    reference = tmp_path / "reference"
+    train(config(reference, **{"train.steps": stop + 2}))
+    assert rows(run_dir) == rows(reference)
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+def data_files(step_dir) -> list:
+    """The array data files of a checkpoint's state (OCDBT), largest first."""
+    found = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+             if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep or os.path.basename(d) == "d"]
+    return sorted(found, key=os.path.getsize, reverse=True)
+
+
+def missing_array_file(step_dir):
+    os.remove(data_files(step_dir)[0])
+
+
+def truncated_array_file(step_dir):
+    path = data_files(step_dir)[0]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def garbage_metadata(step_dir):
+    with open(os.path.join(step_dir, "state", "_METADATA"), "w") as f:
+        f.write("{not json")
+
+
+def interrupted_save(step_dir):  # what a kill during the save leaves: the folder under Orbax's temporary name
+    os.rename(step_dir, f"{step_dir}{ckpt.TMP_MARK}-1700000000")
+
+
+DAMAGE = {f.__name__: f for f in (missing_array_file, truncated_array_file, garbage_metadata, interrupted_save)}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_skipped_and_set_aside(damage, uninterrupted, tmp_path, caplog):
+    reference, done = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(done, run_dir)
+    DAMAGE[damage](os.path.join(ckpt.checkpoint_dir(str(run_dir)), "6"))
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        train(config(run_dir, **{"train.steps": 8, "train.resume": True}))
+    assert "checkpoint 6" in caplog.text and "skipped" in caplog.text and "6.bad" in caplog.text
+    assert listing(run_dir) == ["4", "6", "6.bad", "8"]  # step 6 saved again; pruning left 6.bad alone
+    assert rows(run_dir)[:6] == reference and [r["step"] for r in rows(run_dir)] == list(range(1, 9))
+
+
+def test_no_good_checkpoint_is_one_line_exit_2_and_nothing_moved(uninterrupted, tmp_path, capsys):
+    _, done = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(done, run_dir)
+    for step in listing(run_dir):
+        missing_array_file(os.path.join(ckpt.checkpoint_dir(str(run_dir)), step))
+    before = listing(run_dir), (run_dir / "metrics.jsonl").read_text()
+    assert run_cli.main([*args(run_dir, **{"train.steps": 8, "train.resume": True})]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no checkpoint in ") and "6: its arrays" in err[0], err
+    assert (listing(run_dir), (run_dir / "metrics.jsonl").read_text()) == before
+
+
+# ---------------------------------------------------------------- a non-finite loss
+
+
+def test_a_non_finite_loss_ends_the_run_in_one_line_keeping_good_checkpoints(tmp_path, capsys):
+    """lr 1e30 makes step 1's update enormous: step 2's loss overflows."""
+    run_dir = tmp_path / "run"
+    code = run_cli.main(args(run_dir, **{"train.steps": 6, "train.lr": 1e30, "train.checkpoint_every": 1}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: loss ") and "at step 2" in err[-1], err
+    assert "train.lr" in err[-1] and "checkpoint with a finite loss is step 1" in err[-1]
+    assert listing(run_dir) == ["1"]
+    assert [r["step"] for r in rows(run_dir)] == [1, 2] and np.isfinite(rows(run_dir)[0]["loss"])
