@@ -201,7 +201,7 @@ def make_optimizer(lr=1e-3, warmup_steps=20, total_steps=200, min_lr_ratio=0.1, 
     if warmup_steps:
         sched = functools.partial(lambda s, count: s(count + 1), sched)  # the first step uses lr / warmup, not 0
     decay = lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, _: not path[-1].key.endswith("norm") and path[-1].key not in ("norm", "router"), params)
+        lambda path, _: not path[-1].key.endswith("norm") and path[-1].key != "router", params)
     adamw = optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay)
     return optax.chain(optax.clip_by_global_norm(grad_clip), adamw) if grad_clip > 0 else adamw
 

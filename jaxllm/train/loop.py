@@ -170,8 +170,8 @@ def _show(run: _Run, msg: str) -> None:
 
 
 def _metrics_row(run: _Run, step: int, metrics, dt: float) -> dict:
-    """The logged row of one step (synchronises with the device)."""
-    cfg, metrics = run.cfg, jax.device_get(metrics)
+    """The logged row of one step, from its metrics on the host."""
+    cfg = run.cfg
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
@@ -240,9 +240,10 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         state, metrics = run.step_fn(state, _batch(run, step - 1))
         faults.after_dispatch(step, run.mngr)
         signum = should_stop(step)
-        saving = signum is not None or step == t.steps or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+        saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
+            metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
             now = time.time()
             row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step))
             if logging_now:
@@ -255,7 +256,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
                 run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
                 _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
             mark_time = time.time()  # evaluation is not training time
-        if saving and (t.checkpoint_every > 0 or signum is not None):
+        if saving:
             _save(run, step, state)
         if run.bar:
             run.bar.update(1)
