@@ -6,9 +6,10 @@ independent references, the equivalence tolerances and subprocess environments.
   functions, already compiled. conftest.py empties it after each test file (`forget_programs`).
   The command lines tests start share JAX's persistent compilation cache instead
   (`subprocess_env`; see conftest.py).
-- `loss_and_grads`, `train_step`, `eval_loss` and `lower_loss_and_grads` are the only places a
-  test hands a batch to a step: they lay the parameters and the token batch out as the step wants
-  them.
+- `loss_and_grads`, `loss_metrics_and_grads`, `train_step`, `eval_loss` and `lower_loss_and_grads`
+  are the only places a test hands a batch to a step: they turn token windows into the batch
+  contract's fields (`jaxllm/batch.py`, plus any the step's objective needs) and lay the
+  parameters and the batch out as the step wants them.
 - `reference(model_cfg)` is the loss and gradients of the model written independently of
   `jaxllm/models/` (`tools/plain_gpt.py`, `tools/plain_llama.py`) on `tokens()`, from
   jaxllm's own initial parameters.
@@ -68,21 +69,24 @@ def equivalence_config(preset: str, **over):
 _programs: dict = {}
 
 
-def step_fns(cfg, devices: int | None = None):
+def step_fns(cfg, devices: int | None = None, objective=None):
     """The compiled step functions of `cfg` on the first `devices` devices (default: as many as the
-    mesh uses; an axis at -1 counts as 1), built once per test file."""
+    mesh uses; an axis at -1 counts as 1) for `objective` (default: the language model), built once
+    per test file."""
     import jax
 
     from jaxllm.config import to_toml, validate
     from jaxllm.mesh import make_mesh
+    from jaxllm.train.objectives import LANGUAGE_MODEL
     from jaxllm.train.step import make_step_fns
 
+    objective = objective or LANGUAGE_MODEL
     if devices is None:
         devices = math.prod(v for k, v in vars(cfg.mesh).items() if isinstance(v, int) and v > 0)
-    key = (to_toml(cfg), devices)
+    key = (to_toml(cfg), devices, objective.name)
     if key not in _programs:
         shape, notes = validate(cfg, devices)
-        fns = make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:devices]))
+        fns = make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:devices]), objective)
         fns.notes = notes
         _programs[key] = fns
     return _programs[key]
@@ -114,41 +118,51 @@ def tokens(step: int = 0, batch: int = BATCH, seq: int = SEQ):
     return batch_rows(stream, window_starts(len(stream), 0, step, batch, seq), slice(None), seq)
 
 
-def _put(fns, params, toks):
+def as_batch(toks, **fields) -> dict:
+    """The batch contract's fields from [batch, seq + 1] token windows, plus `fields` (an objective's own)."""
+    from jaxllm.batch import from_windows
+
+    return {**from_windows(toks), **fields}
+
+
+def _put(fns, params, toks, fields):
     import jax
 
-    return jax.device_put(params, fns.state_shardings["params"]), jax.device_put(toks, fns.batch_sharding)
+    batch = as_batch(tokens() if toks is None else toks, **(fields or {}))
+    return jax.device_put(params, fns.state_shardings.params), jax.device_put(batch, fns.batch_sharding)
 
 
-def loss_and_grads(fns, params, toks=None):
+def loss_and_grads(fns, params, toks=None, fields=None):
     """One step's (loss, gradients) for `params` on a token batch (default `tokens()`)."""
-    return fns.loss_and_grads(*_put(fns, params, tokens() if toks is None else toks))
+    loss, _, grads = fns.loss_and_grads(*_put(fns, params, toks, fields))
+    return loss, grads
+
+
+def loss_metrics_and_grads(fns, params, toks=None, fields=None):
+    """One step's (loss, metrics, gradients); `fields` holds the objective's own batch fields."""
+    return fns.loss_and_grads(*_put(fns, params, toks, fields))
 
 
 def eval_loss(fns, params, toks=None):
     """(summed token loss, token count) of the evaluation program."""
-    return fns.eval_loss(*_put(fns, params, tokens() if toks is None else toks))
+    return fns.eval_loss(*_put(fns, params, toks, None))
 
 
-def train_step(fns, state, toks=None):
+def train_step(fns, state, toks=None, fields=None):
     """One optimizer step from `state` (laid out as the step wants it): (new state, metrics)."""
     import jax
 
     state = jax.device_put(state, fns.state_shardings)
-    return fns.train_step(state, jax.device_put(tokens() if toks is None else toks, fns.batch_sharding))
+    return fns.train_step(state, _put(fns, state.params, toks, fields)[1])
 
 
 def lower_loss_and_grads(fns, batch: int = BATCH, seq: int = SEQ, params=None, toks=None):
-    """The loss-and-gradients program lowered for a [batch, seq + 1] token batch (or for `params` and
+    """The loss-and-gradients program lowered for a [batch, seq] batch (or for `params` and
     `toks` as given), for reading its program and, compiled, its memory without running it."""
-    import jax
-    import jax.numpy as jnp
-
     if toks is None:
-        toks = jax.ShapeDtypeStruct((batch, seq + 1), jnp.uint16, sharding=fns.batch_sharding)
-        params = fns.abstract_state["params"] if params is None else params
-        return fns.loss_and_grads.lower(params, toks)
-    return fns.loss_and_grads.lower(*_put(fns, params, toks))
+        params = fns.abstract_state.params if params is None else params
+        return fns.loss_and_grads.lower(params, fns.abstract_batch(batch, seq))
+    return fns.loss_and_grads.lower(*_put(fns, params, toks, None))
 
 
 # ---------------------------------------------------------------- the independent references
@@ -226,11 +240,16 @@ def warm(state):
     """Adam's state as after some training: a positive second moment, so that one update is a smooth
     function of the gradient. (At step 1 the update is g / (|g| + eps), which turns the rounding
     noise of entries with |g| ~ eps into O(1) differences.) Shardings are kept."""
+    return state.replace(opt_state=warm_optimizer_state(state.opt_state))
+
+
+def warm_optimizer_state(opt_state):
+    """`warm` for an optimizer state alone (clipping, then AdamW)."""
     import jax
 
-    clip, (adam, *rest) = state["opt_state"]
+    clip, (adam, *rest) = opt_state
     adam = adam._replace(count=adam.count * 0 + 10, nu=jax.tree.map(lambda v: v * 0 + 1e-4, adam.nu))
-    return {**state, "opt_state": (clip, (adam, *rest))}
+    return clip, (adam, *rest)
 
 
 def tiers(cases, fast) -> list:

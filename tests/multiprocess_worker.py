@@ -5,8 +5,8 @@
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 in each process. Joins
 jax.distributed, builds the (dp=2, fsdp=4) mesh with jaxllm.mesh.make_mesh and loads
 batches with jaxllm.data.loader.global_batch from a token stream that records every
-position it is asked for. Asserts that this process reads exactly the token positions of
-the rows (and columns) its own devices hold (also on a hybrid mesh whose dp axis spans the
+position it is asked for. Asserts that this process reads exactly the token windows of
+the rows its own devices hold (also on a hybrid mesh whose dp axis spans the
 processes, as across nodes), nothing of the other process's rows, that each
 local shard equals the numpy reference, and that the assembled global array (summed across
 processes by a jitted reduction) equals the reference. Prints one JSON line with what it saw;
@@ -27,7 +27,7 @@ from jaxllm.data.loader import batch_rows, global_batch, window_starts
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.sharding import BATCH_AXES
 
-SEED, GLOBAL_BATCH, SEQ_LEN = 7, 16, 31  # rows of 32 tokens: 4 column blocks of 8 for the 2-D layout
+SEED, GLOBAL_BATCH, SEQ_LEN = 7, 16, 32  # windows of 33 tokens, rows of 32 positions (4 column blocks of 8)
 
 
 class SpyTokens:
@@ -52,23 +52,26 @@ def _slice_range(s: slice, n: int) -> range:
 
 def check(tokens: np.ndarray, sharding, step: int) -> dict:
     spy = SpyTokens(tokens)
-    arr = global_batch(spy, SEED, step, GLOBAL_BATCH, SEQ_LEN, sharding)
-    shape = (GLOBAL_BATCH, SEQ_LEN + 1)
-    assert arr.shape == shape and arr.dtype == np.int32, (arr.shape, arr.dtype)
+    batch = global_batch(spy, SEED, step, GLOBAL_BATCH, SEQ_LEN, sharding)
+    arr, shape = batch["inputs"], (GLOBAL_BATCH, SEQ_LEN)
+    assert all(a.shape == shape for a in batch.values()) and arr.dtype == np.int32, (arr.shape, arr.dtype)
 
     starts = window_starts(len(tokens), SEED, step, GLOBAL_BATCH, SEQ_LEN)
-    reference = batch_rows(tokens, starts, slice(None), SEQ_LEN)
+    windows = batch_rows(tokens, starts, slice(None), SEQ_LEN)
+    reference = windows[:, :-1]
 
-    # The (row, column) cells this process's devices hold, and the token positions behind them.
+    # The (row, column) cells this process's devices hold; it reads the whole windows of their rows.
     cells: set[tuple[int, int]] = set()
     for index in sharding.addressable_devices_indices_map(shape).values():
         rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
         cells.update((r, c) for r in _slice_range(rows, shape[0]) for c in _slice_range(cols, shape[1]))
     own_rows = sorted({r for r, _ in cells})
-    expected_reads = {int(starts[r]) + c for r, c in cells}
+    expected_reads = {int(starts[r]) + c for r in own_rows for c in range(SEQ_LEN + 1)}
     assert spy.read == expected_reads, (
         f"process {jax.process_index()} read {len(spy.read)} positions, expected exactly the "
-        f"{len(expected_reads)} of its own cells; extra: {sorted(spy.read - expected_reads)[:10]}")
+        f"{len(expected_reads)} of its own rows' windows; extra: {sorted(spy.read - expected_reads)[:10]}")
+    for shard in batch["targets"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), windows[:, 1:][shard.index])
 
     # Each local shard holds the reference block, and every local device has one.
     assert len(arr.addressable_shards) == jax.local_device_count()

@@ -14,6 +14,7 @@ import pytest
 from harness import step_fns, subprocess_env, train_step
 from jaxllm.config import build_config, validate
 from jaxllm.models import transformer
+from jaxllm.train.state import TrainState
 from tools.bench import plain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +43,8 @@ def test_plain_baseline_step_matches_jaxllm(family):
                        transformer.param_shapes(m))
     for norm in (old["final_norm"], old["blocks"][0]["ln1"], old["blocks"][0]["ln2"]):
         norm["scale"] += 1
-    params = jax.device_put(old, fns.state_shardings["params"])
-    state = {"step": jnp.int32(0), "params": params, "opt_state": jax.jit(fns.tx.init)(params)}
+    params = jax.device_put(old, fns.state_shardings.params)
+    state = TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=jax.jit(fns.tx.init)(params))
     new_state, metrics = train_step(fns, state, tokens)
 
     plain_old = module.from_jaxllm(old)
@@ -57,7 +58,7 @@ def test_plain_baseline_step_matches_jaxllm(family):
 
     np.testing.assert_allclose(plain_loss, metrics["loss"], rtol=1e-5)
     assert float(metrics["grad_norm"]) > t.grad_clip  # clipping is part of what is compared
-    ours_new = module.from_jaxllm(jax.device_get(new_state["params"]))
+    ours_new = module.from_jaxllm(jax.device_get(new_state.params))
     for path, before in jax.tree_util.tree_leaves_with_path(plain_old):
         name = jax.tree_util.keystr(path)
         pick = lambda tree: functools.reduce(lambda x, k: x[k.key], path, tree)

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
 from jaxllm.config import build_config, validate
 from jaxllm.mesh import make_mesh
-from jaxllm.models.attention import attend, dot_product_attention
+from jaxllm.models.attention import attend
+from jaxllm.ops.attention import dot_product_attention
 from jaxllm.parallel import ring_attention
 from jaxllm.parallel.load_balance import visible_blocks, zigzag_order
 from jaxllm.sharding import Layout, param_rules, use_layout

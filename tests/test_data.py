@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxllm.data import (ByteTokenizer, batch_rows, corpus_summary, eval_batch, get_tokenizer, global_batch,
                          list_shards, load_corpus, read_shard, window_starts, write_shard)
+from jaxllm.batch import FIELDS
 from jaxllm.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +264,7 @@ class _Recorder:
 
 def test_global_batch_is_mesh_independent():
     tokens = np.random.default_rng(0).integers(0, 257, size=5000).astype(np.uint16)
-    gb, seq = 16, 15
+    gb, seq = 16, 16
     starts = window_starts(len(tokens), 3, 7, gb, seq)
     expected = np.stack([tokens[s:s + seq + 1] for s in starts]).astype(np.int32)
     assert np.array_equal(batch_rows(tokens, starts, slice(4, 8), seq), expected[4:8])
@@ -276,24 +277,30 @@ def test_global_batch_is_mesh_independent():
     for sharding in shardings:
         rec = _Recorder(tokens)
         x = global_batch(rec, 3, 7, gb, seq, sharding)
-        assert x.shape == (gb, seq + 1) and x.dtype == np.int32 and x.sharding == sharding
-        assert np.array_equal(np.asarray(x), expected)
-        block = sharding.shard_shape(x.shape)
-        assert all(shape == block for shape in rec.reads), (sharding, rec.reads)
+        assert {k: (a.shape, a.dtype) for k, a in x.items()} == {k: ((gb, seq), d) for k, d in FIELDS.items()}
+        assert all(a.sharding == sharding for a in x.values())
+        assert np.array_equal(np.asarray(x["inputs"]), expected[:, :-1])
+        assert np.array_equal(np.asarray(x["targets"]), expected[:, 1:])
+        assert np.array_equal(np.asarray(x["positions"]), np.broadcast_to(np.arange(seq), (gb, seq)))
+        assert np.all(np.asarray(x["segment_ids"]) == 1) and np.all(np.asarray(x["loss_mask"]) == 1)
+        # each device's block reads the whole windows of its own rows, once for inputs and once for targets
+        rows = sharding.shard_shape((gb, seq))[0]
+        assert rec.reads and all(shape == (rows, seq + 1) for shape in rec.reads), (sharding, rec.reads)
     other_step = global_batch(tokens, 3, 8, gb, seq, shardings[0])
-    assert not np.array_equal(np.asarray(other_step), expected)
+    assert not np.array_equal(np.asarray(other_step["inputs"]), expected[:, :-1])
 
 
 def test_eval_batch():
     tokens = np.arange(10_000)  # token == position, so a row's first token is its start
     sharding = NamedSharding(_mesh((8,), ("dp",)), P("dp"))
-    batches = [np.asarray(eval_batch(tokens, i, 3, 8, 31, sharding)) for i in range(3)]
+    windows = lambda b: np.concatenate([np.asarray(b["inputs"]), np.asarray(b["targets"])[:, -1:]], axis=1)
+    batches = [windows(eval_batch(tokens, i, 3, 8, 31, sharding)) for i in range(3)]
     rows = np.concatenate(batches)
     assert batches[0].shape == (8, 32) and batches[0].dtype == np.int32
     assert rows[0, 0] == 0 and rows[-1, -1] == tokens[-1]  # spans the whole stream
     assert set(np.diff(rows[:, 0])) <= {433, 434}  # evenly spaced: (10000-32)/23 = 433.4
     assert all(np.array_equal(r, tokens[r[0]:r[0] + 32]) for r in rows)
-    again = np.asarray(eval_batch(tokens, 1, 3, 8, 31, NamedSharding(_mesh((2, 4), ("dp", "fsdp")), P(("dp", "fsdp")))))
+    again = windows(eval_batch(tokens, 1, 3, 8, 31, NamedSharding(_mesh((2, 4), ("dp", "fsdp")), P(("dp", "fsdp")))))
     assert np.array_equal(again, batches[1])
     with pytest.raises(ValueError):
         eval_batch(tokens, 3, 3, 8, 31, sharding)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, max_rel_err, reference, step_fns,
-                     tiers, tokens, train_step, warm)
+                     tiers, tokens, train_step, warm, warm_optimizer_state)
 from harness import loss_and_grads as run_loss_and_grads
 from jaxllm.models import transformer
 from jaxllm.train.optimizer import make_optimizer
@@ -69,7 +69,7 @@ def test_initial_params_bitwise_equal(family, mesh):
     ref_params = reference(config(family, "one", 0, 1).model)[0]
     for stage in (0, 3):
         state = fns_for(family, mesh, same_program(mesh, stage), 2).init(0)
-        for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_params)):
+        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -85,13 +85,13 @@ def test_one_train_step_matches_one_device(family, mesh, stage):
     ref_params, ref_loss, ref_grads = reference(config(family, "one", 0, 1).model)
     cfg = config(family, mesh, stage, 2)
     tx = make_optimizer(cfg.train, transformer.param_table(cfg.model))
-    ref_opt = warm({"opt_state": tx.init(ref_params)})["opt_state"]
+    ref_opt = warm_optimizer_state(tx.init(ref_params))
     ref_updates, ref_opt = jax.jit(tx.update)(ref_grads, ref_opt, ref_params)
 
     fns = fns_for(family, mesh, same_program(mesh, stage), 2)
     new_state, metrics = train_step(fns, warm(fns.init(0)))
     assert abs(float(metrics["loss"]) - ref_loss) <= LOSS_RTOL * abs(ref_loss)
-    adam = new_state["opt_state"][1][0]
+    adam = new_state.opt_state[1][0]
     assert max_rel_err(adam.mu, ref_opt[1][0].mu) <= GRAD_RTOL
     assert max_rel_err(adam.nu, ref_opt[1][0].nu) <= GRAD_RTOL
     # new = old + update, rounded to fp32: the update must match to GRAD_RTOL, up to one
@@ -100,7 +100,7 @@ def test_one_train_step_matches_one_device(family, mesh, stage):
     total = np.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(ref_grads)))
     noise = jax.tree.map(lambda g: bool(np.linalg.norm(g) < 1e-6 * total), ref_grads)
     assert sum(jax.tree.leaves(noise)) == (1 if family == "gpt2" else 0)  # only the key bias
-    for is_noise, new, old, upd in zip(*map(jax.tree.leaves, (noise, new_state["params"], ref_params, ref_updates))):
+    for is_noise, new, old, upd in zip(*map(jax.tree.leaves, (noise, new_state.params, ref_params, ref_updates))):
         new, ref_new, upd = np.asarray(new), np.asarray(old) + np.asarray(upd), np.asarray(upd)
         if is_noise:
             assert np.abs(new - np.asarray(old)).max() < 1e-2 * cfg.train.lr
@@ -109,7 +109,7 @@ def test_one_train_step_matches_one_device(family, mesh, stage):
             assert np.linalg.norm(new - ref_new) <= bound
     mu = adam.mu["blocks"][0]["attn"]["wq"]
     assert ("fsdp" in str(mu.sharding.spec)) == (stage >= 1 and "fsdp" in mesh)
-    wq = new_state["params"]["blocks"][0]["attn"]["wq"]
+    wq = new_state.params["blocks"][0]["attn"]["wq"]
     assert ("fsdp" in str(wq.sharding.spec)) == (stage == 3 and "fsdp" in mesh)
 
 

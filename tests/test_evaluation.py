@@ -35,6 +35,6 @@ def test_validation_loss_and_sample_match_one_device(form):
     assert abs(float(total) / float(count) - ref_loss) <= LOSS_RTOL * ref_loss
 
     tokenizer = get_tokenizer("byte")
-    on_mesh = sample(jax.device_put(params, fns.state_shardings["params"]), cfg, tokenizer, "def ", 24)
+    on_mesh = sample(jax.device_put(params, fns.state_shardings.params), cfg, tokenizer, "def ", 24)
     assert on_mesh == sample(params, one, tokenizer, "def ", 24)
     assert len(on_mesh) > len("def ")

@@ -27,7 +27,8 @@ from harness import (CORPUS, assert_matches, equivalence_config, loss_and_grads,
                      step_fns, tiers, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.mesh import make_mesh
-from jaxllm.models import moe, transformer
+from jaxllm.models import transformer
+from jaxllm.ops import moe
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.train.loop import train
 
@@ -183,7 +184,7 @@ def reference_for(model_keys: dict):
     cfg = model_config(model_keys)
     if cfg.model.family == "llama" and cfg.model.pattern == ["moe"]:
         return reference(cfg.model)
-    params = jax.device_get(step_fns(cfg).init(0)["params"])
+    params = jax.device_get(step_fns(cfg).init(0).params)
     loss, grads = loss_and_grads(step_fns(cfg), params)
     return params, float(loss), jax.device_get(grads)
 
@@ -229,7 +230,7 @@ def capacity_config(over: dict):
 def test_default_capacity_drops_alike_on_meshes_with_equal_batch_shards(mesh):
     assert capacity_config({}).model.moe.capacity_factor == 1.25
     base = step_fns(capacity_config({"mesh.dp": 8}))  # the experts run locally, one group per device
-    params = jax.device_get(base.init(0)["params"])
+    params = jax.device_get(base.init(0).params)
     _, metrics = train_step(base, base.init(0))
     assert float(metrics["moe_dropped"]) > 0.01  # the capacity really drops pairs
     ref_loss, ref_grads = loss_and_grads(base, params)
@@ -294,7 +295,7 @@ def test_trainer_step_moves_tokens_not_expert_weights():
     fns = step_fns(model_config({"mesh.ep": 4, "mesh.fsdp": 2}))
     hlo = lower_loss_and_grads(fns).compile().as_text()
     assert hlo.count("all-to-all(") >= 4
-    experts = fns.abstract_state["params"]["blocks"][0]["moe"]["experts"]
+    experts = fns.abstract_state.params["blocks"][0]["moe"]["experts"]
     shapes = {",".join(map(str, (n,) + a.shape[2:])) for a in experts.values() for n in (8, 2)}
     gathered = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)
     assert not shapes & set(gathered), gathered

@@ -219,8 +219,8 @@ def test_each_process_reads_only_its_rows(tmp_path):
         want_rows = list(range(8 * pid, 8 * pid + 8))
         for layout in (*res["batch"], res["blocks"]):
             assert layout["rows"] == want_rows, res
-            assert layout["n_reads"] <= layout["n_cells"]
-        # Rows split over dp×fsdp: this process's 8 rows of 32 tokens, each read once.
+            assert layout["n_reads"] <= len(want_rows) * 33  # the 33-token windows of its own rows, no more
+        # Rows split over dp×fsdp: this process's 8 rows of 32 positions per field.
         assert all(b["n_cells"] == 8 * 32 for b in res["batch"]), res
 
 

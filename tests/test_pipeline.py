@@ -228,7 +228,7 @@ def test_pipelined_train_step_matches_one_device_step():
     assert float(m["loss"]) == pytest.approx(float(m_one["loss"]), rel=LOSS_RTOL)
     assert float(m["grad_norm"]) == pytest.approx(float(m_one["grad_norm"]), rel=GRAD_RTOL)
     delta = lambda a, b: jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b)
-    assert max_rel_err(delta(new["params"], state0["params"]), delta(new_one["params"], state0["params"])) <= GRAD_RTOL
+    assert max_rel_err(delta(new.params, state0.params), delta(new_one.params, state0.params)) <= GRAD_RTOL
 
 
 # ---------------------------------------------------------------- compiled programs

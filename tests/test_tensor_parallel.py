@@ -117,7 +117,7 @@ def test_one_train_step_matches_one_device():
     assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) <= LOSS_RTOL * abs(float(ref_metrics["loss"]))
     assert abs(float(metrics["grad_norm"]) / float(ref_metrics["grad_norm"]) - 1) <= GRAD_RTOL
     # new = old + update in fp32: the update matches to GRAD_RTOL up to one rounding of the sum
-    for new, ref_new, old in zip(*map(jax.tree.leaves, (state["params"], ref_state["params"], ref_for(family)[0]))):
+    for new, ref_new, old in zip(*map(jax.tree.leaves, (state.params, ref_state.params, ref_for(family)[0]))):
         new, ref_new, old = np.asarray(new), np.asarray(ref_new), np.asarray(old)
         bound = GRAD_RTOL * np.linalg.norm(ref_new - old) + np.linalg.norm(np.spacing(np.abs(ref_new)))
         assert np.linalg.norm(new - ref_new) <= bound

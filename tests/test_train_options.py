@@ -37,7 +37,7 @@ def test_float32_compute_asks_for_full_precision_matmuls():
 def test_bfloat16_compute_keeps_fp32_master_and_grads():
     _, f32 = one_device_fns(**{"precision.compute": "float32"})
     _, bf16 = one_device_fns(**{"precision.compute": "bfloat16"})
-    params = f32.init(0)["params"]
+    params = f32.init(0).params
     l32, g32 = loss_and_grads(f32, params, tokens())
     l16, g16 = loss_and_grads(bf16, params, tokens())
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))
@@ -52,7 +52,7 @@ def test_bfloat16_compute_keeps_fp32_master_and_grads():
 def test_remat_policies_give_the_same_gradients(remat):
     _, plain = one_device_fns(**{"precision.compute": "float32"})
     _, fns = one_device_fns(**{"precision.compute": "float32", "model.remat": remat})
-    params = plain.init(0)["params"]
+    params = plain.init(0).params
     l0, g0 = loss_and_grads(plain, params, tokens())
     l1, g1 = loss_and_grads(fns, params, tokens())
     assert float(l0) == pytest.approx(float(l1), rel=1e-6)
@@ -183,7 +183,7 @@ def test_optimizer_state_is_laid_out_as_its_parameter(optimizer, stage):
     as that parameter is under ZeRO-3, over fsdp and tp; step counts are replicated."""
     fns = step_fns(optimizer_config(optimizer, stage, **SHARDED))
     found = {name: [] for name in EXPECTED}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(fns.abstract_state["opt_state"]):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(fns.abstract_state.opt_state):
         key = jax.tree_util.keystr(path)
         name = next((n for n in EXPECTED if key.endswith(n)), None)
         if leaf.shape == (2, 64, 64) and name is not None:
@@ -206,7 +206,7 @@ def warm_optimizer(state, optimizer: str):
         value = next((v for tag, v in WARM[optimizer].items() if tag in key), None)
         return a if value is None else a * 0 + value
 
-    return {**state, "opt_state": jax.tree_util.tree_map_with_path(leaf, state["opt_state"])}
+    return state.replace(opt_state=jax.tree_util.tree_map_with_path(leaf, state.opt_state))
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_optimizer_step_on_fsdp_and_tp_matches_one_device(optimizer, stage):
     assert float(metrics["grad_norm"]) == pytest.approx(float(ref_metrics["grad_norm"]), rel=GRAD_RTOL)
     floats = lambda tree: [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
     assert max_rel_err(floats(new["opt_state"]), floats(ref["opt_state"])) <= GRAD_RTOL
-    for got, want, old in zip(*map(jax.tree.leaves, (new["params"], ref["params"], start["params"]))):
+    for got, want, old in zip(*map(jax.tree.leaves, (new.params, ref["params"], start["params"]))):
         got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
         bound = GRAD_RTOL * np.linalg.norm(want - old) + np.linalg.norm(np.spacing(np.abs(want)))
         assert np.linalg.norm(got - want) <= bound

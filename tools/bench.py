@@ -103,7 +103,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.models import transformer
     from jaxllm.parallel.pipeline_schedules import bubble_fraction, make_schedule
     from jaxllm.train.loop import flops_per_token, peak_flops, resolve
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.batch import from_windows, global_arrays
+    from jaxllm.train.step import make_step_fns, matmul_precision
 
     for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--windows", windows, 1)):
         if v < low:
@@ -119,8 +120,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     fpt = flops_per_token(cfg)
 
     # ---- jaxllm
-    fns = make_step_fns(cfg, mesh)  # sets fp32 matmul precision to "highest" for float32 runs
-    tokens = jax.make_array_from_callback(tokens_np.shape, fns.batch_sharding, lambda idx: tokens_np[idx])
+    fns = make_step_fns(cfg, mesh)
+    tokens = global_arrays(from_windows(tokens_np), fns.batch_sharding)
     state = fns.init(t.seed)
     t0 = time.perf_counter()
     ours_step = fns.train_step.lower(state, tokens).compile()
@@ -148,7 +149,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         params = jax.jit(module.init_params, static_argnums=0)(c, jax.random.key(t.seed))
         pbox = {"params": params, "opt": jax.jit(tx.init)(params)}
         t0 = time.perf_counter()
-        plain_step = module.make_train_step(c, tx, dtype).lower(pbox["params"], pbox["opt"], plain_tokens).compile()
+        with matmul_precision(dtype):  # fp32 means fp32 in both (no TF32 on GPU)
+            plain_step = module.make_train_step(c, tx, dtype).lower(pbox["params"], pbox["opt"], plain_tokens).compile()
         plain_compile = time.perf_counter() - t0
 
         def plain_window(n):
@@ -167,8 +169,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         n_stage = shape["sp"] * shape["tp"]
         sshape, _ = validate(scfg, n_stage)
         sfns = make_step_fns(scfg, make_mesh(sshape, scfg, devices=jax.local_devices()[:n_stage]))
-        stage_tokens = jax.device_put(tokens_np[:scfg.train.global_batch], sfns.batch_sharding)
-        stage_params = sfns.init(t.seed)["params"]
+        stage_tokens = global_arrays(from_windows(tokens_np[:scfg.train.global_batch]), sfns.batch_sharding)
+        stage_params = sfns.init(t.seed).params
         t0 = time.perf_counter()
         stage_fn = sfns.loss_and_grads.lower(stage_params, stage_tokens).compile()
         stage_compile = time.perf_counter() - t0

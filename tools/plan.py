@@ -545,7 +545,6 @@ def plan(cfg) -> dict:
     Raises UserError for a config that cannot run. Does not modify `cfg`.
     """
     import jax
-    import jax.numpy as jnp
 
     from jaxllm.mesh import make_mesh
     from jaxllm.models import transformer
@@ -559,9 +558,8 @@ def plan(cfg) -> dict:
     m, t = cfg.model, cfg.train
     mesh = make_mesh(shape, cfg)
     fns = make_step_fns(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((t.global_batch, m.seq_len + 1), jnp.int32, sharding=fns.batch_sharding)
     start = time.perf_counter()
-    compiled = fns.train_step.lower(fns.abstract_state, batch).compile()
+    compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(t.global_batch, m.seq_len)).compile()
     seconds = time.perf_counter() - start
     memory = memory_summary(compiled)
     hlo = compiled.as_text()

@@ -2,7 +2,8 @@
 the number of processes, so a run resumes and rescales reproducibly; each process reads only the rows
 (and columns) its own devices hold.
 
-A row is a window of seq_len+1 consecutive tokens: inputs are row[:-1], targets row[1:].
+A row is a window of seq_len+1 consecutive tokens; a batch is the contract's dict of fields
+(`jaxllm/batch.py`): inputs row[:-1], targets row[1:], every token counted.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxllm import batch as batch_lib
 from jaxllm.errors import DataError
 
 
@@ -25,13 +27,13 @@ def batch_rows(tokens, starts: np.ndarray, rows: slice, seq_len: int) -> np.ndar
     return _gather(tokens, np.asarray(starts)[rows], np.arange(seq_len + 1))
 
 
-def global_batch(tokens, seed: int, step: int, global_batch: int, seq_len: int, sharding) -> jax.Array:
-    """The training batch of `step`, shape (global_batch, seq_len+1) int32, laid out by `sharding`."""
+def global_batch(tokens, seed: int, step: int, global_batch: int, seq_len: int, sharding) -> dict:
+    """The training batch of `step`: the contract's fields, each (global_batch, seq_len), laid out by `sharding`."""
     starts = window_starts(len(tokens), seed, step, global_batch, seq_len)
     return _array(tokens, starts, seq_len, sharding)
 
 
-def eval_batch(tokens, i: int, n_batches: int, global_batch: int, seq_len: int, sharding) -> jax.Array:
+def eval_batch(tokens, i: int, n_batches: int, global_batch: int, seq_len: int, sharding) -> dict:
     """The i-th of n_batches fixed validation batches: windows evenly spaced over the whole stream,
     so every evaluation measures the same tokens."""
     if not 0 <= i < n_batches:
@@ -54,12 +56,20 @@ def _gather(tokens, starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.asarray(tokens[starts[:, None] + offsets[None, :]], dtype=np.int32)
 
 
-def _array(tokens, starts: np.ndarray, seq_len: int, sharding) -> jax.Array:
-    """Builds the global array; the callback runs once per local device and reads only that device's block."""
-    shape = (len(starts), seq_len + 1)
+def _array(tokens, starts: np.ndarray, seq_len: int, sharding) -> dict:
+    """The batch's global arrays; each field's callback runs once per local device and reads only the
+    windows of that device's rows."""
+    shape = (len(starts), seq_len)
 
-    def block(index: tuple) -> np.ndarray:
-        rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
-        return _gather(tokens, starts[rows], np.arange(shape[1])[cols])
+    def field(name: str) -> jax.Array:
+        def block(index: tuple) -> np.ndarray:
+            rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
+            if name in ("inputs", "targets"):
+                windows = _gather(tokens, starts[rows], np.arange(seq_len + 1))
+            else:  # positions, segment ids and the loss mask do not depend on the tokens: read none
+                windows = np.zeros((len(starts[rows]), seq_len + 1), np.int32)
+            return np.ascontiguousarray(batch_lib.from_windows(windows)[name][:, cols])
 
-    return jax.make_array_from_callback(shape, sharding, block)
+        return jax.make_array_from_callback(shape, sharding, block)
+
+    return {name: field(name) for name in batch_lib.FIELDS}

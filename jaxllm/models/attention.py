@@ -2,61 +2,21 @@
 
 `attention_layer` projects, applies RoPE where the family uses it, and calls
 `attend`, the one dispatch point for the attention kernel (context-parallel
-strategies plug in there, so model files carry no parallelism branches).
-Scores, softmax and the mask are fp32; the mask is causal by *position* and
-restricted to equal segment ids, so reordered sequences and packed documents work.
+strategies plug in there, so model files carry no parallelism branches). The math
+itself (scores, mask, softmax) is `ops/attention.py`, shared with those strategies.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-from einops import rearrange
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models.layers import column_parallel, rope, row_parallel
-from jaxllm.sharding import constrain, weight
+from jaxllm.models.layers import column_parallel, row_parallel
+from jaxllm.ops.attention import dot_product_attention
+from jaxllm.ops.rope import rope
+from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
+from jaxllm.sharding import constrain, current_layout, weight
 
-NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
-
-
-def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg):
-    """Plain causal attention. q: [b, t, h, d]; k, v: [b, s, kv, d]; h a multiple of kv."""
-    groups = q.shape[2] // k.shape[2]
-    q = rearrange(q, "b t (k g) d -> b t k g d", g=groups) * (q.shape[-1] ** -0.5)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return rearrange(out, "b t k g d -> b t (k g) d")
-
-
-def attention_block(q, k, v, q_pos, k_pos, q_seg, k_seg):
-    """Unnormalised attention of q against one K/V block, for an online softmax.
-
-    Returns (out [b, t, h, d] fp32 = Σ exp(score - max)·v, max [b, t, h], sum [b, t, h]) over
-    this block's keys; fully masked rows give max = -1e30, which `merge_blocks` weighs as zero
-    against any real block.
-    """
-    groups = q.shape[2] // k.shape[2]
-    q = rearrange(q, "b t (k g) d -> b t k g d", g=groups) * (q.shape[-1] ** -0.5)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
-    peak = scores.max(-1)
-    p = jnp.exp(scores - peak[..., None])
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    heads = lambda a: rearrange(a, "b k g t -> b t (k g)")
-    return rearrange(out, "b t k g d -> b t (k g) d"), heads(peak), heads(p.sum(-1))
-
-
-def merge_blocks(a, b):
-    """Combine two (out, max, sum) partial results of an online softmax."""
-    (o1, m1, l1), (o2, m2, l2) = a, b
-    m = jnp.maximum(m1, m2)
-    w1, w2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    return o1 * w1[..., None] + o2 * w2[..., None], m, l1 * w1 + l2 * w2
+CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 
 
 def attend(q, k, v, positions, segment_ids):
@@ -65,15 +25,9 @@ def attend(q, k, v, positions, segment_ids):
     With the sequence split over `sp`, the layout's `context_attention` strategy
     (`model.cp_strategy`: ring, allgather or ulysses) runs as a shard_map island.
     """
-    from jaxllm.sharding import current_layout
-
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
-        # imported here: parallel/ builds on this module
-        from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
-
-        strategy = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
-        return strategy[layout.context_attention].attend(q, k, v, positions, segment_ids, layout)
+        return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout)
     return dot_product_attention(q, k, v, positions, positions, segment_ids, segment_ids)
 
 

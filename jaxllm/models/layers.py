@@ -1,4 +1,4 @@
-"""Small building blocks: norms, rotary embeddings, projections, feed-forward layers.
+"""Small building blocks: norms, projections, feed-forward layers.
 
 Pure functions over parameter dicts. Statistics are computed in fp32; outputs come
 back in the compute dtype of their input.
@@ -36,16 +36,6 @@ def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
 
 def norm(family: str, p: dict, x: jax.Array, eps: float) -> jax.Array:
     return layer_norm(p, x, eps) if family == "gpt2" else rms_norm(p, x, eps)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] at explicit positions (half-split form)."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch, seq, half]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype) -> list[jax.Array]:

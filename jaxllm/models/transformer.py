@@ -2,10 +2,11 @@
 
 - `embed(params, tokens, positions)` -> residual stream [batch, seq, embed]
 - `blocks(stack, x, positions, segment_ids)` over a slice of the layer stack
-- `head_loss(params, x, targets, loss_mask)` -> (sum of token losses, token count)
+- `head_terms(params, x, batch, terms)` -> an objective's (sum, metric sums) from each
+  target's log-probability (`head_logp`)
 
 The pipeline places these on stages, context parallelism feeds reordered positions,
-SFT feeds a loss mask, packing feeds segment ids. Parameters are a plain dict tree;
+SFT feeds a loss mask, packing feeds segment ids (all as batch fields, `jaxllm/batch.py`). Parameters are a plain dict tree;
 `param_table` gives every leaf's shape, logical dimension names and initialiser, so
 sharding, weight decay and Muon's matrix dimensions all read the same table.
 
@@ -221,8 +222,7 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
-    zeros = moe_lib.zero_stats(m) if "moe" in m.pattern else {}
-    (x, stats), _ = jax.lax.scan(body, (x, zeros), stack)
+    (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), stack)
     return x, stats
 
 
@@ -246,8 +246,9 @@ def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     return _logits(params, norm(m.family, params["final_norm"], x, m.norm_eps), m, dtype)
 
 
-def _token_losses(params: dict, x, targets, loss_mask, m: ModelConfig, dtype):
-    """Cross-entropy summed over the unmasked tokens of normed x, and their count.
+def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: float = 1.0):
+    """(log-probability of each target, log-sum-exp of the logits), both [batch, seq] fp32, for normed x,
+    the logits divided by `temperature`.
 
     With the vocabulary split over tp, each rank holds [tokens, vocab/tp] logits; the
     max and the sum of exponentials reduce over tp as small [tokens] all-reduces, and
@@ -255,6 +256,8 @@ def _token_losses(params: dict, x, targets, loss_mask, m: ModelConfig, dtype):
     full-vocabulary logits (tests/test_tensor_parallel.py reads the compiled program).
     """
     logits = _logits(params, x, m, dtype)
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
     # The target logit as a masked sum rather than a gather: each tp rank sums its own slice of
     # the vocabulary and one [tokens] all-reduce adds them. (A gather along the split vocabulary,
@@ -262,22 +265,27 @@ def _token_losses(params: dict, x, targets, loss_mask, m: ModelConfig, dtype):
     # pipeline island, JAX 0.10; the masked sum's backward is a select, not a scatter.)
     vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     target_logit = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    mask = loss_mask.astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * mask), jnp.sum(mask)
+    return target_logit - lse, lse
 
 
-def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dtype, chunk: int = 0):
-    """(sum of next-token cross-entropy over unmasked tokens, number of unmasked tokens), in fp32.
+def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, terms, chunk: int = 0,
+               temperature: float = 1.0):
+    """An objective's token terms over the whole batch: `terms(logp, lse, batch) -> (sum, metric sums)`
+    (`train/objectives.py`), summed over loss chunks, in fp32.
 
     `chunk` > 0 (`train.loss_chunk`) computes the logits `chunk` sequence positions at a
     time in a rematerialised scan, so only [batch, chunk, vocab] logits exist at once,
-    in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks):
-    strided, so a sequence split in contiguous blocks over a mesh axis stays split.
+    in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks) of every
+    batch field: strided, so a sequence split in contiguous blocks over a mesh axis stays split.
     """
     x = constrain(norm(m.family, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+
+    def evaluate(x, batch):
+        return terms(*head_logp(params, x, batch["targets"], m, dtype, temperature), batch)
+
     if not chunk or chunk >= x.shape[1]:
-        return _token_losses(params, x, targets, loss_mask, m, dtype)
-    b, s = targets.shape
+        return evaluate(x, batch)
+    b, s = batch["targets"].shape
     n = s // chunk
 
     def split(a):  # [b, s, ...] -> [n, b, chunk, ...]
@@ -285,29 +293,46 @@ def head_loss(params: dict, x: jax.Array, targets, loss_mask, m: ModelConfig, dt
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def body(carry, xs):
-        total, count = _token_losses(params, *xs, m, dtype)
-        return (carry[0] + total, carry[1] + count), None
+        return jax.tree.map(jnp.add, carry, evaluate(*xs)), None
 
-    (total, count), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)),
-                                     (split(x), split(targets), split(loss_mask)))
-    return total, count
+    pieces = (split(x), jax.tree.map(split, batch))
+    start = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                         jax.eval_shape(evaluate, *jax.tree.map(lambda a: a[0], pieces)))
+    total, _ = jax.lax.scan(body, start, pieces)
+    return total
 
 
 # ---------------------------------------------------------------- whole model
 
 
-def forward_loss(params: dict, batch: dict, m: ModelConfig, dtype, loss_chunk: int = 0):
-    """The whole model on one batch: (loss sum, token count, MoE router statistics (empty if dense))."""
+def forward(params: dict, batch: dict, m: ModelConfig, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0):
+    """The whole model on one batch: (objective sum, its metric sums, the blocks' auxiliary terms)."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
-    x, stats = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    return (*head_loss(params, x, batch["targets"], batch["loss_mask"], m, dtype, loss_chunk), stats)
+    x, aux = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
+    total, sums = head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature)
+    return total, sums, aux
+
+
+def zero_aux(m: ModelConfig) -> dict:
+    """The blocks' auxiliary terms of no layer: the start of a sum over layers and microbatches."""
+    return moe_lib.zero_stats(m) if "moe" in m.pattern else {}
+
+
+def aux_loss(aux: dict, m: ModelConfig) -> jax.Array:
+    """What the blocks' auxiliary terms add to the objective (MoE: load-balancing and z-losses)."""
+    return moe_lib.objective(aux, m)
+
+
+def aux_metrics(aux: dict) -> dict:
+    """The blocks' auxiliary terms as logged metrics (MoE: router statistics; none for a dense model)."""
+    return moe_lib.metrics(aux)
 
 
 def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """Logits for a [batch, seq] buffer of tokens (for sampling)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    segment_ids = jnp.zeros((b, t), jnp.int32)
+    segment_ids = jnp.ones((b, t), jnp.int32)
     x = embed(params, tokens, positions, m, dtype)
     x, _ = blocks(params["blocks"], x, positions, segment_ids, m, dtype)
     return head_logits(params, x, m, dtype)

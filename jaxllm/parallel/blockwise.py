@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxllm.models.attention import NEG_INF, attention_block, merge_blocks
+from jaxllm.ops.attention import NEG_INF, attention_block, merge_blocks
 
 
 def pieces_of(t: int, want: int = 2) -> int:

@@ -8,7 +8,7 @@ r·E/ep ... (r+1)·E/ep − 1. Routing (gates and chosen experts) is computed ou
 the whole batch, so its statistics are global.
 
 Per call, on each device with T local tokens and C = `moe.capacity(T, E, k, factor)`:
-group its tokens by destination into [E, C, D] buffers (`models.moe.dispatch`; dropless
+group its tokens by destination into [E, C, D] buffers (`ops.moe.dispatch`; dropless
 mode pads every buffer to the worst case C = T, since `ragged_all_to_all` is not
 available on CPU), `all_to_all` over ep so that each rank holds [ep, E/ep, C, D]
 (every source's tokens for its own experts), run its experts as batched matmuls over
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.models import moe
+from jaxllm.ops import moe
 from jaxllm.sharding import BATCH_AXES
 
 AXIS = "ep"

@@ -65,14 +65,14 @@ def from_chunks(stack):
 def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, inner: Layout,
                    embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, pin_grads: Callable,
                    batch_manual: bool, gather_once: Callable | None = None):
-    """(loss, gradients) of the whole batch through the pipeline.
+    """(loss, metric shares, gradients) of the whole batch through the pipeline.
 
     `params` holds the layer stack under "blocks" (leaves [R, ...], R split over pp) and the
-    embedding/head weights elsewhere; `microbatches` holds [m, rows, ...] arrays. The model
-    enters as its three seams: `embed_fn(shared, mb) -> x`, `blocks_fn(chunk, x, mb) -> x`
-    and `loss_fn(shared, x, mb) -> summed token loss`, which is divided by the global
-    token count `count` (dividing the scalar, not every gradient). Inside the island the
-    model traces under the `inner` layout (manual, without batch sharding when
+    embedding/head weights elsewhere; `microbatches` holds the batch's fields as [m, rows, ...]
+    arrays. The model enters as its three seams: `embed_fn(shared, mb) -> x`,
+    `blocks_fn(chunk, x, mb) -> x` and `loss_fn(shared, x, mb) -> (objective sum, metric sums)`,
+    both divided by the global count `count` (dividing the scalar, not every gradient). Inside
+    the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
     shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared)`, if
     given, returns the weights as used (cast and gathered) once for the whole loop.
@@ -104,6 +104,7 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
         x_shape = jax.eval_shape(lambda: embed_fn(used_shared, microbatch(0)))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+        no_metrics = f32(jax.eval_shape(lambda: loss_fn(used_shared, zeros_x, microbatch(0))[1]))
 
         # ---- forward slot: the output to send downstream
         def forward(kind, c, i, x_in):
@@ -115,30 +116,33 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
 
             return jax.lax.switch(kind, [lambda: zeros_x, first, middle, lambda: zeros_x])
 
-        # ---- backward slot: (input gradient, chunk gradients, shared gradients, loss share)
+        # ---- backward slot: (input gradient, chunk gradients, shared gradients, loss share, metric shares)
         def backward(kind, c, i, x_in, dy):
             chunk, mb = chunk_of(used_stack, c), microbatch(i)
             cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
             def idle():
-                return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0)
+                return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0), no_metrics
 
             def first():
                 stage = lambda ch, sh: blocks_fn(ch, embed_fn(sh, mb), mb)
                 _, pull = jax.vjp(stage, chunk, used_shared)
                 g_chunk, g_shared = pull(dy)
-                return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0)
+                return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0), no_metrics
 
             def middle():
                 _, pull = jax.vjp(lambda ch, x: blocks_fn(ch, x, mb), chunk, x_in)
                 g_chunk, dx = pull(dy)
-                return dx, cast(g_chunk), f32(used_shared), jnp.float32(0)
+                return dx, cast(g_chunk), f32(used_shared), jnp.float32(0), no_metrics
 
             def final():
-                stage = lambda ch, sh, x: loss_fn(sh, blocks_fn(ch, x, mb), mb) / count
-                loss, pull = jax.vjp(stage, chunk, used_shared, x_in)
+                def stage(ch, sh, x):
+                    total, sums = loss_fn(sh, blocks_fn(ch, x, mb), mb)
+                    return total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
+
+                loss, pull, metrics = jax.vjp(stage, chunk, used_shared, x_in, has_aux=True)
                 g_chunk, g_shared, dx = pull(jnp.ones_like(loss))
-                return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32)
+                return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics
 
             return jax.lax.switch(kind, [idle, first, middle, final])
 
@@ -161,11 +165,11 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
         bwd_perm = [(j, (j - 1) % p) for j in range(1 if v == 1 else 0, p)]
 
         def tick(carry, rows):
-            acts, grads_in, g_stack, g_shared, loss = carry
+            acts, grads_in, g_stack, g_shared, loss, metrics = carry
             r = {f: rows[s, k] for f, k in col.items()}
             y = forward(kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
                         acts[jnp.maximum(r["fwd_slot"], 0)])
-            dx, g_chunk, g_sh, l = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
+            dx, g_chunk, g_sh, l, ms = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
                                             acts[jnp.maximum(r["bwd_slot"], 0)],
                                             grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
             c = jnp.maximum(r["bwd_chunk"], 0)
@@ -173,21 +177,21 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
             g_stack, g_shared = pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
             acts = store(acts, r["recv_slot"], jax.lax.ppermute(y, AXIS, fwd_perm))
             grads_in = store(grads_in, r["grad_recv_slot"], jax.lax.ppermute(dx, AXIS, bwd_perm))
-            return (acts, grads_in, g_stack, g_shared, loss + l), None
+            return (acts, grads_in, g_stack, g_shared, loss + l, jax.tree.map(jnp.add, metrics, ms)), None
 
         acts = pin_buffer(jnp.zeros((schedule.act_depth,) + x_shape.shape, x_shape.dtype))
         grads_in = pin_buffer(jnp.zeros((schedule.grad_depth,) + x_shape.shape, x_shape.dtype))
         g_stack, g_shared = pin_grads(f32(stack), f32(shared))
-        (_, _, g_stack, g_shared, loss), _ = jax.lax.scan(tick, (acts, grads_in, g_stack, g_shared, jnp.float32(0)),
-                                                          table)
-        loss, g_shared = jax.lax.psum((loss, g_shared), AXIS)
+        start = (acts, grads_in, g_stack, g_shared, jnp.float32(0), no_metrics)
+        (_, _, g_stack, g_shared, loss, metrics), _ = jax.lax.scan(tick, start, table)
+        loss, metrics, g_shared = jax.lax.psum((loss, metrics, g_shared), AXIS)
         if batch_manual:
-            loss, g_shared, g_stack = jax.lax.psum((loss, g_shared, g_stack), BATCH_AXES)
-        return loss, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
+            loss, metrics, g_shared, g_stack = jax.lax.psum((loss, metrics, g_shared, g_stack), BATCH_AXES)
+        return loss, metrics, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
 
-    loss, g_stack, g_shared = jax.shard_map(
+    loss, metrics, g_stack, g_shared = jax.shard_map(
         local, mesh=inner.mesh, axis_names=axes, check_vma=False,
         in_specs=(P(None, AXIS), P(), batch_spec, P()),
-        out_specs=(P(), P(None, AXIS), P()))(stack, shared, microbatches, count)
-    return loss, {**g_shared, "blocks": from_chunks(g_stack)}
+        out_specs=(P(), P(), P(None, AXIS), P()))(stack, shared, microbatches, count)
+    return loss, metrics, {**g_shared, "blocks": from_chunks(g_stack)}
 

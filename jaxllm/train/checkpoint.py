@@ -1,7 +1,7 @@
 """Orbax checkpoints of the train state: async saves, keep the last K, restore onto any mesh, skip damage.
 
-A checkpoint holds the state (step, fp32 params, optimizer state) and, beside it as JSON, the
-resolved config. Restoring reads each array straight into the shardings of the *current* mesh, so
+A checkpoint holds the train state (`train/state.py`) and, beside it as JSON, the resolved config
+and the state's field names. Restoring reads each array straight into the shardings of the *current* mesh, so
 a run saved on fsdp=8 continues on dp=2×fsdp=4.
 
 Orbax writes each save into a temporary folder and renames it to `<step>` only when complete, so
@@ -90,9 +90,10 @@ def _attempt(name: str, read):
     return value, None
 
 
-def restore_newest(run_dir: str, abstract_state, check_meta) -> tuple[object, dict]:
+def restore_newest(run_dir: str, target, check_meta) -> tuple[object, dict]:
     """(state, meta) of the newest checkpoint in run_dir that restores. `check_meta(meta)` raises a
-    UserError when the checkpoint belongs to another model (that is not damage: nothing is skipped).
+    UserError when the checkpoint belongs to another model (that is not damage: nothing is skipped);
+    `target(meta)` is the abstract tree (shapes, dtypes, shardings) to read that checkpoint's state into.
     Damaged newer steps and interrupted saves are logged and set aside once a good step is found;
     when none restores, CheckpointError names them all and nothing is moved."""
     steps, interrupted = _entries(run_dir)
@@ -104,7 +105,7 @@ def restore_newest(run_dir: str, abstract_state, check_meta) -> tuple[object, di
             meta, why = _attempt(f"jaxllm_meta_{step}", lambda: read_meta(mngr, step))
             if why is None:
                 check_meta(meta)
-                state, why = _attempt(f"jaxllm_state_{step}", lambda: read_state(mngr, step, abstract_state))
+                state, why = _attempt(f"jaxllm_state_{step}", lambda: read_state(mngr, step, target(meta)))
             if why is None:
                 found = state, meta
                 break

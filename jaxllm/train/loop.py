@@ -28,7 +28,8 @@ from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import faults, preemption
 from jaxllm.train import metrics as metrics_lib
-from jaxllm.train.step import make_step_fns
+from jaxllm.train import state as state_lib
+from jaxllm.train.step import make_step_fns, matmul_precision
 
 log = logging.getLogger("jaxllm")
 
@@ -86,9 +87,16 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
 
 
 def _restore(cfg: Config, fns):
-    """(state, step) of the newest checkpoint that restores onto this run's mesh."""
-    state, _ = ckpt.restore_newest(cfg.run.dir, fns.abstract_state, lambda meta: _check_resumable(cfg, meta))
-    start = int(state["step"])
+    """(state, step) of the newest checkpoint that restores onto this run's mesh; one saved before a state
+    field existed gets that field's default."""
+    def check(meta):
+        _check_resumable(cfg, meta)
+        state_lib.check_fields(meta, f"run.dir '{cfg.run.dir}'")
+
+    target = lambda meta: state_lib.as_saved(fns.abstract_state, state_lib.saved_fields(meta))
+    saved, _ = ckpt.restore_newest(cfg.run.dir, target, check)
+    state = state_lib.complete(saved)
+    start = int(state.step)
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
                           "raise train.steps to train further")
@@ -115,7 +123,12 @@ def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int
     """Generate `n_tokens` after `prompt` (temperature 0.8), re-running the model on a window each token."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     T = m.seq_len
-    logits_fn = jax.jit(lambda p, buf: transformer.logits_at(p, buf, m, dtype))
+
+    def logits(p, buf):
+        with matmul_precision(dtype):
+            return transformer.logits_at(p, buf, m, dtype)
+
+    logits_fn = jax.jit(logits)
     ids = list(tokenizer.encode(prompt)) or [tokenizer.eot]
     key = jax.random.key(seed)
     for _ in range(n_tokens):
@@ -220,7 +233,8 @@ def _save(run: _Run, step: int, state) -> None:
     if run.mngr is None:
         run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
     faults.before_save(step)
-    ckpt.save(run.mngr, step, state, {"config": to_dict(run.cfg), "step": step})
+    meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
+    ckpt.save(run.mngr, step, state, meta)
     run.good_checkpoint = step  # its row was checked finite first
     faults.after_save(run.mngr, step)
 
@@ -251,7 +265,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
                 _write_row(run, row)
             _check_finite(run, row)
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            run.last["val_loss"] = _evaluate(run, state["params"])
+            run.last["val_loss"] = _evaluate(run, state.params)
             if run.writer:
                 run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
                 _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
@@ -272,7 +286,7 @@ def _compile(cfg: Config, fns, state, batch):
     t0 = time.time()
     with faults.compiling():
         step_fn = fns.train_step.lower(state, batch).compile()
-        eval_fn = fns.eval_loss.lower(state["params"], batch).compile() if cfg.train.eval_every else None
+        eval_fn = fns.eval_loss.lower(state.params, batch).compile() if cfg.train.eval_every else None
     log.info("compiled the train step in %.1f s", time.time() - t0)
     return step_fn, eval_fn
 
@@ -335,7 +349,7 @@ def _finish(cfg: Config, run: _Run, state, tokenizer, lead: bool) -> dict:
         summary["plot"] = metrics_lib.plot_metrics(cfg.run.dir)
         log.info("loss curves: %s", summary["plot"])
     if cfg.run.sample_tokens > 0:
-        text = sample(state["params"], cfg, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens)
+        text = sample(state.params, cfg, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens)
         summary["sample"] = text
         if lead:
             with open(os.path.join(cfg.run.dir, "sample.txt"), "w") as f:

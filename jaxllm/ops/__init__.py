@@ -1,0 +1,1 @@
+"""Leaf math that `models/` and `parallel/` both use; imports neither."""

@@ -1,0 +1,181 @@
+"""The gradient paths of a train step: one batch in, (loss, metric shares, auxiliary terms, gradients) out.
+
+    batch ──zig-zag (sp, load balance)──► count = objective.count(batch)
+      │
+      ├─ pp > 1 ─────────────────────────► pipelined          (parallel/pipeline.py island)
+      ├─ microbatches = 1 ───────────────► one_batch          (the partitioner places the reductions)
+      ├─ ZeRO-0/1, microbatches > 1 ─────► island_accumulation (parallel/accumulation.py: one all-reduce)
+      └─ ZeRO-2/3, microbatches > 1 ─────► sharded_accumulation (reduce-scatter into a sharded buffer)
+
+Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
+count (so microbatches add up to the mean over the whole batch), plus the model's auxiliary
+losses (MoE) divided by the number of microbatches. Every path sums the objective's metric
+shares and the blocks' auxiliary terms like the loss. The batch is a dict of fields
+(`jaxllm/batch.py`), split and reordered field by field, none read here by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models import transformer
+from jaxllm.parallel import pipeline
+from jaxllm.parallel.accumulation import reduce_once
+from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
+from jaxllm.train.objectives import Objective, zero_metrics
+
+
+@dataclass(frozen=True)
+class Paths:
+    """What the gradient paths need, fixed when the step is built (`train/step.py`)."""
+
+    model: Any  # ModelConfig
+    dtype: Any  # the compute dtype
+    objective: Objective
+    microbatches: int
+    loss_chunk: int
+    zero_stage: int
+    layout: Layout  # the step's layout
+    grad_shardings: Any  # where gradients end: replicated (ZeRO-0/1) or sharded over fsdp (ZeRO-2/3)
+    grad_rules: Any  # the rules behind grad_shardings, for the pipeline island's specs
+    batch_shards: int  # dp × fsdp × ep
+    microbatch_sharding: Any  # [microbatches, rows, seq] with the rows over the batch axes
+    order: Any = None  # zig-zag order of the sequence (context parallelism with load balance), or None
+    schedule: Any = None  # the pipeline's table when pp > 1
+    pp_gather_once: bool = False
+
+    @property
+    def local_layout(self) -> Layout:
+        """The layout inside an island manual over the batch axes: activations carry no batch sharding."""
+        return dataclasses.replace(self.layout, activations=with_rule(self.layout.activations, "batch", ()),
+                                   manual=True)
+
+
+def constrain_tree(tree, shardings):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def split_microbatches(x: jax.Array, microbatches: int, shards: int) -> jax.Array:
+    """[B, ...] -> [microbatches, B/microbatches, ...], each device's own rows split in order.
+
+    Rows of shard d are d*B/shards ... (d+1)*B/shards; microbatch k takes the k-th slice of
+    every shard's rows, so no row moves between devices.
+    """
+    b = x.shape[0]
+    rows = b // (shards * microbatches)
+    x = x.reshape(shards, microbatches, rows, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(microbatches, shards * rows, *x.shape[3:])
+
+
+def loss_share(params, batch: dict, count, g: Paths):
+    """This batch's objective sum divided by the global batch's count (dividing inside the loss scales the
+    scalar cotangent, not every gradient afterwards), plus this microbatch's share of the model's
+    auxiliary losses. Aux: (that objective share, metric shares, the blocks' auxiliary terms)."""
+    o = g.objective
+    total, sums, aux = transformer.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk,
+                                           o.temperature)
+    share = total / count
+    shares = {k: v / count for k, v in sums.items()}
+    return share + transformer.aux_loss(aux, g.model) / g.microbatches, (share, shares, aux)
+
+
+def _value_and_grad(params, batch, count, g: Paths):
+    (_, (loss, metrics, aux)), grads = jax.value_and_grad(loss_share, has_aux=True)(params, batch, count, g)
+    return loss, metrics, aux, grads
+
+
+def one_batch(params, batch: dict, count, g: Paths):
+    loss, metrics, aux, grads = _value_and_grad(params, batch, count, g)
+    return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
+
+
+def accumulate(params, batch: dict, count, g: Paths, shards: int, pin_grads, pin_microbatches):
+    """Sums of (loss, metric shares, auxiliary terms, gradients) over `g.microbatches` microbatches (a scan)."""
+    mbs = jax.tree.map(lambda x: pin_microbatches(split_microbatches(x, g.microbatches, shards)), batch)
+
+    def body(carry, mb):
+        loss, metrics, aux, acc = carry
+        s, ms, a, grads = _value_and_grad(params, mb, count, g)
+        add = lambda x, y: jax.tree.map(jnp.add, x, y)
+        return (loss + s, add(metrics, ms), add(aux, a), pin_grads(add(acc, grads))), None
+
+    zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
+    (loss, metrics, aux, grads), _ = jax.lax.scan(
+        body, (jnp.float32(0), zero_metrics(g.objective, batch), transformer.zero_aux(g.model), zeros), mbs)
+    return loss, metrics, aux, grads
+
+
+def island_accumulation(params, batch: dict, count, g: Paths):
+    """ZeRO-0/1: each device accumulates its own rows, then one all-reduce over the batch axes."""
+    local = lambda p, b, c: accumulate(p, b, c, g, 1, lambda t: t, lambda x: x)
+    return reduce_once(local, params, batch, count, g.local_layout)
+
+
+def sharded_accumulation(params, batch: dict, count, g: Paths):
+    """ZeRO-2/3: the accumulator is sharded over fsdp, so each microbatch is reduce-scattered into it."""
+    return accumulate(params, batch, count, g, g.batch_shards, lambda t: constrain_tree(t, g.grad_shardings),
+                      lambda x: jax.lax.with_sharding_constraint(x, g.microbatch_sharding))
+
+
+def _island_specs(key: str, rules, g: Paths, names, shapes):
+    """Specs of the params under `key` ("blocks" or the rest) inside the pipeline island: pp is manual
+    there, so a stack leaf [v, R/v, ...] gets two leading Nones in place of its layer dimension."""
+    pick = (lambda tree: tree["blocks"]) if key == "blocks" else (
+        lambda tree: {k: v for k, v in tree.items() if k != "blocks"})
+    lead = 1 if key == "blocks" else 0
+    mesh = g.layout.mesh
+    return jax.tree.map(
+        lambda n, a: jax.sharding.PartitionSpec(*(None,) * (2 * lead),
+                                                *logical_spec(tuple(n[lead:]), rules, mesh, a.shape[lead:])),
+        pick(names), pick(shapes), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+
+
+def pipelined(params, batch: dict, count, g: Paths):
+    """(loss, metric shares, no auxiliary terms, gradients) through the pipeline executor over pp."""
+    m, dtype, o = g.model, g.dtype, g.objective
+    names, shapes = transformer.param_names(m), transformer.param_shapes(m)
+    batch_manual = g.zero_stage <= 1  # as in the accumulation island: reduce over the batch axes once
+    inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
+    mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+        split_microbatches(x, g.microbatches, g.batch_shards), g.microbatch_sharding), batch)
+    grad_specs = [_island_specs(k, g.grad_rules, g, names, shapes) for k in ("blocks", "shared")]
+
+    def gather_once(stack, shared):
+        """ZeRO-3: the stage's weights cast and gathered over fsdp once, before the loop."""
+        use = lambda tree, key: jax.tree.map(lambda a, sp: jax.lax.with_sharding_constraint(a.astype(dtype), sp),
+                                             tree, _island_specs(key, g.layout.weights, g, names, shapes))
+        return use(stack, "blocks"), use(shared, "shared")
+
+    loss, metrics, grads = pipeline.loss_and_grads(
+        params, mbs, count, g.schedule, inner,
+        embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
+        blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype)[0],
+        loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
+                                                         o.temperature),
+        pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
+        batch_manual=batch_manual,
+        gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None)
+    return loss, metrics, transformer.zero_aux(m), constrain_tree(grads, g.grad_shardings)
+
+
+def path_of(g: Paths):
+    """The gradient path this configuration takes."""
+    if g.schedule is not None:
+        return pipelined
+    if g.microbatches == 1:
+        return one_batch
+    return island_accumulation if g.zero_stage <= 1 else sharded_accumulation
+
+
+def loss_and_grads(params, batch: dict, g: Paths):
+    """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
+    objective) over the global batch, on the step's layout."""
+    with use_layout(g.layout):
+        if g.order is not None:  # load-balanced context parallelism: the sequence in zig-zag order
+            batch = {k: v[:, g.order] for k, v in batch.items()}
+        return path_of(g)(params, batch, g.objective.count(batch), g)

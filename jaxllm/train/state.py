@@ -1,0 +1,69 @@
+"""The train state: one pytree type, checkpointed whole, with room for what objectives and precision keep.
+
+- `step`: optimizer steps taken, which is also the data position (the batch of step s is
+  a function of (seed, s));
+- `applied`: updates actually applied to the parameters (equal to `step` until a step guard
+  skips updates);
+- `params`: fp32 parameters (the master copy); `opt_state`: the optimizer's state.
+
+A field added later gets a default in `DEFAULTS`, so a checkpoint saved before it existed
+restores: `saved_fields(meta)` says which fields a checkpoint holds (its metadata lists them;
+one saved before this type existed held a dict of `step`, `params` and `opt_state`), the
+checkpoint is read into just those, and `complete` fills in the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+
+from jaxllm.errors import ConfigError
+
+LEGACY_FIELDS = ("step", "params", "opt_state")  # the dict checkpoints of jaxllm before TrainState
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    applied: jax.Array
+    params: Any
+    opt_state: Any
+
+
+FIELDS = tuple(TrainState.__dataclass_fields__)
+
+# A field's value when a checkpoint predates it, from the fields the checkpoint has.
+DEFAULTS = {"applied": lambda saved: saved["step"]}
+
+
+def saved_fields(meta: dict) -> tuple[str, ...]:
+    """The state fields a checkpoint holds, from the metadata saved beside it."""
+    return tuple(meta.get("state_fields", LEGACY_FIELDS))
+
+
+def check_fields(meta: dict, where: str) -> None:
+    """ConfigError unless this version can complete a checkpoint with these fields."""
+    names = saved_fields(meta)
+    unknown = [n for n in names if n not in FIELDS]
+    missing = [n for n in FIELDS if n not in names and n not in DEFAULTS]
+    if unknown or missing:
+        raise ConfigError(f"{where}: its train state has fields {list(names)} and this jaxllm's has {list(FIELDS)}; "
+                          "resume it with the jaxllm version that saved it")
+
+
+def as_saved(abstract: TrainState, names: tuple[str, ...]):
+    """The restore target for a checkpoint holding `names`: the state itself when it holds every field,
+    else a dict of the fields it has (as checkpoints were written before this type)."""
+    if tuple(names) == FIELDS:
+        return abstract
+    return {n: getattr(abstract, n) for n in names}
+
+
+def complete(saved) -> TrainState:
+    """A restored checkpoint as this version's state, missing fields set from their defaults."""
+    if isinstance(saved, TrainState):
+        return saved
+    values = {n: saved[n] if n in saved else DEFAULTS[n](saved) for n in FIELDS}
+    return TrainState(**values)
