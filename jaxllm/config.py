@@ -6,22 +6,26 @@ TOML file and the `key=value` overrides. Keys given explicitly always beat the
 preset, whatever their order. Values parse as TOML literals (`true`, `0`,
 `1e-3`, `"text"`; a bare word that is not a TOML literal is taken as a string).
 
-`validate(cfg, n_devices)` checks everything that can be checked before compiling.
-Each problem is a `ConfigError` whose message is one line naming the key and the fix.
+`validate(cfg, n_devices)` checks everything that can be checked before compiling, each
+section by the module that owns it. Each problem is a `UserError` whose message is one line
+naming the key and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 
+from jaxllm.data import corpus
 from jaxllm.errors import ConfigError
+from jaxllm.mesh import resolve_mesh_shape
+from jaxllm.models import transformer
+from jaxllm.parallel import pipeline_schedules
+from jaxllm.train import optimizer, step
 
-MESH_AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 
 
 @dataclass
@@ -185,17 +189,6 @@ PRESETS: dict[str, dict] = {
                          **{"moe.n_experts": 8, "moe.top_k": 2}),
 }
 
-CHOICES = {
-    "model.family": ("gpt2", "llama"),
-    "model.remat": ("none", "full", "save-dots", "save-named"),
-    "model.cp_strategy": ("ring", "allgather", "ulysses"),
-    "train.pp_schedule": ("gpipe", "1f1b", "interleaved"),
-    "train.optimizer": ("adamw", "sgd", "adafactor", "lion", "muon"),
-    "precision.compute": ("bfloat16", "float32"),
-    "data.tokenizer": ("byte", "gpt2"),
-}
-
-
 # ---------------------------------------------------------------- parsing
 
 
@@ -239,7 +232,6 @@ def _set(cfg: Config, key: str, value) -> None:
     """Set a dotted key on the config tree, checking the key exists and the value's type."""
     obj = cfg
     parts = key.split(".")
-    hints_owner = obj
     for i, part in enumerate(parts):
         fields = _fields(obj)
         if part not in fields:
@@ -255,8 +247,6 @@ def _set(cfg: Config, key: str, value) -> None:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"unknown key '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
-        hints_owner = obj
-    del hints_owner
 
 
 def parse_overrides(args: list[str]) -> dict[str, typing.Any]:
@@ -332,217 +322,30 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- derived values
-
-
-def kv_heads(m: ModelConfig) -> int:
-    return m.n_kv_heads or m.n_heads
-
-
-def padded_vocab(m: ModelConfig) -> int:
-    """Vocabulary rounded up to a multiple of 128 (lane-friendly, and divisible by any tp up to 128)."""
-    return -(-m.vocab_size // 128) * 128
-
-
-def schedule_steps(t: TrainConfig) -> int:
-    return t.schedule_steps or t.steps
-
-
-def warmup_steps(t: TrainConfig) -> int:
-    """Warm-up length, kept inside the schedule so a short run still decays."""
-    return min(t.warmup_steps, schedule_steps(t) - 1)
-
-
-def resolve_mesh_shape(mc: MeshConfig, n_devices: int) -> dict[str, int]:
-    """Per-axis sizes over all devices (ICI size × DCN size), with the one -1 axis filled in."""
-    sizes = {a: getattr(mc, a) for a in MESH_AXES}
-    dcn = {a: getattr(mc.dcn, a) for a in MESH_AXES}
-    for a in MESH_AXES:
-        if sizes[a] == 0 or sizes[a] < -1:
-            raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {sizes[a]}")
-        if dcn[a] < 1:
-            raise ConfigError(f"mesh.dcn.{a}: must be a positive size, got {dcn[a]}")
-    free = [a for a in MESH_AXES if sizes[a] == -1]
-    if len(free) > 1:
-        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in free)}; give the others sizes")
-    fixed = math.prod(sizes[a] * dcn[a] for a in MESH_AXES if sizes[a] != -1)
-    if free:
-        a = free[0]
-        if n_devices % (fixed * dcn[a]):
-            raise ConfigError(
-                f"mesh: the fixed axes use {fixed * dcn[a]} devices, which does not divide the {n_devices} available; "
-                "change the mesh sizes")
-        sizes[a] = n_devices // (fixed * dcn[a])
-    total = {a: sizes[a] * dcn[a] for a in MESH_AXES}
-    if math.prod(total.values()) != n_devices:
-        desc = "×".join(f"{a}={total[a]}" for a in MESH_AXES if total[a] > 1) or "1"
-        raise ConfigError(
-            f"mesh: {desc} uses {math.prod(total.values())} devices but {n_devices} are available; "
-            "make the product of mesh.* match, or set one axis to -1")
-    return total
-
-
-def batch_shards(mesh_shape: dict[str, int]) -> int:
-    """Devices that split the batch: dp × fsdp × ep."""
-    return mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["ep"]
-
-
 # ---------------------------------------------------------------- validation
-
-
-def _validate_moe(m: ModelConfig, t: TrainConfig, shape: dict[str, int]) -> None:
-    e = m.moe
-    if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
-        raise ConfigError(f"model.moe: need n_experts ≥ 1 and 1 ≤ top_k ≤ n_experts, got n_experts={e.n_experts}, "
-                          f"top_k={e.top_k}")
-    if e.capacity_factor < 0 or e.d_ff < 0 or e.balance_weight < 0 or e.z_weight < 0:
-        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight and z_weight must be 0 or more")
-    ep = shape["ep"]
-    if e.n_experts % ep:
-        raise ConfigError(f"model.moe.n_experts={e.n_experts} is not divisible by mesh.ep={ep}; each ep rank owns "
-                          "an equal share of the experts")
-    if (e.d_ff or m.d_ff) % shape["tp"]:
-        raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
-    if shape["pp"] > 1:
-        raise ConfigError("model.pattern with 'moe' blocks and mesh.pp>1 is not supported yet; set mesh.pp=1")
-    if shape["sp"] > 1:
-        raise ConfigError(f"model.pattern with 'moe' blocks and mesh.sp={shape['sp']} is not supported yet (routing "
-                          "and capacity are per batch shard, not per sequence shard); set mesh.sp=1")
-    if batch_shards(shape) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
-        raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
-                          "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "
-                          "statistics would not be global); use train.zero_stage≥2 or one microbatch")
-
 
 
 def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     """Check the config against the devices; return the mesh shape and notes to log.
 
-    Raises ConfigError (one line: key and fix) for anything that cannot run.
+    Each section is checked by the code that owns it (the mesh, the model and its attention and
+    experts, the pipeline, the step, the optimizer, the data); the loop's own keys are checked
+    here. Raises a UserError (one line: key and fix) for anything that cannot run.
     """
-    notes: list[str] = []
-    for key, allowed in CHOICES.items():
-        section, name = key.split(".")
-        v = getattr(getattr(cfg, section), name)
-        if v not in allowed:
-            raise ConfigError(f"{key}: '{v}' is not one of {', '.join(allowed)}")
     m, t = cfg.model, cfg.train
     shape = resolve_mesh_shape(cfg.mesh, n_devices)
-    for key, v in [("model.n_layers", m.n_layers), ("model.d_model", m.d_model), ("model.n_heads", m.n_heads),
-                   ("model.d_ff", m.d_ff), ("model.seq_len", m.seq_len), ("model.vocab_size", m.vocab_size),
-                   ("train.global_batch", t.global_batch), ("train.microbatches", t.microbatches)]:
-        if v < 1:
-            raise ConfigError(f"{key}: must be at least 1, got {v}")
+    notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
+             + step.check_config(cfg, shape) + optimizer.check_config(t) + corpus.check_config(cfg.data))
+    _check_loop(t)
+    return shape, notes
+
+
+def _check_loop(t: TrainConfig) -> None:
+    """The training loop's keys (the loop, `train/loop.py`, builds on this module)."""
     if t.steps < 1:
         raise ConfigError(f"train.steps: must be at least 1, got {t.steps}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one of them")
-    kv = kv_heads(m)
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads}; pick a divisor of n_heads")
-    if m.family == "gpt2" and kv != m.n_heads:
-        raise ConfigError(f"model.n_kv_heads={kv}: the gpt2 family has no grouped-query attention; set it to {m.n_heads} or 0")
-    if m.family == "llama" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model: head dimension {m.d_model // m.n_heads} must be even for RoPE; change d_model or n_heads")
-    if not m.pattern or any(k not in ("dense", "moe") for k in m.pattern):
-        raise ConfigError(f"model.pattern: {m.pattern} — block kinds are 'dense' and 'moe', e.g. [\"dense\", \"moe\"] "
-                          "for an MoE feed-forward every second layer")
-    if m.n_layers % len(m.pattern):
-        raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
-    if "moe" in m.pattern:
-        _validate_moe(m, t, shape)
-    tp = shape["tp"]
-    if m.n_heads % tp:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; use a tp that divides the heads")
-    if kv % tp:
-        if tp % kv:
-            raise ConfigError(f"model.n_kv_heads={kv} and mesh.tp={tp}: one must divide the other; change mesh.tp")
-        notes.append(f"model.n_kv_heads={kv} < mesh.tp={tp}: KV heads are replicated across tp ranks")
-    if m.d_ff % tp:
-        raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tp={tp}; use a tp that divides d_ff")
-    if padded_vocab(m) % tp:
-        raise ConfigError(f"padded vocabulary {padded_vocab(m)} is not divisible by mesh.tp={tp}; use a smaller tp")
-    if t.sequence_parallel and m.seq_len % (shape["sp"] * tp):
-        raise ConfigError(f"train.sequence_parallel: model.seq_len={m.seq_len} is not divisible by mesh.sp×mesh.tp="
-                          f"{shape['sp'] * tp}; change seq_len or tp")
-    if t.sequence_parallel and tp == 1:
-        notes.append("train.sequence_parallel=true with mesh.tp=1: nothing to shard the sequence over; it has no effect")
-    if m.collective_matmul and not t.sequence_parallel:
-        raise ConfigError("model.collective_matmul=true needs train.sequence_parallel=true (it overlaps SP's "
-                          "all-gather and reduce-scatter); turn sequence_parallel on or collective_matmul off")
-    if m.collective_matmul and shape["sp"] > 1:
-        raise ConfigError("model.collective_matmul=true with mesh.sp>1 is not supported yet; set mesh.sp=1 or "
-                          "collective_matmul=false")
-    if t.loss_chunk < 0 or (t.loss_chunk and m.seq_len % t.loss_chunk):
-        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 or divide model.seq_len={m.seq_len}; "
-                          "pick a divisor of seq_len")
-    if t.loss_chunk and t.loss_chunk % shape["sp"]:
-        raise ConfigError(f"train.loss_chunk={t.loss_chunk} is not divisible by mesh.sp={shape['sp']}; "
-                          "make it a multiple of sp")
-    sp = shape["sp"]
-    if sp > 1 and m.cp_load_balance and m.seq_len % (2 * sp):
-        raise ConfigError(f"model.cp_load_balance: model.seq_len={m.seq_len} must divide into 2×mesh.sp={2 * sp} "
-                          "chunks; change seq_len or set model.cp_load_balance=false")
-    if sp > 1 and m.cp_strategy == "ulysses":
-        if m.n_heads % (sp * tp):
-            raise ConfigError(f"model.cp_strategy=ulysses needs model.n_heads={m.n_heads} divisible by "
-                              f"mesh.sp×mesh.tp={sp * tp}; use ring or allgather, or change sp/tp")
-        kv_local = max(kv, tp) // tp
-        if kv_local % sp and sp % kv_local:
-            raise ConfigError(f"model.cp_strategy=ulysses: {kv_local} KV head(s) per tp rank and mesh.sp={sp}: one "
-                              "must divide the other; use ring or allgather, or change sp")
-    if m.seq_len % shape["sp"]:
-        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by mesh.sp={shape['sp']}; change one of them")
-    pp, v = shape["pp"], t.pp_virtual
-    if v < 1:
-        raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
-    repeats = m.n_layers // len(m.pattern)
-    if repeats % (pp * v):
-        raise ConfigError(f"model.n_layers={m.n_layers} ({repeats} repeats of the pattern) does not split into "
-                          f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")
-    if pp > 1:
-        from jaxllm.parallel.pipeline_schedules import check
-
-        try:
-            check(t.pp_schedule, pp, t.microbatches, v)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        # The islands' ppermutes inside a stage's branch wait for every device of the mesh on XLA:CPU,
-        # while only that stage's devices take the branch: they hang (docs/design-notes.md).
-        if shape["sp"] > 1:
-            raise ConfigError(f"mesh.pp={pp} with mesh.sp={shape['sp']}: context parallelism inside pipeline stages "
-                              "is not supported yet; set mesh.sp=1 or mesh.pp=1")
-        if m.collective_matmul:
-            raise ConfigError(f"model.collective_matmul=true with mesh.pp={pp} is not supported yet; set "
-                              "collective_matmul=false (sequence_parallel works) or mesh.pp=1")
-    elif v > 1:
-        raise ConfigError(f"train.pp_virtual={v} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
-    if t.pp_gather_once and (pp == 1 or t.zero_stage != 3):
-        notes.append("train.pp_gather_once=true only matters with mesh.pp>1 and train.zero_stage=3; it has no effect")
-    rows = t.microbatches * batch_shards(shape)
-    if t.global_batch % rows:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by microbatches×dp×fsdp×ep = "
-            f"{t.microbatches}×{shape['dp']}×{shape['fsdp']}×{shape['ep']} = {rows}; make it a multiple of {rows}")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
-    if schedule_steps(t) < t.steps:
-        raise ConfigError(f"train.schedule_steps={t.schedule_steps} is shorter than train.steps={t.steps}; raise it or set 0")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps: must be 0 or more, got {t.warmup_steps}")
-    if t.warmup_steps >= schedule_steps(t):
-        notes.append(f"train.warmup_steps={t.warmup_steps} is not shorter than the schedule "
-                     f"({schedule_steps(t)} steps): warming up over {warmup_steps(t)} steps instead")
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}: must be 0 or more, got {getattr(t, key)}")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints: must be at least 1, got {t.keep_checkpoints}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be positive, got {t.lr}")
-    src = cfg.data.source
-    if src != "stdlib" and not any(ch in src for ch in "*?[") and not os.path.exists(src):
-        raise ConfigError(f"data.source: no such file or folder '{src}'; give a path, a glob of .bin shards, or 'stdlib'")
-    if not 0 < cfg.data.val_percent < 100:
-        raise ConfigError(f"data.val_percent: must be between 0 and 100, got {cfg.data.val_percent}")
-    return shape, notes

@@ -10,14 +10,54 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxllm.config import MESH_AXES, Config, DistributedConfig
+from jaxllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jaxllm.config import Config, DistributedConfig, MeshConfig
+
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 
 log = logging.getLogger("jaxllm")
+
+
+def resolve_mesh_shape(mc: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Per-axis sizes over all devices (ICI size × DCN size), with the one -1 axis filled in."""
+    sizes = {a: getattr(mc, a) for a in MESH_AXES}
+    dcn = {a: getattr(mc.dcn, a) for a in MESH_AXES}
+    for a in MESH_AXES:
+        if sizes[a] == 0 or sizes[a] < -1:
+            raise ConfigError(f"mesh.{a}: must be a positive size or -1, got {sizes[a]}")
+        if dcn[a] < 1:
+            raise ConfigError(f"mesh.dcn.{a}: must be a positive size, got {dcn[a]}")
+    free = [a for a in MESH_AXES if sizes[a] == -1]
+    if len(free) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in free)}; give the others sizes")
+    fixed = math.prod(sizes[a] * dcn[a] for a in MESH_AXES if sizes[a] != -1)
+    if free:
+        a = free[0]
+        if n_devices % (fixed * dcn[a]):
+            raise ConfigError(
+                f"mesh: the fixed axes use {fixed * dcn[a]} devices, which does not divide the {n_devices} available; "
+                "change the mesh sizes")
+        sizes[a] = n_devices // (fixed * dcn[a])
+    total = {a: sizes[a] * dcn[a] for a in MESH_AXES}
+    if math.prod(total.values()) != n_devices:
+        desc = "×".join(f"{a}={total[a]}" for a in MESH_AXES if total[a] > 1) or "1"
+        raise ConfigError(
+            f"mesh: {desc} uses {math.prod(total.values())} devices but {n_devices} are available; "
+            "make the product of mesh.* match, or set one axis to -1")
+    return total
+
+
+def batch_shards(mesh_shape: dict[str, int]) -> int:
+    """Devices that split the batch: dp × fsdp × ep."""
+    return mesh_shape["dp"] * mesh_shape["fsdp"] * mesh_shape["ep"]
 
 
 def initialize_distributed(d: DistributedConfig) -> None:

@@ -11,7 +11,8 @@ import dataclasses
 import re
 
 from harness import REPO
-from jaxllm.config import MESH_AXES, Config
+from jaxllm.config import Config
+from jaxllm.mesh import MESH_AXES
 
 README = (REPO / "README.md").read_text()
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()

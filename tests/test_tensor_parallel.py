@@ -234,7 +234,7 @@ def test_vocab_parallel_loss_never_holds_full_logits(family):
     tokens' logits; each rank's logits are [tokens, vocab/tp]. With `train.loss_chunk` the largest
     [., vocab/tp] array shrinks to one chunk's tokens. The same reading of a tp=1 program finds the
     full logits, so the check can fail."""
-    from jaxllm.config import padded_vocab
+    from jaxllm.models.transformer import padded_vocab
 
     def program(mesh_axes, chunk=0):
         fns = step_fns(equivalence_config(PRESETS[family], **mesh_axes, **{"train.loss_chunk": chunk}))

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 import harness
 from harness import (GRAD_RTOL, LOSS_RTOL, equivalence_config, loss_and_grads, lower_loss_and_grads, max_rel_err,
                      step_fns, train_step)
-from jaxllm.config import ConfigError, build_config, padded_vocab, validate
+from jaxllm.config import ConfigError, build_config, validate
+from jaxllm.models.transformer import padded_vocab
 from jaxllm.models import transformer
 from jaxllm.train.optimizer import decay_mask, make_optimizer, muon_dimensions
 from tools.collectives import memory_summary

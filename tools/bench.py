@@ -55,7 +55,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 def plain_model(m):
     """(module, its config) of the model `tools/plain_gpt.py` or `tools/plain_llama.py` writes plainly for
     jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE)."""
-    from jaxllm.config import kv_heads, padded_vocab
+    from jaxllm.models.attention import kv_heads
+    from jaxllm.models.transformer import padded_vocab
     from tools import plain_gpt, plain_llama
 
     if m.family == "gpt2":
@@ -97,7 +98,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxllm.config import padded_vocab, validate
+    from jaxllm.config import validate
+    from jaxllm.models.transformer import padded_vocab
     from jaxllm.errors import ConfigError
     from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
@@ -244,7 +246,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
 def stage_config(cfg, shape: dict):
     """One pipeline stage's work for one microbatch as a config of its own: n_layers/pp layers, mesh pp=1 with
     dp=fsdp=ep=1 (sp, tp kept), and one microbatch's rows per batch shard as the whole batch."""
-    from jaxllm.config import MeshConfig, batch_shards
+    from jaxllm.config import MeshConfig
+    from jaxllm.mesh import batch_shards
 
     s = copy.deepcopy(cfg)
     s.model.n_layers = cfg.model.n_layers // shape["pp"]

@@ -110,16 +110,20 @@ def block(c: GPT, dtype, x, p):
     return x + h @ w("w_proj") + w("b_proj"), None
 
 
-def loss_fn(params, tokens, c: GPT, dtype=jnp.float32):
-    """Mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+def logits(params, inputs, c: GPT, dtype=jnp.float32):
+    """(fp32 logits over the real vocabulary for [batch, seq] inputs, auxiliary losses: none in GPT-2)."""
     T = inputs.shape[1]
     wte = params["wte"].astype(dtype)
     x = wte[inputs] + params["wpe"][:T].astype(dtype)
     x, _ = jax.lax.scan(functools.partial(block, c, dtype), x, params["layers"])
     x = layer_norm(x, params["lnf_g"], params["lnf_b"], c.eps)
-    logits = jnp.einsum("btd,vd->btv", x, wte, preferred_element_type=jnp.float32)[..., :c.vocab_size]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return jnp.einsum("btd,vd->btv", x, wte, preferred_element_type=jnp.float32)[..., :c.vocab_size], jnp.float32(0)
+
+
+def loss_fn(params, tokens, c: GPT, dtype=jnp.float32):
+    """Mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens."""
+    out, _ = logits(params, tokens[:, :-1], c, dtype)
+    return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean()
 
 
 def losses(params, tokens, c: GPT, dtype=jnp.float32):

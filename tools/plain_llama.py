@@ -174,17 +174,22 @@ def block(c: Llama, dtype, cos, sin, carry, p):
     return (x + y, aux), None
 
 
-def losses(params, tokens, c: Llama, dtype=jnp.float32):
-    """(mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens, the MoE auxiliary
-    losses averaged over the layers (0 for a dense model))."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+def logits(params, inputs, c: Llama, dtype=jnp.float32):
+    """(fp32 logits over the real vocabulary for [batch, seq] inputs, the MoE auxiliary losses averaged over
+    the layers (0 for a dense model))."""
     cos, sin = rope_tables(c, inputs.shape[1])
     x = params["wte"].astype(dtype)[inputs]
     (x, aux), _ = jax.lax.scan(functools.partial(block, c, dtype, cos, sin), (x, jnp.float32(0)), params["layers"])
     x = rms_norm(x, params["norm"], c.eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype),
-                        preferred_element_type=jnp.float32)[..., :c.vocab_size]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(), aux / c.n_layers
+    out = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32)
+    return out[..., :c.vocab_size], aux / c.n_layers
+
+
+def losses(params, tokens, c: Llama, dtype=jnp.float32):
+    """(mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens, the MoE auxiliary
+    losses averaged over the layers (0 for a dense model))."""
+    out, aux = logits(params, tokens[:, :-1], c, dtype)
+    return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean(), aux
 
 
 def loss_fn(params, tokens, c: Llama, dtype=jnp.float32):

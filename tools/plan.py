@@ -185,7 +185,8 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
                                             "terms": {name: {"without_sp", "with_sp"}}},
              "activation_bytes": {"without_sp", "with_sp", "sp_saving"} (× n_layers)}.
     """
-    from jaxllm.config import batch_shards, kv_heads
+    from jaxllm.mesh import batch_shards
+    from jaxllm.models.attention import kv_heads
 
     m, t = model_cfg, train_cfg
     n = int(mesh_shape.get("tp", 1))
@@ -394,7 +395,8 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
              "strategies": {strategy: {"terms", "bytes_per_layer", "ratio"} or None where it cannot run},
              "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
     """
-    from jaxllm.config import batch_shards, kv_heads
+    from jaxllm.mesh import batch_shards
+    from jaxllm.models.attention import kv_heads
 
     m, t = model_cfg, train_cfg
     tp = int(mesh_shape.get("tp", 1))
@@ -476,7 +478,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
     "collective_permute": {"count", "bytes_per_call", "bytes"}.
     """
-    from jaxllm.config import batch_shards
+    from jaxllm.mesh import batch_shards
     from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
 
     m, t = model_cfg, train_cfg

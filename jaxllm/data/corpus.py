@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxllm.data.shards import list_shards, read_shard
+from jaxllm.data.tokenizers import TOKENIZERS
 from jaxllm.errors import DataError
 
 SOURCES_HINT = "give a text file, a folder of text files, a folder of llm.c .bin shards, or 'stdlib'"
@@ -30,10 +31,25 @@ class Corpus:
     description: str
 
 
-def load_corpus(source: str, tokenizer, val_percent: float = 5.0) -> Corpus:
-    """Loads `source`: "stdlib", a text file, a folder of text files or of `*.bin` shards, or a glob of shards."""
+def _check_val_percent(val_percent: float) -> None:
     if not 0 < val_percent < 100:
         raise DataError(f"data.val_percent: must be between 0 and 100, got {val_percent}")
+
+
+def check_config(d) -> list[str]:
+    """The data section, before anything is read: DataError (one line) for a source or tokenizer that cannot work."""
+    if d.tokenizer not in TOKENIZERS:
+        raise DataError(f"data.tokenizer: '{d.tokenizer}' is not one of {', '.join(TOKENIZERS)}")
+    src = d.source
+    if src != "stdlib" and not any(ch in src for ch in "*?[") and not os.path.exists(src):
+        raise DataError(f"data.source: no such file or folder '{src}'; give a path, a glob of .bin shards, or 'stdlib'")
+    _check_val_percent(d.val_percent)
+    return []
+
+
+def load_corpus(source: str, tokenizer, val_percent: float = 5.0) -> Corpus:
+    """Loads `source`: "stdlib", a text file, a folder of text files or of `*.bin` shards, or a glob of shards."""
+    _check_val_percent(val_percent)
     source = str(source)
     if source == "stdlib":
         corpus = _stdlib(tokenizer, val_percent)

@@ -111,11 +111,11 @@ def _gpt2() -> TiktokenTokenizer:
     return TiktokenTokenizer(name="gpt2", vocab_size=enc.n_vocab, eot=enc.eot_token, enc=enc)
 
 
-_TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}
+TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}
 
 
 def get_tokenizer(name: str):
     """The tokenizer called `name` ("byte" or "gpt2")."""
-    if name not in _TOKENIZERS:
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {', '.join(_TOKENIZERS)}")
-    return _TOKENIZERS[name]()
+    if name not in TOKENIZERS:
+        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[name]()

@@ -14,9 +14,15 @@ from jaxllm.models.layers import column_parallel, row_parallel
 from jaxllm.ops.attention import dot_product_attention
 from jaxllm.ops.rope import rope
 from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
+from jaxllm.errors import ConfigError
 from jaxllm.sharding import constrain, current_layout, weight
 
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+
+
+def kv_heads(m) -> int:
+    """Key/value heads (`model.n_kv_heads`, 0 meaning as many as the query heads)."""
+    return m.n_kv_heads or m.n_heads
 
 
 def attend(q, k, v, positions, segment_ids):
@@ -51,3 +57,24 @@ def attention_layer(p: dict, x, positions, segment_ids, *, family: str, rope_the
     if family == "gpt2":
         y = y + p["bo"].astype(dtype)
     return y
+
+
+def check_config(m, shape: dict) -> list[str]:
+    """The attention keys against the mesh: ConfigError (one line) for what cannot run."""
+    sp, tp = shape["sp"], shape["tp"]
+    if m.cp_strategy not in CONTEXT_ATTENTION:
+        raise ConfigError(f"model.cp_strategy: '{m.cp_strategy}' is not one of {', '.join(CONTEXT_ATTENTION)}")
+    if m.seq_len % sp:
+        raise ConfigError(f"model.seq_len={m.seq_len} is not divisible by mesh.sp={sp}; change one of them")
+    if sp > 1 and m.cp_load_balance and m.seq_len % (2 * sp):
+        raise ConfigError(f"model.cp_load_balance: model.seq_len={m.seq_len} must divide into 2×mesh.sp={2 * sp} "
+                          "chunks; change seq_len or set model.cp_load_balance=false")
+    if sp > 1 and m.cp_strategy == "ulysses":
+        if m.n_heads % (sp * tp):
+            raise ConfigError(f"model.cp_strategy=ulysses needs model.n_heads={m.n_heads} divisible by "
+                              f"mesh.sp×mesh.tp={sp * tp}; use ring or allgather, or change sp/tp")
+        kv_local = max(kv_heads(m), tp) // tp
+        if kv_local % sp and sp % kv_local:
+            raise ConfigError(f"model.cp_strategy=ulysses: {kv_local} KV head(s) per tp rank and mesh.sp={sp}: one "
+                              "must divide the other; use ring or allgather, or change sp")
+    return []

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxllm.ops.moe import aux_losses, local_moe, route
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
+from jaxllm.errors import ConfigError
 from jaxllm.sharding import BATCH_AXES, current_layout, weight
 
 
@@ -79,3 +80,29 @@ def metrics(stats: dict) -> dict:
     load = stats["load"] / n
     return {"moe_balance": stats["balance"] / n, "moe_z": stats["z"] / n, "moe_dropped": stats["dropped"] / n,
             "moe_load": load, "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}
+
+
+def check_config(m, t, shape: dict[str, int]) -> list[str]:
+    """The MoE keys against the mesh and the training set-up: ConfigError (one line) for what cannot run."""
+    e = m.moe
+    if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
+        raise ConfigError(f"model.moe: need n_experts ≥ 1 and 1 ≤ top_k ≤ n_experts, got n_experts={e.n_experts}, "
+                          f"top_k={e.top_k}")
+    if e.capacity_factor < 0 or e.d_ff < 0 or e.balance_weight < 0 or e.z_weight < 0:
+        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight and z_weight must be 0 or more")
+    ep = shape["ep"]
+    if e.n_experts % ep:
+        raise ConfigError(f"model.moe.n_experts={e.n_experts} is not divisible by mesh.ep={ep}; each ep rank owns "
+                          "an equal share of the experts")
+    if (e.d_ff or m.d_ff) % shape["tp"]:
+        raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
+    if shape["pp"] > 1:
+        raise ConfigError("model.pattern with 'moe' blocks and mesh.pp>1 is not supported yet; set mesh.pp=1")
+    if shape["sp"] > 1:
+        raise ConfigError(f"model.pattern with 'moe' blocks and mesh.sp={shape['sp']} is not supported yet (routing "
+                          "and capacity are per batch shard, not per sequence shard); set mesh.sp=1")
+    if math.prod(shape[a] for a in BATCH_AXES) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
+        raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
+                          "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "
+                          "statistics would not be global); use train.zero_stage≥2 or one microbatch")
+    return []

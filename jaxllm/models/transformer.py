@@ -20,17 +20,28 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig, kv_heads, padded_vocab
+from jaxllm.errors import ConfigError
+from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
-from jaxllm.models.attention import attention_layer
+from jaxllm.models.attention import attention_layer, kv_heads
 from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
 from jaxllm.sharding import constrain, weight
 
+if TYPE_CHECKING:
+    from jaxllm.config import ModelConfig
+
 ACT = ("batch", "residual_seq", "embed")  # the residual stream
+FAMILIES = ("gpt2", "llama")
+
+
+def padded_vocab(m: ModelConfig) -> int:
+    """Vocabulary rounded up to a multiple of 128 (lane-friendly, and divisible by any tp up to 128)."""
+    return -(-m.vocab_size // 128) * 128
 
 
 @dataclass(frozen=True)
@@ -336,3 +347,63 @@ def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Arr
     x = embed(params, tokens, positions, m, dtype)
     x, _ = blocks(params["blocks"], x, positions, segment_ids, m, dtype)
     return head_logits(params, x, m, dtype)
+
+
+# ---------------------------------------------------------------- the model section of the config
+
+
+def _check_shape(m: ModelConfig) -> None:
+    if m.family not in FAMILIES:
+        raise ConfigError(f"model.family: '{m.family}' is not one of {', '.join(FAMILIES)}")
+    if m.remat not in ("none", *REMAT_POLICIES):
+        raise ConfigError(f"model.remat: '{m.remat}' is not one of {', '.join(('none', *REMAT_POLICIES))}")
+    for key in ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "vocab_size"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key}: must be at least 1, got {getattr(m, key)}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one of them")
+    kv = kv_heads(m)
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads}; pick a divisor of n_heads")
+    if m.family == "gpt2" and kv != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads={kv}: the gpt2 family has no grouped-query attention; set it to "
+                          f"{m.n_heads} or 0")
+    if m.family == "llama" and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model: head dimension {m.d_model // m.n_heads} must be even for RoPE; change d_model or "
+                          "n_heads")
+    if not m.pattern or any(k not in BLOCK_KINDS for k in m.pattern):
+        raise ConfigError(f"model.pattern: {m.pattern} — block kinds are {' and '.join(map(repr, BLOCK_KINDS))}, "
+                          "e.g. [\"dense\", \"moe\"] for an MoE feed-forward every second layer")
+    if m.n_layers % len(m.pattern):
+        raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
+
+
+def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
+    notes, kv = [], kv_heads(m)
+    if m.n_heads % tp:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; use a tp that divides the heads")
+    if kv % tp:
+        if tp % kv:
+            raise ConfigError(f"model.n_kv_heads={kv} and mesh.tp={tp}: one must divide the other; change mesh.tp")
+        notes.append(f"model.n_kv_heads={kv} < mesh.tp={tp}: KV heads are replicated across tp ranks")
+    if m.d_ff % tp:
+        raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tp={tp}; use a tp that divides d_ff")
+    if padded_vocab(m) % tp:
+        raise ConfigError(f"padded vocabulary {padded_vocab(m)} is not divisible by mesh.tp={tp}; use a smaller tp")
+    if m.collective_matmul and not t.sequence_parallel:
+        raise ConfigError("model.collective_matmul=true needs train.sequence_parallel=true (it overlaps SP's "
+                          "all-gather and reduce-scatter); turn sequence_parallel on or collective_matmul off")
+    if m.collective_matmul and sp > 1:
+        raise ConfigError("model.collective_matmul=true with mesh.sp>1 is not supported yet; set mesh.sp=1 or "
+                          "collective_matmul=false")
+    return notes
+
+
+def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
+    """The model section against the mesh (and the training keys it depends on): ConfigError (one line:
+    key and fix) for what cannot run; notes to log."""
+    _check_shape(m)
+    notes = _check_tensor_parallel(m, t, shape["tp"], shape["sp"])
+    if "moe" in m.pattern:
+        notes += moe_lib.check_config(m, t, shape)
+    return notes + attention.check_config(m, shape)

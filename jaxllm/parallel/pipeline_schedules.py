@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm.errors import ConfigError
+
 FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "bwd_mb", "bwd_chunk", "bwd_slot", "bwd_grad_slot",
           "recv_slot", "grad_recv_slot")
 
@@ -229,6 +231,36 @@ def check(name: str, stages: int, microbatches: int, chunks: int) -> None:
     if name == "1f1b" and microbatches < stages:
         raise ValueError(f"train.pp_schedule='1f1b' needs at least as many microbatches as stages: "
                          f"train.microbatches={microbatches} < mesh.pp={stages}; raise microbatches or use gpipe")
+
+
+def check_config(m, t, shape: dict) -> list[str]:
+    """The pipeline keys against the model and the mesh: ConfigError (one line) for what cannot run."""
+    pp, v = shape["pp"], t.pp_virtual
+    if v < 1:
+        raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
+    repeats = m.n_layers // len(m.pattern)
+    if repeats % (pp * v):
+        raise ConfigError(f"model.n_layers={m.n_layers} ({repeats} repeats of the pattern) does not split into "
+                          f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")
+    notes = (["train.pp_gather_once=true only matters with mesh.pp>1 and train.zero_stage=3; it has no effect"]
+             if t.pp_gather_once and (pp == 1 or t.zero_stage != 3) else [])
+    if pp == 1:
+        if v > 1:
+            raise ConfigError(f"train.pp_virtual={v} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
+        return notes
+    try:
+        check(t.pp_schedule, pp, t.microbatches, v)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    # The islands' ppermutes inside a stage's branch wait for every device of the mesh on XLA:CPU,
+    # while only that stage's devices take the branch: they hang (docs/design-notes.md).
+    if shape["sp"] > 1:
+        raise ConfigError(f"mesh.pp={pp} with mesh.sp={shape['sp']}: context parallelism inside pipeline stages "
+                          "is not supported yet; set mesh.sp=1 or mesh.pp=1")
+    if m.collective_matmul:
+        raise ConfigError(f"model.collective_matmul=true with mesh.pp={pp} is not supported yet; set "
+                          "collective_matmul=false (sequence_parallel works) or mesh.pp=1")
+    return notes
 
 
 # ---------------------------------------------------------------- what a table costs

@@ -8,12 +8,26 @@ falling back to Adam on 3-D and 4-D arrays; embeddings and the LM head use its A
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import optax
 from optax import contrib
 
-from jaxllm.config import TrainConfig, schedule_steps, warmup_steps
+from jaxllm.errors import ConfigError
 from jaxllm.models.transformer import Leaf
+
+if TYPE_CHECKING:
+    from jaxllm.config import TrainConfig
+
+
+def schedule_steps(t: TrainConfig) -> int:
+    return t.schedule_steps or t.steps
+
+
+def warmup_steps(t: TrainConfig) -> int:
+    """Warm-up length, kept inside the schedule so a short run still decays."""
+    return min(t.warmup_steps, schedule_steps(t) - 1)
 
 
 def learning_rate(t: TrainConfig):
@@ -59,22 +73,49 @@ def muon_dimensions(table):
     return jax.tree.map(dims, table, is_leaf=lambda x: isinstance(x, Leaf))
 
 
+def _adamw(t, lr, mask, table):
+    return optax.adamw(lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+
+
+def _sgd(t, lr, mask, table):
+    return optax.chain(optax.add_decayed_weights(t.weight_decay, mask), optax.sgd(lr, momentum=t.momentum))
+
+
+def _adafactor(t, lr, mask, table):
+    return optax.adafactor(lr, weight_decay_rate=t.weight_decay, weight_decay_mask=mask)
+
+
+def _lion(t, lr, mask, table):
+    return optax.lion(lr, b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=mask)
+
+
+def _muon(t, lr, mask, table):
+    return contrib.muon(lr, beta=t.momentum, weight_decay=t.weight_decay, weight_decay_mask=mask,
+                        adam_b1=t.beta1, adam_b2=t.beta2, muon_weight_dimension_numbers=muon_dimensions(table))
+
+
+OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd, "adafactor": _adafactor, "lion": _lion, "muon": _muon}
+
+
 def make_optimizer(t: TrainConfig, table) -> optax.GradientTransformation:
-    lr = learning_rate(t)
-    mask = decay_mask(table)
-    if t.optimizer == "adamw":
-        opt = optax.adamw(lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
-    elif t.optimizer == "sgd":
-        opt = optax.chain(optax.add_decayed_weights(t.weight_decay, mask), optax.sgd(lr, momentum=t.momentum))
-    elif t.optimizer == "adafactor":
-        opt = optax.adafactor(lr, weight_decay_rate=t.weight_decay, weight_decay_mask=mask)
-    elif t.optimizer == "lion":
-        opt = optax.lion(lr, b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay, mask=mask)
-    elif t.optimizer == "muon":
-        opt = contrib.muon(lr, beta=t.momentum, weight_decay=t.weight_decay, weight_decay_mask=mask,
-                           adam_b1=t.beta1, adam_b2=t.beta2, muon_weight_dimension_numbers=muon_dimensions(table))
-    else:  # validated earlier
-        raise ValueError(t.optimizer)
+    opt = OPTIMIZERS[t.optimizer](t, learning_rate(t), decay_mask(table), table)
     if t.grad_clip > 0:
         opt = optax.chain(optax.clip_by_global_norm(t.grad_clip), opt)
     return opt
+
+
+def check_config(t: TrainConfig) -> list[str]:
+    """The optimizer and schedule keys: ConfigError (one line) for what cannot run; notes to log."""
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer: '{t.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be positive, got {t.lr}")
+    if schedule_steps(t) < t.steps:
+        raise ConfigError(f"train.schedule_steps={t.schedule_steps} is shorter than train.steps={t.steps}; raise it "
+                          "or set 0")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps: must be 0 or more, got {t.warmup_steps}")
+    if t.warmup_steps >= schedule_steps(t):
+        return [f"train.warmup_steps={t.warmup_steps} is not shorter than the schedule ({schedule_steps(t)} steps): "
+                f"warming up over {warmup_steps(t)} steps instead"]
+    return []

@@ -18,6 +18,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
 
@@ -34,8 +35,9 @@ class TrainState:
 
 FIELDS = tuple(TrainState.__dataclass_fields__)
 
-# A field's value when a checkpoint predates it, from the fields the checkpoint has.
-DEFAULTS = {"applied": lambda saved: saved["step"]}
+# A field's value when a checkpoint predates it, from the fields the checkpoint has (a new buffer: the step
+# donates the whole state, and one buffer must not be donated twice).
+DEFAULTS = {"applied": lambda saved: jnp.copy(saved["step"])}
 
 
 def saved_fields(meta: dict) -> tuple[str, ...]:

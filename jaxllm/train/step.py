@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm import batch as batch_lib
-from jaxllm.config import Config, batch_shards
+from jaxllm.errors import ConfigError
+from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
@@ -42,6 +43,10 @@ from jaxllm.train.objectives import LANGUAGE_MODEL, Objective
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 from jaxllm.train.state import TrainState
 
+if TYPE_CHECKING:
+    from jaxllm.config import Config
+
+COMPUTE_DTYPES = ("bfloat16", "float32")  # precision.compute
 
 def matmul_precision(dtype):
     """The matmul precision a step of this compute dtype traces under: fp32 means fp32 on GPU too."""
@@ -195,3 +200,33 @@ def make_step_fns(cfg: Config, mesh, objective: Objective = LANGUAGE_MODEL) -> S
         eval_loss=jax.jit(functools.partial(eval_loss, g=g), in_shardings=(sh.params, batch_sh),
                           out_shardings=replicated),
         abstract_state=abstract_state, schedule=g.schedule, paths=g)
+
+
+def check_config(cfg: Config, shape: dict) -> list[str]:
+    """The step's keys (precision, ZeRO stage, batch and microbatches, sequence parallelism, loss chunks)
+    against the mesh: ConfigError (one line) for what cannot run; notes to log."""
+    m, t, notes = cfg.model, cfg.train, []
+    if cfg.precision.compute not in COMPUTE_DTYPES:
+        raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
+    for key in ("global_batch", "microbatches"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key}: must be at least 1, got {getattr(t, key)}")
+    rows = t.microbatches * batch_shards(shape)
+    if t.global_batch % rows:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by microbatches×dp×fsdp×ep = "
+            f"{t.microbatches}×{shape['dp']}×{shape['fsdp']}×{shape['ep']} = {rows}; make it a multiple of {rows}")
+    sp, tp = shape["sp"], shape["tp"]
+    if t.sequence_parallel and m.seq_len % (sp * tp):
+        raise ConfigError(f"train.sequence_parallel: model.seq_len={m.seq_len} is not divisible by mesh.sp×mesh.tp="
+                          f"{sp * tp}; change seq_len or tp")
+    if t.sequence_parallel and tp == 1:
+        notes.append("train.sequence_parallel=true with mesh.tp=1: nothing to shard the sequence over; it has no effect")
+    if t.loss_chunk < 0 or (t.loss_chunk and m.seq_len % t.loss_chunk):
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 or divide model.seq_len={m.seq_len}; "
+                          "pick a divisor of seq_len")
+    if t.loss_chunk and t.loss_chunk % sp:
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} is not divisible by mesh.sp={sp}; make it a multiple of sp")
+    return notes

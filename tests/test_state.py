@@ -1,0 +1,54 @@
+"""The train state across versions: a checkpoint saved by jaxllm before `TrainState` existed (a dict of
+step, params and opt_state, written by the code of commit 5274dd5 under the tests' compile flags and
+kept in tests/fixtures) resumes with the new fields at their defaults and trains on exactly as the
+old code did; a checkpoint with fields this version does not know is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+import pytest
+
+from harness import REPO, subprocess_env
+from jaxllm.errors import ConfigError
+from jaxllm.train import state as state_lib
+
+OLD_RUN = Path(__file__).parent / "fixtures" / "run_saved_before_train_state"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(OLD_RUN, run_dir)
+    old_rows = _rows(OLD_RUN / "metrics.jsonl")  # steps 1-4 as the old code trained them; its step-2 checkpoint
+    cmd = [sys.executable, "-m", "experiments.run", "--config", str(run_dir / "config.toml"), "train.resume=true",
+           f"run.dir={run_dir}", f"data.source={OLD_RUN / 'text.txt'}", "run.progress=false"]
+    done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resumed from step 2" in done.stderr
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # steps 3 and 4, trained again from the migrated state, are bit for bit what the old code logged
+    assert [(r["loss"], r["grad_norm"]) for r in rows[2:]] == [(r["loss"], r["grad_norm"]) for r in old_rows[2:]]
+    mngr = ocp.CheckpointManager(run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
+    saved = mngr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                      meta=ocp.args.JsonRestore()))
+    mngr.close()
+    assert saved["meta"]["state_fields"] == list(state_lib.FIELDS)
+    assert int(saved["state"]["step"]) == 4 and int(saved["state"]["applied"]) == 4  # 2 migrated + 2 applied
+
+
+def test_a_checkpoint_with_fields_this_version_lacks_is_refused():
+    state_lib.check_fields({"state_fields": list(state_lib.FIELDS)}, "run.dir 'x'")
+    state_lib.check_fields({}, "run.dir 'x'")  # the dict checkpoints of before: completed with defaults
+    with pytest.raises(ConfigError, match="resume it with the jaxllm version that saved it"):
+        state_lib.check_fields({"state_fields": [*state_lib.FIELDS, "loss_scale"]}, "run.dir 'x'")

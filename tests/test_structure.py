@@ -1,0 +1,165 @@
+"""The code base's shape, checked: imports point downward with no cycle (none hidden in a function),
+functions in `jaxllm/train/` fit on a screen, building a step changes no global JAX setting, and
+the config keys are a reviewed list."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import jax
+
+from harness import equivalence_config
+from jaxllm.config import Config, to_dict
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxllm"
+# Each layer may import only from the layers after it in this list (and its own).
+LAYERS = ("train", "models", "parallel", "ops")
+MAX_LINES = 80  # per function in jaxllm/train/
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(source: str, modules: dict) -> list[tuple[str, bool]]:
+    """(imported jaxllm module, whether the import is inside a function) for every import in the source that
+    runs (not those under `if TYPE_CHECKING:`)."""
+    tree, found = ast.parse(source), []
+
+    def visit(node, local):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
+                continue  # imports for annotations only: never run
+            inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            found.extend((n, local) for n in names if n in modules)
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _graph(include_local: bool = True) -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m, local in _imports(path.read_text(), modules) if m != name and (include_local or not local)}
+            for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (as a path that returns to its start), or None."""
+    seen, done = [], set()
+
+    def walk(node):
+        if node in done:
+            return None
+        if node in seen:
+            return seen[seen.index(node):] + [node]
+        seen.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            found = walk(nxt)
+            if found:
+                return found
+        seen.pop()
+        done.add(node)
+        return None
+
+    return next((c for c in map(walk, sorted(graph)) if c), None)
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_point_downward_and_none_hides_in_a_function():
+    modules = _modules()
+    layer = lambda name: next((l for l in LAYERS if name.startswith(f"jaxllm.{l}")), None)
+    for name, path in modules.items():
+        for target, local in _imports(path.read_text(), modules):
+            if target == name:
+                continue
+            assert not local or name == "jaxllm.cli", f"{name} imports {target} inside a function"
+            a, b = layer(name), layer(target)
+            if a and b and a != b:
+                assert LAYERS.index(a) < LAYERS.index(b), f"{name} ({a}) imports {target} ({b}), a layer above it"
+
+
+def test_the_checkers_see_what_they_guard():
+    """A cycle is found, and an import inside a function is seen as one (as the cycles this replaced were)."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    source = "import jaxllm.ops\ndef f():\n    from jaxllm.parallel import expert_dispatch\n"
+    assert _imports(source, _modules()) == [("jaxllm.ops", False), ("jaxllm.parallel", True),
+                                            ("jaxllm.parallel.expert_dispatch", True)]
+
+
+def test_functions_in_train_fit_on_a_screen():
+    long = []
+    for path in sorted((PACKAGE / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_LINES:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_LINES} lines: {long}"
+
+
+def test_building_an_fp32_step_leaves_the_global_matmul_precision_alone():
+    """The fp32 step traces its matmuls at HIGHEST precision, and the process's setting is untouched.
+    (Built here, not through the registry: building is what is tested; it is only lowered.)"""
+    from jaxllm.config import validate
+    from jaxllm.mesh import make_mesh
+    from jaxllm.train.step import make_step_fns
+
+    before = jax.config.jax_default_matmul_precision
+    cfg = equivalence_config("tiny-gpt2")
+    fns = make_step_fns(cfg, make_mesh(validate(cfg, 1)[0], cfg, devices=jax.devices()[:1]))
+    text = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(4, 32)).as_text()
+    assert jax.config.jax_default_matmul_precision == before
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert dots and all("HIGHEST" in line for line in dots)
+
+
+# Every config key. Adding or removing one is a change to this list, seen in review.
+CONFIG_KEYS = """
+data.source data.tokenizer data.val_percent
+distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
+mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp
+mesh.dp mesh.ep mesh.fsdp mesh.pp mesh.sp mesh.tp
+model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model model.family
+model.init_std
+model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_experts model.moe.shared_expert
+model.moe.top_k model.moe.z_weight
+model.n_heads model.n_kv_heads model.n_layers model.norm_eps model.pattern model.preset model.remat
+model.rope_theta model.seq_len model.vocab_size
+precision.compute
+run.dir run.progress run.sample_prompt run.sample_tokens
+train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
+train.grad_clip train.keep_checkpoints train.log_every train.loss_chunk train.lr train.microbatches
+train.min_lr_ratio train.momentum train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
+train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_steps
+train.weight_decay train.zero_stage
+""".split()
+
+
+def _keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        out += _keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
+
+
+def test_every_config_key_is_listed():
+    keys = sorted(_keys(to_dict(Config())))
+    assert keys == sorted(CONFIG_KEYS), {"new": sorted(set(keys) - set(CONFIG_KEYS)),
+                                         "gone": sorted(set(CONFIG_KEYS) - set(keys))}
