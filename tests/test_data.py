@@ -1,6 +1,7 @@
 """Tests for jaxllm.data: tokenizers, shards, corpora, mesh-independent batches and tools/prepare_data."""
 
 import os
+import re
 
 _FLAG = "--xla_force_host_platform_device_count=8"  # must be set before jax is first imported
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -18,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxllm.data import (ByteTokenizer, batch_rows, corpus_summary, eval_batch, get_tokenizer, global_batch,
                          list_shards, load_corpus, read_shard, window_starts, write_shard)
-from jaxllm.batch import FIELDS
+from jaxllm.batch import FIELDS, check, from_windows
 from jaxllm.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -357,3 +358,15 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(case, tmp_path, capsys)
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
     assert str(source) in lines[0]  # names the file
     assert not run_dir.exists()
+
+
+def test_a_batch_off_the_contract_is_one_line():
+    """What the step checks before compiling: fields, one [batch, seq] shape, dtypes."""
+    good = from_windows(np.zeros((2, 9), np.int32))
+    check(good)
+    check({**good, "weights": np.ones((2, 8), np.float32)}, {"weights": "float32"})
+    for bad, words in [({k: v for k, v in good.items() if k != "loss_mask"}, "missing ['loss_mask']"),
+                       ({**good, "loss_mask": np.ones((2, 7), np.float32)}, "one [batch, seq] shape"),
+                       ({**good, "positions": good["positions"].astype(np.int64)}, "wrong dtypes")]:
+        with pytest.raises(DataError, match=re.escape(words)):
+            check(bad)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import Config, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
@@ -283,6 +284,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
 
 
 def _compile(cfg: Config, fns, state, batch):
+    batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
     with faults.compiling():
         step_fn = fns.train_step.lower(state, batch).compile()
