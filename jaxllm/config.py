@@ -27,7 +27,6 @@ from jaxllm.parallel import pipeline_schedules
 from jaxllm.train import optimizer, step
 
 
-
 @dataclass
 class DcnConfig:
     """Mesh sizes across nodes/slices (slow links) for a hybrid mesh; the `mesh` sizes are then per node."""
