@@ -4,7 +4,7 @@ independent references, the equivalence tolerances and subprocess environments.
 - `step_fns(cfg, devices)` is the one registry of step programs: a config (resolved to TOML)
   on n devices is built once, so every test asking for the same program gets the same jitted
   functions, already compiled. conftest.py empties it after each test file (`forget_programs`).
-  The command lines tests start share JAX's persistent compilation cache instead
+  The one-device command lines tests start share JAX's persistent compilation cache instead
   (`subprocess_env`; see conftest.py).
 - `loss_and_grads`, `loss_metrics_and_grads`, `train_step`, `eval_loss` and `lower_loss_and_grads`
   are the only places a test hands a batch to a step: they turn token windows into the batch
@@ -47,9 +47,12 @@ def subprocess_env(n_devices: int = 8) -> dict:
     """The environment for a CLI the tests start: this checkout importable, n fake CPU devices, the
     cheap-compile flags, and the session's persistent compilation cache (every program that took
     a noticeable time to compile; JAX's default threshold is 1 s)."""
+    # Multi-device programs are compiled afresh: an XLA:CPU executable read back from the persistent cache
+    # deadlocked in its collectives (devices at different collectives of one run; JAX 0.10, the step of
+    # issue 13), so only one-device programs may come from the cache.
+    cache = os.environ.get("JAXLLM_TEST_CACHE_DIR", "") if n_devices == 1 else ""
     return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices),
-                JAX_COMPILATION_CACHE_DIR=os.environ.get("JAXLLM_TEST_CACHE_DIR", ""),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
+                JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
 
 
 # ---------------------------------------------------------------- configs and the program registry

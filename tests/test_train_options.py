@@ -222,8 +222,8 @@ def test_optimizer_step_on_fsdp_and_tp_matches_one_device(optimizer, stage):
     assert float(metrics["loss"]) == pytest.approx(float(ref_metrics["loss"]), rel=LOSS_RTOL)
     assert float(metrics["grad_norm"]) == pytest.approx(float(ref_metrics["grad_norm"]), rel=GRAD_RTOL)
     floats = lambda tree: [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
-    assert max_rel_err(floats(new["opt_state"]), floats(ref["opt_state"])) <= GRAD_RTOL
-    for got, want, old in zip(*map(jax.tree.leaves, (new.params, ref["params"], start["params"]))):
+    assert max_rel_err(floats(new.opt_state), floats(ref.opt_state)) <= GRAD_RTOL
+    for got, want, old in zip(*map(jax.tree.leaves, (new.params, ref.params, start.params))):
         got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
         bound = GRAD_RTOL * np.linalg.norm(want - old) + np.linalg.norm(np.spacing(np.abs(want)))
         assert np.linalg.norm(got - want) <= bound

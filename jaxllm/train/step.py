@@ -117,7 +117,6 @@ class StepFns:
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
     abstract_state: Any
     schedule: Any = None  # the pipeline's Schedule table when mesh.pp > 1
-    paths: Paths | None = None
 
     def abstract_batch(self, rows: int, seq: int) -> dict:
         """The shapes and dtypes of a batch for this step (for lowering it without data)."""
@@ -199,7 +198,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective = LANGUAGE_MODEL) -> S
                                out_shardings=(replicated, replicated, sh.grads)),
         eval_loss=jax.jit(functools.partial(eval_loss, g=g), in_shardings=(sh.params, batch_sh),
                           out_shardings=replicated),
-        abstract_state=abstract_state, schedule=g.schedule, paths=g)
+        abstract_state=abstract_state, schedule=g.schedule)
 
 
 def check_config(cfg: Config, shape: dict) -> list[str]:
