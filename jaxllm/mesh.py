@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -18,8 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxllm.errors import ConfigError
 
-if TYPE_CHECKING:
-    from jaxllm.config import Config, DistributedConfig, MeshConfig
+from jaxllm.schema import Config, DistributedConfig, MeshConfig
 
 MESH_AXES = ("pp", "dp", "fsdp", "ep", "sp", "tp")
 

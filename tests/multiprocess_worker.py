@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxllm.config import Config, DistributedConfig
+from jaxllm.schema import Config, DistributedConfig
 from jaxllm.data.loader import batch_rows, global_batch, window_starts
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.sharding import BATCH_AXES

@@ -11,7 +11,7 @@ import dataclasses
 import re
 
 from harness import REPO
-from jaxllm.config import Config
+from jaxllm.schema import Config
 from jaxllm.mesh import MESH_AXES
 
 README = (REPO / "README.md").read_text()

@@ -246,7 +246,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
 def stage_config(cfg, shape: dict):
     """One pipeline stage's work for one microbatch as a config of its own: n_layers/pp layers, mesh pp=1 with
     dp=fsdp=ep=1 (sp, tp kept), and one microbatch's rows per batch shard as the whole batch."""
-    from jaxllm.config import MeshConfig
+    from jaxllm.schema import MeshConfig
     from jaxllm.mesh import batch_shards
 
     s = copy.deepcopy(cfg)

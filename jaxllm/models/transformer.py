@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +29,9 @@ from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import attention_layer, kv_heads
 from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
+from jaxllm.schema import ModelConfig
 from jaxllm.sharding import constrain, weight
 
-if TYPE_CHECKING:
-    from jaxllm.config import ModelConfig
 
 ACT = ("batch", "residual_seq", "embed")  # the residual stream
 FAMILIES = ("gpt2", "llama")

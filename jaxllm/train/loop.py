@@ -21,11 +21,12 @@ import numpy as np
 
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
-from jaxllm.config import Config, to_dict, to_toml, validate
+from jaxllm.config import to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
+from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import faults, preemption
 from jaxllm.train import metrics as metrics_lib

@@ -8,17 +8,14 @@ falling back to Adam on 3-D and 4-D arrays; embeddings and the LM head use its A
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import optax
 from optax import contrib
 
 from jaxllm.errors import ConfigError
 from jaxllm.models.transformer import Leaf
+from jaxllm.schema import TrainConfig
 
-if TYPE_CHECKING:
-    from jaxllm.config import TrainConfig
 
 
 def schedule_steps(t: TrainConfig) -> int:

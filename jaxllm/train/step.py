@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
+from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
 from jaxllm.train import gradients
 from jaxllm.train.gradients import Paths, constrain_tree
@@ -43,8 +44,6 @@ from jaxllm.train.objectives import LANGUAGE_MODEL, Objective
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 from jaxllm.train.state import TrainState
 
-if TYPE_CHECKING:
-    from jaxllm.config import Config
 
 COMPUTE_DTYPES = ("bfloat16", "float32")  # precision.compute
 

@@ -1,0 +1,148 @@
+"""The config tree's schema: one dataclass per section, with defaults and what each key means.
+
+Below everything that reads a section (the mesh, the model, the step, the optimizer, the data):
+it imports nothing of jaxllm. `config.py` builds a `Config` from files and overrides and has each
+section validated by the code that owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DcnConfig:
+    """Mesh sizes across nodes/slices (slow links) for a hybrid mesh; the `mesh` sizes are then per node."""
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    ep: int = 1
+    sp: int = 1
+    tp: int = 1
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh sizes, outermost to innermost. One axis may be -1: it takes the remaining devices."""
+
+    pp: int = 1
+    dp: int = -1
+    fsdp: int = 1
+    ep: int = 1
+    sp: int = 1
+    tp: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process start-up. Explicit address/count/id, or `auto` for the cluster detection JAX has."""
+
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    auto: bool = False
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts feed-forward, used by the "moe" blocks of `model.pattern`."""
+
+    n_experts: int = 8
+    top_k: int = 2  # 1 as in Switch, 2 as in Mixtral
+    d_ff: int = 0  # each expert's hidden size; 0: model.d_ff
+    shared_expert: bool = False  # a dense feed-forward every token also goes through
+    capacity_factor: float = 1.25  # buffer slots per expert = factor · tokens·top_k / n_experts; 0: dropless
+    balance_weight: float = 0.01  # Switch load-balancing loss
+    z_weight: float = 0.001  # router z-loss
+
+
+@dataclass
+class ModelConfig:
+    preset: str = ""
+    family: str = "gpt2"  # gpt2 | llama
+    n_layers: int = 4
+    d_model: int = 256
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0: same as n_heads
+    d_ff: int = 1024
+    vocab_size: int = 0  # 0: the tokenizer's; padded up to a multiple of 128 in the parameters
+    seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    pattern: list = field(default_factory=lambda: ["dense"])  # block kinds repeated down the stack
+    remat: str = "none"  # none | full | save-dots | save-named
+    # Tensor-parallel projections overlap their sequence all-gather / reduce-scatter with partial
+    # matmuls (a ring of ppermutes over tp); needs train.sequence_parallel.
+    collective_matmul: bool = False
+    # Attention with the sequence split over mesh.sp: ring | allgather | ulysses.
+    cp_strategy: str = "ring"
+    cp_load_balance: bool = True  # zig-zag order, so every sp rank does the same causal work
+    moe: MoeConfig = field(default_factory=MoeConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    schedule_steps: int = 0  # 0: train.steps
+    seed: int = 0
+    global_batch: int = 16  # sequences per step
+    microbatches: int = 1
+    zero_stage: int = 0
+    # Pipeline (mesh.pp > 1): the schedule, model chunks per stage (interleaved), and under ZeRO-3
+    # whether a stage's weights are gathered once per step rather than at every microbatch.
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_virtual: int = 1
+    pp_gather_once: bool = False
+    # Megatron sequence parallelism: norms and residual adds hold the sequence sharded over tp.
+    sequence_parallel: bool = False
+    loss_chunk: int = 0  # sequence positions per chunk of the loss; 0: all logits at once
+    optimizer: str = "adamw"  # adamw | sgd | adafactor | lion | muon
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 turns clipping off
+    resume: bool = False
+    log_every: int = 10
+    eval_every: int = 50  # 0: no validation
+    eval_batches: int = 4
+    checkpoint_every: int = 100  # 0: no checkpoints
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class PrecisionConfig:
+    compute: str = "bfloat16"  # bfloat16 | float32
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text file | folder | folder or glob of llm.c .bin shards
+    tokenizer: str = "byte"  # byte | gpt2
+    val_percent: float = 5.0
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # "": runs/<date>-<time>
+    sample_tokens: int = 200  # generated at the end; 0: none
+    sample_prompt: str = "def "
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
