@@ -176,6 +176,10 @@ def loss_and_grads(params, batch: dict, g: Paths):
     """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
     objective) over the global batch, on the step's layout."""
     with use_layout(g.layout):
-        if g.order is not None:  # load-balanced context parallelism: the sequence in zig-zag order
-            batch = {k: v[:, g.order] for k, v in batch.items()}
+        batch = in_model_order(batch, g)
         return path_of(g)(params, batch, g.objective.count(batch), g)
+
+
+def in_model_order(batch: dict, g: Paths) -> dict:
+    """The batch as the model sees it: with load-balanced context parallelism, every field in zig-zag order."""
+    return batch if g.order is None else {k: v[:, g.order] for k, v in batch.items()}

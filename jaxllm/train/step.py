@@ -163,8 +163,7 @@ def eval_loss(params, batch: dict, g: Paths):
     """(summed next-token cross-entropy over loss_mask tokens, their count), whatever the training objective."""
     lm = LANGUAGE_MODEL
     with matmul_precision(g.dtype), use_layout(g.layout):
-        if g.order is not None:
-            batch = {k: v[:, g.order] for k, v in batch.items()}
+        batch = gradients.in_model_order(batch, g)
         total, _, _ = transformer.forward(params, batch, g.model, g.dtype, lm.token_terms, g.loss_chunk)
         return total, lm.count(batch)
 
