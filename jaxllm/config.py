@@ -20,6 +20,7 @@ import typing
 
 from jaxllm.data import corpus
 from jaxllm.errors import ConfigError
+from jaxllm.interop import hf_config
 from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import transformer
 from jaxllm.parallel import pipeline_schedules
@@ -27,7 +28,16 @@ from jaxllm.schema import Config, TrainConfig
 from jaxllm.train import optimizer, step
 
 
-# Presets fill model fields; keys the user sets explicitly win over them.
+# A family is a shorthand for the features it is made of; a preset names a family and a size. Keys
+# the user sets explicitly win over both.
+FAMILIES: dict[str, dict] = {
+    "gpt2": dict(norm="layernorm", mlp="gelu_tanh", positions="learned", attn_bias="qkvo", mlp_bias=True,
+                 tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="none", mlp_bias=False,
+                  tie_embeddings=False),
+    "qwen2": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="qkv", mlp_bias=False,
+                  tie_embeddings=False),
+}
 _GPT2 = dict(family="gpt2", vocab_size=50257, seq_len=1024)
 _LLAMA = dict(family="llama", vocab_size=128256, seq_len=2048, rope_theta=500000.0)
 PRESETS: dict[str, dict] = {
@@ -92,13 +102,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, typing.Any]:
 def _set(cfg: Config, key: str, value) -> None:
     """Set a dotted key on the config tree, checking the key exists and the value's type."""
     obj = cfg
-    parts = key.split(".")
+    parts = [KEYWORD_FIELDS.get(part, part) for part in key.split(".")]
     for i, part in enumerate(parts):
         fields = _fields(obj)
         if part not in fields:
             where = ".".join(parts[:i]) or "the top level"
             raise ConfigError(
-                f"unknown key '{key}': {where} has {', '.join(sorted(fields))}; check the spelling")
+                f"unknown key '{key}': {where} has {', '.join(sorted(f.rstrip('_') for f in fields))}; check the spelling")
         if i == len(parts) - 1:
             typ = typing.get_type_hints(type(obj))[part]
             if dataclasses.is_dataclass(typ):
@@ -108,6 +118,10 @@ def _set(cfg: Config, key: str, value) -> None:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"unknown key '{key}': '{'.'.join(parts[:i + 1])}' is a value, not a section")
+
+
+# Keys spelled as Python keywords are fields with a trailing underscore (init.from -> InitConfig.from_).
+KEYWORD_FIELDS = {"from": "from_"}
 
 
 def parse_overrides(args: list[str]) -> dict[str, typing.Any]:
@@ -146,9 +160,66 @@ def build_config(config_file: str | None = None, overrides: list[str] | dict | N
             raise ConfigError(f"model.preset: unknown preset '{preset}'; choose one of {', '.join(PRESETS)}")
         for k, v in PRESETS[preset].items():
             _set(cfg, f"model.{k}", v)
+    family = explicit.get("model.family", cfg.model.family)
+    if family not in FAMILIES:
+        raise ConfigError(f"model.family: '{family}' is not one of {', '.join(FAMILIES)}; or set the features "
+                          "(model.norm, model.mlp, model.positions, ...) yourself")
+    for k, v in FAMILIES[family].items():
+        _set(cfg, f"model.{k}", v)
+    source = source_model_keys(explicit.get("init.from", ""))
+    for k, v in source.items():
+        _set(cfg, f"model.{k}", v)
     for key, value in explicit.items():
         _set(cfg, key, value)
+    _check_against_source(cfg, explicit, source)
     return cfg
+
+
+def split_run_source(source: str) -> tuple[str, int | None]:
+    """'run:DIR[@STEP]' -> (DIR, STEP or None)."""
+    path, at, step = source[len("run:"):].rpartition("@")
+    if not at or not step.isdigit():
+        return source[len("run:"):], None
+    return path, int(step)
+
+
+def source_model_keys(source: str) -> dict:
+    """The architecture keys (below `model.`) that `init.from` fixes: a Hugging Face config.json's, or another
+    run's config.toml's."""
+    if not source:
+        return {}
+    if source.startswith("hf:"):
+        return hf_config.model_keys(hf_config.read(source[3:]))
+    if source.startswith("run:"):
+        run_dir, _ = split_run_source(source)
+        saved = load_toml(os.path.join(run_dir, "config.toml"))
+        return {k: saved[f"model.{k}"] for k in hf_config.ARCHITECTURE_KEYS if f"model.{k}" in saved}
+    raise ConfigError(f"init.from: '{source}' is not \"\", \"hf:DIR\" or \"run:DIR[@STEP]\"")
+
+
+def _check_against_source(cfg: Config, explicit: dict, source: dict) -> None:
+    """An architecture key set explicitly must agree with the checkpoint `init.from` names."""
+    if not source:
+        return
+    if explicit.get("model.preset"):
+        raise ConfigError("model.preset: the architecture comes from init.from's checkpoint; remove the preset")
+    reference = Config()
+    for k, v in source.items():
+        _set(reference, f"model.{k}", v)
+    for key in explicit:
+        name = key[len("model."):]
+        if key.startswith("model.") and name in hf_config.ARCHITECTURE_KEYS and name in source:
+            mine, theirs = _get(cfg, key), _get(reference, key)
+            if mine != theirs:
+                raise ConfigError(f"{key}={mine!r} conflicts with init.from's checkpoint ({theirs!r}); remove it: "
+                                  "architecture keys come from the checkpoint (README: Hugging Face checkpoints)")
+
+
+def _get(cfg, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, KEYWORD_FIELDS.get(part, part))
+    return obj
 
 
 def to_dict(cfg) -> dict:
@@ -172,7 +243,7 @@ def to_toml(cfg: Config) -> str:
     def section(name: str, d: dict):
         scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
         lines.append(f"[{name}]")
-        lines.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        lines.extend(f"{k.rstrip('_')} = {value(v)}" for k, v in scalars.items())
         lines.append("")
         for k, v in d.items():
             if isinstance(v, dict):

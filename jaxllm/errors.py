@@ -17,6 +17,10 @@ class CheckpointError(UserError):
     pass
 
 
+class ModelFileError(UserError):
+    """A model directory (Hugging Face config.json, safetensors) jaxllm cannot read or would not compute exactly."""
+
+
 class TrainingDiverged(UserError):
     """The loss or gradient norm stopped being finite; the message says what to try and where to resume."""
 

@@ -61,16 +61,33 @@ class MoeConfig:
 @dataclass
 class ModelConfig:
     preset: str = ""
-    family: str = "gpt2"  # gpt2 | llama
+    # A shorthand that fills the features below as a preset does (`config.FAMILIES`: gpt2 | llama |
+    # qwen2); keys set explicitly win. The model code reads only the features.
+    family: str = "gpt2"
     n_layers: int = 4
     d_model: int = 256
     n_heads: int = 4
     n_kv_heads: int = 0  # 0: same as n_heads
+    head_dim: int = 0  # 0: d_model / n_heads
     d_ff: int = 1024
     vocab_size: int = 0  # 0: the tokenizer's; padded up to a multiple of 128 in the parameters
     seq_len: int = 256
+    # The features a family is made of.
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu_tanh"  # gelu_tanh (transformers' gelu_new) | swiglu
+    positions: str = "learned"  # learned (a table of max_positions rows) | rope
+    max_positions: int = 0  # the longest sequence the model is for (learned: the table's rows); 0: seq_len
+    attn_bias: str = "qkvo"  # none | qkv | qkvo: biases on the query, key, value (and output) projections
+    mlp_bias: bool = True  # biases on the dense feed-forward's projections (experts have none)
+    tie_embeddings: bool = True  # the output head is the token embedding
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency bands, with the four keys below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    sliding_window: int = 0  # attention window of a loaded model; 0: none. Only windows ≥ seq_len run
     init_std: float = 0.02
     pattern: list = field(default_factory=lambda: ["dense"])  # block kinds repeated down the stack
     remat: str = "none"  # none | full | save-dots | save-named
@@ -138,10 +155,18 @@ class RunConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where the parameters start. Spelled `init.from` in files and overrides (`from` is a Python keyword)."""
+
+    from_: str = ""  # "": random (model.init_std) | "hf:DIR" (Hugging Face weights) | "run:DIR[@STEP]"
+
+
+@dataclass
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)

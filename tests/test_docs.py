@@ -25,7 +25,7 @@ def config_keys(obj=Config(), prefix: str = "") -> set[str]:
         if dataclasses.is_dataclass(value):
             keys |= config_keys(value, f"{prefix}{f.name}.")
         else:
-            keys.add(prefix + f.name)
+            keys.add(prefix + f.name.rstrip("_"))  # init.from is the field from_
     return keys
 
 

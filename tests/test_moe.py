@@ -35,9 +35,9 @@ from jaxllm.train.loop import train
 T, D, F, E = 64, 16, 32, 8
 
 
-def weights(family: str, seed: int = 0):
+def weights(mlp: str, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 5)
-    names = ("w_in", "w_out") if family == "gpt2" else ("w_gate", "w_up", "w_down")
+    names = ("w_in", "w_out") if mlp == "gelu_tanh" else ("w_gate", "w_up", "w_down")
     shapes = {"w_in": (E, D, F), "w_out": (E, F, D), "w_gate": (E, D, F), "w_up": (E, D, F), "w_down": (E, F, D)}
     experts = {n: 0.3 * jax.random.normal(k, shapes[n]) for n, k in zip(names, keys)}
     return {"router": jax.random.normal(keys[4], (D, E)), "experts": experts}
@@ -60,28 +60,28 @@ def kept_pairs(experts: np.ndarray, groups: int, slots: int) -> np.ndarray:
     return kept
 
 
-def one_token_ffn(w: dict, x, family: str):
-    if family == "gpt2":
+def one_token_ffn(w: dict, x, mlp: str):
+    if mlp == "gelu_tanh":
         return jax.nn.gelu(x @ w["w_in"], approximate=True) @ w["w_out"]
     return (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
 
 
-def naive(params, x, top_k, family, kept):
+def naive(params, x, top_k, mlp, kept):
     _, _, gates, experts = moe.route(params["router"], x, top_k)
 
     def token(xt, gt, et, kt):
         y = jnp.zeros_like(xt)
         for j in range(top_k):
             w = {n: a[et[j]] for n, a in params["experts"].items()}
-            y = y + jnp.where(kt[j], gt[j], 0.0) * one_token_ffn(w, xt, family)
+            y = y + jnp.where(kt[j], gt[j], 0.0) * one_token_ffn(w, xt, mlp)
         return y
 
     return jax.vmap(token)(x, gates, experts, kept)
 
 
-def parallel(params, x, top_k, family, factor, mesh):
+def parallel(params, x, top_k, mlp, factor, mesh):
     _, _, gates, experts = moe.route(params["router"], x, top_k)
-    return expert_parallel_moe(params["experts"], x, gates, experts, E, factor, family, jnp.float32, mesh)
+    return expert_parallel_moe(params["experts"], x, gates, experts, E, factor, mlp, jnp.float32, mesh)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,12 +93,12 @@ def rel(a, b):
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mlp", ["gelu_tanh", "swiglu"])
 @pytest.mark.parametrize("factor", [0.0, 0.5])
 @pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("ep", tiers([2, 4, 8], {4}))
-def test_expert_parallel_equals_naive_reference(ep, top_k, factor, family):
-    params, (x, cot) = weights(family), inputs()
+def test_expert_parallel_equals_naive_reference(ep, top_k, factor, mlp):
+    params, (x, cot) = weights(mlp), inputs()
     mesh = ep_mesh(ep)
     _, _, _, experts = moe.route(params["router"], x, top_k)
     slots = moe.capacity(T // ep, E, top_k, factor)
@@ -109,11 +109,11 @@ def test_expert_parallel_equals_naive_reference(ep, top_k, factor, family):
         assert kept.all() and slots == T // ep
 
     def ours(params, x):
-        y, dropped = parallel(params, x, top_k, family, factor, mesh)
+        y, dropped = parallel(params, x, top_k, mlp, factor, mesh)
         return jnp.sum(y * cot), (y, dropped)
 
     def ref(params, x):
-        y = naive(params, x, top_k, family, kept)
+        y = naive(params, x, top_k, mlp, kept)
         return jnp.sum(y * cot), y
 
     (_, (y, dropped)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(params, x)
@@ -126,19 +126,19 @@ def test_expert_parallel_equals_naive_reference(ep, top_k, factor, family):
 
 def test_local_groups_drop_like_the_reference():
     """On one device, `groups` equal slices of the tokens behave like ep devices' buffers."""
-    params, (x, _) = weights("llama"), inputs()
+    params, (x, _) = weights("swiglu"), inputs()
     _, _, gates, experts = moe.route(params["router"], x, 2)
-    y, dropped = moe.local_moe(params["experts"], x, gates, experts, E, 0.5, "llama", jnp.float32, groups=4)
+    y, dropped = moe.local_moe(params["experts"], x, gates, experts, E, 0.5, "swiglu", jnp.float32, groups=4)
     kept = kept_pairs(np.asarray(experts), 4, moe.capacity(T // 4, E, 2, 0.5))
     assert int(dropped) == int((~kept).sum()) > 0
-    assert rel(y, naive(params, x, 2, "llama", kept)) <= 1e-5
+    assert rel(y, naive(params, x, 2, "swiglu", kept)) <= 1e-5
 
 
 def test_dispatch_uses_all_to_all_and_never_gathers_expert_weights():
-    params, (x, cot) = weights("llama"), inputs()
+    params, (x, cot) = weights("swiglu"), inputs()
     mesh = ep_mesh(4)
     sharded = jax.device_put(params["experts"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
-    loss = lambda p, x: jnp.sum(parallel({**params, "experts": p}, x, 2, "llama", 0.0, mesh)[0] * cot)
+    loss = lambda p, x: jnp.sum(parallel({**params, "experts": p}, x, 2, "swiglu", 0.0, mesh)[0] * cot)
     x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("ep")))
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(sharded, x).compile().as_text()
     assert hlo.count("all-to-all(") == 4  # there and back in the forward pass, and their transposes
@@ -162,7 +162,7 @@ def test_aux_losses_equal_their_formula_on_a_hand_built_routing():
 
 
 def test_top1_gate_keeps_a_router_gradient_and_topk_gates_sum_to_one():
-    params, (x, _) = weights("gpt2"), inputs()
+    params, (x, _) = weights("gelu_tanh"), inputs()
     _, _, gates2, _ = moe.route(params["router"], x, 2)
     np.testing.assert_allclose(np.asarray(gates2.sum(-1)), 1.0, rtol=1e-6)
     g = jax.grad(lambda r: jnp.sum(moe.route(r, x, 1)[2]))(params["router"])

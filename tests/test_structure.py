@@ -135,14 +135,17 @@ def test_building_an_fp32_step_leaves_the_global_matmul_precision_alone():
 CONFIG_KEYS = """
 data.source data.tokenizer data.val_percent
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
+init.from_
 mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp
 mesh.dp mesh.ep mesh.fsdp mesh.pp mesh.sp mesh.tp
-model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model model.family
-model.init_std
+model.attn_bias model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model
+model.family model.head_dim model.init_std model.max_positions model.mlp model.mlp_bias
 model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_experts model.moe.shared_expert
 model.moe.top_k model.moe.z_weight
-model.n_heads model.n_kv_heads model.n_layers model.norm_eps model.pattern model.preset model.remat
-model.rope_theta model.seq_len model.vocab_size
+model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
+model.preset model.remat model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
+model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
+model.tie_embeddings model.vocab_size
 precision.compute
 run.dir run.progress run.sample_prompt run.sample_tokens
 train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch

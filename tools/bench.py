@@ -54,14 +54,20 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 def plain_model(m):
     """(module, its config) of the model `tools/plain_gpt.py` or `tools/plain_llama.py` writes plainly for
-    jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE)."""
-    from jaxllm.models.attention import kv_heads
+    jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE).
+    Each covers one family's features exactly (`config.FAMILIES`); ValueError for any other setting."""
+    from jaxllm.config import FAMILIES
+    from jaxllm.models.attention import head_dim, kv_heads
     from jaxllm.models.transformer import padded_vocab
     from tools import plain_gpt, plain_llama
 
-    if m.family == "gpt2":
-        if m.pattern != ["dense"]:
-            raise ValueError("plain_gpt has no mixture of experts")
+    features = {k: getattr(m, k) for k in FAMILIES["gpt2"]}
+    extras = m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none"
+    if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
+        raise ValueError(f"no plain reference for the features {features}")
+    if features == FAMILIES["gpt2"]:
+        if m.pattern != ["dense"] or kv_heads(m) != m.n_heads or m.head_dim not in (0, m.d_model // m.n_heads):
+            raise ValueError("plain_gpt has no mixture of experts, grouped-query attention or free head_dim")
         return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
                                         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
                                         eps=m.norm_eps, init_std=m.init_std)
@@ -71,7 +77,7 @@ def plain_model(m):
     return plain_llama, plain_llama.Llama(
         vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len, n_layers=m.n_layers,
         d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=kv_heads(m), d_ff=m.d_ff, eps=m.norm_eps,
-        rope_theta=m.rope_theta, init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
+        rope_theta=m.rope_theta, head_dim=head_dim(m), init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
         top_k=e.top_k, expert_d_ff=e.d_ff, shared_expert=e.shared_expert, balance_weight=e.balance_weight,
         z_weight=e.z_weight)
 

@@ -48,6 +48,7 @@ class Llama:
     d_ff: int
     eps: float = 1e-5
     rope_theta: float = 10000.0
+    head_dim: int = 0  # 0: d_model // n_heads
     init_std: float = 0.02
     n_experts: int = 0  # 0: dense feed-forward
     top_k: int = 2
@@ -60,7 +61,7 @@ class Llama:
 def init_params(c: Llama, key: jax.Array) -> dict:
     """fp32 weights: N(0, init_std), residual output projections scaled by 1/sqrt(2 * n_layers)."""
     L, D, F, V, E = c.n_layers, c.d_model, c.d_ff, c.padded_vocab, c.n_experts
-    Dh = D // c.n_heads
+    Dh = c.head_dim or D // c.n_heads
     ks = iter(jax.random.split(key, 16))
     normal = lambda shape, std=c.init_std: std * jax.random.normal(next(ks), shape, jnp.float32)
     out_std = c.init_std / (2 * L) ** 0.5
@@ -110,7 +111,7 @@ def rotate_half(x):
 
 def rope_tables(c: Llama, T: int):
     """cos and sin, [T, head_dim], for positions 0..T-1."""
-    Dh = c.d_model // c.n_heads
+    Dh = c.head_dim or c.d_model // c.n_heads
     inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
     freqs = jnp.outer(jnp.arange(T, dtype=jnp.float32), inv_freq)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -119,7 +120,7 @@ def rope_tables(c: Llama, T: int):
 
 def attention(c: Llama, dtype, x, p, cos, sin):
     B, T, D = x.shape
-    H, KV, Dh = c.n_heads, c.n_kv_heads, D // c.n_heads
+    H, KV, Dh = c.n_heads, c.n_kv_heads, c.head_dim or D // c.n_heads
     w = lambda name: p[name].astype(dtype)
     q = (x @ w("wq")).reshape(B, T, H, Dh)
     k = (x @ w("wk")).reshape(B, T, KV, Dh)

@@ -186,7 +186,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
              "activation_bytes": {"without_sp", "with_sp", "sp_saving"} (× n_layers)}.
     """
     from jaxllm.mesh import batch_shards
-    from jaxllm.models.attention import kv_heads
+    from jaxllm.models.attention import head_dim, kv_heads
 
     m, t = model_cfg, train_cfg
     n = int(mesh_shape.get("tp", 1))
@@ -194,7 +194,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
     b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
     s = m.seq_len // mesh_shape.get("sp", 1)
     d, H, F = m.d_model, m.n_heads, m.d_ff
-    dh = d // H
+    dh = head_dim(m)
     kv_eff = max(kv_heads(m), n)
     setting = "sp_cm" if t.sequence_parallel and m.collective_matmul else "sp" if t.sequence_parallel else "tp"
     full = b * s * d * E
@@ -237,8 +237,8 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
         "region_inputs": 2 * b * s * d * E,
         "qkv": b * s * (H + 2 * kv_eff) * dh * E // n,
         "attention_probs": b * H * s * m.seq_len * (4 + (E if E != 4 else 0)) // n,
-        "attention_out": b * s * d * E // n,
-        "mlp_hidden": (2 if m.family == "gpt2" else 3) * b * s * F * E // n,
+        "attention_out": b * s * H * dh * E // n,
+        "mlp_hidden": (2 if m.mlp == "gelu_tanh" else 3) * b * s * F * E // n,
     }
     terms = {k: {"without_sp": v, "with_sp": v // n if k == "residual" else v} for k, v in terms_tp.items()}
     without_sp = sum(v["without_sp"] for v in terms.values())
@@ -396,7 +396,7 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
              "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
     """
     from jaxllm.mesh import batch_shards
-    from jaxllm.models.attention import kv_heads
+    from jaxllm.models.attention import head_dim, kv_heads
 
     m, t = model_cfg, train_cfg
     tp = int(mesh_shape.get("tp", 1))
@@ -404,7 +404,7 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     E = _dtype_bytes(compute_dtype)
     b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
     S = m.seq_len
-    H, dh = m.n_heads // tp, m.d_model // m.n_heads
+    H, dh = m.n_heads // tp, head_dim(m)
     KV = max(kv_heads(m), tp) // tp
 
     def total(strategy: str, n: int) -> dict | None:

@@ -1,6 +1,7 @@
 """Multi-head / grouped-query self-attention.
 
-`attention_layer` projects, applies RoPE where the family uses it, and calls
+`attention_layer` projects (with the biases `model.attn_bias` names), applies RoPE where
+`model.positions` says so, and calls
 `attend`, the one dispatch point for the attention kernel (context-parallel
 strategies plug in there, so model files carry no parallelism branches). The math
 itself (scores, mask, softmax) is `ops/attention.py`, shared with those strategies.
@@ -10,19 +11,35 @@ from __future__ import annotations
 
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models.layers import column_parallel, row_parallel
+from jaxllm.models.layers import add_bias, column_parallel, row_parallel
 from jaxllm.ops.attention import dot_product_attention
-from jaxllm.ops.rope import rope
+from jaxllm.ops.rope import frequencies, rope
 from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
 from jaxllm.errors import ConfigError
-from jaxllm.sharding import constrain, current_layout, weight
+from jaxllm.sharding import constrain, current_layout
 
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+
+
+ROPE_SCALINGS = ("none", "llama3")
 
 
 def kv_heads(m) -> int:
     """Key/value heads (`model.n_kv_heads`, 0 meaning as many as the query heads)."""
     return m.n_kv_heads or m.n_heads
+
+
+def head_dim(m) -> int:
+    """Each head's dimension (`model.head_dim`, 0 meaning d_model / n_heads)."""
+    return m.head_dim or m.d_model // m.n_heads
+
+
+def rope_frequencies(m):
+    """The model's RoPE frequencies ([head_dim / 2] fp32), with `model.rope_scaling` applied."""
+    llama3 = None
+    if m.rope_scaling == "llama3":
+        llama3 = (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_context)
+    return frequencies(head_dim(m), m.rope_theta, llama3)
 
 
 def attend(q, k, v, positions, segment_ids):
@@ -37,30 +54,44 @@ def attend(q, k, v, positions, segment_ids):
     return dot_product_attention(q, k, v, positions, positions, segment_ids, segment_ids)
 
 
-def attention_layer(p: dict, x, positions, segment_ids, *, family: str, rope_theta: float, dtype):
+def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
     """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
     q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
                                   (p["wk"], ("embed", "kv_heads", "head_dim")),
                                   (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype)
-    if family == "gpt2":
-        q = q + weight(p["bq"], ("heads", "head_dim"), dtype)
-        k = k + weight(p["bk"], ("kv_heads", "head_dim"), dtype)
-        v = v + weight(p["bv"], ("kv_heads", "head_dim"), dtype)
-    else:
-        q, k = rope(q, positions, rope_theta), rope(k, positions, rope_theta)
+    q = add_bias(q, p, "bq", ("heads", "head_dim"), dtype)
+    k = add_bias(k, p, "bk", ("kv_heads", "head_dim"), dtype)
+    v = add_bias(v, p, "bv", ("kv_heads", "head_dim"), dtype)
+    if m.positions == "rope":
+        freqs = rope_frequencies(m)
+        q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
     out = checkpoint_name(attend(q, k, v, positions, segment_ids), "attention")
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-    y = row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype)
-    if family == "gpt2":
-        y = y + p["bo"].astype(dtype)
-    return y
+    return add_bias(row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype), p, "bo", None, dtype)
+
+
+def _check_positions(m) -> None:
+    """RoPE's keys and the attention window."""
+    if m.rope_scaling not in ROPE_SCALINGS:
+        raise ConfigError(f"model.rope_scaling: '{m.rope_scaling}' is not one of {', '.join(ROPE_SCALINGS)}")
+    if m.positions == "rope" and head_dim(m) % 2:
+        raise ConfigError(f"model: head dimension {head_dim(m)} must be even for RoPE; change model.head_dim (or "
+                          "d_model / n_heads)")
+    if m.rope_scaling == "llama3" and not (m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                           and m.rope_original_context > 0):
+        raise ConfigError("model.rope_scaling=llama3 needs rope_factor ≥ 1, 0 < rope_low_freq_factor < "
+                          "rope_high_freq_factor and rope_original_context > 0")
+    if 0 < m.sliding_window < m.seq_len:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} is shorter than model.seq_len={m.seq_len}: "
+                          "sliding-window attention is not implemented; set seq_len ≤ the window")
 
 
 def check_config(m, shape: dict) -> list[str]:
     """The attention keys against the mesh: ConfigError (one line) for what cannot run."""
+    _check_positions(m)
     sp, tp = shape["sp"], shape["tp"]
     if m.cp_strategy not in CONTEXT_ATTENTION:
         raise ConfigError(f"model.cp_strategy: '{m.cp_strategy}' is not one of {', '.join(CONTEXT_ATTENTION)}")

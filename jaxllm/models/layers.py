@@ -34,8 +34,12 @@ def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def norm(family: str, p: dict, x: jax.Array, eps: float) -> jax.Array:
-    return layer_norm(p, x, eps) if family == "gpt2" else rms_norm(p, x, eps)
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+
+
+def norm(kind: str, p: dict, x: jax.Array, eps: float) -> jax.Array:
+    """`model.norm`: layernorm (scale and bias) or rmsnorm (scale only)."""
+    return NORMS[kind](p, x, eps)
 
 
 def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype) -> list[jax.Array]:
@@ -64,16 +68,28 @@ def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype) -> j
     return jnp.tensordot(h, w, axes=w.ndim - 1)
 
 
+def add_bias(y: jax.Array, p: dict, name: str, names: tuple[str, ...] | None, dtype) -> jax.Array:
+    """y plus a projection's bias where the parameters have one (`model.mlp_bias`, `model.attn_bias`).
+    A bias added after a row-parallel sum (names None) is used replicated, as it is stored."""
+    if name not in p:
+        return y
+    return y + (p[name].astype(dtype) if names is None else weight(p[name], names, dtype))
+
+
 def gelu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
-    """GPT-2 feed-forward: column-parallel in, GELU, row-parallel out."""
+    """GPT-2 feed-forward (`model.mlp = "gelu_tanh"`): column-parallel in, GELU (tanh form), row-parallel out."""
     (h,) = column_parallel(x, [(p["w_in"], ("embed", "mlp"))], dtype)
-    h = h + weight(p["b_in"], ("mlp",), dtype)
+    h = add_bias(h, p, "b_in", ("mlp",), dtype)
     h = checkpoint_name(constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp")), "mlp_hidden")
-    return row_parallel(h, p["w_out"], ("mlp", "embed"), dtype) + p["b_out"].astype(dtype)
+    return add_bias(row_parallel(h, p["w_out"], ("mlp", "embed"), dtype), p, "b_out", None, dtype)
 
 
 def swiglu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
-    """LLaMA feed-forward: silu(x W_gate) * (x W_up), then W_down."""
+    """LLaMA feed-forward (`model.mlp = "swiglu"`): silu(x W_gate + b) * (x W_up + b), then W_down."""
     gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype)
+    gate, up = add_bias(gate, p, "b_gate", ("mlp",), dtype), add_bias(up, p, "b_up", ("mlp",), dtype)
     h = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
-    return row_parallel(h, p["w_down"], ("mlp", "embed"), dtype)
+    return add_bias(row_parallel(h, p["w_down"], ("mlp", "embed"), dtype), p, "b_down", None, dtype)
+
+
+MLPS = {"gelu_tanh": gelu_mlp, "swiglu": swiglu_mlp}

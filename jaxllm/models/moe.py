@@ -47,7 +47,7 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     w = {n: weight(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")), w_dtype)
          for n, a in p["experts"].items()}
     if island:
-        y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.family, dtype,
+        y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.mlp, dtype,
                                          layout.mesh)
     else:
         b, s, d = h.shape
@@ -55,7 +55,7 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
         # than the batch shards (sampling one sequence) is one group
         groups = 1 if layout is None or layout.manual else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
         y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
-                               e.n_experts, e.capacity_factor, m.family, dtype, groups if b % groups == 0 else 1)
+                               e.n_experts, e.capacity_factor, m.mlp, dtype, groups if b % groups == 0 else 1)
         y = y.reshape(b, s, d)
     aux = aux_losses(logits, probs, experts)
     stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1)}

@@ -1,4 +1,6 @@
-"""Decoder-only transformer (GPT-2 and LLaMA families) as three pure pieces.
+"""Decoder-only transformer as three pure pieces, its shape and parts described by features
+(`model.norm`, `model.mlp`, `model.positions`, biases, tied embeddings, head_dim, RoPE scaling)
+rather than by a family name: GPT-2, LLaMA 2/3, Mistral, Qwen2 and Mixtral are settings of them.
 
 - `embed(params, tokens, positions)` -> residual stream [batch, seq, embed]
 - `blocks(stack, x, positions, segment_ids)` over a slice of the layer stack
@@ -27,14 +29,15 @@ import jax.numpy as jnp
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
-from jaxllm.models.attention import attention_layer, kv_heads
-from jaxllm.models.layers import gelu_mlp, norm, swiglu_mlp
+from jaxllm.models.attention import attention_layer, head_dim, kv_heads
+from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.schema import ModelConfig
 from jaxllm.sharding import constrain, weight
 
 
 ACT = ("batch", "residual_seq", "embed")  # the residual stream
-FAMILIES = ("gpt2", "llama")
+POSITIONS = ("learned", "rope")
+ATTN_BIASES = {"none": "", "qkv": "qkv", "qkvo": "qkvo"}  # which projections have a bias
 
 
 def padded_vocab(m: ModelConfig) -> int:
@@ -53,41 +56,41 @@ class Leaf:
 
 def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
     d = {"scale": Leaf(lead + (m.d_model,), lead_names + ("embed",), "ones")}
-    if m.family == "gpt2":
+    if m.norm == "layernorm":
         d["bias"] = Leaf(lead + (m.d_model,), lead_names + ("embed",), "zeros")
     return d
 
 
-def _dense_block(m: ModelConfig, repeats: int) -> dict:
-    R, L = (repeats,), ("layers",)
-    D, H, KV, F = m.d_model, m.n_heads, kv_heads(m), m.d_ff
-    Dh = D // H
+def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
+    D, H, KV, Dh = m.d_model, m.n_heads, kv_heads(m), head_dim(m)
     attn = {
         "wq": Leaf(R + (D, H, Dh), L + ("embed", "heads", "head_dim"), "normal"),
         "wk": Leaf(R + (D, KV, Dh), L + ("embed", "kv_heads", "head_dim"), "normal"),
         "wv": Leaf(R + (D, KV, Dh), L + ("embed", "kv_heads", "head_dim"), "normal"),
         "wo": Leaf(R + (H, Dh, D), L + ("heads", "head_dim", "embed"), "normal_out"),
     }
-    if m.family == "gpt2":
-        attn.update(
-            bq=Leaf(R + (H, Dh), L + ("heads", "head_dim"), "zeros"),
-            bk=Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
-            bv=Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
-            bo=Leaf(R + (D,), L + ("embed",), "zeros"),
-        )
-        mlp = {
-            "w_in": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
-            "b_in": Leaf(R + (F,), L + ("mlp",), "zeros"),
-            "w_out": Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out"),
-            "b_out": Leaf(R + (D,), L + ("embed",), "zeros"),
-        }
+    biases = {"q": Leaf(R + (H, Dh), L + ("heads", "head_dim"), "zeros"),
+              "k": Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
+              "v": Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
+              "o": Leaf(R + (D,), L + ("embed",), "zeros")}
+    attn.update({f"b{x}": biases[x] for x in ATTN_BIASES[m.attn_bias]})
+    return attn
+
+
+def _mlp(m: ModelConfig, R: tuple, L: tuple) -> dict:
+    D, F = m.d_model, m.d_ff
+    into, out = Leaf(R + (D, F), L + ("embed", "mlp"), "normal"), Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out")
+    b_into, b_out = Leaf(R + (F,), L + ("mlp",), "zeros"), Leaf(R + (D,), L + ("embed",), "zeros")
+    if m.mlp == "gelu_tanh":
+        mlp = {"w_in": into, "b_in": b_into, "w_out": out, "b_out": b_out}
     else:
-        mlp = {
-            "w_gate": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
-            "w_up": Leaf(R + (D, F), L + ("embed", "mlp"), "normal"),
-            "w_down": Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out"),
-        }
-    return {"ln1": _norm(m, R, L), "attn": attn, "ln2": _norm(m, R, L), "mlp": mlp}
+        mlp = {"w_gate": into, "b_gate": b_into, "w_up": into, "b_up": b_into, "w_down": out, "b_down": b_out}
+    return {k: v for k, v in mlp.items() if m.mlp_bias or not k.startswith("b_")}
+
+
+def _dense_block(m: ModelConfig, repeats: int) -> dict:
+    R, L = (repeats,), ("layers",)
+    return {"ln1": _norm(m, R, L), "attn": _attention(m, R, L), "ln2": _norm(m, R, L), "mlp": _mlp(m, R, L)}
 
 
 def _moe_block(m: ModelConfig, repeats: int) -> dict:
@@ -96,7 +99,7 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
     block = _dense_block(m, repeats)
     R, L = (repeats,), ("layers",)
     D, E, F = m.d_model, m.moe.n_experts, m.moe.d_ff or m.d_ff
-    names = ("w_in", "w_out") if m.family == "gpt2" else ("w_gate", "w_up", "w_down")
+    names = ("w_in", "w_out") if m.mlp == "gelu_tanh" else ("w_gate", "w_up", "w_down")
     experts = {n: Leaf(R + (E, F, D) if n in ("w_out", "w_down") else R + (E, D, F),
                        L + (("experts", "mlp", "embed") if n in ("w_out", "w_down") else ("experts", "embed", "mlp")),
                        "normal_out" if n in ("w_out", "w_down") else "normal") for n in names}
@@ -118,11 +121,16 @@ def param_table(m: ModelConfig) -> dict:
         "blocks": [BLOCK_KINDS[kind](m, repeats) for kind in m.pattern],
         "final_norm": _norm(m),
     }
-    if m.family == "gpt2":
-        table["embed"]["pos"] = Leaf((m.seq_len, D), ("pos", "embed"), "normal")
-    else:
+    if m.positions == "learned":
+        table["embed"]["pos"] = Leaf((max_positions(m), D), ("pos", "embed"), "normal")
+    if not m.tie_embeddings:
         table["head"] = {"w": Leaf((D, V), ("embed", "vocab"), "normal")}
     return table
+
+
+def max_positions(m: ModelConfig) -> int:
+    """The longest sequence the model is for (`model.max_positions`, 0 meaning seq_len)."""
+    return m.max_positions or m.seq_len
 
 
 def _is_leaf(x) -> bool:
@@ -138,12 +146,14 @@ def param_shapes(m: ModelConfig):
 
 
 def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) -> int:
-    """Parameter count; without embeddings drops the token/position tables (the tied GPT-2 head stays out too);
-    `active` counts only the top_k of n_experts experts a token goes through (for FLOPs)."""
+    """Parameter count; without embeddings drops the token/position tables and the output head (tied or
+    not: FLOPs count the head's matmul once, as d_model·vocab); `active` counts only the top_k of n_experts
+    experts a token goes through (for FLOPs)."""
     table = param_table(m)
     total = sum(math.prod(l.shape) for l in jax.tree.leaves(table, is_leaf=_is_leaf))
     if not embeddings:
-        total -= sum(math.prod(l.shape) for l in jax.tree.leaves(table["embed"], is_leaf=_is_leaf))
+        outside = {k: table[k] for k in ("embed", "head") if k in table}
+        total -= sum(math.prod(l.shape) for l in jax.tree.leaves(outside, is_leaf=_is_leaf))
     if active:
         experts = [l for block in table["blocks"] if "moe" in block
                    for l in jax.tree.leaves(block["moe"]["experts"], is_leaf=_is_leaf)]
@@ -175,7 +185,7 @@ def init_params(m: ModelConfig, key: jax.Array):
 def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     table = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
     x = jnp.take(table, tokens, axis=0)
-    if m.family == "gpt2":
+    if m.positions == "learned":
         x = x + jnp.take(weight(params["embed"]["pos"], ("pos", "embed"), dtype), positions, axis=0)
     # The vocabulary is split over tp: each rank looks up its own rows and the lookup is summed
     # over tp at full sequence length, then enters the residual stream (under sequence
@@ -186,23 +196,21 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
 
 def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
     """The first half of every block: (residual stream after attention, its normed copy for the feed-forward)."""
-    h = norm(m.family, p["ln1"], x, m.norm_eps)
-    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, family=m.family,
-                                      rope_theta=m.rope_theta, dtype=dtype), ACT)
-    return x, norm(m.family, p["ln2"], x, m.norm_eps)
+    h = norm(m.norm, p["ln1"], x, m.norm_eps)
+    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, m, dtype), ACT)
+    return x, norm(m.norm, p["ln2"], x, m.norm_eps)
 
 
 def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
     x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
-    mlp = gelu_mlp if m.family == "gpt2" else swiglu_mlp
-    return constrain(x + mlp(p["mlp"], h, dtype), ACT), {}
+    return constrain(x + MLPS[m.mlp](p["mlp"], h, dtype), ACT), {}
 
 
 def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
     x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
-        y = y + (gelu_mlp if m.family == "gpt2" else swiglu_mlp)(p["moe"]["shared"], h, dtype)
+        y = y + MLPS[m.mlp](p["moe"]["shared"], h, dtype)
     return constrain(x + y, ACT), stats
 
 
@@ -237,7 +245,7 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
 
 def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
-    if m.family == "gpt2":  # tied embeddings
+    if m.tie_embeddings:
         w = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
         logits = jnp.einsum("bsd,vd->bsv", x, w, preferred_element_type=jnp.float32)
     else:
@@ -252,7 +260,7 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
 
 def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary for the residual stream x."""
-    return _logits(params, norm(m.family, params["final_norm"], x, m.norm_eps), m, dtype)
+    return _logits(params, norm(m.norm, params["final_norm"], x, m.norm_eps), m, dtype)
 
 
 def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: float = 1.0):
@@ -287,7 +295,7 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks) of every
     batch field: strided, so a sequence split in contiguous blocks over a mesh axis stays split.
     """
-    x = constrain(norm(m.family, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+    x = constrain(norm(m.norm, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
 
     def evaluate(x, batch):
         return terms(*head_logp(params, x, batch["targets"], m, dtype, temperature), batch)
@@ -347,28 +355,44 @@ def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Arr
     return head_logits(params, x, m, dtype)
 
 
+def logits(params: dict, tokens: jax.Array, m: ModelConfig) -> jax.Array:
+    """fp32 logits [batch, seq, vocab_size] (padding columns dropped) of tokens [batch, seq] at positions
+    0..seq-1, every matmul in full fp32 (what transformers computes in fp32)."""
+    with jax.default_matmul_precision("float32"):
+        return logits_at(params, tokens, m, jnp.float32)[..., :m.vocab_size]
+
+
 # ---------------------------------------------------------------- the model section of the config
 
 
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"model.{key}: '{value}' is not one of {', '.join(choices)}")
+
+
+def _check_features(m: ModelConfig) -> None:
+    for key, choices in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS), ("attn_bias", ATTN_BIASES)):
+        _check_choice(key, getattr(m, key), tuple(choices))
+    if m.max_positions < 0 or m.head_dim < 0:
+        raise ConfigError("model.max_positions and model.head_dim must be 0 (derived) or more")
+    if m.seq_len > max_positions(m):
+        raise ConfigError(f"model.seq_len={m.seq_len} is longer than model.max_positions={m.max_positions}, the "
+                          "longest sequence the model is for; lower seq_len")
+
+
 def _check_shape(m: ModelConfig) -> None:
-    if m.family not in FAMILIES:
-        raise ConfigError(f"model.family: '{m.family}' is not one of {', '.join(FAMILIES)}")
+    _check_features(m)
     if m.remat not in ("none", *REMAT_POLICIES):
         raise ConfigError(f"model.remat: '{m.remat}' is not one of {', '.join(('none', *REMAT_POLICIES))}")
     for key in ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "vocab_size"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}: must be at least 1, got {getattr(m, key)}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one of them")
+    if not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one of "
+                          "them or set model.head_dim")
     kv = kv_heads(m)
     if m.n_heads % kv:
         raise ConfigError(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads}; pick a divisor of n_heads")
-    if m.family == "gpt2" and kv != m.n_heads:
-        raise ConfigError(f"model.n_kv_heads={kv}: the gpt2 family has no grouped-query attention; set it to "
-                          f"{m.n_heads} or 0")
-    if m.family == "llama" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model: head dimension {m.d_model // m.n_heads} must be even for RoPE; change d_model or "
-                          "n_heads")
     if not m.pattern or any(k not in BLOCK_KINDS for k in m.pattern):
         raise ConfigError(f"model.pattern: {m.pattern} — block kinds are {' and '.join(map(repr, BLOCK_KINDS))}, "
                           "e.g. [\"dense\", \"moe\"] for an MoE feed-forward every second layer")

@@ -76,10 +76,10 @@ def combine(out: jax.Array, experts: jax.Array, positions: jax.Array, gates: jax
     return jnp.einsum("tkd,tk->td", picked, weights)
 
 
-def expert_ffn(p: dict, buffer: jax.Array, family: str, dtype) -> jax.Array:
-    """Every expert's feed-forward on its buffer [E, C, D] (GELU for gpt2, SwiGLU for llama)."""
+def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
+    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh or swiglu; no biases)."""
     h = buffer.astype(dtype)
-    if family == "gpt2":
+    if mlp == "gelu_tanh":
         hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", h, p["w_in"].astype(dtype)), approximate=True)
         return jnp.einsum("ecf,efd->ecd", hidden, p["w_out"].astype(dtype))
     gate = jnp.einsum("ecd,edf->ecf", h, p["w_gate"].astype(dtype))
@@ -98,7 +98,7 @@ def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:
             "load": load}
 
 
-def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_factor: float, family: str, dtype,
+def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_factor: float, mlp: str, dtype,
               groups: int = 1):
     """The routed experts on tokens x [T, D] in `groups` equal groups, all experts local.
     Returns (y [T, D], dropped pairs count)."""
@@ -107,7 +107,7 @@ def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_fa
 
     def one(x, gates, experts):
         pos = queue_positions(experts, n_experts)
-        out = expert_ffn(p, dispatch(x, experts, pos, n_experts, slots), family, dtype)
+        out = expert_ffn(p, dispatch(x, experts, pos, n_experts, slots), mlp, dtype)
         return combine(out, experts, pos, gates), jnp.sum(pos >= slots)
 
     split = lambda a: a.reshape(groups, t // groups, *a.shape[1:])

@@ -34,7 +34,7 @@ AXIS = "ep"
 
 
 def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Array, n_experts: int,
-                        capacity_factor: float, family: str, dtype, mesh):
+                        capacity_factor: float, mlp: str, dtype, mesh):
     """Routed experts on tokens x [..., D] (the leading dimension split over the batch axes; gates
     and experts [..., k]), experts split over ep. Returns (y like x, dropped pairs over all devices)."""
     ep = mesh.shape[AXIS]
@@ -50,7 +50,7 @@ def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Ar
         buffer = buffer.reshape(ep, local_experts, slots, -1)
         buffer = jax.lax.all_to_all(buffer, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (source), E/ep, C, D]
         rows = buffer.transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, -1)
-        out = moe.expert_ffn(p, rows, family, dtype).astype(x.dtype)
+        out = moe.expert_ffn(p, rows, mlp, dtype).astype(x.dtype)
         out = out.reshape(local_experts, ep, slots, -1).transpose(1, 0, 2, 3)
         out = jax.lax.all_to_all(out, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (owner), E/ep, C, D]
         y = moe.combine(out.reshape(n_experts, slots, -1), experts, pos, gates).reshape(shape)

@@ -24,7 +24,7 @@ from jaxllm import data as data_lib
 from jaxllm.config import to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
-from jaxllm.models import transformer
+from jaxllm.models import attention, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
@@ -108,7 +108,7 @@ def _restore(cfg: Config, fns):
 def flops_per_token(cfg: Config) -> float:
     m = cfg.model
     n = transformer.count_params(m, embeddings=False, active=True) + m.d_model * m.vocab_size  # + LM head matmul
-    return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, m.d_model)
+    return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, m.n_heads * attention.head_dim(m))
 
 
 def peak_flops(cfg: Config) -> float:
@@ -122,7 +122,8 @@ def peak_flops(cfg: Config) -> float:
 
 
 def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
-    """Generate `n_tokens` after `prompt` (temperature 0.8), re-running the model on a window each token."""
+    """Generate `n_tokens` after `prompt` (temperature 0.8), re-running the model on a window each token; stops
+    early at a stop id (the end-of-text id, and an `hf:DIR` tokenizer's generation_config.json eos ids)."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     T = m.seq_len
 
@@ -132,6 +133,7 @@ def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int
 
     logits_fn = jax.jit(logits)
     ids = list(tokenizer.encode(prompt)) or [tokenizer.eot]
+    stops = set(getattr(tokenizer, "stop_ids", (tokenizer.eot,)))
     key = jax.random.key(seed)
     for _ in range(n_tokens):
         window = ids[-T:]
@@ -140,7 +142,7 @@ def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int
         logits = logits_fn(params, jnp.asarray(buf))[0, len(window) - 1, : m.vocab_size]
         key, sub = jax.random.split(key)
         nxt = int(jax.random.categorical(sub, logits / 0.8))
-        if nxt >= tokenizer.vocab_size or nxt == tokenizer.eot:
+        if nxt >= tokenizer.vocab_size or nxt in stops:
             break
         ids.append(nxt)
     return tokenizer.decode(np.asarray(ids, np.uint32))

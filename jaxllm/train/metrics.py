@@ -151,12 +151,13 @@ def read_metrics(run_dir: str) -> list[dict]:
 # ----------------------------------------------------------------------------- FLOPs and MFU
 
 
-def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:
-    """Training FLOPs per token: 6·N + 6·n_layers·seq_len·d_model.
+def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, attention_width: int) -> float:
+    """Training FLOPs per token: 6·N + 6·n_layers·seq_len·attention_width (n_heads · head_dim, which is
+    d_model unless `model.head_dim` says otherwise).
 
-    Source: PaLM (Chowdhery et al. 2022), Appendix B: 6N + 12·L·H·Q·T with H·Q = d_model.
-    6N is the dense matmuls (2N forward, 4N backward); 12·L·T·d is the attention score and
-    value matmuls over the full T×T matrix. We halve the attention term (12·L·T·d / 2) because
+    Source: PaLM (Chowdhery et al. 2022), Appendix B: 6N + 12·L·H·Q·T with H·Q the attention width.
+    6N is the dense matmuls (2N forward, 4N backward); 12·L·T·(H·Q) is the attention score and
+    value matmuls over the full T×T matrix. We halve the attention term because
     a causal mask needs only the lower triangle, so our MFU is slightly conservative vs PaLM's.
 
     What to pass as n_params (N): every parameter that takes part in a matmul per token, i.e.
@@ -164,7 +165,7 @@ def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: i
     the head is tied to the token embedding). Exclude token and positional embedding lookups:
     they are gathers, not FLOPs. Norm scales and biases may be included; they are negligible.
     """
-    return 6.0 * n_params + 6.0 * n_layers * seq_len * d_model
+    return 6.0 * n_params + 6.0 * n_layers * seq_len * attention_width
 
 
 # Ordered (substring of device_kind, bf16/fp16 dense peak, fp32 non-TF32 peak or None);

@@ -1,0 +1,222 @@
+"""Hugging Face checkpoints in and out: `load_pretrained` and `save_pretrained`.
+
+Import reads config.json (`hf_config.py`) and the safetensors files (one, or shards named by
+`model.safetensors.index.json`) straight into the parameters' shardings: each device's block of a
+parameter is read from the file as a slice of one tensor at a time (per layer, per expert), converted
+to fp32, the vocabulary rows padded to `padded_vocab`. Export streams one tensor at a time the other
+way (the vocabulary sliced back), into shards of at most `max_shard_size` bytes with their index,
+config.json and generation_config.json, written under a temporary name and renamed when complete.
+With several processes every process reads its own devices' blocks; export gathers one tensor at a
+time and process 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import einops
+import jax
+import ml_dtypes
+import numpy as np
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxllm.config import build_config
+from jaxllm.errors import ModelFileError
+from jaxllm.interop import hf_config
+from jaxllm.interop.hf_tables import Entry, entries
+from jaxllm.models import transformer
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+FILE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# Buffers some files hold that are not parameters (GPT-2's causal mask, old rotary tables).
+IGNORED = re.compile(r"(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+# ---------------------------------------------------------------- reading files
+
+
+class Files:
+    """The tensors of a model directory by key: which file holds each, its dtype and shape."""
+
+    def __init__(self, path: str):
+        self.path, self.where = path, self._index(path)
+        self._open: dict = {}
+        self.prefix = "transformer." if any(k.startswith("transformer.") for k in self.where) else ""
+
+    @staticmethod
+    def _index(path: str) -> dict[str, str]:
+        if os.path.isfile(os.path.join(path, INDEX)):
+            with open(os.path.join(path, INDEX)) as f:
+                return dict(json.load(f)["weight_map"])
+        if not os.path.isfile(os.path.join(path, SINGLE)):
+            raise ModelFileError(f"{path}: neither {SINGLE} nor {INDEX}; jaxllm reads safetensors weights (convert "
+                                 ".bin files with transformers' save_pretrained(safe_serialization=True))")
+        with safe_open(os.path.join(path, SINGLE), "numpy") as f:
+            return {k: SINGLE for k in f.keys()}
+
+    def handle(self, key: str, framework: str):
+        file = self.where[key]
+        if (file, framework) not in self._open:
+            try:
+                self._open[file, framework] = safe_open(os.path.join(self.path, file), framework)
+            except (OSError, SafetensorError) as e:
+                raise ModelFileError(f"{os.path.join(self.path, file)}: not a readable safetensors file ({e})") from None
+        return self._open[file, framework]
+
+    def full_key(self, key: str) -> str:
+        full = key if key.startswith("model.") or key.startswith("lm_head") else self.prefix + key
+        if full not in self.where:
+            raise ModelFileError(f"{self.path}: no tensor '{full}', which this model's config.json needs; the files "
+                                 "do not match the config")
+        return full
+
+    def dtype(self, key: str) -> str:
+        raw = self.handle(key, "numpy").get_slice(key).get_dtype()
+        if raw not in FILE_DTYPES:
+            raise ModelFileError(f"{self.path}: tensor '{key}' is {raw}; jaxllm reads F32, BF16 and F16")
+        return FILE_DTYPES[raw]
+
+    def read(self, key: str, index: tuple) -> np.ndarray:
+        """A slice of one tensor, as fp32 on the host (bf16 goes through the flax reader: numpy has no bf16)."""
+        if self.dtype(key) == "bfloat16":
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                return np.asarray(self.handle(key, "flax").get_slice(key)[index], np.float32)
+        return np.asarray(self.handle(key, "numpy").get_slice(key)[index], np.float32)
+
+
+def _groups(side: str) -> list[list[str]]:
+    """'(h d) e' -> [['h', 'd'], ['e']]"""
+    return [g.strip("()").split() for g in re.findall(r"\([^)]*\)|\S+", side)]
+
+
+def _bounds(s: slice, size: int) -> tuple[int, int]:
+    return s.start or 0, size if s.stop is None else s.stop
+
+
+def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], index: tuple, vocab: int) -> np.ndarray:
+    """Block `index` of one layer's (one expert's) leaf of `shape`, read from the file's tensor `key`.
+
+    Each file dimension is a group of our dimensions ('(h d)'); it is read as the rows of our block when
+    the group's inner dimensions are whole, else whole, and what is left is sliced after the rearrange.
+    """
+    src, dst = (s.strip() for s in entry.pattern.split("->"))
+    names = dst.split()
+    fused = entry.select is not None  # one part p of a fused tensor ('p e h d' with p fixed)
+    sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": 3} if fused else {})
+    want = dict(zip(names[1:] if fused else names, index)) | ({"p": slice(entry.select, entry.select + 1)} if fused else {})
+    file_index, got, rest = [], {}, {}
+    for group in _groups(src):
+        inner = int(np.prod([sizes[n] for n in group[1:]]))
+        if all(_bounds(want[n], sizes[n]) == (0, sizes[n]) for n in group[1:]):
+            a, b = _bounds(want[group[0]], sizes[group[0]])
+            file_index.append(slice(a * inner, min(b, vocab if group == ["v"] else b) * inner))
+            got |= {group[0]: b - a} | {n: sizes[n] for n in group[1:]}
+        else:
+            file_index.append(slice(0, sizes[group[0]] * inner))
+            got |= {n: sizes[n] for n in group}
+            rest |= {n: want[n] for n in group}
+    block = files.read(key, tuple(file_index))
+    if ["v"] in _groups(src):  # vocabulary rows past the file's are padding (zeros)
+        axis = _groups(src).index(["v"])
+        block = np.pad(block, [(0, got["v"] - block.shape[axis]) if i == axis else (0, 0) for i in range(block.ndim)])
+    split = {n: got[n] for g in _groups(src) if len(g) > 1 for n in g}
+    block = einops.rearrange(block, f"{src} -> {dst}", **split)
+    block = block[tuple(rest.get(n, slice(None)) for n in names)]
+    return block[0] if fused else block
+
+
+# ---------------------------------------------------------------- which file tensor is which leaf
+
+
+def leaf_entries(m) -> dict[tuple, Entry]:
+    """Every parameter leaf's path in `params` (blocks: ("blocks", kind index, ...)) -> its table entry."""
+    table, out = entries(m), {}
+    for e in table:
+        if "{i}" not in e.key:
+            out[e.path] = e
+            continue
+        for k, kind in enumerate(m.pattern):
+            out[("blocks", k, *e.path)] = e
+    leaves = {tuple(_key_name(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(
+        transformer.param_shapes(m))}
+    missing = sorted(leaves - set(out))
+    if missing:
+        raise ModelFileError(f"no Hugging Face tensor for the parameter {'.'.join(map(str, missing[0]))}; "
+                             "this model cannot be exported or imported")
+    return {p: e for p, e in out.items() if p in leaves}
+
+
+def _key_name(k):
+    return getattr(k, "key", getattr(k, "idx", None))
+
+
+def _keys(e: Entry, m, k: int, repeats) -> list[list[str]]:
+    """The file keys of a per-layer leaf, [repeat][expert] (one expert for a leaf without {x})."""
+    experts = range(m.moe.n_experts) if "{x}" in e.key else [None]
+    return [[e.key.format(i=r * len(m.pattern) + k, x=x) for x in experts] for r in repeats]
+
+
+def read_leaf(files: Files, m, path: tuple, e: Entry, shape: tuple, index: tuple) -> np.ndarray:
+    """Block `index` of the leaf at `path` (of `shape`), one file tensor at a time."""
+    vocab = m.vocab_size
+    if path[0] != "blocks":
+        return read_block(files, e, files.full_key(e.key), shape, index, vocab)
+    r0, r1 = _bounds(index[0], shape[0])
+    layers = []
+    for keys in _keys(e, m, path[1], range(r0, r1)):
+        if "{x}" not in e.key:
+            layers.append(read_block(files, e, files.full_key(keys[0]), shape[1:], index[1:], vocab))
+            continue
+        x0, x1 = _bounds(index[1], shape[1])
+        layers.append(np.stack([read_block(files, e, files.full_key(key), shape[2:], index[2:], vocab)
+                                for key in keys[x0:x1]]))
+    return np.stack(layers)
+
+
+# ---------------------------------------------------------------- import
+
+
+def config_for(path: str, overrides: dict | None = None):
+    """The run config of a Hugging Face model directory (its architecture keys, then `overrides`)."""
+    return build_config(None, {"init.from": f"hf:{path}", **(overrides or {})})
+
+
+def load_params(path: str, m, shardings=None) -> dict:
+    """fp32 parameters of model config `m` from the safetensors files in `path`, placed as `shardings` says
+    (a tree like the parameters; default: the first device). Each device's block is read from the files."""
+    files = Files(path)
+    shapes = transformer.param_shapes(m)
+    by_path = leaf_entries(m)
+    if shardings is None:
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
+
+    def load(key_path, shape, sharding):
+        path_ = tuple(_key_name(k) for k in key_path)
+        read = lambda index: read_leaf(files, m, path_, by_path[path_], shape.shape, index)
+        return jax.make_array_from_callback(shape.shape, sharding, read)
+
+    return jax.tree_util.tree_map_with_path(load, shapes, shardings)
+
+
+def load_pretrained(path: str, shardings=None, overrides: dict | None = None):
+    """(Config, fp32 params) of a Hugging Face model directory; `shardings` places the parameters (a tree like
+    them, e.g. a run's `StepFns.state_shardings.params`), `overrides` sets run keys such as model.seq_len."""
+    cfg = config_for(path, overrides)
+    return cfg, load_params(path, cfg.model, shardings)
+
+
+def source_dtype(path: str) -> str:
+    """The dtype of a model directory's weights (its first tensor's; config.json's `dtype` if it names one)."""
+    named = hf_config.source_dtype(hf_config.read(path))
+    if named in DTYPES:
+        return named
+    files = Files(path)
+    return files.dtype(next(iter(files.where)))

@@ -1,0 +1,80 @@
+"""Which Hugging Face tensor holds which jaxllm parameter, and in what layout: one small table per family.
+
+An `Entry` names a file key (with `{i}` for the layer and `{x}` for the expert), the jaxllm leaf (its path
+inside `params`, or inside one block for per-layer leaves) and an einops pattern from the file's layout to
+ours for one layer (and one expert). Letters: v vocabulary, n positions, e d_model, h heads, d head_dim,
+f feed-forward, x experts, p the parts of GPT-2's fused q|k|v projection (`select` picks one).
+torch's Linear stores [out, in], so its weights read transposed; GPT-2's Conv1D stores [in, out].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str  # file key; {i}: layer, {x}: expert
+    path: tuple[str, ...]  # jaxllm leaf: from the top of params, or (for keys with {i}) inside a block
+    pattern: str  # einops, file layout -> jaxllm layout (one layer, one expert)
+    select: int | None = None  # the part p of a fused tensor this leaf is
+
+
+def _gpt2() -> list[Entry]:
+    top = [Entry("wte.weight", ("embed", "tok"), "v e -> v e"), Entry("wpe.weight", ("embed", "pos"), "n e -> n e"),
+           Entry("ln_f.weight", ("final_norm", "scale"), "e -> e"), Entry("ln_f.bias", ("final_norm", "bias"), "e -> e")]
+    layer = [Entry("h.{i}.ln_1.weight", ("ln1", "scale"), "e -> e"), Entry("h.{i}.ln_1.bias", ("ln1", "bias"), "e -> e"),
+             Entry("h.{i}.ln_2.weight", ("ln2", "scale"), "e -> e"), Entry("h.{i}.ln_2.bias", ("ln2", "bias"), "e -> e"),
+             Entry("h.{i}.attn.c_proj.weight", ("attn", "wo"), "(h d) e -> h d e"),
+             Entry("h.{i}.attn.c_proj.bias", ("attn", "bo"), "e -> e"),
+             Entry("h.{i}.mlp.c_fc.weight", ("mlp", "w_in"), "e f -> e f"),
+             Entry("h.{i}.mlp.c_fc.bias", ("mlp", "b_in"), "f -> f"),
+             Entry("h.{i}.mlp.c_proj.weight", ("mlp", "w_out"), "f e -> f e"),
+             Entry("h.{i}.mlp.c_proj.bias", ("mlp", "b_out"), "e -> e")]
+    for part, name in enumerate("qkv"):
+        layer += [Entry("h.{i}.attn.c_attn.weight", ("attn", f"w{name}"), "e (p h d) -> p e h d", part),
+                  Entry("h.{i}.attn.c_attn.bias", ("attn", f"b{name}"), "(p h d) -> p h d", part)]
+    return top + layer
+
+
+def _llama_attention(biases: str) -> list[Entry]:
+    attn = [Entry(f"model.layers.{{i}}.self_attn.{n}_proj.weight", ("attn", f"w{n}"), "(h d) e -> e h d")
+            for n in "qkv"]
+    attn.append(Entry("model.layers.{i}.self_attn.o_proj.weight", ("attn", "wo"), "e (h d) -> h d e"))
+    attn += [Entry(f"model.layers.{{i}}.self_attn.{n}_proj.bias", ("attn", f"b{n}"), "(h d) -> h d") for n in "qkv"
+             if n in biases]
+    if "o" in biases:
+        attn.append(Entry("model.layers.{i}.self_attn.o_proj.bias", ("attn", "bo"), "e -> e"))
+    return attn
+
+
+def _llama(biases: str, mlp_bias: bool, tied: bool, moe: bool) -> list[Entry]:
+    top = [Entry("model.embed_tokens.weight", ("embed", "tok"), "v e -> v e"),
+           Entry("model.norm.weight", ("final_norm", "scale"), "e -> e")]
+    if not tied:
+        top.append(Entry("lm_head.weight", ("head", "w"), "v e -> e v"))
+    layer = [Entry("model.layers.{i}.input_layernorm.weight", ("ln1", "scale"), "e -> e"),
+             Entry("model.layers.{i}.post_attention_layernorm.weight", ("ln2", "scale"), "e -> e")]
+    layer += _llama_attention(biases)
+    if moe:
+        moe_key = "model.layers.{i}.block_sparse_moe"
+        layer += [Entry(f"{moe_key}.gate.weight", ("moe", "router"), "x e -> e x"),
+                  Entry(f"{moe_key}.experts.{{x}}.w1.weight", ("moe", "experts", "w_gate"), "f e -> e f"),
+                  Entry(f"{moe_key}.experts.{{x}}.w3.weight", ("moe", "experts", "w_up"), "f e -> e f"),
+                  Entry(f"{moe_key}.experts.{{x}}.w2.weight", ("moe", "experts", "w_down"), "e f -> f e")]
+        return top + layer
+    for n, ours, pattern in (("gate", "w_gate", "f e -> e f"), ("up", "w_up", "f e -> e f"),
+                             ("down", "w_down", "e f -> f e")):
+        layer.append(Entry(f"model.layers.{{i}}.mlp.{n}_proj.weight", ("mlp", ours), pattern))
+        if mlp_bias:
+            layer.append(Entry(f"model.layers.{{i}}.mlp.{n}_proj.bias", ("mlp", "b_" + n),
+                               "f -> f" if n != "down" else "e -> e"))
+    return top + layer
+
+
+def entries(m) -> list[Entry]:
+    """The table for model config `m` (whose features `hf_config.exportable` accepts)."""
+    if m.mlp == "gelu_tanh":
+        return _gpt2()
+    return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
+                  "moe" in m.pattern)
