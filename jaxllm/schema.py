@@ -142,7 +142,7 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib | text file | folder | folder or glob of llm.c .bin shards
-    tokenizer: str = "byte"  # byte | gpt2
+    tokenizer: str = "byte"  # byte | gpt2 | hf:DIR (a Hugging Face tokenizer.json)
     val_percent: float = 5.0
 
 

@@ -1,7 +1,7 @@
 """Tokenize a text file, a folder of text files or "stdlib" once into llm.c shards, so that training
 starts without re-tokenizing and the shards can be shared with llm.c.
 
-    python -m tools.prepare_data INPUT OUT_DIR [--tokenizer byte|gpt2] [--name NAME]
+    python -m tools.prepare_data INPUT OUT_DIR [--tokenizer byte|gpt2|hf:DIR] [--name NAME]
                                  [--shard-tokens N] [--val-percent P]
 
 Writes NAME_val_000000.bin (validation), then NAME_train_000001.bin, ... of at most N tokens each.
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.prepare_data", description=__doc__.split("\n\n")[0])
     p.add_argument("input", help='a text file, a folder of text files, or "stdlib"')
     p.add_argument("out_dir", help="folder to write the .bin shards to (created if missing)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "gpt2"])
+    p.add_argument("--tokenizer", default="byte", help="byte, gpt2, or hf:DIR (a Hugging Face tokenizer.json folder)")
     p.add_argument("--name", default=None, help="shard file prefix (default: the input's name)")
     p.add_argument("--shard-tokens", type=_positive_int, default=100_000_000, help="max tokens per shard")
     p.add_argument("--val-percent", type=float, default=5.0, help="percent of the data kept for validation")

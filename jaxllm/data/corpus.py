@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxllm.data.shards import list_shards, read_shard
-from jaxllm.data.tokenizers import TOKENIZERS
+from jaxllm.data.tokenizers import check_name as check_tokenizer_name
 from jaxllm.errors import DataError
 
 SOURCES_HINT = "give a text file, a folder of text files, a folder of llm.c .bin shards, or 'stdlib'"
@@ -38,8 +38,7 @@ def _check_val_percent(val_percent: float) -> None:
 
 def check_config(d) -> list[str]:
     """The data section, before anything is read: DataError (one line) for a source or tokenizer that cannot work."""
-    if d.tokenizer not in TOKENIZERS:
-        raise DataError(f"data.tokenizer: '{d.tokenizer}' is not one of {', '.join(TOKENIZERS)}")
+    check_tokenizer_name(d.tokenizer)  # byte, gpt2, or hf:DIR whose folder holds a tokenizer.json
     src = d.source
     if src != "stdlib" and not any(ch in src for ch in "*?[") and not os.path.exists(src):
         raise DataError(f"data.source: no such file or folder '{src}'; give a path, a glob of .bin shards, or 'stdlib'")

@@ -1,15 +1,19 @@
-"""Tokenizers: a byte-level one that always works offline, and GPT-2 BPE through tiktoken.
+"""Tokenizers: a byte-level one that always works offline, GPT-2 BPE through tiktoken, and a Hugging Face
+tokenizer folder (`hf:DIR`, its tokenizer.json read by the `tokenizers` library, offline).
 
 A tokenizer is a frozen object with `name`, `vocab_size` (real, unpadded), `eot` (end-of-text id),
-`encode(text) -> np.ndarray` (no EOT added) and `decode(ids) -> str`.
+`encode(text) -> np.ndarray` and `decode(ids) -> str`. `encode` adds no EOT (the corpus puts one before
+each document); only an `hf:DIR` tokenizer whose files say so adds a BOS (see HFTokenizer).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -111,11 +115,205 @@ def _gpt2() -> TiktokenTokenizer:
     return TiktokenTokenizer(name="gpt2", vocab_size=enc.n_vocab, eot=enc.eot_token, enc=enc)
 
 
+HF_PREFIX = "hf:"
+# transformers' tokenizer-wide special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization (PreTrainedTokenizerBase), which its decode applies to non-BPE models."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """A Hugging Face tokenizer folder, `data.tokenizer = "hf:DIR"`: DIR/tokenizer.json through the `tokenizers`
+    library (no transformers, no network), with DIR/tokenizer_config.json (bos_token, eos_token,
+    clean_up_tokenization_spaces, split_special_tokens), DIR/special_tokens_map.json (special tokens that
+    tokenizer_config.json does not name) and DIR/generation_config.json (eos_token_id, an id or a list;
+    bos_token_id). The named special tokens (bos, eos, unk, pad, ...) become special added tokens where they are
+    in the vocabulary, as transformers makes them; a bos or eos missing from it is refused.
+
+    encode(text) is what transformers' AutoTokenizer.from_pretrained(DIR).encode(text) gives (add_special_tokens
+    on: special-token strings in the text become their ids, and the post-processor adds what it adds) with one
+    exception, the BOS rule: a BOS is never doubled. Where the tokenizer adds a BOS itself (`add_bos`: the
+    tokenizer.json post-processor prepends it, as LLaMA 3's does) and the text already begins with the BOS
+    string, the added one is dropped; jaxllm never adds a BOS the tokenizer does not. A training document
+    therefore holds exactly one BOS at its start when the tokenizer adds BOS (the corpus stream is then
+    `eot, bos, doc, eot, bos, doc, ...`) and none otherwise (GPT-2 style: `eot, doc, eot, doc, ...`). The
+    post-processor is tokenizer.json's alone: tokenizer_config.json's add_bos_token and add_eos_token are ignored,
+    as transformers 5 ignores them when there is a tokenizer.json; an EOS the post-processor appends is kept.
+
+    decode(ids) is AutoTokenizer's decode with skip_special_tokens=False: special tokens are rendered as their
+    strings; clean_up_tokenization_spaces is applied only to non-BPE models, as transformers 5 does.
+
+    `stop_ids`: tokenizer_config.json's eos first, then generation_config.json's eos_token_id(s) (an id may be
+    only there, as LLaMA 3 Instruct's <|eot_id|>); `eot` is the first of them. `bos` is tokenizer_config.json's
+    bos_token (else generation_config.json's bos_token_id), or None. `vocab_size` counts every id, added tokens
+    included. `source_dir` is DIR as an absolute path, for copying the tokenizer files next to exported weights.
+    """
+
+    name: str
+    vocab_size: int
+    eot: int
+    bos: int | None
+    stop_ids: tuple[int, ...]
+    source_dir: str
+    add_bos: bool
+    clean_up_spaces: bool = field(default=False, repr=False)
+    tok: Any = field(default=None, repr=False, compare=False)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self.tok.encode(text).ids
+        if self.add_bos and len(ids) > 1 and ids[0] == ids[1] == self.bos:  # the text brought its own BOS
+            ids = ids[1:]
+        return np.asarray(ids, dtype=np.uint16 if self.vocab_size <= 65536 else np.uint32)
+
+    def decode(self, ids) -> str:
+        text = self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+        return _clean_up_tokenization(text) if self.clean_up_spaces else text
+
+
+def _hf_dir(name: str) -> Path:
+    """The folder of `hf:DIR` after the checks that need no parsing: it exists and holds tokenizer.json."""
+    spec = name[len(HF_PREFIX):]
+    where = f"data.tokenizer={name}"
+    if not spec:
+        raise DataError(f"{where}: names no folder; give hf:DIR with DIR the folder of a Hugging Face tokenizer.json")
+    folder = Path(os.path.expanduser(spec))
+    if not folder.exists():
+        raise DataError(f"{where}: no such folder '{folder}'; give hf:DIR with DIR a folder holding a Hugging Face "
+                        "tokenizer.json")
+    if not folder.is_dir():
+        raise DataError(f"{where}: '{folder}' is not a folder; give the folder that holds tokenizer.json, "
+                        f"hf:{folder.parent}")
+    if not (folder / "tokenizer.json").is_file():
+        sentencepiece = sorted(p.name for p in folder.glob("*.model"))
+        if sentencepiece:
+            raise DataError(f"{where}: '{folder}' has only a sentencepiece {sentencepiece[0]}, and jaxllm reads "
+                            "tokenizer.json; convert it on a machine with transformers: "
+                            f"AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}')")
+        raise DataError(f"{where}: no tokenizer.json in '{folder}'; give the folder of a Hugging Face tokenizer "
+                        "(tokenizer.json, with tokenizer_config.json and generation_config.json beside it)")
+    return folder
+
+
+def _one_line(error: Exception) -> str:
+    text = " ".join(str(error).split())
+    return text[:200] or type(error).__name__
+
+
+def _read_json(where: str, path: Path) -> dict:
+    """A JSON object from `path`, {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{where}: cannot read {path} ({_one_line(e)}); fix it or remove it") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: {path} holds no JSON object; fix it or remove it")
+    return obj
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, a dict with "content", or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _ids(value) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _hf(name: str) -> HFTokenizer:
+    where = f"data.tokenizer={name}"
+    folder = _hf_dir(name)
+    try:
+        from tokenizers import AddedToken, Tokenizer
+    except ImportError:
+        raise DataError(f"{where} needs the tokenizers package, which is not installed; pip install tokenizers "
+                        "(or pip install -e . again), or use data.tokenizer=byte") from None
+    try:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+        raise DataError(f"{where}: cannot read {folder / 'tokenizer.json'} ({_one_line(e)}); replace it with a "
+                        "tokenizer.json saved by the tokenizers library or transformers") from None
+    config = _read_json(where, folder / "tokenizer_config.json")
+    special_map = _read_json(where, folder / "special_tokens_map.json")
+    generation = _read_json(where, folder / "generation_config.json")
+    tok.no_truncation()  # as transformers' encode without truncation=...: a corpus is encoded whole
+    tok.no_padding()
+    tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+    # The named special tokens are special added tokens, as transformers makes them (same ids: they are in the
+    # vocabulary already); bos and eos must be there, the others are only marked where they are.
+    added = {str(t) for t in tok.get_added_tokens_decoder().values()}
+    texts = {}
+    for key in _NAMED_SPECIAL:
+        source = "tokenizer_config.json" if key in config else "special_tokens_map.json"
+        value = config[key] if key in config else special_map.get(key)
+        text = _token_text(value)
+        if text is None:
+            continue
+        if tok.token_to_id(text) is None:
+            if key in ("bos_token", "eos_token"):
+                raise DataError(f"{where}: {source}'s {key} {text!r} is not in tokenizer.json's vocabulary; "
+                                f"fix {key} in {folder / source}")
+            continue
+        texts[key] = text
+        if text not in added:
+            flags = {k: bool(value[k]) for k in ("lstrip", "rstrip", "single_word") if k in value} \
+                if isinstance(value, dict) else {}
+            tok.add_special_tokens([AddedToken(text, special=True, normalized=False, **flags)])
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    vocab_size = max(max(vocab.values(), default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
+    bos = tok.token_to_id(texts["bos_token"]) if "bos_token" in texts else None
+    eos = tok.token_to_id(texts["eos_token"]) if "eos_token" in texts else None
+    if bos is None and _ids(generation.get("bos_token_id")):
+        bos = _ids(generation["bos_token_id"])[0]
+    stops = [eos] if eos is not None else []
+    for i in _ids(generation.get("eos_token_id")) + ([bos] if bos is not None else []):
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
+            raise DataError(f"{where}: generation_config.json's token id {i!r} is not an id of the tokenizer "
+                            f"(0..{vocab_size - 1}); fix {folder / 'generation_config.json'}")
+    for i in _ids(generation.get("eos_token_id")):
+        if i not in stops:
+            stops.append(i)
+    if not stops:
+        raise DataError(f"{where}: no end-of-text token: neither tokenizer_config.json's eos_token nor "
+                        f"generation_config.json's eos_token_id names one; add eos_token to "
+                        f"{folder / 'tokenizer_config.json'}")
+
+    plain, marked = tok.encode("a", add_special_tokens=False).ids, tok.encode("a").ids
+    add_bos = bos is not None and len(marked) > len(plain) and marked[:1] == [bos] and plain[:1] != [bos]
+    clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and type(tok.model).__name__ != "BPE"
+    return HFTokenizer(name=name, vocab_size=vocab_size, eot=stops[0], bos=bos, stop_ids=tuple(stops),
+                       source_dir=str(folder.resolve()), add_bos=add_bos, clean_up_spaces=clean_up, tok=tok)
+
+
 TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}
+CHOICES = ", ".join([*TOKENIZERS, f"{HF_PREFIX}DIR"])
+
+
+def check_name(name: str) -> None:
+    """DataError (one line) for a tokenizer name that cannot work, reading no file (`hf:DIR`: the folder and its
+    tokenizer.json exist)."""
+    if name.startswith(HF_PREFIX):
+        _hf_dir(name)
+    elif name not in TOKENIZERS:
+        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {CHOICES}")
 
 
 def get_tokenizer(name: str):
-    """The tokenizer called `name` ("byte" or "gpt2")."""
-    if name not in TOKENIZERS:
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
+    """The tokenizer called `name`: "byte", "gpt2" or "hf:DIR" (a Hugging Face tokenizer folder)."""
+    check_name(name)
+    if name.startswith(HF_PREFIX):
+        return _hf(name)
     return TOKENIZERS[name]()

@@ -49,7 +49,6 @@ class Files:
     def __init__(self, path: str):
         self.path, self.where = path, self._index(path)
         self._open: dict = {}
-        self.prefix = "transformer." if any(k.startswith("transformer.") for k in self.where) else ""
 
     @staticmethod
     def _index(path: str) -> dict[str, str]:
@@ -68,11 +67,12 @@ class Files:
             try:
                 self._open[file, framework] = safe_open(os.path.join(self.path, file), framework)
             except (OSError, SafetensorError) as e:
-                raise ModelFileError(f"{os.path.join(self.path, file)}: not a readable safetensors file ({e})") from None
+                raise ModelFileError(f"{self.path}/{file}: not a readable safetensors file ({e})") from None
         return self._open[file, framework]
 
     def full_key(self, key: str) -> str:
-        full = key if key.startswith("model.") or key.startswith("lm_head") else self.prefix + key
+        bare = key.removeprefix("transformer.")  # GPT-2 as first published: no prefix
+        full = key if key in self.where or bare not in self.where else bare
         if full not in self.where:
             raise ModelFileError(f"{self.path}: no tensor '{full}', which this model's config.json needs; the files "
                                  "do not match the config")
@@ -111,7 +111,8 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
     names = dst.split()
     fused = entry.select is not None  # one part p of a fused tensor ('p e h d' with p fixed)
     sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": 3} if fused else {})
-    want = dict(zip(names[1:] if fused else names, index)) | ({"p": slice(entry.select, entry.select + 1)} if fused else {})
+    want = dict(zip(names[1:] if fused else names, index))
+    want |= {"p": slice(entry.select, entry.select + 1)} if fused else {}
     file_index, got, rest = [], {}, {}
     for group in _groups(src):
         inner = int(np.prod([sizes[n] for n in group[1:]]))
@@ -220,3 +221,129 @@ def source_dtype(path: str) -> str:
         return named
     files = Files(path)
     return files.dtype(next(iter(files.where)))
+
+
+# ---------------------------------------------------------------- export
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """A (small) array on the host of every process: gathered across processes when it spans them."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _file_tensors(params: dict, m):
+    """(file key, fp32 host tensor) for every tensor of the checkpoint, in the table's order, one at a time."""
+    by_key: dict[tuple, list[tuple[tuple, Entry]]] = {}  # (key, block kind index) -> the leaves it holds
+    for path, e in leaf_entries(m).items():
+        by_key.setdefault((e.key, path[1] if path[0] == "blocks" else None), []).append((path, e))
+    take = jax.jit(lambda leaf, r: leaf[r])  # one layer of a stacked leaf, where its devices are
+    for (key, k), leaves in by_key.items():
+        leaves.sort(key=lambda pe: pe[1].select or 0)
+        if k is None:
+            yield key, _to_file(leaves, [_fetch(_at(params, path)) for path, _ in leaves], m)
+            continue
+        for r, keys in enumerate(_keys(leaves[0][1], m, k, range(m.n_layers // len(m.pattern)))):
+            values = [_fetch(take(_at(params, path), r)) for path, _ in leaves]
+            for x, file_key in enumerate(keys):
+                yield file_key, _to_file(leaves, [v[x] if "{x}" in key else v for v in values], m)
+
+
+def _at(params: dict, path: tuple):
+    for p in path:
+        params = params[p]
+    return params
+
+
+def _to_file(leaves: list, values: list[np.ndarray], m) -> np.ndarray:
+    """Our layer's (expert's) values of the leaves that make up one file tensor -> that tensor."""
+    e = leaves[0][1]
+    src, dst = (s.strip() for s in e.pattern.split("->"))
+    value = np.stack(values) if e.select is not None else values[0]
+    if "v" in dst.split():
+        value = np.take(value, np.arange(m.vocab_size), axis=dst.split().index("v"))
+    return np.ascontiguousarray(einops.rearrange(value, f"{dst} -> {src}"))
+
+
+def _write_shards(tensors, out: str, dtype: str, max_shard_bytes: int) -> dict[str, str]:
+    """Write (key, tensor) pairs as safetensors shards of at most `max_shard_bytes`; returns (key -> file,
+    total bytes)."""
+    shards, current, size, where, total = [], {}, 0, {}, 0
+
+    def flush():
+        name = f"part-{len(shards):05d}.safetensors"
+        save_file(current, os.path.join(out, name), metadata={"format": "pt"})
+        shards.append((name, list(current)))
+
+    for key, value in tensors:
+        value = value.astype(DTYPES[dtype])
+        if current and size + value.nbytes > max_shard_bytes:
+            flush()
+            current, size = {}, 0
+        current[key], size, total = value, size + value.nbytes, total + value.nbytes
+    flush()
+    for n, (name, keys) in enumerate(shards):
+        final = SINGLE if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out, name), os.path.join(out, final))
+        where.update({k: final for k in keys})
+    return where, total
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '40KB' or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ModelFileError(f"--max-shard-size {text!r}: give bytes or a size like 5GB, 500MB")
+    unit = (match.group(2) or "B").upper().replace("I", "")
+    return int(float(match.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit])
+
+
+def save_pretrained(params: dict, m, path: str, *, dtype: str = "float32", max_shard_size: str | int = "5GB",
+                    source: str | None = None, tokenizer: str | None = None) -> None:
+    """Write `params` (model config `m`) as a Hugging Face model directory `path` that transformers'
+    from_pretrained loads: safetensors in `dtype`, config.json, generation_config.json; `source` (a Hugging
+    Face directory the run started from) lends its token ids and generation config, `tokenizer` (a
+    directory) its tokenizer files. Written to `path`.partial and renamed, so `path` is whole or absent."""
+    hf_config.exportable(m)
+    if dtype not in DTYPES:
+        raise ModelFileError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if os.path.exists(path) and os.listdir(path):
+        raise ModelFileError(f"{path}: exists and is not empty; choose a new directory")
+    lead, partial = jax.process_index() == 0, path.rstrip("/") + ".partial"
+    if lead:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    tensors = _file_tensors(params, m)
+    if not lead:
+        for _ in tensors:  # every process takes part in each gather
+            pass
+        return
+    where, total = _write_shards(tensors, partial, dtype, parse_size(max_shard_size))
+    _write_metadata(partial, m, dtype, where, total, source, tokenizer)
+    if os.path.isdir(path):
+        os.rmdir(path)
+    os.replace(partial, path)
+
+
+def _write_metadata(out: str, m, dtype: str, where: dict, total: int, source: str | None,
+                    tokenizer: str | None) -> None:
+    src = hf_config.read(source) if source and os.path.isfile(os.path.join(source, "config.json")) else {}
+    _write_json(os.path.join(out, "config.json"), hf_config.hf_config(m, dtype, src))
+    if len(set(where.values())) > 1:
+        _write_json(os.path.join(out, INDEX), {"metadata": {"total_size": total}, "weight_map": where})
+    generation = os.path.join(source or "", "generation_config.json")
+    if source and os.path.isfile(generation):
+        shutil.copyfile(generation, os.path.join(out, "generation_config.json"))
+    else:
+        _write_json(os.path.join(out, "generation_config.json"),
+                    {k: v for k, v in src.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    for name in TOKENIZER_FILES if tokenizer else ():
+        if os.path.isfile(os.path.join(tokenizer, name)):
+            shutil.copyfile(os.path.join(tokenizer, name), os.path.join(out, name))
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")

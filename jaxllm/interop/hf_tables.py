@@ -21,19 +21,23 @@ class Entry:
 
 
 def _gpt2() -> list[Entry]:
-    top = [Entry("wte.weight", ("embed", "tok"), "v e -> v e"), Entry("wpe.weight", ("embed", "pos"), "n e -> n e"),
-           Entry("ln_f.weight", ("final_norm", "scale"), "e -> e"), Entry("ln_f.bias", ("final_norm", "bias"), "e -> e")]
-    layer = [Entry("h.{i}.ln_1.weight", ("ln1", "scale"), "e -> e"), Entry("h.{i}.ln_1.bias", ("ln1", "bias"), "e -> e"),
-             Entry("h.{i}.ln_2.weight", ("ln2", "scale"), "e -> e"), Entry("h.{i}.ln_2.bias", ("ln2", "bias"), "e -> e"),
-             Entry("h.{i}.attn.c_proj.weight", ("attn", "wo"), "(h d) e -> h d e"),
-             Entry("h.{i}.attn.c_proj.bias", ("attn", "bo"), "e -> e"),
-             Entry("h.{i}.mlp.c_fc.weight", ("mlp", "w_in"), "e f -> e f"),
-             Entry("h.{i}.mlp.c_fc.bias", ("mlp", "b_in"), "f -> f"),
-             Entry("h.{i}.mlp.c_proj.weight", ("mlp", "w_out"), "f e -> f e"),
-             Entry("h.{i}.mlp.c_proj.bias", ("mlp", "b_out"), "e -> e")]
-    for part, name in enumerate("qkv"):
-        layer += [Entry("h.{i}.attn.c_attn.weight", ("attn", f"w{name}"), "e (p h d) -> p e h d", part),
-                  Entry("h.{i}.attn.c_attn.bias", ("attn", f"b{name}"), "(p h d) -> p h d", part)]
+    """GPT-2, keys as transformers writes them (files published without the `transformer.` prefix read too)."""
+    t, h = "transformer.", "transformer.h.{i}."
+    vector = lambda key, path: Entry(key, path, "e -> e")
+    top = [Entry(t + "wte.weight", ("embed", "tok"), "v e -> v e"),
+           Entry(t + "wpe.weight", ("embed", "pos"), "n e -> n e"),
+           vector(t + "ln_f.weight", ("final_norm", "scale")), vector(t + "ln_f.bias", ("final_norm", "bias"))]
+    layer = [vector(h + "ln_1.weight", ("ln1", "scale")), vector(h + "ln_1.bias", ("ln1", "bias")),
+             vector(h + "ln_2.weight", ("ln2", "scale")), vector(h + "ln_2.bias", ("ln2", "bias")),
+             Entry(h + "attn.c_proj.weight", ("attn", "wo"), "(h d) e -> h d e"),
+             vector(h + "attn.c_proj.bias", ("attn", "bo")),
+             Entry(h + "mlp.c_fc.weight", ("mlp", "w_in"), "e f -> e f"),
+             Entry(h + "mlp.c_fc.bias", ("mlp", "b_in"), "f -> f"),
+             Entry(h + "mlp.c_proj.weight", ("mlp", "w_out"), "f e -> f e"),
+             vector(h + "mlp.c_proj.bias", ("mlp", "b_out"))]
+    for part, name in enumerate("qkv"):  # the fused projection's columns are q | k | v
+        layer += [Entry(h + "attn.c_attn.weight", ("attn", f"w{name}"), "e (p h d) -> p e h d", part),
+                  Entry(h + "attn.c_attn.bias", ("attn", f"b{name}"), "(p h d) -> p h d", part)]
     return top + layer
 
 
