@@ -146,13 +146,11 @@ def load_toml(path: str) -> dict[str, typing.Any]:
 
 def build_config(config_file: str | None = None, overrides: list[str] | dict | None = None) -> Config:
     """Defaults, then the preset, then the file, then the overrides (explicit keys beat the preset)."""
-    explicit: dict[str, typing.Any] = {}
-    if config_file:
-        explicit.update(load_toml(config_file))
-    if isinstance(overrides, dict):
-        explicit.update(overrides)
-    elif overrides:
-        explicit.update(parse_overrides(list(overrides)))
+    explicit: dict[str, typing.Any] = load_toml(config_file) if config_file else {}
+    given = dict(overrides) if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
+    if "init.from" in given and "model.preset" not in given:
+        explicit.pop("model.preset", None)  # the checkpoint's model replaces the file's preset
+    explicit.update(given)
     cfg = Config()
     preset = explicit.get("model.preset", "")
     if preset:

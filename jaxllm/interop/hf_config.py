@@ -100,6 +100,12 @@ def _sliding_window(hf: dict) -> int:
     return window
 
 
+def _head_dim(hf: dict) -> int:
+    """0 (d_model / n_heads) unless config.json names another head dimension."""
+    named = hf.get("head_dim") or 0
+    return 0 if named == hf["hidden_size"] // hf["num_attention_heads"] else named
+
+
 def _llama_like(hf: dict) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(hf, "hidden_act", f"{hf['model_type']} models here use silu (SwiGLU)")
@@ -111,7 +117,7 @@ def _llama_like(hf: dict) -> dict:
     keys = dict(family="qwen2" if kind == "qwen2" else "llama", n_layers=hf["num_hidden_layers"],
                 d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                 n_kv_heads=hf.get("num_key_value_heads", absent["num_key_value_heads"]) or hf["num_attention_heads"],
-                head_dim=hf.get("head_dim") or 0, d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+                head_dim=_head_dim(hf), d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                 norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias=attn_bias,
                 mlp_bias=bool(hf.get("mlp_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
                 max_positions=hf.get("max_position_embeddings", absent["max_position_embeddings"]),

@@ -121,6 +121,27 @@ def restore_newest(run_dir: str, target, check_meta) -> tuple[object, dict]:
     return found
 
 
+def read_params(run_dir: str, step: int | None, abstract_params):
+    """The parameters of run_dir's checkpoint `step` (None: the newest), laid out as `abstract_params` says,
+    whatever else the checkpoint holds (`init.from = "run:DIR[@STEP]"`)."""
+    steps, _ = _entries(run_dir)
+    if step is None and not steps or step is not None and step not in steps:
+        raise CheckpointError(f"init.from: {checkpoint_dir(run_dir)} has no checkpoint "
+                              f"{'at all' if step is None else step}; its steps are {steps or 'none'}")
+    target = {"params": abstract_params}
+    restore = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                     partial_restore=True)
+    mngr = open_manager(run_dir, keep=1, read_only=True)
+    try:
+        restored = mngr.restore(steps[0] if step is None else step, args=ocp.args.Composite(state=restore))
+        return restored["state"]["params"]
+    except Exception as e:
+        raise CheckpointError(f"init.from: {run_dir} step {step}: its parameters are unreadable "
+                              f"({_first_line(e)})") from None
+    finally:
+        mngr.close()
+
+
 def set_aside(run_dir: str, name: str) -> str:
     """Rename checkpoints/<name> to `<step>.bad` (then .bad-2, ...) on process 0; returns the new name."""
     root = checkpoint_dir(run_dir)

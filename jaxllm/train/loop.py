@@ -21,8 +21,9 @@ import numpy as np
 
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
-from jaxllm.config import to_dict, to_toml, validate
+from jaxllm.config import split_run_source, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
+from jaxllm.interop import hf
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import attention, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
@@ -78,7 +79,8 @@ def _check_run_dir(cfg: Config) -> bool:
 
 def _check_resumable(cfg: Config, meta: dict) -> None:
     saved = meta.get("config", {})
-    for section in ("model", "train.optimizer"):
+    params_only = state_lib.saved_fields(meta) == state_lib.PARAMS_ONLY  # its optimizer starts fresh
+    for section in ("model",) if params_only else ("model", "train.optimizer"):
         part, _, key = section.partition(".")
         a, b = saved.get(part, {}), to_dict(cfg)[part]
         if key:
@@ -96,13 +98,31 @@ def _restore(cfg: Config, fns):
         state_lib.check_fields(meta, f"run.dir '{cfg.run.dir}'")
 
     target = lambda meta: state_lib.as_saved(fns.abstract_state, state_lib.saved_fields(meta))
-    saved, _ = ckpt.restore_newest(cfg.run.dir, target, check)
-    state = state_lib.complete(saved)
+    saved, meta = ckpt.restore_newest(cfg.run.dir, target, check)
+    if state_lib.saved_fields(meta) == state_lib.PARAMS_ONLY:
+        log.info("the checkpoint holds parameters only (an imported model): the optimizer starts fresh")
+        state = fns.start(saved["params"])
+    else:
+        state = state_lib.complete(saved)
     start = int(state.step)
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
                           "raise train.steps to train further")
     return state, start
+
+
+def initial_state(cfg: Config, fns):
+    """The state at step 0: random parameters, or those `init.from` names, with a fresh optimizer."""
+    source = cfg.init.from_
+    if not source:
+        return fns.init(cfg.train.seed)
+    if source.startswith("hf:"):
+        params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
+    else:
+        run_dir, step = split_run_source(source)
+        params = ckpt.read_params(run_dir, step, fns.abstract_state.params)
+    log.info("parameters from %s; the optimizer starts fresh", source)
+    return fns.start(params)
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -319,7 +339,7 @@ def train(cfg: Config) -> dict:
             metrics_lib.keep_rows_through(cfg.run.dir, start)
     _log_setup(cfg, shape, notes, corpus, fns)
     if state is None:
-        state = fns.init(t.seed)
+        state = initial_state(cfg, fns)
     else:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step

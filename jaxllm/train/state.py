@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxllm.errors import ConfigError
 
 LEGACY_FIELDS = ("step", "params", "opt_state")  # the dict checkpoints of jaxllm before TrainState
+PARAMS_ONLY = ("step", "params")  # an imported model (`tools.hf import`): the optimizer starts fresh on resume
 
 
 @flax.struct.dataclass
@@ -48,6 +49,8 @@ def saved_fields(meta: dict) -> tuple[str, ...]:
 def check_fields(meta: dict, where: str) -> None:
     """ConfigError unless this version can complete a checkpoint with these fields."""
     names = saved_fields(meta)
+    if names == PARAMS_ONLY:
+        return
     unknown = [n for n in names if n not in FIELDS]
     missing = [n for n in FIELDS if n not in names and n not in DEFAULTS]
     if unknown or missing:

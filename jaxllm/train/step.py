@@ -111,6 +111,7 @@ class StepFns:
     batch_sharding: NamedSharding  # every batch field's: rows over the batch axes
     grad_shardings: Any
     init: Callable  # (seed) -> state
+    start: Callable  # (params) -> state at step 0 with a fresh optimizer (params from elsewhere; donated)
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
@@ -169,7 +170,10 @@ def eval_loss(params, batch: dict, g: Paths):
 
 
 def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
-    params = transformer.init_params(cfg.model, jax.random.key(seed))
+    return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), tx=tx)
+
+
+def start_state(params, *, tx) -> TrainState:
     return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params))
 
 
@@ -190,6 +194,8 @@ def make_step_fns(cfg: Config, mesh, objective: Objective = LANGUAGE_MODEL) -> S
         layout=layout, tx=tx, objective=objective, state_shardings=sh.state, batch_sharding=batch_sh,
         grad_shardings=sh.grads,
         init=jax.jit(init, static_argnums=0, out_shardings=sh.state),
+        start=jax.jit(functools.partial(start_state, tx=tx), in_shardings=(sh.params,), out_shardings=sh.state,
+                      donate_argnums=0),
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
         loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g), in_shardings=(sh.params, batch_sh),

@@ -1,0 +1,142 @@
+"""Hugging Face checkpoints in and out, tested against transformers itself on tiny random models of every
+family (`hf_families.py`): imported logits equal transformers' fp32 logits, exports load back in
+transformers with the same logits, import -> export is bitwise, sharded sources and sharded meshes load
+the same parameters, and a run started from a checkpoint takes its first step at transformers' loss."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_families as H
+from harness import step_fns
+from jaxllm.config import build_config
+from jaxllm.interop import hf
+from jaxllm.models import attention, transformer
+
+SEQ = 64
+TOKENS = H.sample_tokens(H.VOCAB_SIZE, 2, SEQ, 0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> a float32 checkpoint directory, built once."""
+    root = tmp_path_factory.mktemp("hf")
+    return {f: H.build(f, str(root / f)) for f in H.FAMILIES}
+
+
+def our_logits(path: str) -> np.ndarray:
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(TOKENS)))
+
+
+def file_tensors(path: str) -> dict:
+    """key -> (dtype, bits) of every parameter tensor in a model directory."""
+    files, out = hf.Files(path), {}
+    for key in files.where:
+        if not hf.IGNORED.search(key):
+            value = files.handle(key, "flax").get_tensor(key)
+            out[key] = (str(value.dtype), np.asarray(value).view(np.uint16 if value.dtype.itemsize == 2 else np.uint32))
+    return out
+
+
+def assert_bitwise(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key][0] == b[key][0], key
+        np.testing.assert_array_equal(a[key][1], b[key][1], err_msg=key)
+
+
+@pytest.mark.parametrize("family", H.FAMILIES)
+def test_import_equals_transformers_and_export_round_trips(family, models, tmp_path):
+    path = models[family]
+    ref = H.reference_logits(path, TOKENS)
+    assert np.abs(our_logits(path) - ref).max() <= 1e-4
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    hf.save_pretrained(params, cfg.model, str(tmp_path / "out"), source=path)
+    assert_bitwise(file_tensors(path), file_tensors(str(tmp_path / "out")))
+    assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3.1", "qwen2", "mixtral"])
+def test_bf16_import_export_is_bitwise(family, tmp_path):
+    path = H.build(family, str(tmp_path / "src"), dtype="bfloat16")
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    assert hf.source_dtype(path) == "bfloat16"
+    hf.save_pretrained(params, cfg.model, str(tmp_path / "out"), dtype="bfloat16", source=path)
+    assert_bitwise(file_tensors(path), file_tensors(str(tmp_path / "out")))
+
+
+def test_older_config_form_reads_the_same(models, tmp_path):
+    v4 = H.build("llama3.1", str(tmp_path / "v4"), config_form="v4")
+    assert "rope_scaling" in json.load(open(os.path.join(v4, "config.json")))
+    assert hf.config_for(v4, {"model.seq_len": SEQ}).model == hf.config_for(models["llama3.1"],
+                                                                            {"model.seq_len": SEQ}).model
+
+
+def test_llama3_frequencies_equal_transformers(models):
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = AutoConfig.from_pretrained(models["llama3.1"])
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, torch.device("cpu"))
+    ours = np.asarray(attention.rope_frequencies(hf.config_for(models["llama3.1"]).model))
+    assert np.abs(ours - inv_freq.numpy()).max() <= 1e-7
+    plain = np.asarray(attention.frequencies(16, 5e5))
+    assert (ours < plain).any() and (ours == plain).any()  # scaled and kept bands both present
+
+
+def test_sharded_source_loads_like_the_single_file(models, tmp_path):
+    sharded = H.build("llama3", str(tmp_path / "sharded"), max_shard_size=H.SHARD_SIZE_FOR_5)
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) >= 5
+    assert os.path.isfile(os.path.join(sharded, hf.INDEX))
+    _, a = hf.load_pretrained(models["llama3"])
+    _, b = hf.load_pretrained(sharded)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_export_writes_shards_with_an_index(models, tmp_path):
+    cfg, params = hf.load_pretrained(models["mixtral"])
+    out = str(tmp_path / "out")
+    hf.save_pretrained(params, cfg.model, out, max_shard_size="40KB", source=models["mixtral"])
+    index = json.load(open(os.path.join(out, hf.INDEX)))
+    assert len(set(index["weight_map"].values())) >= 5
+    assert_bitwise(file_tensors(models["mixtral"]), file_tensors(out))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3.2", "mixtral"])
+def test_loading_onto_fsdp4_tp2_equals_one_device(family, models):
+    cfg = hf.config_for(models[family], {"model.seq_len": SEQ, "mesh.fsdp": 4, "mesh.tp": 2, "mesh.dp": 1,
+                                         "train.zero_stage": 3, "train.global_batch": 8,
+                                         "precision.compute": "float32"})
+    fns = step_fns(cfg)
+    sharded = hf.load_params(models[family], cfg.model, fns.state_shardings.params)
+    _, single = hf.load_pretrained(models[family])
+    split = [x for x in jax.tree.leaves(sharded) if len(x.sharding.device_set) > 1 and not x.is_fully_replicated]
+    assert len(split) > len(jax.tree.leaves(sharded)) // 2  # most leaves really are read in blocks
+    for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
+    path = H.build("llama3", str(tmp_path / "hd"), head_dim=24)
+    assert np.abs(our_logits(path) - H.reference_logits(path, TOKENS)).max() <= 1e-4
+    cfg = hf.config_for(path, {"model.seq_len": SEQ})
+    assert attention.head_dim(cfg.model) == 24 != cfg.model.d_model // cfg.model.n_heads
+    shapes = transformer.param_shapes(cfg.model)
+    assert shapes["blocks"][0]["attn"]["wq"].shape == (2, 64, 4, 24)
+
+
+def test_family_shorthand_fills_features_and_explicit_keys_win():
+    m = build_config(None, {"model.family": "qwen2"}).model
+    assert (m.norm, m.mlp, m.positions, m.attn_bias, m.tie_embeddings) == ("rmsnorm", "swiglu", "rope", "qkv", False)
+    m = build_config(None, {"model.family": "llama", "model.tie_embeddings": True, "model.attn_bias": "qkvo"}).model
+    assert m.tie_embeddings and m.attn_bias == "qkvo" and m.norm == "rmsnorm"
+    assert "head" not in transformer.param_shapes(m) and "bo" in transformer.param_shapes(m)["blocks"][0]["attn"]
