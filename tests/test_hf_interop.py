@@ -140,3 +140,37 @@ def test_family_shorthand_fills_features_and_explicit_keys_win():
     m = build_config(None, {"model.family": "llama", "model.tie_embeddings": True, "model.attn_bias": "qkvo"}).model
     assert m.tie_embeddings and m.attn_bias == "qkvo" and m.norm == "rmsnorm"
     assert "head" not in transformer.param_shapes(m) and "bo" in transformer.param_shapes(m)["blocks"][0]["attn"]
+
+
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models, tmp_path):
+    """experiments.run's train loop with init.from=hf:DIR on dp2×fsdp2×tp2, ZeRO-3: the first step's loss is
+    transformers' loss on the same batch; tools.hf export of the run loads in transformers with our logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.data.loader import window_starts
+    from jaxllm.train.loop import prepare, train
+    from tools import hf as hf_tool
+
+    path, run_dir = models["qwen2"], str(tmp_path / "run")
+    over = {"init.from": f"hf:{path}", "model.seq_len": SEQ, "mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2,
+            "train.zero_stage": 3, "train.global_batch": 8, "train.steps": 2, "train.eval_every": 0,
+            "train.checkpoint_every": 2, "precision.compute": "float32", "run.dir": run_dir, "run.sample_tokens": 0,
+            "run.progress": False, "data.source": "stdlib"}
+    train(build_config(None, over))
+    cfg = build_config(None, over)
+    _, _, _, corpus = prepare(cfg)
+    starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)  # step 0's batch
+    windows = np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts])
+    first = json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():  # labels shift inside: the loss of each window's SEQ next-token predictions
+        ref = float(model(input_ids=torch.as_tensor(windows), labels=torch.as_tensor(windows)).loss)
+    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
+
+    hf_tool.export(run_dir, str(tmp_path / "out"), None, None, "5GB")
+    out = str(tmp_path / "out")
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
+    assert np.abs(our_logits(out) - H.reference_logits(out, TOKENS)).max() <= 1e-4
+    assert not os.path.isfile(os.path.join(out, "tokenizer.json"))  # the run used the byte tokenizer
