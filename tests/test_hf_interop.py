@@ -169,8 +169,29 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
         ref = float(model(input_ids=torch.as_tensor(windows), labels=torch.as_tensor(windows)).loss)
     assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 
-    hf_tool.export(run_dir, str(tmp_path / "out"), None, None, "5GB")
+    hf_tool.export(run_dir, str(tmp_path / "out"))
     out = str(tmp_path / "out")
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
     assert np.abs(our_logits(out) - H.reference_logits(out, TOKENS)).max() <= 1e-4
     assert not os.path.isfile(os.path.join(out, "tokenizer.json"))  # the run used the byte tokenizer
+
+
+@pytest.mark.slow
+def test_two_process_export_equals_one_process(models, tmp_path):
+    """tools.hf import, then export from one process and from 2 processes × 4 devices over jax.distributed
+    (fsdp=8, ZeRO-3: every tensor is gathered across the processes): the same files, bitwise."""
+    from test_multiprocess import Procs, _free_port
+    from tools import hf as hf_tool
+
+    run_dir = str(tmp_path / "run")
+    hf_tool.import_(models["mixtral"], run_dir, ["model.seq_len=64", "mesh.fsdp=8", "mesh.dp=1",
+                                                  "train.zero_stage=3", "train.global_batch=8"])
+    hf_tool.export(run_dir, str(tmp_path / "one"), max_shard_size="40KB")
+    procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
+    for pid in (0, 1):
+        procs.start(f"export{pid}", ["-m", "tools.hf", "export", run_dir, str(tmp_path / "two"),
+                                     "--max-shard-size", "40KB", f"distributed.coordinator_address={address}",
+                                     "distributed.num_processes=2", f"distributed.process_id={pid}"], n_devices=4)
+    procs.wait()
+    assert sorted(os.listdir(tmp_path / "one")) == sorted(os.listdir(tmp_path / "two"))
+    assert_bitwise(file_tensors(str(tmp_path / "one")), file_tensors(str(tmp_path / "two")))

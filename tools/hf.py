@@ -2,6 +2,7 @@
 
     python -m tools.hf import HF_DIR RUN_DIR [key=value ...]
     python -m tools.hf export RUN_DIR OUT_DIR [--step N] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
+                                              [key=value ...]   (e.g. distributed.* and mesh.* for several processes)
 
 `import` writes RUN_DIR/config.toml (init.from = "hf:HF_DIR", its tokenizer when HF_DIR has one) and a
 step-0 checkpoint holding the parameters only; `python -m experiments.run --config RUN_DIR/config.toml
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest)")
     exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the source's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    exp.add_argument("overrides", nargs="*", help="run keys, e.g. distributed.num_processes=2 mesh.fsdp=8")
     return p
 
 
@@ -80,16 +82,22 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
              "%s train.resume=true", hf_dir, run_dir, os.path.join(run_dir, "config.toml"))
 
 
-def export(run_dir: str, out_dir: str, step: int | None, dtype: str | None, max_shard_size: str) -> None:
-    from jaxllm.config import build_config
+def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
+           max_shard_size: str = "5GB", overrides: list[str] = ()) -> None:
+    from jaxllm.config import build_config, parse_overrides
     from jaxllm.errors import ConfigError
     from jaxllm.interop import hf, hf_config
+    from jaxllm.mesh import initialize_distributed
     from jaxllm.train import checkpoint as ckpt
 
     if not os.path.isfile(os.path.join(run_dir, "config.toml")):
         raise ConfigError(f"{run_dir}: no config.toml; give a jaxllm run directory")
-    cfg = build_config(os.path.join(run_dir, "config.toml"), {"run.dir": run_dir})
+    alone = {"distributed.coordinator_address": "", "distributed.num_processes": 0, "distributed.process_id": -1,
+             "distributed.auto": False}  # not the training run's processes: this command's, from the overrides
+    cfg = build_config(os.path.join(run_dir, "config.toml"),
+                       {"run.dir": run_dir, **alone, **parse_overrides(list(overrides))})
     hf_config.exportable(cfg.model)
+    initialize_distributed(cfg.distributed)
     fns = _mesh_fns(cfg)
     params = ckpt.read_params(run_dir, step, fns.abstract_state.params)
     source = cfg.init.from_[3:] if cfg.init.from_.startswith("hf:") else None
@@ -102,10 +110,15 @@ def export(run_dir: str, out_dir: str, step: int | None, dtype: str | None, max_
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)  # key=value overrides may also follow the options
+    if any("=" not in e or e.startswith("-") for e in extra):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*args.overrides, *extra]
     if args.command == "import":
         return cli.run(lambda: import_(args.hf_dir, args.run_dir, args.overrides))
-    return cli.run(lambda: export(args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_size))
+    return cli.run(lambda: export(args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_size,
+                                  args.overrides))
 
 
 if __name__ == "__main__":
