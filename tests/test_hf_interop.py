@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from harness import step_fns
+from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns
 from jaxllm.config import build_config
 from jaxllm.interop import hf
 from jaxllm.models import attention, transformer
@@ -195,3 +195,23 @@ def test_two_process_export_equals_one_process(models, tmp_path):
     procs.wait()
     assert sorted(os.listdir(tmp_path / "one")) == sorted(os.listdir(tmp_path / "two"))
     assert_bitwise(file_tensors(str(tmp_path / "one")), file_tensors(str(tmp_path / "two")))
+
+
+FREE_HEAD_DIM_MESHES = {  # head_dim 24 with d_model 64 and 8 heads: projections wider than the residual
+    "one": {},
+    "ulysses_sp2_tp2": {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.cp_strategy": "ulysses"},
+    "collective_matmul_tp4": {"mesh.tp": 4, "mesh.dp": 2, "train.sequence_parallel": True,
+                              "model.collective_matmul": True},
+}
+
+
+@pytest.mark.parametrize("mesh", [m if m == "one" else pytest.param(m, marks=pytest.mark.slow)
+                                  for m in FREE_HEAD_DIM_MESHES])
+def test_free_head_dim_on_meshes_equals_the_reference(mesh):
+    """A model whose head_dim is not d_model / n_heads: loss and gradients on Ulysses and collective-matmul
+    meshes equal the plain reference's (tools/plain_llama.py with the same head_dim)."""
+    cfg = equivalence_config("tiny-llama", **{"model.head_dim": 24, **FREE_HEAD_DIM_MESHES[mesh]})
+    ref = reference(cfg.model)
+    assert ref[0]["blocks"][0]["attn"]["wq"].shape == (2, 64, 8, 24)
+    loss, grads = loss_and_grads(step_fns(cfg), ref[0])
+    assert_matches(loss, grads, ref)
