@@ -132,6 +132,14 @@ def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
     assert attention.head_dim(cfg.model) == 24 != cfg.model.d_model // cfg.model.n_heads
     shapes = transformer.param_shapes(cfg.model)
     assert shapes["blocks"][0]["attn"]["wq"].shape == (2, 64, 4, 24)
+    from tools.plan import attention_memory_theory
+
+    one_device = {a: 1 for a in ("pp", "dp", "fsdp", "ep", "sp", "tp")}
+    assert attention_memory_theory(cfg.model, cfg.train, one_device, "float32")["head_dim"] == 24
+    with pytest.raises(Exception, match="head dimension 23 must be even for RoPE"):
+        from jaxllm.config import validate
+
+        validate(build_config(None, {"model.family": "llama", "model.head_dim": 23, "model.vocab_size": 301}), 1)
 
 
 def test_family_shorthand_fills_features_and_explicit_keys_win():
