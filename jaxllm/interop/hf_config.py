@@ -75,12 +75,16 @@ def _rope(hf: dict) -> dict:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", ABSENT[hf["model_type"]]["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
-    if hf.get("partial_rotary_factor", 1.0) != 1.0 or params.get("partial_rotary_factor", 1.0) != 1.0:
-        _refuse(hf, "partial_rotary_factor", "RoPE on part of each head is not implemented")
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    for key, value in (("partial_rotary_factor", hf.get("partial_rotary_factor")),
+                       (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):
+        if value not in (None, 1.0):
+            raise ModelFileError(f"config.json {key}={value!r}: RoPE on part of each head is not implemented; jaxllm "
+                                 "refuses what it would not compute exactly as transformers does")
     if kind == "default":
         return dict(rope_theta=float(theta), rope_scaling="none")
     if kind != "llama3":
-        raise ModelFileError(f"config.json rope_type={kind!r}: not supported (jaxllm has default and llama3 RoPE, "
+        raise ModelFileError(f"config.json {where}.rope_type={kind!r}: not supported (jaxllm has default and llama3 RoPE, "
                              "not linear, dynamic, yarn or longrope); jaxllm refuses what it would not compute "
                              "exactly as transformers does")
     return dict(rope_theta=float(theta), rope_scaling="llama3", rope_factor=float(params["factor"]),
@@ -124,7 +128,7 @@ def _llama_like(hf: dict) -> dict:
                 norm_eps=hf.get("rms_norm_eps", absent["rms_norm_eps"]),
                 sliding_window=_sliding_window(hf), pattern=["dense"], **_rope(hf))
     if kind == "mixtral":
-        if hf.get("router_jitter_noise", 0.0) > 0:
+        if (hf.get("router_jitter_noise") or 0.0) > 0:
             _refuse(hf, "router_jitter_noise", "routing with noise is not deterministic; set it to 0")
         keys.update({"pattern": ["moe"], "moe.n_experts": hf["num_local_experts"],
                      "moe.top_k": hf["num_experts_per_tok"], "moe.d_ff": hf["intermediate_size"],

@@ -328,7 +328,8 @@ def train(cfg: Config) -> dict:
     barrier("jaxllm_run_dir_checked")  # every process has looked at run.dir before process 0 writes to it
     lead = jax.process_index() == 0
     fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
-    state, start = _restore(cfg, fns) if resume else (None, 0)
+    # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
+    state, start = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0)
 
     # From here on the run directory is written.
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -338,9 +339,7 @@ def train(cfg: Config) -> dict:
         if t.resume:  # the steps after the restored one are trained (and logged) again
             metrics_lib.keep_rows_through(cfg.run.dir, start)
     _log_setup(cfg, shape, notes, corpus, fns)
-    if state is None:
-        state = initial_state(cfg, fns)
-    else:
+    if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
         run = _Run(cfg, fns, corpus, *_compile(cfg, fns, state, data_lib.global_batch(
