@@ -88,12 +88,12 @@ def _coerce(key: str, value, typ):
     raise ConfigError(f"{key}: expected {names.get(origin, origin.__name__)}, got {value!r}; fix the value")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, typing.Any]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, typing.Any]:
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out
@@ -139,7 +139,7 @@ def load_toml(path: str) -> dict[str, typing.Any]:
         raise ConfigError(f"--config: no such file '{path}'; give a TOML file, e.g. experiments/configs/default.toml")
     try:
         with open(path, "rb") as f:
-            return _flatten(tomllib.load(f))
+            return flatten(tomllib.load(f))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML ({e}); fix the file") from None
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
-from jaxllm.config import split_run_source, to_dict, to_toml, validate
+from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.interop import hf
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
@@ -83,6 +83,8 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
     for section in ("model",) if params_only else ("model", "train.optimizer"):
         part, _, key = section.partition(".")
         a, b = saved.get(part, {}), to_dict(cfg)[part]
+        if part == "model":  # read as this version reads it: keys added since (features) from its family
+            a = to_dict(build_config(None, {f"model.{k}": v for k, v in flatten(a).items()}))["model"]
         if key:
             a, b = a.get(key), b.get(key)
         if a != b:
