@@ -24,20 +24,11 @@ from jaxllm.interop import hf_config
 from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import transformer
 from jaxllm.parallel import pipeline_schedules
-from jaxllm.schema import Config, TrainConfig
+from jaxllm.schema import FAMILIES, Config, TrainConfig
 from jaxllm.train import optimizer, step
 
 
-# A family is a shorthand for the features it is made of; a preset names a family and a size. Keys
-# the user sets explicitly win over both.
-FAMILIES: dict[str, dict] = {
-    "gpt2": dict(norm="layernorm", mlp="gelu_tanh", positions="learned", attn_bias="qkvo", mlp_bias=True,
-                 tie_embeddings=True),
-    "llama": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="none", mlp_bias=False,
-                  tie_embeddings=False),
-    "qwen2": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="qkv", mlp_bias=False,
-                  tie_embeddings=False),
-}
+# Presets fill model fields; keys the user sets explicitly win over them.
 _GPT2 = dict(family="gpt2", vocab_size=50257, seq_len=1024)
 _LLAMA = dict(family="llama", vocab_size=128256, seq_len=2048, rope_theta=500000.0)
 PRESETS: dict[str, dict] = {

@@ -58,10 +58,22 @@ class MoeConfig:
     z_weight: float = 0.001  # router z-loss
 
 
+# A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
+# size. Keys the user sets explicitly win over both. Here, below config.py and interop/, which both read it.
+FAMILIES: dict[str, dict] = {
+    "gpt2": dict(norm="layernorm", mlp="gelu_tanh", positions="learned", attn_bias="qkvo", mlp_bias=True,
+                 tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="none", mlp_bias=False,
+                  tie_embeddings=False),
+    "qwen2": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="qkv", mlp_bias=False,
+                  tie_embeddings=False),
+}
+
+
 @dataclass
 class ModelConfig:
     preset: str = ""
-    # A shorthand that fills the features below as a preset does (`config.FAMILIES`: gpt2 | llama |
+    # A shorthand that fills the features below as a preset does (`FAMILIES` above: gpt2 | llama |
     # qwen2); keys set explicitly win. The model code reads only the features.
     family: str = "gpt2"
     n_layers: int = 4

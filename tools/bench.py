@@ -55,8 +55,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 def plain_model(m):
     """(module, its config) of the model `tools/plain_gpt.py` or `tools/plain_llama.py` writes plainly for
     jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE).
-    Each covers one family's features exactly (`config.FAMILIES`); ValueError for any other setting."""
-    from jaxllm.config import FAMILIES
+    Each covers one family's features exactly (`schema.FAMILIES`); ValueError for any other setting."""
+    from jaxllm.schema import FAMILIES
     from jaxllm.models.attention import head_dim, kv_heads
     from jaxllm.models.transformer import padded_vocab
     from tools import plain_gpt, plain_llama

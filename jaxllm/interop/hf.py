@@ -114,8 +114,8 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
     sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": 3} if fused else {})
     want = dict(zip(names[1:] if fused else names, index))
     want |= {"p": slice(entry.select, entry.select + 1)} if fused else {}
-    file_index, got, rest = [], {}, {}
-    for group in _groups(src):
+    groups, file_index, got, rest = _groups(src), [], {}, {}
+    for group in groups:
         inner = int(np.prod([sizes[n] for n in group[1:]]))
         if all(_bounds(want[n], sizes[n]) == (0, sizes[n]) for n in group[1:]):
             a, b = _bounds(want[group[0]], sizes[group[0]])
@@ -126,10 +126,10 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
             got |= {n: sizes[n] for n in group}
             rest |= {n: want[n] for n in group}
     block = files.read(key, tuple(file_index))
-    if ["v"] in _groups(src):  # vocabulary rows past the file's are padding (zeros)
-        axis = _groups(src).index(["v"])
+    if ["v"] in groups:  # vocabulary rows past the file's are padding (zeros)
+        axis = groups.index(["v"])
         block = np.pad(block, [(0, got["v"] - block.shape[axis]) if i == axis else (0, 0) for i in range(block.ndim)])
-    split = {n: got[n] for g in _groups(src) if len(g) > 1 for n in g}
+    split = {n: got[n] for g in groups if len(g) > 1 for n in g}
     block = einops.rearrange(block, f"{src} -> {dst}", **split)
     block = block[tuple(rest.get(n, slice(None)) for n in names)]
     return block[0] if fused else block

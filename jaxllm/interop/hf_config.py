@@ -12,7 +12,7 @@ import json
 import os
 
 from jaxllm.errors import ModelFileError
-from jaxllm.schema import ModelConfig
+from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
@@ -64,10 +64,11 @@ def _gpt2(hf: dict) -> dict:
         if hf.get(key, ok) != ok:
             _refuse(hf, key, f"only {str(ok).lower()} is supported")
     d = hf["n_embd"]
-    return dict(family="gpt2", n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_kv_heads=hf["n_head"],
+    return dict(FAMILIES["gpt2"], family="gpt2", n_layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_kv_heads=hf["n_head"],
                 head_dim=0, d_ff=hf.get("n_inner") or 4 * d, vocab_size=hf["vocab_size"],
                 max_positions=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                tie_embeddings=hf.get("tie_word_embeddings", True), pattern=["dense"])
+                tie_embeddings=hf.get("tie_word_embeddings", True), pattern=["dense"], rope_scaling="none",
+                sliding_window=0)
 
 
 def _rope(hf: dict) -> dict:
@@ -118,12 +119,13 @@ def _llama_like(hf: dict) -> dict:
     kind = hf["model_type"]
     attn_bias = "qkv" if kind == "qwen2" else "qkvo" if hf.get("attention_bias", False) else "none"
     absent = ABSENT[kind]
-    keys = dict(family="qwen2" if kind == "qwen2" else "llama", n_layers=hf["num_hidden_layers"],
+    family = "qwen2" if kind == "qwen2" else "llama"
+    keys = dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"],
                 d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                 n_kv_heads=hf.get("num_key_value_heads", absent["num_key_value_heads"]) or hf["num_attention_heads"],
                 head_dim=_head_dim(hf), d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-                norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias=attn_bias,
-                mlp_bias=bool(hf.get("mlp_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
+                attn_bias=attn_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+                tie_embeddings=hf.get("tie_word_embeddings", False),
                 max_positions=hf.get("max_position_embeddings", absent["max_position_embeddings"]),
                 norm_eps=hf.get("rms_norm_eps", absent["rms_norm_eps"]),
                 sliding_window=_sliding_window(hf), pattern=["dense"], **_rope(hf))
@@ -146,11 +148,7 @@ def model_keys(hf: dict) -> dict:
     if kind not in MODEL_TYPES:
         raise ModelFileError(f"config.json model_type={kind!r}: not supported; jaxllm reads "
                              f"{', '.join(MODEL_TYPES)}")
-    keys = _gpt2(hf) if kind == "gpt2" else _llama_like(hf)
-    if kind == "gpt2":
-        keys.update(norm="layernorm", mlp="gelu_tanh", positions="learned", attn_bias="qkvo", mlp_bias=True,
-                    rope_scaling="none", sliding_window=0)
-    return keys
+    return _gpt2(hf) if kind == "gpt2" else _llama_like(hf)
 
 
 def source_dtype(hf: dict) -> str | None:
@@ -211,10 +209,9 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistra
 def exportable(m: ModelConfig) -> None:
     """ModelFileError unless some transformers model computes exactly what `m` describes."""
     kind = model_type(m)
-    gpt2 = dict(norm="layernorm", positions="learned", attn_bias="qkvo", mlp_bias=True)
-    llama = dict(norm="rmsnorm", mlp="swiglu", positions="rope")
-    want = gpt2 if kind == "gpt2" else llama
-    wrong = [f"model.{k}={getattr(m, k)!r}" for k, v in want.items() if getattr(m, k) != v]
+    fixed = ("norm", "mlp", "positions") + (("attn_bias", "mlp_bias") if kind == "gpt2" else ())  # the rest vary
+    want = FAMILIES["gpt2" if kind == "gpt2" else "llama"]
+    wrong = [f"model.{k}={getattr(m, k)!r}" for k in fixed if getattr(m, k) != want[k]]
     if kind == "qwen2" and m.mlp_bias:
         wrong.append("model.mlp_bias=true")
     if m.pattern not in (["dense"], ["moe"]) or m.moe.shared_expert and "moe" in m.pattern:
