@@ -54,6 +54,8 @@ def _mesh_fns(cfg):
 
 
 def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
+    import jax.numpy as jnp
+
     from jaxllm.config import parse_overrides, to_dict, to_toml
     from jaxllm.errors import ConfigError
     from jaxllm.interop import hf
@@ -72,8 +74,6 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     mngr = ckpt.open_manager(run_dir, keep=1)
-    import jax.numpy as jnp
-
     ckpt.save(mngr, 0, {"step": jnp.int32(0), "params": params},
               {"config": to_dict(cfg), "step": 0, "state_fields": list(PARAMS_ONLY)})
     mngr.wait_until_finished()

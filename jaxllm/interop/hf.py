@@ -86,7 +86,7 @@ class Files:
         return FILE_DTYPES[raw]
 
     def read(self, key: str, index: tuple) -> np.ndarray:
-        """A slice of one tensor, as fp32 on the host (bf16 goes through the flax reader: numpy has no bf16)."""
+        """A slice of one tensor, as fp32 on the host (bf16 through safetensors' flax reader, on the CPU device)."""
         if self.dtype(key) == "bfloat16":
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 return np.asarray(self.handle(key, "flax").get_slice(key)[index], np.float32)
