@@ -3,12 +3,17 @@
 `attention_layer` projects (with the biases `model.attn_bias` names), applies RoPE where
 `model.positions` says so, and calls
 `attend`, the one dispatch point for the attention kernel (context-parallel
-strategies plug in there, so model files carry no parallelism branches). The math
+strategies plug in there, so model files carry no parallelism branches).
+`cached_attention_layer` is the same layer for generation: it writes its keys and values into a
+KV cache and attends to the whole cache. The math
 itself (scores, mask, softmax) is `ops/attention.py`, shared with those strategies.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, row_parallel
@@ -54,8 +59,8 @@ def attend(q, k, v, positions, segment_ids):
     return dot_product_attention(q, k, v, positions, positions, segment_ids, segment_ids)
 
 
-def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
-    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
+def _project(p: dict, x, positions, m, dtype):
+    """Column-parallel Q/K/V (heads split over tp), with their biases and RoPE at `positions`."""
     q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
                                   (p["wk"], ("embed", "kv_heads", "head_dim")),
                                   (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype)
@@ -68,9 +73,51 @@ def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
-    out = checkpoint_name(attend(q, k, v, positions, segment_ids), "attention")
+    return q, k, v
+
+
+def _project_out(p: dict, out, dtype):
+    """The row-parallel output projection of the heads' outputs."""
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
     return add_bias(row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype), p, "bo", None, dtype)
+
+
+def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
+    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
+    q, k, v = _project(p, x, positions, m, dtype)
+    out = checkpoint_name(attend(q, k, v, positions, segment_ids), "attention")
+    return _project_out(p, out, dtype)
+
+
+CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")  # a KV cache's logical dimensions
+
+
+class CacheView(NamedTuple):
+    """One block kind's KV cache and where a call writes into it (`jaxllm/generate/cache.py` builds it).
+
+    `k`, `v` are [repeats, batch, slots, kv_heads, head_dim], stacked over the repeats of the block
+    kind like its weights; `positions` and `segment_ids` [batch, slots] describe every slot, this
+    call's tokens included (segment 0: padding or not yet written, so no token attends to it)."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array  # which repeat of the block kind
+    start: jax.Array  # the slot of the call's first token (the same for every row: prompts are left-padded)
+    positions: jax.Array
+    segment_ids: jax.Array
+
+
+def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype):
+    """`attention_layer` for generation: this call's keys and values are written into the cache at
+    `cache.start`, then its queries attend to every slot of the cache (the same causal-by-position,
+    same-segment mask as training). Returns (output, the cache with this layer's slots written)."""
+    q, k, v = _project(p, x, positions, m, dtype)
+    at = (cache.layer, 0, cache.start, 0, 0)
+    keys = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at), CACHE)
+    values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
+    out = dot_product_attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
+                                cache.segment_ids)
+    return _project_out(p, out, dtype), cache._replace(k=keys, v=values)
 
 
 def _check_positions(m) -> None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
-from jaxllm.models.attention import attention_layer, head_dim, kv_heads
+from jaxllm.models.attention import CacheView, attention_layer, cached_attention_layer, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.schema import ModelConfig
 from jaxllm.sharding import constrain, weight
@@ -194,24 +194,29 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
-def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
-    """The first half of every block: (residual stream after attention, its normed copy for the feed-forward)."""
+def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
+    """The first half of every block: (residual stream after attention, its normed copy for the
+    feed-forward, the KV cache with this layer written when generating with one)."""
     h = norm(m.norm, p["ln1"], x, m.norm_eps)
-    x = constrain(x + attention_layer(p["attn"], h, positions, segment_ids, m, dtype), ACT)
-    return x, norm(m.norm, p["ln2"], x, m.norm_eps)
+    if cache is None:
+        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype)
+    else:
+        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype)
+    x = constrain(x + y, ACT)
+    return x, norm(m.norm, p["ln2"], x, m.norm_eps), cache
 
 
-def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
-    x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
-    return constrain(x + MLPS[m.mlp](p["mlp"], h, dtype), ACT), {}
+def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache)
+    return constrain(x + MLPS[m.mlp](p["mlp"], h, dtype), ACT), {}, cache
 
 
-def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype):
-    x, h = _attention_half(p, x, positions, segment_ids, m, dtype)
+def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
         y = y + MLPS[m.mlp](p["moe"]["shared"], h, dtype)
-    return constrain(x + y, ACT), stats
+    return constrain(x + y, ACT), stats, cache
 
 
 BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply}
@@ -233,7 +238,7 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
     def body(carry, layer):
         x, total = carry
         for kind, p in zip(m.pattern, layer):
-            x, stats = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
+            x, stats, _ = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
             total = jax.tree.map(jnp.add, total, stats) if stats else total
         return (x, total), None
 
@@ -241,6 +246,26 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
     (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), stack)
     return x, stats
+
+
+def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids, slots: CacheView,
+                  m: ModelConfig, dtype):
+    """`blocks` over the whole stack for generation: each layer writes its keys and values into the
+    KV cache (`cache[i]` the i-th block kind's {"k", "v"}, stacked over repeats) at `slots.start`
+    and attends to every slot `slots` describes. Returns (x, the cache with x's slots written)."""
+
+    def body(carry, xs):
+        x, cache = carry
+        layer, r = xs
+        written = []
+        for kind, p, kv in zip(m.pattern, layer, cache):
+            view = slots._replace(k=kv["k"], v=kv["v"], layer=r)
+            x, _, view = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, view)
+            written.append({"k": view.k, "v": view.v})
+        return (x, written), None
+
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(m.n_layers // len(m.pattern))))
+    return x, cache
 
 
 def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
@@ -343,6 +368,21 @@ def aux_loss(aux: dict, m: ModelConfig) -> jax.Array:
 def aux_metrics(aux: dict) -> dict:
     """The blocks' auxiliary terms as logged metrics (MoE: router statistics; none for a dense model)."""
     return moe_lib.metrics(aux)
+
+
+# Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
+# fp32 statistics) and the router (routing is fp32). Every other leaf is cast to the compute dtype at use.
+READ_IN_FP32 = ("ln1", "ln2", "final_norm", "router")
+
+
+def compute_weights(params: dict, dtype) -> dict:
+    """The parameters as the forward pass reads them: cast to the compute dtype except `READ_IN_FP32`,
+    so a copy made once (generation's) computes exactly what casting at each use computes."""
+    def cast(path, w):
+        keys = {getattr(k, "key", None) for k in path}
+        return w if keys & set(READ_IN_FP32) else w.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:

@@ -1,0 +1,211 @@
+"""Prefill, then decode, in one compiled program; `generate` is its host side.
+
+The program takes a batch of left-padded prompts [rows, bucket] and their mask. Prefill runs the
+whole prompt through the model once, writing every layer's keys and values into the KV cache
+(`cache.py`) at slots 0 .. bucket-1; the first new token is sampled from the last slot's logits (left
+padding puts every prompt's last token there). Each decode step then feeds the newest token at the
+next slot (all rows write the same slot; each row's position is its own prompt length plus the step)
+and samples the next, in a `while_loop` that ends after `max_new_tokens` or when every row has
+produced a stop id. Positions come from the mask (left padding has none), so a padded prompt computes
+what it computes alone.
+
+It runs on the training mesh with the training parameters: at its start the program casts them to the
+compute dtype and lays them out as used (`cache.generation_layout`: under ZeRO-3 or a pipeline that is
+an all-gather over fsdp/pp, a transient copy of Φ·B/tp bytes per device that `tools.plan` reports and
+that lives only while the program runs), then every decode step reads that copy instead of gathering
+again. MoE layers run dropless: prefill and decode see different groups of tokens, and only dropless
+routing gives each token what the full forward gives it. One program is compiled per (rows, prompt
+bucket, max new tokens) on a model and mesh; sampling settings, stop ids and the seed are arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxllm.errors import ConfigError
+from jaxllm.generate.cache import generation_layout, init_cache
+from jaxllm.generate.sampling import sample
+from jaxllm.models import transformer
+from jaxllm.models.attention import CacheView
+from jaxllm.sharding import BATCH_AXES, WEIGHT_RULES, Layout, tree_shardings, use_layout
+from jaxllm.train.step import matmul_precision
+
+MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array (padded with -1), so their number compiles nothing
+
+
+class Completion(NamedTuple):
+    """One prompt's new tokens (through the first stop id, which is kept) and each one's log-probability."""
+
+    tokens: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n], under log_softmax(logits / temperature) over the whole vocabulary
+    stopped: bool  # ended at a stop id (rather than at max_new_tokens)
+
+
+def _forward(p, cache, tokens, positions, segment_ids, slots: CacheView, m, dtype):
+    """fp32 logits [rows, len, vocab] of tokens written into the cache at slots.start, and the cache."""
+    x = transformer.embed(p, tokens, positions, m, dtype)
+    x, cache = transformer.cached_blocks(p["blocks"], cache, x, positions, segment_ids, slots, m, dtype)
+    return transformer.head_logits(p, x, m, dtype), cache
+
+
+def _gathered_weights(params, m, dtype, layout: Layout | None):
+    """The compute-dtype copy of the parameters every step reads, laid out as used (see the docstring)."""
+    p = transformer.compute_weights(params, dtype)
+    if layout is None:
+        return p
+    return jax.lax.with_sharding_constraint(p, tree_shardings(transformer.param_names(m), p, layout, layout.weights))
+
+
+def _draw(logits, key, step, settings):
+    """`sampling.sample` with one key per row and step, so a row's draws do not depend on the batch or mesh."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, step), r))(jnp.arange(logits.shape[0]))
+    return sample(logits, keys, *settings)
+
+
+def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *, m, dtype, layout, new: int,
+             keep_logits: bool):
+    """The compiled generation (see the module docstring): arrays of new tokens, log-probabilities and
+    lengths [rows, new] / [rows] (and the logits of every step with keep_logits)."""
+    with matmul_precision(dtype), use_layout(layout):
+        p = _gathered_weights(params, m, dtype, layout)
+        rows, bucket = prompts.shape
+        key, settings = jax.random.key(seed), (temperature, top_k, top_p)
+        lengths = jnp.sum(mask, axis=1)
+        empty = jnp.zeros((rows, new), jnp.int32)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        slot_positions, slot_segments = jnp.concatenate([positions, empty], 1), jnp.concatenate([mask, empty], 1)
+        cache = init_cache(m, rows, bucket + new, dtype, {} if layout is None else dict(layout.mesh.shape))
+        slots = CacheView(None, None, 0, 0, slot_positions, slot_segments)
+        logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype)
+        logits = logits[:, -1]
+        token, logp = _draw(logits, key, 0, settings)
+        out = {"tokens": empty.at[:, 0].set(token), "logprobs": jnp.zeros((rows, new)).at[:, 0].set(logp)}
+        if keep_logits:
+            out["logits"] = jnp.zeros((rows, new, logits.shape[-1])).at[:, 0].set(logits)
+        stops = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
+        done = (lengths == 0) | stops(token)  # rows of no prompt pad the batch to the batch shards
+        length = jnp.where(stops(token), 1, new)
+
+        def step(state):
+            i, token, cache, slot_positions, slot_segments, done, length, out = state
+            slot, position = bucket + i - 1, (lengths + i - 1)[:, None]  # where the newest token goes
+            slot_positions = jax.lax.dynamic_update_slice(slot_positions, position, (0, slot))
+            slot_segments = jax.lax.dynamic_update_slice(slot_segments, jnp.ones((rows, 1), jnp.int32), (0, slot))
+            slots = CacheView(None, None, 0, slot, slot_positions, slot_segments)
+            logits, cache = _forward(p, cache, token[:, None], position, jnp.ones((rows, 1), jnp.int32), slots, m,
+                                     dtype)
+            token, logp = _draw(logits[:, 0], key, i, settings)
+            out = {**out, "tokens": out["tokens"].at[:, i].set(token), "logprobs": out["logprobs"].at[:, i].set(logp)}
+            if keep_logits:
+                out["logits"] = out["logits"].at[:, i].set(logits[:, 0])
+            stopped = stops(token) & ~done
+            return i + 1, token, cache, slot_positions, slot_segments, done | stopped, jnp.where(stopped, i + 1,
+                                                                                                 length), out
+
+        state = (jnp.int32(1), token, cache, slot_positions, slot_segments, done, length, out)
+        state = jax.lax.while_loop(lambda s: (s[0] < new) & ~jnp.all(s[5]), step, state)
+        *_, done, length, out = state
+        out = {**out, "lengths": length, "stopped": done}
+        if keep_logits:
+            out["logits"] = out["logits"][..., :m.vocab_size]
+        return out
+
+
+_programs: dict = {}  # (model, dtype, layout, new, keep_logits) -> the jitted program; the newest few
+
+
+def _compiled(m, dtype, layout: Layout | None, new: int, keep_logits: bool):
+    key = (repr(m), str(dtype), layout, new, keep_logits)
+    if key not in _programs:
+        if len(_programs) >= 8:
+            _programs.pop(next(iter(_programs)))
+        out = None if layout is None else NamedSharding(layout.mesh, P())  # small: every process gets it all
+        _programs[key] = jax.jit(functools.partial(_program, m=m, dtype=dtype, layout=layout, new=new,
+                                                   keep_logits=keep_logits), out_shardings=out)
+    return _programs[key]
+
+
+def _layout_of(on) -> Layout | None:
+    """Generation's layout on a Layout, a StepFns (its layout) or a Mesh; None: one device, no layout."""
+    if on is None:
+        return None
+    if isinstance(on, jax.sharding.Mesh):
+        return generation_layout(Layout(mesh=on, params=WEIGHT_RULES))
+    return generation_layout(on if isinstance(on, Layout) else on.layout)
+
+
+def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
+    """One ConfigError line for what generation cannot do."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generation: every prompt needs at least one token")
+    if any(t < 0 or t >= m.vocab_size for p in prompts for t in p):
+        raise ConfigError(f"generation: a prompt token is outside the model's vocabulary of {m.vocab_size}")
+    if new < 1:
+        raise ConfigError(f"generation: max_new_tokens={new}; ask for at least 1")
+    longest, limit = max(len(p) for p in prompts), transformer.max_positions(m)
+    if longest + new > limit:
+        raise ConfigError(f"generation: a prompt of {longest} tokens plus {new} new ones is {longest + new} positions, "
+                          f"more than the model's {limit} (model.max_positions); shorten the prompt or generate fewer")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ConfigError("generation: temperature ≥ 0 (0: greedy), top_k ≥ 0 (0: off) and 0 < top_p ≤ 1 (1: off)")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise ConfigError(f"generation: {len(stop_ids)} stop ids; at most {MAX_STOP_IDS}")
+
+
+def bucket(longest: int) -> int:
+    """Prompts are left-padded to a power of two (at least 8), so nearby lengths share a program."""
+    return max(8, 1 << (longest - 1).bit_length())
+
+
+def _put(a: np.ndarray, layout: Layout | None, spec: P):
+    if layout is None:
+        return jnp.asarray(a)
+    return jax.make_array_from_callback(a.shape, NamedSharding(layout.mesh, spec), lambda index: a[index])
+
+
+def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0,
+                    top_k: int = 0, top_p: float = 1.0, stop_ids=(), seed: int = 0, keep_logits: bool = False):
+    """`generate` as host arrays, one row per prompt: tokens and logprobs [n, max_new_tokens] (valid up to
+    `lengths`), lengths [n], stopped [n], and with keep_logits every step's fp32 logits [n, new, vocab]."""
+    m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
+    _check(m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
+    if "moe" in m.pattern:  # dropless: see the module docstring
+        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
+    layout = _layout_of(on)
+    shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+    rows, width = -(-len(prompts) // shards) * shards, bucket(max(len(p) for p in prompts))
+    tokens, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+    for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        tokens[r, width - len(p):], mask[r, width - len(p):] = p, 1
+    stops = np.full(MAX_STOP_IDS, -1, np.int32)
+    stops[:len(stop_ids)] = stop_ids
+    scalar = lambda v, t: _put(np.asarray(v, t), layout, P())
+    out = _compiled(m, dtype, layout, max_new_tokens, keep_logits)(
+        params, _put(tokens, layout, P(BATCH_AXES)), _put(mask, layout, P(BATCH_AXES)), scalar(seed, np.uint32),
+        scalar(temperature, np.float32), scalar(top_k, np.int32), scalar(top_p, np.float32), _put(stops, layout, P()))
+    return {k: np.asarray(v.addressable_data(0))[:len(prompts)] for k, v in out.items()}
+
+
+def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, stop_ids=(), seed: int = 0) -> list[Completion]:
+    """New tokens for each prompt (a list of token ids), sampled by the model `cfg.model` with parameters
+    `params` in `cfg.precision.compute`, on the mesh of `on` (a Layout, StepFns or Mesh; None: one device)
+    where the parameters live as that layout stores them.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 leave the distribution whole. Each completion ends after
+    its first stop id (kept) or after max_new_tokens; each token comes with its log-probability under
+    log_softmax(logits / temperature) over the whole vocabulary (temperature 1 when greedy). A row's draws
+    depend on the seed and its place in `prompts`, not on the mesh.
+    """
+    out = generate_arrays(params, cfg, prompts, max_new_tokens, on=on, temperature=temperature, top_k=top_k,
+                          top_p=top_p, stop_ids=stop_ids, seed=seed)
+    return [Completion(out["tokens"][r, :n], out["logprobs"][r, :n], bool(out["stopped"][r]))
+            for r, n in enumerate(out["lengths"])]
