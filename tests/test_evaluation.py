@@ -1,6 +1,6 @@
 """Validation and the end-of-run sample on every parallel form compute what one device computes.
 
-The trainer evaluates with the step's `eval_loss` and samples with `loop.sample`, both on the
+The trainer evaluates with the step's `eval_loss` and samples with `loop.sample` (the KV-cache generator), both on the
 parameters as the mesh holds them (split over pp, tp, ep or fsdp). On a pipeline, context-,
 tensor- and expert-parallel mesh: the validation loss (summed token loss over the token count)
 equals the independent reference's loss (fp32, 1e-5), and the sampled text equals the sample one
@@ -35,6 +35,6 @@ def test_validation_loss_and_sample_match_one_device(form):
     assert abs(float(total) / float(count) - ref_loss) <= LOSS_RTOL * ref_loss
 
     tokenizer = get_tokenizer("byte")
-    on_mesh = sample(jax.device_put(params, fns.state_shardings.params), cfg, tokenizer, "def ", 24)
+    on_mesh = sample(jax.device_put(params, fns.state_shardings.params), cfg, tokenizer, "def ", 24, on=fns)
     assert on_mesh == sample(params, one, tokenizer, "def ", 24)
     assert len(on_mesh) > len("def ")

@@ -248,18 +248,23 @@ def test_config_accepts_hf_and_fills_the_vocabulary():
 
 def test_sampling_stops_at_a_stop_id_only_generation_config_names(monkeypatch):
     """The end-of-run sample stops at <|eot_id|>: a model that always predicts it adds nothing to the prompt."""
+    import jax
     import jax.numpy as jnp
+    from jaxllm.generate import decode
+    from jaxllm.models import transformer
     from jaxllm.train import loop
 
     tok = get_tokenizer(f"hf:{LLAMA}")
     eot_id = tok.tok.token_to_id(EOT_ID)
     cfg = build_config(None, {"model.preset": "tiny-llama", "model.vocab_size": 640, "precision.compute": "float32"})
+    params = transformer.init_params(cfg.model, jax.random.key(0))
 
-    def always_eot_id(params, buf, m, dtype):
-        return jnp.broadcast_to(jnp.where(jnp.arange(m.vocab_size) == eot_id, 50.0, 0.0), (*buf.shape, m.vocab_size))
+    def always_eot_id(params, x, m, dtype):
+        return jnp.broadcast_to(jnp.where(jnp.arange(640) == eot_id, 50.0, 0.0), (*x.shape[:2], 640))
 
-    monkeypatch.setattr(loop.transformer, "logits_at", always_eot_id)
-    assert loop.sample(None, cfg, tok, "def ", 8) == BOS + "def "
+    monkeypatch.setattr(decode.transformer, "head_logits", always_eot_id)
+    monkeypatch.setattr(decode, "_programs", {})  # compiled afresh with the model above, and forgotten after
+    assert loop.sample(params, cfg, tok, "def ", 8) == BOS + "def "
 
 
 def test_prepare_data_writes_hf_token_shards(tmp_path):

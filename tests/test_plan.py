@@ -17,7 +17,7 @@ import sys
 import jax
 import pytest
 
-from harness import subprocess_env
+from harness import subprocess_env, tiers
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
@@ -341,3 +341,26 @@ ENTRY %main (a: bf16[1,64,64]) -> f32[1,64,64] {
 }
 """
     assert permute_dtypes(hlo, 64 * 64) == ["float32"] and permute_dtypes(hlo, 32) == ["bfloat16"]
+
+
+@pytest.mark.parametrize("stage", tiers((3, 0), {3}))
+def test_generation_weights_copy_and_cache_are_in_the_compiled_program(plans, stage):
+    """Under ZeRO-3 the generator's weights are a transient gathered copy: the whole model in the compute
+    dtype on every device (not 1/fsdp of it), which with the KV cache the compiled generation program's
+    temporaries hold; under ZeRO-0 in fp32 the stored parameters serve as they are (no copy)."""
+    from jaxllm.generate import decode
+    from jaxllm.mesh import make_mesh
+    from jaxllm.train.step import make_step_fns
+
+    p = plans(stage)
+    g, n_params = p["generation"], p["params"]
+    assert g["weights_copy_bytes"] == (pytest.approx(4 * n_params, rel=0.01) if stage == 3 else 0)  # fp32
+    cfg = build_config(None, SMALL + [f"train.zero_stage={stage}", "model.vocab_size=257"])
+    shape, _ = validate(cfg, N)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    compiled = decode.lower(cfg, fns, fns.abstract_state.params, g["rows"], g["prompt"], g["new"]).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    stored = sum(math.prod(a.sharding.shard_shape(a.shape)) * 4 for a in jax.tree.leaves(fns.abstract_state.params))
+    if stage == 3:  # about 1/N stored (biases without an embed dimension stay whole), N times that gathered
+        assert N * stored < 1.1 * g["weights_copy_bytes"]
+    assert temp >= g["weights_copy_bytes"] + g["cache_bytes"]

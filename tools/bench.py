@@ -112,7 +112,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.parallel.pipeline_schedules import bubble_fraction, make_schedule
     from jaxllm.train.loop import flops_per_token, peak_flops, resolve
     from jaxllm.batch import from_windows, global_arrays
-    from jaxllm.train.step import make_step_fns, matmul_precision
+    from jaxllm.models.layers import matmul_precision
+    from jaxllm.train.step import make_step_fns
 
     for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--windows", windows, 1)):
         if v < low:

@@ -16,6 +16,9 @@ and without loading any data, and reports per device:
 - the attention memory per layer (`attention_memory_theory`, no compiling): plain attention
   at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
   their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len;
+- generation (`generation_theory`, no compiling): the transient compute-dtype copy of the weights
+  the KV-cache generator reads (gathered under ZeRO-3 or a pipeline) and its KV cache, for a rollout
+  of train.global_batch prompts of seq_len/2 tokens and seq_len/2 new ones;
 - with mesh.pp > 1, the pipeline (`pipeline_theory`, from the schedule's table): ticks, bubble
   (table and formula), activation buffer bytes, and the 2 × ticks collective-permutes the
   table predicts beside the compiled ones and the element type the program actually moves.
@@ -532,6 +535,22 @@ def _pipeline_compiled(pl: dict, hlo_text: str, compiled: dict) -> dict:
         "compiled": dict(compiled)}}
 
 
+def generation_theory(cfg, fns) -> dict:
+    """Generation's memory per device (no compiling): a rollout of train.global_batch prompts of seq_len/2
+    tokens and seq_len/2 new ones on this mesh. The program reads a compute-dtype copy of the weights laid
+    out as used (under ZeRO-3 or pp > 1 gathered: the whole model / tp), alive only while it runs, and
+    the KV cache; tests/test_plan.py checks both against the compiled program's temporaries."""
+    from jaxllm.generate import cache, decode
+
+    m, dtype = cfg.model, cfg.precision.compute
+    prompt = max(1, m.seq_len // 2)
+    new = max(1, m.seq_len - prompt)
+    slots = decode.bucket(prompt) + new
+    return {"rows": cfg.train.global_batch, "prompt": prompt, "new": new, "slots": slots,
+            "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns),
+            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, dict(fns.layout.mesh.shape))}
+
+
 def resolve(cfg):
     """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
     from jaxllm.train.loop import resolve as resolve_config
@@ -601,6 +620,7 @@ def plan(cfg) -> dict:
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "pipeline": pipeline,
+        "generation": generation_theory(cfg, fns),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -716,6 +736,16 @@ def _format_pipeline(pl: dict) -> list[str]:
     return lines
 
 
+def _format_generation(g: dict, compute: str) -> list[str]:
+    from tools.collectives import format_bytes
+
+    return ["", f"generation per device (no compiling): {g['rows']} prompts of {g['prompt']} tokens + {g['new']} new, "
+                f"KV cache of {g['slots']} slots, {compute}",
+            f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
+            "fsdp/pp at the program's start, freed at its end",
+            f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}"]
+
+
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     from tools.collectives import KINDS, format_bytes
@@ -777,6 +807,8 @@ def format_table(p: dict) -> str:
         lines += _format_attention(p["attention"])
     if pl.get("enabled"):
         lines += _format_pipeline(pl)
+    if "generation" in p:
+        lines += _format_generation(p["generation"], c["compute"])
     return "\n".join(lines)
 
 

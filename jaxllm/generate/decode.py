@@ -36,7 +36,7 @@ from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView
 from jaxllm.sharding import BATCH_AXES, WEIGHT_RULES, Layout, tree_shardings, use_layout
-from jaxllm.train.step import matmul_precision
+from jaxllm.models.layers import matmul_precision
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array (padded with -1), so their number compiles nothing
 
@@ -133,13 +133,21 @@ def _compiled(m, dtype, layout: Layout | None, new: int, keep_logits: bool):
     return _programs[key]
 
 
-def _layout_of(on) -> Layout | None:
-    """Generation's layout on a Layout, a StepFns (its layout) or a Mesh; None: one device, no layout."""
+def _dropless(m):
+    """The model as generation runs it: MoE layers dropless (see the module docstring)."""
+    if "moe" not in m.pattern:
+        return m
+    return dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
+
+
+def _layout_of(on, as_stored: bool = False) -> Layout | None:
+    """Generation's layout on a Layout, a StepFns (its layout) or a Mesh (parameters stored as used); None:
+    one device, no layout. `as_stored`: the given layout itself (where the parameters live)."""
     if on is None:
         return None
-    if isinstance(on, jax.sharding.Mesh):
-        return generation_layout(Layout(mesh=on, params=WEIGHT_RULES))
-    return generation_layout(on if isinstance(on, Layout) else on.layout)
+    given = Layout(mesh=on, params=WEIGHT_RULES) if isinstance(on, jax.sharding.Mesh) else (
+        on if isinstance(on, Layout) else on.layout)
+    return given if as_stored else generation_layout(given)
 
 
 def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
@@ -177,8 +185,7 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
     `lengths`), lengths [n], stopped [n], and with keep_logits every step's fp32 logits [n, new, vocab]."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     _check(m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
-    if "moe" in m.pattern:  # dropless: see the module docstring
-        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
+    m = _dropless(m)
     layout = _layout_of(on)
     shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
     rows, width = -(-len(prompts) // shards) * shards, bucket(max(len(p) for p in prompts))
@@ -209,3 +216,35 @@ def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temper
                           top_p=top_p, stop_ids=stop_ids, seed=seed)
     return [Completion(out["tokens"][r, :n], out["logprobs"][r, :n], bool(out["stopped"][r]))
             for r, n in enumerate(out["lengths"])]
+
+
+def weights_copy_bytes(m, dtype, on) -> int:
+    """Bytes per device of the weights copy the program makes: the leaves whose compute-dtype layout as used
+    differs from how they are stored (`on`'s parameter layout, fp32) — all of them under ZeRO-3 or a
+    pipeline, none in fp32 with parameters stored as used."""
+    stored = _layout_of(on, as_stored=True)
+    used = _layout_of(on)
+    names, shapes = transformer.param_names(m), transformer.param_shapes(m)
+    cast = jax.eval_shape(functools.partial(transformer.compute_weights, dtype=dtype), shapes)
+    total = 0
+    for name, s, c in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes),
+                          jax.tree.leaves(cast)):
+        before = stored.sharding(name, stored.params, s.shape) if stored else None
+        after = used.sharding(name, used.weights, s.shape) if used else None
+        if c.dtype != s.dtype or (after is not None and not after.is_equivalent_to(before, len(s.shape))):
+            total += math.prod(after.shard_shape(s.shape) if after else s.shape) * c.dtype.itemsize
+    return total
+
+
+def lower(cfg, on, abstract_params, rows: int, prompt_len: int, new: int):
+    """The generation program for `rows` prompts of `prompt_len` tokens and `new` new ones, lowered without
+    data (for `tools.plan`'s compiled memory)."""
+    m, dtype, layout = _dropless(cfg.model), jnp.dtype(cfg.precision.compute), _layout_of(on)
+    shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+    rows, width = -(-rows // shards) * shards, bucket(prompt_len)
+    batch = jax.ShapeDtypeStruct((rows, width), jnp.int32,
+                                 sharding=None if layout is None else NamedSharding(layout.mesh, P(BATCH_AXES)))
+    scalar = lambda t: jax.ShapeDtypeStruct((), t)
+    return _compiled(m, dtype, layout, new, False).lower(
+        abstract_params, batch, batch, scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32),
+        jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32))

@@ -12,12 +12,20 @@ island, the one place where that choice is made.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.parallel import collective_matmul
 from jaxllm.sharding import constrain, current_layout, weight
+
+
+def matmul_precision(dtype):
+    """The matmul precision a forward pass of this compute dtype traces under: fp32 means fp32 on GPU too
+    (no TF32). A context manager, so building a program changes no global JAX setting."""
+    return jax.default_matmul_precision("highest") if jnp.dtype(dtype) == jnp.float32 else contextlib.nullcontext()
 
 
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:

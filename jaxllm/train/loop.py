@@ -23,6 +23,7 @@ from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
+from jaxllm.generate import generate
 from jaxllm.interop import hf
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import attention, transformer
@@ -32,7 +33,7 @@ from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import faults, preemption
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
-from jaxllm.train.step import make_step_fns, matmul_precision
+from jaxllm.train.step import make_step_fns
 
 log = logging.getLogger("jaxllm")
 
@@ -143,30 +144,26 @@ def peak_flops(cfg: Config) -> float:
     return peak * jax.device_count()
 
 
-def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
-    """Generate `n_tokens` after `prompt` (temperature 0.8), re-running the model on a window each token; stops
-    early at a stop id (the end-of-text id, and an `hf:DIR` tokenizer's generation_config.json eos ids)."""
-    m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
-    T = m.seq_len
-
-    def logits(p, buf):
-        with matmul_precision(dtype):
-            return transformer.logits_at(p, buf, m, dtype)
-
-    logits_fn = jax.jit(logits)
+def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int = 0, on=None,
+           temperature: float = 0.8) -> str:
+    """The prompt and up to `n_tokens` sampled after it (`jaxllm.generate`, with the KV cache, on the mesh of
+    `on`: a StepFns, Layout or Mesh where the parameters live), ending early at a stop id (the end-of-text
+    id, and an `hf:DIR` tokenizer's generation_config.json eos ids) or at a token the tokenizer cannot
+    decode. A request past the model's positions is shortened to fit, with a log line."""
     ids = list(tokenizer.encode(prompt)) or [tokenizer.eot]
-    stops = set(getattr(tokenizer, "stop_ids", (tokenizer.eot,)))
-    key = jax.random.key(seed)
-    for _ in range(n_tokens):
-        window = ids[-T:]
-        buf = np.zeros((1, T), np.int32)
-        buf[0, : len(window)] = window
-        logits = logits_fn(params, jnp.asarray(buf))[0, len(window) - 1, : m.vocab_size]
-        key, sub = jax.random.split(key)
-        nxt = int(jax.random.categorical(sub, logits / 0.8))
-        if nxt >= tokenizer.vocab_size or nxt in stops:
+    room = transformer.max_positions(cfg.model) - len(ids)
+    if n_tokens > room:
+        log.info("sample: %d new tokens after a %d-token prompt would pass model.max_positions=%d; generating %d",
+                 n_tokens, len(ids), transformer.max_positions(cfg.model), max(room, 0))
+        n_tokens = room
+    stops = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eot,)))
+    if n_tokens < 1:
+        return tokenizer.decode(np.asarray(ids, np.uint32))
+    (done,) = generate(params, cfg, [ids], n_tokens, on=on, temperature=temperature, stop_ids=stops, seed=seed)
+    for t in done.tokens.tolist():
+        if t in stops or t >= tokenizer.vocab_size:
             break
-        ids.append(nxt)
+        ids.append(t)
     return tokenizer.decode(np.asarray(ids, np.uint32))
 
 
@@ -375,7 +372,7 @@ def _finish(cfg: Config, run: _Run, state, tokenizer, lead: bool) -> dict:
         summary["plot"] = metrics_lib.plot_metrics(cfg.run.dir)
         log.info("loss curves: %s", summary["plot"])
     if cfg.run.sample_tokens > 0:
-        text = sample(state.params, cfg, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens)
+        text = sample(state.params, cfg, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens, on=run.fns)
         summary["sample"] = text
         if lead:
             with open(os.path.join(cfg.run.dir, "sample.txt"), "w") as f:

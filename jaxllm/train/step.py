@@ -20,7 +20,6 @@ microbatching and data sharding do not change it. The gradient paths are
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,6 +33,7 @@ from jaxllm import batch as batch_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
+from jaxllm.models.layers import matmul_precision
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
@@ -46,10 +46,6 @@ from jaxllm.train.state import TrainState
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32")  # precision.compute
-
-def matmul_precision(dtype):
-    """The matmul precision a step of this compute dtype traces under: fp32 means fp32 on GPU too."""
-    return jax.default_matmul_precision("highest") if jnp.dtype(dtype) == jnp.float32 else contextlib.nullcontext()
 
 
 def optimizer_state_shardings(abstract_opt, table, layout: Layout, rules):
