@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mesh_fns(cfg):
+def step_fns_for(cfg):
     import jax
 
     from jaxllm.config import validate
@@ -68,7 +68,7 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
     cfg = hf.config_for(hf_dir, given)
     if os.path.exists(run_dir) and os.listdir(run_dir):
         raise ConfigError(f"{run_dir}: exists and is not empty; choose a new run directory")
-    fns = _mesh_fns(cfg)
+    fns = step_fns_for(cfg)
     params = hf.load_params(hf_dir, cfg.model, fns.state_shardings.params)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
@@ -98,7 +98,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | Non
                        {"run.dir": run_dir, **alone, **parse_overrides(list(overrides))})
     hf_config.exportable(cfg.model)
     initialize_distributed(cfg.distributed)
-    fns = _mesh_fns(cfg)
+    fns = step_fns_for(cfg)
     params = ckpt.read_params(run_dir, step, fns.abstract_state.params)
     source = cfg.init.from_[3:] if cfg.init.from_.startswith("hf:") else None
     tokenizer = cfg.data.tokenizer[3:] if cfg.data.tokenizer.startswith("hf:") else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import NamedTuple
 
 import jax
@@ -180,12 +181,13 @@ def _put(a: np.ndarray, layout: Layout | None, spec: P):
 
 
 def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0,
-                    top_k: int = 0, top_p: float = 1.0, stop_ids=(), seed: int = 0, keep_logits: bool = False):
+                    top_k: int = 0, top_p: float = 1.0, stop_ids=(), seed: int = 0, keep_logits: bool = False,
+                    timings: dict | None = None):
     """`generate` as host arrays, one row per prompt: tokens and logprobs [n, max_new_tokens] (valid up to
-    `lengths`), lengths [n], stopped [n], and with keep_logits every step's fp32 logits [n, new, vocab]."""
+    `lengths`), lengths [n], stopped [n], and with keep_logits every step's fp32 logits [n, new, vocab].
+    A `timings` dict gets `compile_s` and `run_s` (the program is then compiled apart from running it)."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     _check(m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
-    m = _dropless(m)
     layout = _layout_of(on)
     shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
     rows, width = -(-len(prompts) // shards) * shards, bucket(max(len(p) for p in prompts))
@@ -195,14 +197,23 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
     stops = np.full(MAX_STOP_IDS, -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
     scalar = lambda v, t: _put(np.asarray(v, t), layout, P())
-    out = _compiled(m, dtype, layout, max_new_tokens, keep_logits)(
-        params, _put(tokens, layout, P(BATCH_AXES)), _put(mask, layout, P(BATCH_AXES)), scalar(seed, np.uint32),
-        scalar(temperature, np.float32), scalar(top_k, np.int32), scalar(top_p, np.float32), _put(stops, layout, P()))
+    args = (params, _put(tokens, layout, P(BATCH_AXES)), _put(mask, layout, P(BATCH_AXES)), scalar(seed, np.uint32),
+            scalar(temperature, np.float32), scalar(top_k, np.int32), scalar(top_p, np.float32),
+            _put(stops, layout, P()))
+    program = _compiled(_dropless(m), dtype, layout, max_new_tokens, keep_logits)
+    start = time.perf_counter()
+    if timings is not None:
+        program = program.lower(*args).compile()
+        timings["compile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    if timings is not None:
+        timings["run_s"] = time.perf_counter() - start
     return {k: np.asarray(v.addressable_data(0))[:len(prompts)] for k, v in out.items()}
 
 
 def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, stop_ids=(), seed: int = 0) -> list[Completion]:
+             top_p: float = 1.0, stop_ids=(), seed: int = 0, timings: dict | None = None) -> list[Completion]:
     """New tokens for each prompt (a list of token ids), sampled by the model `cfg.model` with parameters
     `params` in `cfg.precision.compute`, on the mesh of `on` (a Layout, StepFns or Mesh; None: one device)
     where the parameters live as that layout stores them.
@@ -210,10 +221,11 @@ def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temper
     temperature 0 is greedy; top_k 0 and top_p 1 leave the distribution whole. Each completion ends after
     its first stop id (kept) or after max_new_tokens; each token comes with its log-probability under
     log_softmax(logits / temperature) over the whole vocabulary (temperature 1 when greedy). A row's draws
-    depend on the seed and its place in `prompts`, not on the mesh.
+    depend on the seed and its place in `prompts`, not on the mesh. A `timings` dict gets the seconds spent
+    compiling (`compile_s`) and generating (`run_s`).
     """
     out = generate_arrays(params, cfg, prompts, max_new_tokens, on=on, temperature=temperature, top_k=top_k,
-                          top_p=top_p, stop_ids=stop_ids, seed=seed)
+                          top_p=top_p, stop_ids=stop_ids, seed=seed, timings=timings)
     return [Completion(out["tokens"][r, :n], out["logprobs"][r, :n], bool(out["stopped"][r]))
             for r, n in enumerate(out["lengths"])]
 
