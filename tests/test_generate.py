@@ -92,6 +92,18 @@ def test_cached_greedy_equals_the_model_without_a_cache(preset):
     assert (got["lengths"] == NEW).all() and not got["stopped"].any()
 
 
+def test_each_row_stops_after_its_first_stop_id():
+    cfg = config("tiny-llama")
+    params = params_of(cfg)
+    free = generate_arrays(params, cfg, PROMPTS, NEW, temperature=0.0, keep_logits=True)
+    stop = (int(free["tokens"][0, 3]), int(free["tokens"][1, 5]))
+    got = generate_arrays(params, cfg, PROMPTS, NEW, temperature=0.0, keep_logits=True, stop_ids=stop)
+    for r in range(len(PROMPTS)):
+        first = min(i for i, t in enumerate(free["tokens"][r]) if t in stop)
+        assert got["lengths"][r] == first + 1 and got["stopped"][r]
+        np.testing.assert_array_equal(got["tokens"][r, :first + 1], free["tokens"][r, :first + 1])
+
+
 MESHES = {  # name -> (preset, mesh and options)
     "dp2_fsdp2_tp2_zero3": ("tiny-llama", {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3}),
     "ep4_fsdp2_zero3": ("tiny-moe", {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}),

@@ -36,7 +36,7 @@ from jaxllm.generate.cache import generation_layout, init_cache
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView
-from jaxllm.sharding import BATCH_AXES, WEIGHT_RULES, Layout, tree_shardings, use_layout
+from jaxllm.sharding import BATCH_AXES, WEIGHT_RULES, Layout, current_layout, tree_shardings, use_layout
 from jaxllm.models.layers import matmul_precision
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array (padded with -1), so their number compiles nothing
@@ -71,50 +71,70 @@ def _draw(logits, key, step, settings):
     return sample(logits, keys, *settings)
 
 
+class _State(NamedTuple):
+    """What the decode loop carries from one token to the next."""
+
+    step: jax.Array  # the index among the new tokens of `token`
+    token: jax.Array  # [rows] the newest token, fed to the next step
+    cache: list  # the KV cache (cache.py)
+    slot_positions: jax.Array  # [rows, slots] every slot's position and segment id (0: padding or empty)
+    slot_segments: jax.Array
+    done: jax.Array  # [rows] has stopped (or pads the batch)
+    length: jax.Array  # [rows] new tokens to keep: through the first stop id, else all
+    out: dict  # tokens, logprobs [rows, new] (and logits [rows, new, vocab])
+
+
+def _record(state: _State, token, logp, logits, stop_ids) -> _State:
+    """The step's sampled token written out, and whether its row stops here."""
+    i, out = state.step, state.out
+    out = {**out, "tokens": out["tokens"].at[:, i].set(token), "logprobs": out["logprobs"].at[:, i].set(logp)}
+    if "logits" in out:
+        out["logits"] = out["logits"].at[:, i].set(logits)
+    stops = jnp.any(token[:, None] == stop_ids[None, :], axis=-1) & ~state.done
+    return state._replace(token=token, done=state.done | stops, length=jnp.where(stops, i + 1, state.length), out=out)
+
+
+def _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new: int, keep_logits: bool) -> _State:
+    """The prompts through the model into an empty cache, and the first new token sampled."""
+    rows, bucket = prompts.shape
+    layout = current_layout()
+    empty = jnp.zeros((rows, new), jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)  # from the mask: left padding takes none
+    slots = CacheView(None, None, 0, 0, jnp.concatenate([positions, empty], 1), jnp.concatenate([mask, empty], 1))
+    cache = init_cache(m, rows, bucket + new, dtype, {} if layout is None else dict(layout.mesh.shape))
+    logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype)
+    logits = logits[:, -1]  # every prompt's last token is in the last column
+    out = {"tokens": empty, "logprobs": jnp.zeros((rows, new))}
+    if keep_logits:
+        out["logits"] = jnp.zeros((rows, new, logits.shape[-1]))
+    done = jnp.sum(mask, axis=1) == 0  # rows of no prompt pad the batch to the batch shards
+    state = _State(jnp.int32(0), None, cache, slots.positions, slots.segment_ids, done, jnp.full(rows, new), out)
+    return _record(state, *_draw(logits, jax.random.key(seed), 0, settings), logits, stop_ids)
+
+
+def _decode_step(state: _State, p, lengths, key, settings, stop_ids, m, dtype, bucket: int) -> _State:
+    """Feed the newest token at the next slot (position: its row's prompt length + step) and sample the next."""
+    i = state.step + 1
+    one = jnp.ones((state.token.shape[0], 1), jnp.int32)
+    slot, position = bucket + i - 1, (lengths + i - 1)[:, None]
+    slots = CacheView(None, None, 0, slot, jax.lax.dynamic_update_slice(state.slot_positions, position, (0, slot)),
+                      jax.lax.dynamic_update_slice(state.slot_segments, one, (0, slot)))
+    logits, cache = _forward(p, state.cache, state.token[:, None], position, one, slots, m, dtype)
+    state = state._replace(step=i, cache=cache, slot_positions=slots.positions, slot_segments=slots.segment_ids)
+    return _record(state, *_draw(logits[:, 0], key, i, settings), logits[:, 0], stop_ids)
+
+
 def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *, m, dtype, layout, new: int,
              keep_logits: bool):
-    """The compiled generation (see the module docstring): arrays of new tokens, log-probabilities and
-    lengths [rows, new] / [rows] (and the logits of every step with keep_logits)."""
+    """The compiled generation (see the module docstring): new tokens and log-probabilities [rows, new],
+    lengths and stopped [rows] (and every step's logits [rows, new, vocab] with keep_logits)."""
     with matmul_precision(dtype), use_layout(layout):
-        p = _gathered_weights(params, m, dtype, layout)
-        rows, bucket = prompts.shape
-        key, settings = jax.random.key(seed), (temperature, top_k, top_p)
-        lengths = jnp.sum(mask, axis=1)
-        empty = jnp.zeros((rows, new), jnp.int32)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        slot_positions, slot_segments = jnp.concatenate([positions, empty], 1), jnp.concatenate([mask, empty], 1)
-        cache = init_cache(m, rows, bucket + new, dtype, {} if layout is None else dict(layout.mesh.shape))
-        slots = CacheView(None, None, 0, 0, slot_positions, slot_segments)
-        logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype)
-        logits = logits[:, -1]
-        token, logp = _draw(logits, key, 0, settings)
-        out = {"tokens": empty.at[:, 0].set(token), "logprobs": jnp.zeros((rows, new)).at[:, 0].set(logp)}
-        if keep_logits:
-            out["logits"] = jnp.zeros((rows, new, logits.shape[-1])).at[:, 0].set(logits)
-        stops = lambda t: jnp.any(t[:, None] == stop_ids[None, :], axis=-1)
-        done = (lengths == 0) | stops(token)  # rows of no prompt pad the batch to the batch shards
-        length = jnp.where(stops(token), 1, new)
-
-        def step(state):
-            i, token, cache, slot_positions, slot_segments, done, length, out = state
-            slot, position = bucket + i - 1, (lengths + i - 1)[:, None]  # where the newest token goes
-            slot_positions = jax.lax.dynamic_update_slice(slot_positions, position, (0, slot))
-            slot_segments = jax.lax.dynamic_update_slice(slot_segments, jnp.ones((rows, 1), jnp.int32), (0, slot))
-            slots = CacheView(None, None, 0, slot, slot_positions, slot_segments)
-            logits, cache = _forward(p, cache, token[:, None], position, jnp.ones((rows, 1), jnp.int32), slots, m,
-                                     dtype)
-            token, logp = _draw(logits[:, 0], key, i, settings)
-            out = {**out, "tokens": out["tokens"].at[:, i].set(token), "logprobs": out["logprobs"].at[:, i].set(logp)}
-            if keep_logits:
-                out["logits"] = out["logits"].at[:, i].set(logits[:, 0])
-            stopped = stops(token) & ~done
-            return i + 1, token, cache, slot_positions, slot_segments, done | stopped, jnp.where(stopped, i + 1,
-                                                                                                 length), out
-
-        state = (jnp.int32(1), token, cache, slot_positions, slot_segments, done, length, out)
-        state = jax.lax.while_loop(lambda s: (s[0] < new) & ~jnp.all(s[5]), step, state)
-        *_, done, length, out = state
-        out = {**out, "lengths": length, "stopped": done}
+        p, settings = _gathered_weights(params, m, dtype, layout), (temperature, top_k, top_p)
+        state = _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new, keep_logits)
+        step = functools.partial(_decode_step, p=p, lengths=jnp.sum(mask, axis=1), key=jax.random.key(seed),
+                                 settings=settings, stop_ids=stop_ids, m=m, dtype=dtype, bucket=prompts.shape[1])
+        state = jax.lax.while_loop(lambda s: (s.step + 1 < new) & ~jnp.all(s.done), step, state)
+        out = {**state.out, "lengths": state.length, "stopped": state.done}
         if keep_logits:
             out["logits"] = out["logits"][..., :m.vocab_size]
         return out
