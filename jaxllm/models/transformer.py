@@ -7,6 +7,9 @@ rather than by a family name: GPT-2, LLaMA 2/3, Mistral, Qwen2 and Mixtral are s
 - `head_terms(params, x, batch, terms)` -> an objective's (sum, metric sums) from each
   target's log-probability (`head_logp`)
 
+and for generation `cached_blocks`, the whole stack writing into and reading from a KV cache
+(`jaxllm/generate`), with `compute_weights` the parameters as the forward pass reads them.
+
 The pipeline places these on stages, context parallelism feeds reordered positions,
 SFT feeds a loss mask, packing feeds segment ids (all as batch fields, `jaxllm/batch.py`). Parameters are a plain dict tree;
 `param_table` gives every leaf's shape, logical dimension names and initialiser, so
@@ -386,7 +389,7 @@ def compute_weights(params: dict, dtype) -> dict:
 
 
 def logits_at(params: dict, tokens: jax.Array, m: ModelConfig, dtype) -> jax.Array:
-    """Logits for a [batch, seq] buffer of tokens (for sampling)."""
+    """fp32 logits over the padded vocabulary of tokens [batch, seq] at positions 0..seq-1, one segment."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     segment_ids = jnp.ones((b, t), jnp.int32)
