@@ -102,6 +102,26 @@ def test_sharded_source_loads_like_the_single_file(models, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_gpt2_files_without_the_transformer_prefix_load_alike(models, tmp_path):
+    """GPT-2 as first published names its tensors `h.0.attn.c_attn.weight`, ... (no `transformer.`) and
+    has no lm_head: the same tensors under those names load bitwise like transformers' own files."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(models["gpt2"], "config.json"), bare)
+    tensors = load_file(os.path.join(models["gpt2"], hf.SINGLE))
+    assert any(k.startswith("transformer.") for k in tensors)
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if not k.startswith("lm_head.")},
+              str(bare / hf.SINGLE))
+    _, a = hf.load_pretrained(models["gpt2"])
+    _, b = hf.load_pretrained(str(bare))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_export_writes_shards_with_an_index(models, tmp_path):
     cfg, params = hf.load_pretrained(models["mixtral"])
     out = str(tmp_path / "out")
@@ -153,7 +173,8 @@ def test_family_shorthand_fills_features_and_explicit_keys_win():
 @pytest.mark.slow
 def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models, tmp_path):
     """experiments.run's train loop with init.from=hf:DIR on dp2×fsdp2×tp2, ZeRO-3: the first step's loss is
-    transformers' loss on the same batch; tools.hf export of the run loads in transformers with our logits."""
+    transformers' loss on the same batch; tools.hf export of the run loads in transformers with our logits;
+    a run from that run's step 2 (init.from=run:DIR@2, fsdp=8) starts at transformers' loss of the export."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -182,6 +203,17 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
     assert np.abs(our_logits(out) - H.reference_logits(out, TOKENS)).max() <= 1e-4
     assert not os.path.isfile(os.path.join(out, "tokenizer.json"))  # the run used the byte tokenizer
+
+    # init.from = "run:DIR@2" on another mesh (fsdp=8): a new run's first loss is transformers' loss of the
+    # step-2 parameters (the export above) on the same first batch
+    again = {**over, "init.from": f"run:{run_dir}@2", "run.dir": str(tmp_path / "again"), "train.steps": 1,
+             "train.checkpoint_every": 0, "mesh.dp": 1, "mesh.fsdp": 8, "mesh.tp": 1}
+    train(build_config(None, again))
+    first = json.loads(open(tmp_path / "again" / "metrics.jsonl").readline())
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        ref = float(model(input_ids=torch.as_tensor(windows), labels=torch.as_tensor(windows)).loss)
+    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 
 
 @pytest.mark.slow
