@@ -42,6 +42,21 @@ def run(main: Callable[[], object]) -> int:
     return 0
 
 
+# The distributed keys of a command that reads a training run's config: its own processes (from its
+# overrides), not the ones the run trained on.
+OWN_PROCESSES = {"distributed.coordinator_address": "", "distributed.num_processes": 0,
+                 "distributed.process_id": -1, "distributed.auto": False}
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments, with key=value overrides allowed after the options too (all in `overrides`)."""
+    args, extra = parser.parse_known_args(argv)
+    if any("=" not in e or e.startswith("-") for e in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def load_config(args: argparse.Namespace):
     from jaxllm.config import build_config
 

@@ -197,9 +197,14 @@ def replicated_heads(w: jax.Array, names: tuple[str, ...], axis_name: str = "kv_
         return w
     i = names.index(axis_name)
     tp = math.prod(layout.mesh.shape[a] for a in dict(layout.weights)[axis_name])
-    if w.shape[i] >= tp or tp % w.shape[i]:
+    if heads_as_used(w.shape[i], tp) == w.shape[i]:
         return w
     return jnp.repeat(w, tp // w.shape[i], axis=i)
+
+
+def heads_as_used(kv_heads: int, tp: int) -> int:
+    """How many KV heads a tp group uses: fewer than tp (and dividing it) are repeated up to tp."""
+    return tp if kv_heads < tp and tp % kv_heads == 0 else kv_heads
 
 
 def tree_shardings(names_tree, shapes_tree, layout: Layout, rules: Rules):

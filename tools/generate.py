@@ -21,9 +21,6 @@ from jaxllm import cli
 
 log = logging.getLogger("jaxllm")
 
-ALONE = {"distributed.coordinator_address": "", "distributed.num_processes": 0, "distributed.process_id": -1,
-         "distributed.auto": False}  # not the training run's processes: this command's, from the overrides
-
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__.splitlines()[0])
@@ -52,7 +49,7 @@ def load(source: str, step: int | None, overrides: list[str]):
     from jaxllm.train.loop import resolve
     from tools.hf import step_fns_for
 
-    given = {**ALONE, **parse_overrides(list(overrides))}
+    given = {**cli.OWN_PROCESSES, **parse_overrides(list(overrides))}
     if source.startswith("hf:"):
         cfg = hf.config_for(source[3:], {"data.tokenizer": source, **given})
     elif os.path.isfile(os.path.join(source, "config.toml")):
@@ -72,31 +69,24 @@ def load(source: str, step: int | None, overrides: list[str]):
 
 
 def run(args) -> None:
-    import numpy as np
-
     from jaxllm.generate import generate
+    from jaxllm.train.loop import completion_text
 
     cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
     prompts = [list(tokenizer.encode(p)) or [tokenizer.eot] for p in args.prompt]
-    stops = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eot,)))
     timings = {}
     done = generate(params, cfg, prompts, args.max_new_tokens, on=fns, temperature=0.0 if args.greedy else
-                    args.temperature, top_k=args.top_k, top_p=args.top_p, stop_ids=stops, seed=args.seed,
+                    args.temperature, top_k=args.top_k, top_p=args.top_p, stop_ids=tokenizer.stop_ids, seed=args.seed,
                     timings=timings)
     for ids, c in zip(prompts, done):
-        new = [t for t in c.tokens.tolist() if t not in stops and t < tokenizer.vocab_size]
-        print(tokenizer.decode(np.asarray(ids + new, np.uint32)))
+        print(completion_text(tokenizer, ids, c.tokens))
     n = sum(len(c.tokens) for c in done)
     log.info("%d new tokens in %.2f s: %.1f tokens/s (compiling took %.1f s)", n, timings["run_s"],
              n / timings["run_s"], timings["compile_s"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args, extra = p.parse_known_args(argv)  # key=value overrides may also follow the options
-    if any("=" not in e or e.startswith("-") for e in extra):
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.overrides = [*args.overrides, *extra]
+    args = cli.parse_with_overrides(parser(), argv)
     return cli.run(lambda: run(args))
 
 

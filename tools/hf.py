@@ -92,10 +92,8 @@ def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | Non
 
     if not os.path.isfile(os.path.join(run_dir, "config.toml")):
         raise ConfigError(f"{run_dir}: no config.toml; give a jaxllm run directory")
-    alone = {"distributed.coordinator_address": "", "distributed.num_processes": 0, "distributed.process_id": -1,
-             "distributed.auto": False}  # not the training run's processes: this command's, from the overrides
     cfg = build_config(os.path.join(run_dir, "config.toml"),
-                       {"run.dir": run_dir, **alone, **parse_overrides(list(overrides))})
+                       {"run.dir": run_dir, **cli.OWN_PROCESSES, **parse_overrides(list(overrides))})
     hf_config.exportable(cfg.model)
     initialize_distributed(cfg.distributed)
     fns = step_fns_for(cfg)
@@ -110,11 +108,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args, extra = p.parse_known_args(argv)  # key=value overrides may also follow the options
-    if any("=" not in e or e.startswith("-") for e in extra):
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.overrides = [*args.overrides, *extra]
+    args = cli.parse_with_overrides(parser(), argv)
     if args.command == "import":
         return cli.run(lambda: import_(args.hf_dir, args.run_dir, args.overrides))
     return cli.run(lambda: export(args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_size,

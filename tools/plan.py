@@ -548,7 +548,7 @@ def generation_theory(cfg, fns) -> dict:
     slots = decode.bucket(prompt) + new
     return {"rows": cfg.train.global_batch, "prompt": prompt, "new": new, "slots": slots,
             "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns),
-            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, dict(fns.layout.mesh.shape))}
+            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, fns)}
 
 
 def resolve(cfg):

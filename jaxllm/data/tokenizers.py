@@ -2,6 +2,7 @@
 tokenizer folder (`hf:DIR`, its tokenizer.json read by the `tokenizers` library, offline).
 
 A tokenizer is a frozen object with `name`, `vocab_size` (real, unpadded), `eot` (end-of-text id),
+`stop_ids` (the ids generation stops at: the end-of-text id, and for `hf:DIR` its eos ids),
 `encode(text) -> np.ndarray` and `decode(ids) -> str`. `encode` adds no EOT (the corpus puts one before
 each document); only an `hf:DIR` tokenizer whose files say so adds a BOS (see HFTokenizer).
 """
@@ -31,6 +32,10 @@ class ByteTokenizer:
     vocab_size: int = 257
     eot: int = 256
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eot,)
+
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
@@ -51,6 +56,10 @@ class TiktokenTokenizer:
     vocab_size: int
     eot: int
     enc: Any = field(repr=False, compare=False)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eot,)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.enc.encode_ordinary(text), dtype=np.uint16 if self.vocab_size <= 65536 else np.uint32)

@@ -8,7 +8,9 @@ KV heads over tp; layers and slots stay whole. Beside them, per slot, its positi
 written, so `ops/attention.py`'s causal-by-position, same-segment mask serves prefill and decode.
 
 Bytes per device: 2 · n_layers · batch/(dp·fsdp·ep) · slots · kv_heads/tp · head_dim · B, B the
-compute dtype's size (`cache_bytes`); kv_heads fewer than tp are repeated up to tp, as the weights are.
+compute dtype's size (`cache_bytes`, read from the layout); kv_heads fewer than tp are repeated up to tp,
+as the weights are (`sharding.heads_as_used`). `layout_for` turns what a caller has (a StepFns, Layout
+or Mesh) into generation's layout.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import math
 
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
+from jaxllm.mesh import batch_shards
 from jaxllm.models.attention import CACHE, head_dim, kv_heads
-from jaxllm.sharding import ACTIVATION_RULES, BATCH_AXES, WEIGHT_RULES, Layout, constrain, with_rule
+from jaxllm.sharding import ACTIVATION_RULES, WEIGHT_RULES, Layout, constrain, heads_as_used, with_rule
 
 
 def generation_layout(layout: Layout) -> Layout:
@@ -29,22 +34,37 @@ def generation_layout(layout: Layout) -> Layout:
     return Layout(mesh=layout.mesh, params=WEIGHT_RULES, activations=activations, weights=WEIGHT_RULES)
 
 
-def cache_heads(m, mesh_shape: dict) -> int:
-    """KV heads as the cache holds them: fewer than tp are repeated up to tp (`sharding.replicated_heads`)."""
-    kv, tp = kv_heads(m), mesh_shape.get("tp", 1)
-    return tp if kv < tp and tp % kv == 0 else kv
+def layout_for(on, as_stored: bool = False) -> Layout | None:
+    """Generation's layout on a Layout, a StepFns (its layout) or a Mesh (parameters stored as used); None:
+    one device, no layout. `as_stored`: the given layout itself (where the parameters live)."""
+    if on is None:
+        return None
+    given = Layout(mesh=on, params=WEIGHT_RULES) if isinstance(on, Mesh) else (
+        on if isinstance(on, Layout) else on.layout)
+    return given if as_stored else generation_layout(given)
 
 
-def init_cache(m, batch: int, slots: int, dtype, mesh_shape: dict) -> list[dict]:
+def padded_rows(rows: int, layout: Layout | None) -> int:
+    """Rows padded to a multiple of the batch shards (dp × fsdp × ep)."""
+    shards = 1 if layout is None else batch_shards(dict(layout.mesh.shape))
+    return -(-rows // shards) * shards
+
+
+def _shape(m, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
+    tp = 1 if layout is None else layout.mesh.shape["tp"]
+    return (m.n_layers // len(m.pattern), rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
+
+
+def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None) -> list[dict]:
     """An empty cache: one {"k", "v"} per block kind, zeros laid out as `CACHE` says."""
-    repeats = m.n_layers // len(m.pattern)
-    shape = (repeats, batch, slots, cache_heads(m, mesh_shape), head_dim(m))
+    shape = _shape(m, rows, slots, layout)
     return [{n: constrain(jnp.zeros(shape, dtype), CACHE) for n in ("k", "v")} for _ in m.pattern]
 
 
-def cache_bytes(m, batch: int, slots: int, dtype, mesh_shape: dict) -> int:
-    """Bytes of the cache on one device (see the module docstring)."""
-    shards = math.prod(mesh_shape.get(a, 1) for a in BATCH_AXES)
-    heads = cache_heads(m, mesh_shape)
-    per_device_heads = heads // mesh_shape.get("tp", 1) if heads % mesh_shape.get("tp", 1) == 0 else heads
-    return 2 * m.n_layers * -(-batch // shards) * slots * per_device_heads * head_dim(m) * jnp.dtype(dtype).itemsize
+def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
+    """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh."""
+    layout = layout_for(on)
+    shape = _shape(m, padded_rows(rows, layout), slots, layout)
+    if layout is not None:
+        shape = layout.sharding(CACHE, layout.activations, shape).shard_shape(shape)
+    return 2 * len(m.pattern) * math.prod(shape) * jnp.dtype(dtype).itemsize

@@ -32,11 +32,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.errors import ConfigError
-from jaxllm.generate.cache import generation_layout, init_cache
+from jaxllm.batch import global_arrays
+from jaxllm.generate.cache import init_cache, layout_for, padded_rows
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView
-from jaxllm.sharding import BATCH_AXES, WEIGHT_RULES, Layout, current_layout, tree_shardings, use_layout
+from jaxllm.sharding import BATCH_AXES, Layout, current_layout, tree_shardings, use_layout
 from jaxllm.models.layers import matmul_precision
 
 MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array (padded with -1), so their number compiles nothing
@@ -97,11 +98,10 @@ def _record(state: _State, token, logp, logits, stop_ids) -> _State:
 def _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new: int, keep_logits: bool) -> _State:
     """The prompts through the model into an empty cache, and the first new token sampled."""
     rows, bucket = prompts.shape
-    layout = current_layout()
     empty = jnp.zeros((rows, new), jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)  # from the mask: left padding takes none
     slots = CacheView(None, None, 0, 0, jnp.concatenate([positions, empty], 1), jnp.concatenate([mask, empty], 1))
-    cache = init_cache(m, rows, bucket + new, dtype, {} if layout is None else dict(layout.mesh.shape))
+    cache = init_cache(m, rows, bucket + new, dtype, current_layout())
     logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype)
     logits = logits[:, -1]  # every prompt's last token is in the last column
     out = {"tokens": empty, "logprobs": jnp.zeros((rows, new))}
@@ -161,16 +161,6 @@ def _dropless(m):
     return dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
 
 
-def _layout_of(on, as_stored: bool = False) -> Layout | None:
-    """Generation's layout on a Layout, a StepFns (its layout) or a Mesh (parameters stored as used); None:
-    one device, no layout. `as_stored`: the given layout itself (where the parameters live)."""
-    if on is None:
-        return None
-    given = Layout(mesh=on, params=WEIGHT_RULES) if isinstance(on, jax.sharding.Mesh) else (
-        on if isinstance(on, Layout) else on.layout)
-    return given if as_stored else generation_layout(given)
-
-
 def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
     """One ConfigError line for what generation cannot do."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -194,10 +184,11 @@ def bucket(longest: int) -> int:
     return max(8, 1 << (longest - 1).bit_length())
 
 
-def _put(a: np.ndarray, layout: Layout | None, spec: P):
+def _put(arrays: dict, layout: Layout | None, spec: P) -> dict:
+    """Host arrays every process holds whole, as global arrays laid out by `spec` (one device: as they are)."""
     if layout is None:
-        return jnp.asarray(a)
-    return jax.make_array_from_callback(a.shape, NamedSharding(layout.mesh, spec), lambda index: a[index])
+        return {k: jnp.asarray(a) for k, a in arrays.items()}
+    return global_arrays(arrays, NamedSharding(layout.mesh, spec))
 
 
 def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0,
@@ -208,18 +199,19 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
     A `timings` dict gets `compile_s` and `run_s` (the program is then compiled apart from running it)."""
     m, dtype = cfg.model, jnp.dtype(cfg.precision.compute)
     _check(m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
-    layout = _layout_of(on)
-    shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
-    rows, width = -(-len(prompts) // shards) * shards, bucket(max(len(p) for p in prompts))
+    layout = layout_for(on)
+    rows, width = padded_rows(len(prompts), layout), bucket(max(len(p) for p in prompts))
     tokens, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
     for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
         tokens[r, width - len(p):], mask[r, width - len(p):] = p, 1
     stops = np.full(MAX_STOP_IDS, -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    scalar = lambda v, t: _put(np.asarray(v, t), layout, P())
-    args = (params, _put(tokens, layout, P(BATCH_AXES)), _put(mask, layout, P(BATCH_AXES)), scalar(seed, np.uint32),
-            scalar(temperature, np.float32), scalar(top_k, np.int32), scalar(top_p, np.float32),
-            _put(stops, layout, P()))
+    rows_in = _put({"tokens": tokens, "mask": mask}, layout, P(BATCH_AXES))
+    whole = _put({"seed": np.asarray(seed, np.uint32), "temperature": np.asarray(temperature, np.float32),
+                  "top_k": np.asarray(top_k, np.int32), "top_p": np.asarray(top_p, np.float32), "stops": stops},
+                 layout, P())
+    args = (params, rows_in["tokens"], rows_in["mask"], whole["seed"], whole["temperature"], whole["top_k"],
+            whole["top_p"], whole["stops"])
     program = _compiled(_dropless(m), dtype, layout, max_new_tokens, keep_logits)
     start = time.perf_counter()
     if timings is not None:
@@ -254,8 +246,8 @@ def weights_copy_bytes(m, dtype, on) -> int:
     """Bytes per device of the weights copy the program makes: the leaves whose compute-dtype layout as used
     differs from how they are stored (`on`'s parameter layout, fp32) — all of them under ZeRO-3 or a
     pipeline, none in fp32 with parameters stored as used."""
-    stored = _layout_of(on, as_stored=True)
-    used = _layout_of(on)
+    stored = layout_for(on, as_stored=True)
+    used = layout_for(on)
     names, shapes = transformer.param_names(m), transformer.param_shapes(m)
     cast = jax.eval_shape(functools.partial(transformer.compute_weights, dtype=dtype), shapes)
     total = 0
@@ -271,9 +263,8 @@ def weights_copy_bytes(m, dtype, on) -> int:
 def lower(cfg, on, abstract_params, rows: int, prompt_len: int, new: int):
     """The generation program for `rows` prompts of `prompt_len` tokens and `new` new ones, lowered without
     data (for `tools.plan`'s compiled memory)."""
-    m, dtype, layout = _dropless(cfg.model), jnp.dtype(cfg.precision.compute), _layout_of(on)
-    shards = 1 if layout is None else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
-    rows, width = -(-rows // shards) * shards, bucket(prompt_len)
+    m, dtype, layout = _dropless(cfg.model), jnp.dtype(cfg.precision.compute), layout_for(on)
+    rows, width = padded_rows(rows, layout), bucket(prompt_len)
     batch = jax.ShapeDtypeStruct((rows, width), jnp.int32,
                                  sharding=None if layout is None else NamedSharding(layout.mesh, P(BATCH_AXES)))
     scalar = lambda t: jax.ShapeDtypeStruct((), t)

@@ -156,12 +156,18 @@ def sample(params, cfg: Config, tokenizer, prompt: str, n_tokens: int, seed: int
         log.info("sample: %d new tokens after a %d-token prompt would pass model.max_positions=%d; generating %d",
                  n_tokens, len(ids), transformer.max_positions(cfg.model), max(room, 0))
         n_tokens = room
-    stops = tuple(getattr(tokenizer, "stop_ids", (tokenizer.eot,)))
     if n_tokens < 1:
         return tokenizer.decode(np.asarray(ids, np.uint32))
-    (done,) = generate(params, cfg, [ids], n_tokens, on=on, temperature=temperature, stop_ids=stops, seed=seed)
-    for t in done.tokens.tolist():
-        if t in stops or t >= tokenizer.vocab_size:
+    (done,) = generate(params, cfg, [ids], n_tokens, on=on, temperature=temperature, stop_ids=tokenizer.stop_ids,
+                       seed=seed)
+    return completion_text(tokenizer, ids, done.tokens)
+
+
+def completion_text(tokenizer, prompt_ids: list[int], tokens) -> str:
+    """The prompt and its new tokens as text, up to the first stop id or token the tokenizer cannot decode."""
+    ids = list(prompt_ids)
+    for t in np.asarray(tokens).tolist():
+        if t in tokenizer.stop_ids or t >= tokenizer.vocab_size:
             break
         ids.append(t)
     return tokenizer.decode(np.asarray(ids, np.uint32))
