@@ -59,6 +59,22 @@ def global_arrays(batch: dict, sharding) -> dict:
     return {k: jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]) for k, a in batch.items()}
 
 
+def from_rows(n_rows: int, seq: int, sharding, build, names=tuple(FIELDS)) -> dict:
+    """Global arrays of a batch whose rows `build(rows: slice) -> {field: [rows, seq] array}` makes: each
+    process builds only the rows its own devices hold, each device block once for every field."""
+    built: dict = {}
+
+    def block(name: str, index: tuple) -> np.ndarray:
+        rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
+        key = (rows.start, rows.stop, rows.step)
+        if key not in built:
+            built[key] = build(rows)
+        return np.ascontiguousarray(built[key][name][:, cols])
+
+    return {name: jax.make_array_from_callback((n_rows, seq), sharding, lambda idx, name=name: block(name, idx))
+            for name in names}
+
+
 def abstract(rows: int, seq: int, sharding, extra: dict | None = None) -> dict:
     """Shapes and dtypes of a batch (for lowering a step without data)."""
     return {k: jax.ShapeDtypeStruct((rows, seq), d, sharding=sharding) for k, d in fields(extra).items()}

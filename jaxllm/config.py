@@ -18,7 +18,7 @@ import os
 import tomllib
 import typing
 
-from jaxllm.data import corpus
+from jaxllm.data import dataset
 from jaxllm.errors import ConfigError
 from jaxllm.interop import hf_config
 from jaxllm.mesh import resolve_mesh_shape
@@ -256,7 +256,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     m, t = cfg.model, cfg.train
     shape = resolve_mesh_shape(cfg.mesh, n_devices)
     notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
-             + step.check_config(cfg, shape) + optimizer.check_config(t) + corpus.check_config(cfg.data))
+             + step.check_config(cfg, shape) + optimizer.check_config(t) + dataset.check_config(cfg))
     _check_loop(t)
     return shape, notes
 

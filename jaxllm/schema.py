@@ -115,6 +115,7 @@ class ModelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 200
+    epochs: int = 0  # fine-tuning examples: passes over the rows; when set it wins over train.steps
     schedule_steps: int = 0  # 0: train.steps
     seed: int = 0
     global_batch: int = 16  # sequences per step
@@ -132,6 +133,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    warmup_ratio: float = 0.0  # > 0: warmup_steps = this share of the schedule
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -153,9 +155,18 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text file | folder | folder or glob of llm.c .bin shards
+    # text: stdlib | text file | folder | folder or glob of llm.c .bin shards; chat, prompt_completion: a JSONL file
+    source: str = "stdlib"
     tokenizer: str = "byte"  # byte | gpt2 | hf:DIR (a Hugging Face tokenizer.json)
-    val_percent: float = 5.0
+    val_percent: float = 5.0  # text: by file or by bytes; examples: by example; 0: no validation
+    format: str = "text"  # text (pre-training) | chat | prompt_completion (fine-tuning examples, one per line)
+    messages_key: str = "messages"  # chat: the key of a line's list of {role, content} messages
+    prompt_key: str = "prompt"  # prompt_completion: strings, or lists of messages
+    completion_key: str = "completion"
+    chat_template: str = ""  # "": the tokenizer's own (hf:DIR) or the built-in one (byte, gpt2) | builtin | a .jinja file
+    loss_on: str = "assistant"  # assistant (the replies, through their end-of-turn token) | all
+    pack: bool = False  # several examples per row (first-fit-decreasing), else one per row
+    truncation: str = "error"  # an example longer than a row: error | drop | truncate (its reply)
 
 
 @dataclass

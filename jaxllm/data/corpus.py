@@ -32,8 +32,8 @@ class Corpus:
 
 
 def _check_val_percent(val_percent: float) -> None:
-    if not 0 < val_percent < 100:
-        raise DataError(f"data.val_percent: must be between 0 and 100, got {val_percent}")
+    if not 0 <= val_percent < 100:
+        raise DataError(f"data.val_percent: must be at least 0 and below 100, got {val_percent}")
 
 
 def check_config(d) -> list[str]:
@@ -64,7 +64,7 @@ def load_corpus(source: str, tokenizer, val_percent: float = 5.0) -> Corpus:
     else:
         raise DataError(f"data.source: no such file or folder {source!r}; {SOURCES_HINT}")
     for name, stream in (("train", corpus.train), ("validation", corpus.val)):
-        if len(stream) < 2:  # one token is just the end-of-text marker: nothing to learn or measure
+        if len(stream) < 2 and (name == "train" or val_percent > 0):  # one token is just the end-of-text marker: nothing to learn or measure
             raise DataError(f"data.source {source!r}: the {name} stream has only {len(stream)} tokens; "
                             "give more text or change data.val_percent")
     return corpus
@@ -127,7 +127,7 @@ def _split_files(root: Path, rels: list[str], tokenizer, val_percent: float, lab
         return _split_text(text.encode("utf-8"), tokenizer, val_percent, f"{label} (one file: {rel})")
     val = [r for r in texts if _is_val(r, val_percent)]
     train = [r for r in texts if not _is_val(r, val_percent)]
-    if not val or not train:  # too few files for the hash to put some on each side
+    if val_percent > 0 and (not val or not train):  # too few files for the hash to put some on each side
         val, train = list(texts)[-1:], list(texts)[:-1]
     note = f", {skipped} empty or non-text skipped" if skipped else ""
     return Corpus(train=_stream([texts[r] for r in train], tokenizer), val=_stream([texts[r] for r in val], tokenizer),
@@ -151,12 +151,14 @@ def _split_text(data: bytes, tokenizer, val_percent: float, label: str) -> Corpu
     line = data.rfind(b"\n", 0, cut)
     if line < 0:
         line = data.find(b"\n", cut)
-    if line >= 0 and line + 1 < len(data):
+    if val_percent == 0:
+        cut = len(data)
+    elif line >= 0 and line + 1 < len(data):
         cut = line + 1
     while 0 < cut < len(data) and data[cut] & 0xC0 == 0x80:  # never cut inside a UTF-8 character
         cut += 1
     train, val = data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
-    return Corpus(train=_stream([train], tokenizer), val=_stream([val], tokenizer), tokenizer=tokenizer,
+    return Corpus(train=_stream([train], tokenizer), val=_stream([val] if val else [], tokenizer), tokenizer=tokenizer,
                   description=f"{label} ({len(train.encode()):,} train / {len(val.encode()):,} val bytes)")
 
 

@@ -8,7 +8,6 @@ A row is a window of seq_len+1 consecutive tokens; a batch is the contract's dic
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from jaxllm import batch as batch_lib
@@ -57,26 +56,6 @@ def _gather(tokens, starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def _array(tokens, starts: np.ndarray, seq_len: int, sharding) -> dict:
-    """The batch's global arrays; each field's callback runs once per local device and reads only the
-    windows of that device's rows."""
-    shape = (len(starts), seq_len)
-    read: dict = {}  # a device block's windows, read once for both inputs and targets
-
-    def windows(rows: slice) -> np.ndarray:
-        key = (rows.start, rows.stop, rows.step)
-        if key not in read:
-            read[key] = _gather(tokens, starts[rows], np.arange(seq_len + 1))
-        return read[key]
-
-    def field(name: str) -> jax.Array:
-        def block(index: tuple) -> np.ndarray:
-            rows, cols = tuple(index) + (slice(None),) * (2 - len(index))
-            if name in ("inputs", "targets"):
-                rows_windows = windows(rows)
-            else:  # positions, segment ids and the loss mask do not depend on the tokens: read none
-                rows_windows = np.zeros((len(starts[rows]), seq_len + 1), np.int32)
-            return np.ascontiguousarray(batch_lib.from_windows(rows_windows)[name][:, cols])
-
-        return jax.make_array_from_callback(shape, sharding, block)
-
-    return {name: field(name) for name in batch_lib.FIELDS}
+    """The batch's global arrays; each device block reads only its own rows' windows."""
+    build = lambda rows: batch_lib.from_windows(_gather(tokens, starts[rows], np.arange(seq_len + 1)))
+    return batch_lib.from_rows(len(starts), seq_len, sharding, build)

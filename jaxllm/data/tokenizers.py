@@ -3,7 +3,10 @@ tokenizer folder (`hf:DIR`, its tokenizer.json read by the `tokenizers` library,
 
 A tokenizer is a frozen object with `name`, `vocab_size` (real, unpadded), `eot` (end-of-text id),
 `stop_ids` (the ids generation stops at: the end-of-text id, and for `hf:DIR` its eos ids),
-`encode(text) -> np.ndarray` and `decode(ids) -> str`. `encode` adds no EOT (the corpus puts one before
+`encode(text) -> np.ndarray`, `decode(ids) -> str`, and `encode_chat(text) -> (ids, starts, ends)` for the
+text a chat template renders: special-token strings become their ids (for byte and GPT-2, the
+end-of-text string '<|endoftext|>'), nothing is added, and each token comes with the characters it
+covers, so a mask over characters becomes a mask over tokens. `encode` adds no EOT (the corpus puts one before
 each document); only an `hf:DIR` tokenizer whose files say so adds a BOS (see HFTokenizer).
 """
 
@@ -24,6 +27,27 @@ from jaxllm.errors import DataError
 EOT_TEXT = "<|endoftext|>"  # how decode() renders the end-of-text token, as tiktoken does
 
 
+def _byte_offsets(text: str):
+    """UTF-8 bytes as ids, each with the (start, end) characters of the character it belongs to."""
+    data = text.encode("utf-8")
+    char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+    return list(data), char_of_byte, char_of_byte + 1
+
+
+def _split_on_eot(text: str, eot: int, encode) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`encode_chat` for a tokenizer whose text has no special tokens: the end-of-text text (EOT_TEXT, as a
+    chat template writes it) becomes the `eot` id; `encode(piece) -> (ids, starts, ends)` does the rest."""
+    ids, starts, ends, at = [], [], [], 0
+    for i, piece in enumerate(text.split(EOT_TEXT)):
+        if i:
+            ids.append(eot), starts.append(at), ends.append(at + len(EOT_TEXT))
+            at += len(EOT_TEXT)
+        p_ids, p_starts, p_ends = encode(piece)
+        ids.extend(p_ids), starts.extend(np.asarray(p_starts) + at), ends.extend(np.asarray(p_ends) + at)
+        at += len(piece)
+    return np.asarray(ids, np.int64), np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+
+
 @dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes are the ids 0..255; 256 marks end of text. Needs no files, so it works anywhere."""
@@ -38,6 +62,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_chat(self, text: str):
+        return _split_on_eot(text, self.eot, _byte_offsets)
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64).ravel()
@@ -63,6 +90,14 @@ class TiktokenTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.enc.encode_ordinary(text), dtype=np.uint16 if self.vocab_size <= 65536 else np.uint32)
+
+    def encode_chat(self, text: str):
+        def pieces(part: str):
+            ids = self.enc.encode_ordinary(part)
+            _, starts = self.enc.decode_with_offsets(ids)
+            return ids, starts, starts[1:] + [len(part)]
+
+        return _split_on_eot(text, self.eot, pieces)
 
     def decode(self, ids) -> str:
         return self.enc.decode([int(i) for i in np.asarray(ids).ravel()], errors="replace")
@@ -172,6 +207,8 @@ class HFTokenizer:
     stop_ids: tuple[int, ...]
     source_dir: str
     add_bos: bool
+    special_texts: dict = field(default_factory=dict, repr=False, compare=False)  # bos_token -> its text, ...
+    chat_template: str | None = field(default=None, repr=False)
     clean_up_spaces: bool = field(default=False, repr=False)
     tok: Any = field(default=None, repr=False, compare=False)
 
@@ -180,6 +217,11 @@ class HFTokenizer:
         if self.add_bos and len(ids) > 1 and ids[0] == ids[1] == self.bos:  # the text brought its own BOS
             ids = ids[1:]
         return np.asarray(ids, dtype=np.uint16 if self.vocab_size <= 65536 else np.uint32)
+
+    def encode_chat(self, text: str):
+        enc = self.tok.encode(text, add_special_tokens=False)  # as apply_chat_template tokenizes
+        return (np.asarray(enc.ids, np.int64), np.asarray([o[0] for o in enc.offsets], np.int64),
+                np.asarray([o[1] for o in enc.offsets], np.int64))
 
     def decode(self, ids) -> str:
         text = self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
@@ -304,7 +346,24 @@ def _hf(name: str) -> HFTokenizer:
     add_bos = bos is not None and len(marked) > len(plain) and marked[:1] == [bos] and plain[:1] != [bos]
     clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and type(tok.model).__name__ != "BPE"
     return HFTokenizer(name=name, vocab_size=vocab_size, eot=stops[0], bos=bos, stop_ids=tuple(stops),
-                       source_dir=str(folder.resolve()), add_bos=add_bos, clean_up_spaces=clean_up, tok=tok)
+                       source_dir=str(folder.resolve()), add_bos=add_bos, special_texts=texts,
+                       chat_template=_chat_template(where, folder, config), clean_up_spaces=clean_up, tok=tok)
+
+
+def _chat_template(where: str, folder: Path, config: dict) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of named ones
+    whose "default" is used), else None."""
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+        if value is None:
+            raise DataError(f"{where}: tokenizer_config.json's chat_template lists {sorted(map(str, named))} and "
+                            "no 'default'; set data.chat_template to the .jinja file of the one to use")
+    return value if isinstance(value, str) and value else None
 
 
 TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}

@@ -22,6 +22,7 @@ import numpy as np
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
+from jaxllm.data import dataset
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.generate import generate
 from jaxllm.interop import hf
@@ -54,14 +55,13 @@ def resolve(cfg: Config):
 
 
 def prepare(cfg: Config):
-    """`resolve`, then load the data: (tokenizer, mesh shape, notes, corpus)."""
+    """`resolve`, then load the data (`data/dataset.py`) and fix the steps it decides (train.epochs,
+    train.warmup_ratio): (tokenizer, mesh shape, notes, data)."""
     tokenizer, shape, notes = resolve(cfg)
-    corpus = data_lib.load_corpus(cfg.data.source, tokenizer, cfg.data.val_percent)
-    for name, stream in (("train", corpus.train), ("validation", corpus.val)):
-        if len(stream) < cfg.model.seq_len + 1:
-            raise ConfigError(f"data.source {cfg.data.source!r}: the {name} split has {len(stream)} tokens, fewer than "
-                              f"model.seq_len+1={cfg.model.seq_len + 1}; use more data or a shorter model.seq_len")
-    return tokenizer, shape, notes, corpus
+    data = dataset.load(cfg, tokenizer)
+    notes = notes + dataset.resolve_schedule(cfg, data)
+    validate(cfg, jax.device_count())  # the steps may have changed
+    return tokenizer, shape, notes, data
 
 
 def _check_run_dir(cfg: Config) -> bool:
@@ -173,11 +173,11 @@ def completion_text(tokenizer, prompt_ids: list[int], tokens) -> str:
     return tokenizer.decode(np.asarray(ids, np.uint32))
 
 
-def _log_setup(cfg: Config, shape: dict, notes: list[str], corpus, fns) -> None:
+def _log_setup(cfg: Config, shape: dict, notes: list[str], data, fns) -> None:
     t = cfg.train
     mesh_desc = " ".join(f"{a}={n}" for a, n in shape.items() if n > 1) or "1 device"
     log.info("mesh: %s over %d %s device(s); %s", mesh_desc, jax.device_count(), jax.devices()[0].platform,
-             corpus.description)
+             data.description)
     for note in notes:
         log.info(note)
     log.info("model: %s, %.2fM parameters; zero_stage=%d, microbatches=%d, compute %s", cfg.model.family,
@@ -195,7 +195,7 @@ class _Run:
     newest checkpoint whose loss and gradient norm were finite."""
     cfg: Config
     fns: object
-    corpus: object
+    data: object
     step_fn: object
     eval_fn: object
     mngr: object = None
@@ -211,13 +211,14 @@ def _show(run: _Run, msg: str) -> None:
     run.bar.write(msg) if run.bar else log.info(msg)
 
 
-def _metrics_row(run: _Run, step: int, metrics, dt: float) -> dict:
-    """The logged row of one step, from its metrics on the host."""
+def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int) -> dict:
+    """The logged row of one step, from its metrics on the host (padding_frac: over the steps after `since`)."""
     cfg = run.cfg
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-           "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak)}
+           "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak),
+           "padding_frac": run.data.padding_frac(range(since, step))}
     row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_") and k != "moe_load"})
     # each expert's share of the routed pairs, one column per expert
     row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
@@ -231,6 +232,8 @@ def _write_row(run: _Run, row: dict) -> None:
     run.writer.write(row)
     msg = (f"step {row['step']:>6} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
            f"{row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.0f} ms | mfu {row['mfu'] * 100:.1f}%")
+    if row["padding_frac"]:
+        msg += f" | padding {row['padding_frac'] * 100:.0f}%"
     if "moe_balance" in row:
         msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
                 f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
@@ -249,10 +252,9 @@ def _check_finite(run: _Run, row: dict) -> None:
 
 
 def _evaluate(run: _Run, params) -> float:
-    t, total, count = run.cfg.train, 0.0, 0.0
-    for i in range(t.eval_batches):
-        vb = data_lib.eval_batch(run.corpus.val, i, t.eval_batches, t.global_batch, run.cfg.model.seq_len,
-                                 run.fns.batch_sharding)
+    """The objective over the validation batches: their summed terms over their summed count."""
+    total, count = 0.0, 0.0
+    for vb in run.data.eval_batches(run.fns.batch_sharding):
         s, c = run.eval_fn(params, vb)
         total, count = total + float(s), count + float(c)
     return total / count
@@ -269,9 +271,7 @@ def _save(run: _Run, step: int, state) -> None:
 
 
 def _batch(run: _Run, step: int):
-    t = run.cfg.train
-    return data_lib.global_batch(run.corpus.train, t.seed, step, t.global_batch, run.cfg.model.seq_len,
-                                 run.fns.batch_sharding)
+    return run.data.train_batch(step, run.fns.batch_sharding)
 
 
 def _train_steps(run: _Run, state, start: int, should_stop):
@@ -288,12 +288,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
             now = time.time()
-            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step))
+            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step), mark_step)
             if logging_now:
                 mark_time, mark_step = now, step
                 _write_row(run, row)
             _check_finite(run, row)
-        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+        if run.eval_fn is not None and (step % t.eval_every == 0 or step == t.steps):
             run.last["val_loss"] = _evaluate(run, state.params)
             if run.writer:
                 run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
@@ -316,7 +316,8 @@ def _compile(cfg: Config, fns, state, batch):
     t0 = time.time()
     with faults.compiling():
         step_fn = fns.train_step.lower(state, batch).compile()
-        eval_fn = fns.eval_loss.lower(state.params, batch).compile() if cfg.train.eval_every else None
+        evaluating = cfg.train.eval_every and cfg.data.val_percent > 0
+        eval_fn = fns.eval_loss.lower(state.params, batch).compile() if evaluating else None
     log.info("compiled the train step in %.1f s", time.time() - t0)
     return step_fn, eval_fn
 
@@ -324,7 +325,7 @@ def _compile(cfg: Config, fns, state, batch):
 def train(cfg: Config) -> dict:
     """Run training as configured. Returns a summary (final losses, run dir, ...)."""
     initialize_distributed(cfg.distributed)
-    tokenizer, shape, notes, corpus = prepare(cfg)
+    tokenizer, shape, notes, data = prepare(cfg)
     if not cfg.run.dir and jax.process_count() > 1:
         raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
@@ -343,12 +344,11 @@ def train(cfg: Config) -> dict:
             f.write(to_toml(cfg))
         if t.resume:  # the steps after the restored one are trained (and logged) again
             metrics_lib.keep_rows_through(cfg.run.dir, start)
-    _log_setup(cfg, shape, notes, corpus, fns)
+    _log_setup(cfg, shape, notes, data, fns)
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
-        run = _Run(cfg, fns, corpus, *_compile(cfg, fns, state, data_lib.global_batch(
-            corpus.train, t.seed, start, t.global_batch, cfg.model.seq_len, fns.batch_sharding)))
+        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data.train_batch(start, fns.batch_sharding)))
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
         if lead:
