@@ -32,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens only (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this mass only (1: off)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest; 0: the "
+                   "parameters it started from)")
     p.add_argument("overrides", nargs="*", help="run keys, e.g. mesh.tp=2 precision.compute=float32")
     return p
 
@@ -46,7 +47,7 @@ def load(source: str, step: int | None, overrides: list[str]):
     from jaxllm.interop import hf
     from jaxllm.mesh import initialize_distributed
     from jaxllm.train import checkpoint as ckpt
-    from jaxllm.train.loop import resolve
+    from jaxllm.train.loop import initial_state, resolve
     from tools.hf import step_fns_for
 
     given = {**cli.OWN_PROCESSES, **parse_overrides(list(overrides))}
@@ -61,6 +62,8 @@ def load(source: str, step: int | None, overrides: list[str]):
     fns = step_fns_for(cfg)
     if source.startswith("hf:"):
         params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
+    elif step == 0:  # the run's starting parameters: its init.from, or its seed's random ones
+        params = initial_state(cfg, fns).params
     else:
         params = ckpt.read_params(source, step, fns.abstract_state.params)
     log.info("model from %s on %d %s device(s), compute %s", source, jax.device_count(), jax.devices()[0].platform,

@@ -96,9 +96,31 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
                     "messages; fix the line")
 
 
-def read_examples(path: str, d, tokenizer, template) -> list[Example]:
-    """Every line of a JSONL file as an Example (blank lines skipped); DataError for a bad line."""
-    examples = []
+def prompt_and_reply(obj, where: str, d, template, tokenizer) -> tuple[np.ndarray, str]:
+    """A line as a generation request: (prompt ids, ending where the reply starts; the reply's text).
+    chat: the messages before the last, which must be the assistant's, with the generation prompt;
+    prompt_completion: the prompt, and the completion (a string, or one assistant message)."""
+    if d.format == "chat":
+        messages = _messages(obj.get(d.messages_key) if isinstance(obj, dict) else None, where, f"'{d.messages_key}'")
+        prompt, reply = messages[:-1], messages[-1]
+    else:
+        if not isinstance(obj, dict) or d.prompt_key not in obj or d.completion_key not in obj:
+            raise DataError(f"{where}: needs '{d.prompt_key}' and '{d.completion_key}'; fix the line")
+        prompt, reply = obj[d.prompt_key], obj[d.completion_key]
+        if isinstance(prompt, str) and isinstance(reply, str):
+            ids, _, _ = tokenizer.encode_chat(prompt)
+            bos = [tokenizer.bos] if getattr(tokenizer, "add_bos", False) else []
+            return np.concatenate([np.asarray(bos, np.int64), ids]), reply
+        prompt = _messages(prompt, where, f"'{d.prompt_key}'")
+        reply = _messages(reply, where, f"'{d.completion_key}'")[-1]
+    if reply["role"] != "assistant":
+        raise DataError(f"{where}: the last message is the {reply['role']}'s, not the assistant's reply to compare")
+    ids, _, _ = tokenizer.encode_chat(chat.render(template(), prompt, add_generation_prompt=True)[0])
+    return ids, reply["content"]
+
+
+def read_lines(path: str):
+    """(where, line number, line, JSON object) for each non-blank line of a JSONL file; DataError for an unreadable one."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -109,17 +131,23 @@ def read_examples(path: str, d, tokenizer, template) -> list[Example]:
                 continue
             where = f"data.source {path} line {number}"
             try:
-                obj = json.loads(line)
+                yield where, number, line.strip(), json.loads(line)
             except ValueError as e:
                 raise DataError(f"{where}: not valid JSON ({e}); fix the line") from None
-            ids, learn = parse_line(obj, where, d, template, tokenizer)
-            if d.loss_on == "all":
-                learn = np.ones(len(ids), bool)
-            learn[:1] = False  # nothing predicts the first token
-            if not learn.any():
-                raise DataError(f"{where}: no token to learn (the {d.format} example has no assistant reply the "
-                                "template marks); fix the line or the template")
-            examples.append(Example(np.asarray(ids, np.int32), learn, number, line.strip()))
+
+
+def read_examples(path: str, d, tokenizer, template) -> list[Example]:
+    """Every line of a JSONL file as an Example (blank lines skipped); DataError for a bad line."""
+    examples = []
+    for where, number, line, obj in read_lines(path):
+        ids, learn = parse_line(obj, where, d, template, tokenizer)
+        if d.loss_on == "all":
+            learn = np.ones(len(ids), bool)
+        learn[:1] = False  # nothing predicts the first token
+        if not learn.any():
+            raise DataError(f"{where}: no token to learn (the {d.format} example has no assistant reply the "
+                            "template marks); fix the line or the template")
+        examples.append(Example(np.asarray(ids, np.int32), learn, number, line))
     if not examples:
         raise DataError(f"data.source: '{path}' holds no examples; give a JSONL file with one example per line")
     return examples
