@@ -112,7 +112,7 @@ def load(cfg, tokenizer):
         return TextData(corpus, t.seed, t.global_batch, seq, t.eval_batches)
     template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer))  # read when a line needs it
     every = examples_lib.read_examples(d.source, d, tokenizer, template)
-    kept, truncated, dropped = examples_lib.fit(every, seq, d.truncation)
+    kept, truncated, dropped = examples_lib.fit(every, seq, d.truncation, d.source)
     if not kept:
         raise DataError(f"data.source {d.source}: no example fits model.seq_len={seq}; raise model.seq_len")
     train, val = examples_lib.split(kept, d.val_percent)

@@ -153,7 +153,7 @@ def read_examples(path: str, d, tokenizer, template) -> list[Example]:
     return examples
 
 
-def fit(examples: list[Example], seq_len: int, truncation: str) -> tuple[list[Example], int, int]:
+def fit(examples: list[Example], seq_len: int, truncation: str, source: str = "") -> tuple[list[Example], int, int]:
     """Examples that fit a row (n tokens make n-1 positions, so at most seq_len+1 tokens):
     (kept, truncated, dropped). `truncate` cuts the reply; an example with nothing left to learn is dropped."""
     kept, truncated, dropped = [], 0, 0
@@ -162,7 +162,7 @@ def fit(examples: list[Example], seq_len: int, truncation: str) -> tuple[list[Ex
             kept.append(ex)
             continue
         if truncation == "error":
-            raise DataError(f"data.source line {ex.line}: {len(ex.ids)} tokens, more than model.seq_len+1 = "
+            raise DataError(f"data.source {source} line {ex.line}: {len(ex.ids)} tokens, more than model.seq_len+1 = "
                             f"{seq_len + 1}; raise model.seq_len, or set data.truncation to drop or truncate")
         cut = Example(ex.ids[:seq_len + 1], ex.learn[:seq_len + 1], ex.line, ex.key)
         if truncation == "truncate" and cut.learn.any():
