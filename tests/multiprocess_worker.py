@@ -1,6 +1,6 @@
 """One process of the multi-process loader check in tests/test_multiprocess.py.
 
-    python tests/multiprocess_worker.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID
+    python tests/multiprocess_worker.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID CHATS_JSONL
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 in each process. Joins
 jax.distributed, builds the (dp=2, fsdp=4) mesh with jaxllm.mesh.make_mesh and loads
@@ -9,8 +9,10 @@ position it is asked for. Asserts that this process reads exactly the token wind
 the rows its own devices hold (also on a hybrid mesh whose dp axis spans the
 processes, as across nodes), nothing of the other process's rows, that each
 local shard equals the numpy reference, and that the assembled global array (summed across
-processes by a jitted reduction) equals the reference. Prints one JSON line with what it saw;
-exits non-zero on any failed check.
+processes by a jitted reduction) equals the reference. Then the fine-tuning rows of CHATS_JSONL
+(packed): this process builds the same rows as any other, builds only the batch rows its devices
+hold, and each local shard is the reference. Prints one JSON line with what it saw; exits non-zero
+on any failed check.
 """
 
 from __future__ import annotations
@@ -86,6 +88,37 @@ def check(tokens: np.ndarray, sharding, step: int) -> dict:
     return {"rows": own_rows, "n_cells": len(cells), "n_reads": len(spy.read)}
 
 
+def check_sft(chats: str, sharding) -> dict:
+    from jaxllm.config import build_config
+    from jaxllm.data import dataset, packing
+    from jaxllm.data.tokenizers import get_tokenizer
+
+    cfg = build_config(None, {"data.format": "chat", "data.source": chats, "data.pack": True, "data.val_percent": 0,
+                              "model.seq_len": 64, "train.global_batch": GLOBAL_BATCH, "train.seed": SEED})
+    data = dataset.load(cfg, get_tokenizer("byte"))
+    built: list[int] = []
+    build = packing.build
+
+    def spy(rows, which):  # records the rows this process builds
+        built.extend(int(r) for r in which)
+        return build(rows, which)
+
+    packing.build = spy
+    try:
+        batch = data.train_batch(1, sharding)
+    finally:
+        packing.build = build
+    which = packing.step_rows(len(data.train), GLOBAL_BATCH, SEED, 1)
+    reference = build(data.train, which)
+    own = sorted({r for index in sharding.addressable_devices_indices_map((GLOBAL_BATCH, 64)).values()
+                  for r in _slice_range(index[0], GLOBAL_BATCH)})
+    assert sorted(set(built)) == sorted({int(which[r]) for r in own}), (built, own)
+    for name, arr in batch.items():
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), reference[name][shard.index])
+    return {"members": data.train.members, "rows": own}
+
+
 def main(argv: list[str]) -> int:
     address, num_processes, process_id = argv[0], int(argv[1]), int(argv[2])
     initialize_distributed(DistributedConfig(coordinator_address=address, num_processes=num_processes,
@@ -113,6 +146,7 @@ def main(argv: list[str]) -> int:
     for i in range(2):
         assert (owners[:, i] == i).all(), owners
     out["hybrid"] = check(tokens, NamedSharding(hybrid, P(BATCH_AXES)), 3)
+    out["sft"] = check_sft(argv[3], NamedSharding(mesh, P(BATCH_AXES)))
     print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
     return 0

@@ -191,7 +191,16 @@ def test_bad_sources(tmp_path):
     with pytest.raises(DataError, match="stream has only"):
         load_corpus(str(tmp_path / "tiny.txt"), BYTE)
     with pytest.raises(DataError, match="val_percent"):
-        load_corpus(str(tmp_path / "tiny.txt"), BYTE, val_percent=0)
+        load_corpus(str(tmp_path / "tiny.txt"), BYTE, val_percent=100)
+
+
+def test_val_percent_zero_keeps_every_text_for_training(tmp_path):
+    (tmp_path / "a.txt").write_text("abc\n" * 50)
+    (tmp_path / "b.txt").write_text("xyz\n" * 50)
+    for source in (tmp_path / "a.txt", tmp_path):
+        corpus = load_corpus(str(source), BYTE, val_percent=0)
+        assert len(corpus.val) == 0 and sorted(BYTE.decode(corpus.train).split(EOT)[1:]) == sorted(
+            p.read_text() for p in ([source] if source.is_file() else [tmp_path / "a.txt", tmp_path / "b.txt"]))
 
 
 # ---------------------------------------------------------------- tools/prepare_data

@@ -204,11 +204,17 @@ def test_two_processes_resume_from_their_checkpoint(runs):
 
 
 def test_each_process_reads_only_its_rows(tmp_path):
+    """Pre-training windows and fine-tuning rows: each process reads only its own; both processes build the
+    same fine-tuning rows as this one process does."""
+    from test_sft import conversations
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(60)))
     procs = Procs(tmp_path)
     address = f"127.0.0.1:{_free_port()}"
     for pid in (0, 1):
-        procs.start(f"worker{pid}", [str(REPO / "tests" / "multiprocess_worker.py"), address, "2", str(pid)],
-                    n_devices=4)
+        procs.start(f"worker{pid}", [str(REPO / "tests" / "multiprocess_worker.py"), address, "2", str(pid),
+                                     str(chats)], n_devices=4)
     procs.wait(timeout=120)
     results = []
     for pid in (0, 1):
@@ -224,6 +230,11 @@ def test_each_process_reads_only_its_rows(tmp_path):
             assert layout["n_reads"] <= len(want_rows) * 33  # the 33-token windows of its own rows, no more
         # Rows split over dp×fsdp: this process's 8 rows of 32 positions per field.
         assert all(b["n_cells"] == 8 * 32 for b in res["batch"]), res
+        assert res["sft"]["rows"] == want_rows
+    from test_sft import sft_data
+    one_process = sft_data(tmp_path, pack=True, chats=conversations(60),
+                           **{"train.seed": 7, "model.seq_len": 64}).train.members
+    assert results[0]["sft"]["members"] == results[1]["sft"]["members"] == one_process
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(runs, tmp_path):

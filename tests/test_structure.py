@@ -133,7 +133,8 @@ def test_building_an_fp32_step_leaves_the_global_matmul_precision_alone():
 
 # Every config key. Adding or removing one is a change to this list, seen in review.
 CONFIG_KEYS = """
-data.source data.tokenizer data.val_percent
+data.chat_template data.completion_key data.format data.loss_on data.messages_key data.pack data.prompt_key
+data.source data.tokenizer data.truncation data.val_percent
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
 init.from_
 mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp
@@ -151,8 +152,8 @@ run.dir run.progress run.sample_prompt run.sample_tokens
 train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.loss_chunk train.lr train.microbatches
 train.min_lr_ratio train.momentum train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
-train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_steps
-train.weight_decay train.zero_stage
+train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
+train.warmup_steps train.weight_decay train.zero_stage
 """.split()
 
 

@@ -54,9 +54,18 @@ def requests(cfg, tokenizer, path: str, limit: int) -> tuple[list, list]:
 
 def accuracy(cfg, tokenizer, fns, params, prompts, replies, max_new_tokens: int, batch: int) -> tuple[int, list]:
     """(matches, generated texts)."""
+    from jaxllm.errors import DataError
     from jaxllm.generate import generate
+    from jaxllm.models import transformer
     from jaxllm.train.loop import completion_text
 
+    room = transformer.max_positions(cfg.model) - max(len(p) for p in prompts)
+    if room < 1:
+        raise DataError(f"--data: a prompt of {max(len(p) for p in prompts)} tokens leaves no room in the model's "
+                        f"{transformer.max_positions(cfg.model)} positions; shorten the prompts")
+    if max_new_tokens > room:
+        log.info("the longest prompt leaves room for %d new tokens (model.max_positions); generating that many", room)
+        max_new_tokens = room
     texts = []
     for i in range(0, len(prompts), batch):
         done = generate(params, cfg, prompts[i:i + batch], max_new_tokens, on=fns, temperature=0.0,
