@@ -285,3 +285,44 @@ def test_config_checks(tmp_path):
         cfg = build_config(None, {"data.format": "chat", "data.source": path, **over})
         with pytest.raises(UserError, match=problem):
             dataset.check_config(cfg)
+
+
+def test_a_tiktoken_tokenizer_masks_the_same_replies():
+    """The GPT-2 path (a tiktoken encoding; GPT-2's own files are not on this machine, so a small one with
+    multi-byte merges): the learned tokens decode to exactly each reply and its end-of-text."""
+    import tiktoken
+
+    from jaxllm.data.tokenizers import TiktokenTokenizer
+
+    ranks = {bytes([i]): i for i in range(256)}
+    for merged in (b"As", b"Ass", b"st", b"an", b"ant", b": ", b"He", b"ll", b"llo", b"\nA"):
+        ranks[merged] = len(ranks)
+    enc = tiktoken.Encoding("small", pat_str=r"""'s|'t| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+                            mergeable_ranks=ranks, special_tokens={EOT_TEXT: len(ranks)})
+    tok = TiktokenTokenizer(name="small", vocab_size=enc.n_vocab, eot=len(ranks), enc=enc)
+    conv = CONVERSATIONS[1]
+    ids, starts, ends = tok.encode_chat(chat.render(chat.load_template("", tok), conv)[0])
+    assert any(len(enc.decode_single_token_bytes(int(i))) > 1 for i in ids if i != tok.eot)  # merges happened
+    from jaxllm.data.examples import _chat_example
+
+    ids, learn = _chat_example(conv, 0, lambda: chat.load_template("", tok), tok)
+    pieces = np.split(ids[learn], np.flatnonzero(ids[learn] == tok.eot)[:-1] + 1)
+    assert [tok.decode(p[:-1]) for p in pieces] == ["Hello!\nHow can I help?", " 4 5 6 "]
+    assert all(p[-1] == tok.eot for p in pieces)
+
+
+def test_the_template_file_wins_and_a_list_of_templates_uses_default(chatml_tokenizer, tmp_path):
+    folder = tmp_path / "tok"
+    shutil.copytree(chatml_tokenizer, folder)
+    assert get_tokenizer(f"hf:{folder}").chat_template == (TEMPLATES / "chatml.jinja").read_text()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "y"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert get_tokenizer(f"hf:{folder}").chat_template == "y"
+    (folder / "chat_template.jinja").write_text("z")
+    assert get_tokenizer(f"hf:{folder}").chat_template == "z"
+    config["chat_template"] = [{"name": "tool_use", "template": "x"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(DataError, match="no 'default'"):
+        get_tokenizer(f"hf:{folder}")

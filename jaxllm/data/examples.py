@@ -18,6 +18,7 @@ is an error naming the file, the line and what is wrong.
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,8 +177,6 @@ def fit(examples: list[Example], seq_len: int, truncation: str, source: str = ""
 def split(examples: list[Example], val_percent: float) -> tuple[list[Example], list[Example]]:
     """(train, validation) by a hash of each line: the same on every machine, seed and process; at least one
     validation example when val_percent > 0 and there are two or more."""
-    import zlib
-
     if val_percent == 0:
         return examples, []
     is_val = [zlib.crc32(ex.key.encode("utf-8")) % 10000 < val_percent * 100 for ex in examples]

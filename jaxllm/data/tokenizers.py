@@ -95,7 +95,7 @@ class TiktokenTokenizer:
         def pieces(part: str):
             ids = self.enc.encode_ordinary(part)
             _, starts = self.enc.decode_with_offsets(ids)
-            return ids, starts, starts[1:] + [len(part)]
+            return ids, starts, (starts[1:] + [len(part)]) if ids else []
 
         return _split_on_eot(text, self.eot, pieces)
 
