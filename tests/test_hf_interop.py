@@ -189,7 +189,7 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
             "run.progress": False, "data.source": "stdlib"}
     train(build_config(None, over))
     cfg = build_config(None, over)
-    _, _, _, corpus = prepare(cfg)
+    corpus = prepare(cfg)[3].corpus
     starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)  # step 0's batch
     windows = np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts])
     first = json.loads(open(os.path.join(run_dir, "metrics.jsonl")).readline())
