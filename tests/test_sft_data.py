@@ -273,6 +273,9 @@ def test_validation_split_is_by_example_and_zero_means_none(tmp_path):
     assert 20 < len(val) < 60 and len(train) + len(val) == 400
     assert [e.line for e in split(exs, 10)[1]] == [e.line for e in val]  # the same every time
     assert split(exs, 0) == (exs, [])
+    path = write_jsonl(tmp_path / "one.jsonl", [{"messages": CONVERSATIONS[0]}])  # nothing to hold out
+    cfg = build_config(None, {"data.format": "chat", "data.source": path, "model.seq_len": 64})
+    assert not dataset.load(cfg, BYTE).has_validation
 
 
 def test_config_checks(tmp_path):

@@ -1,7 +1,8 @@
 """What the training loop reads: one object per `data.format`, with the same four questions answered.
 
 - `train_batch(step, sharding)`: the global batch of step `step` (0-based), depending only on (seed, step);
-- `eval_batches(sharding)`: the validation batches (none when `data.val_percent = 0`);
+- `eval_batches(sharding)`: the validation batches (none when `has_validation` is false: `data.val_percent = 0`,
+  or too few examples to hold one out);
 - `padding_frac(steps)`: the share of padding positions in those steps' batches;
 - `steps_per_epoch`: None for text (random windows have no epochs).
 
@@ -58,11 +59,15 @@ class TextData:
     def description(self) -> str:
         return self.corpus.description
 
+    @property
+    def has_validation(self) -> bool:
+        return len(self.corpus.val) > 0
+
     def train_batch(self, step: int, sharding) -> dict:
         return loader.global_batch(self.corpus.train, self.seed, step, self.global_batch, self.seq_len, sharding)
 
     def eval_batches(self, sharding):
-        if len(self.corpus.val):
+        if self.has_validation:
             for i in range(self.n_eval):
                 yield loader.eval_batch(self.corpus.val, i, self.n_eval, self.global_batch, self.seq_len, sharding)
 
@@ -81,6 +86,10 @@ class ExampleData:
     @property
     def steps_per_epoch(self) -> int:
         return packing.steps_per_epoch(len(self.train), self.global_batch)
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val is not None
 
     def _array(self, rows: packing.Rows, which: np.ndarray, sharding) -> dict:
         return batch_lib.from_rows(len(which), rows.seq_len, sharding, lambda r: packing.build(rows, which[r]))

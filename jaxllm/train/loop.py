@@ -311,12 +311,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     return state
 
 
-def _compile(cfg: Config, fns, state, batch):
+def _compile(cfg: Config, fns, state, batch, data):
     batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
     with faults.compiling():
         step_fn = fns.train_step.lower(state, batch).compile()
-        evaluating = cfg.train.eval_every and cfg.data.val_percent > 0
+        evaluating = cfg.train.eval_every and data.has_validation
         eval_fn = fns.eval_loss.lower(state.params, batch).compile() if evaluating else None
     log.info("compiled the train step in %.1f s", time.time() - t0)
     return step_fn, eval_fn
@@ -348,7 +348,7 @@ def train(cfg: Config) -> dict:
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
-        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data.train_batch(start, fns.batch_sharding)))
+        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data.train_batch(start, fns.batch_sharding), data))
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
         if lead:
