@@ -194,6 +194,18 @@ def test_bad_sources(tmp_path):
         load_corpus(str(tmp_path / "tiny.txt"), BYTE, val_percent=100)
 
 
+def test_val_percent_zero_means_no_validation_for_shards_too(tmp_path):
+    from jaxllm.config import build_config
+    from jaxllm.data import dataset
+
+    write_shard(tmp_path / "s_val_000000.bin", np.arange(100) % 256)
+    write_shard(tmp_path / "s_train_000001.bin", np.arange(200) % 256)
+    cfg = build_config(None, {"data.source": str(tmp_path), "model.seq_len": 16})
+    assert dataset.load(cfg, BYTE).has_validation
+    cfg.data.val_percent = 0
+    assert not dataset.load(cfg, BYTE).has_validation
+
+
 def test_val_percent_zero_keeps_every_text_for_training(tmp_path):
     (tmp_path / "a.txt").write_text("abc\n" * 50)
     (tmp_path / "b.txt").write_text("xyz\n" * 50)

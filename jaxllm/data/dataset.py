@@ -13,6 +13,7 @@ the whole validation split.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ def load(cfg, tokenizer):
     d, t, seq = cfg.data, cfg.train, cfg.model.seq_len
     if d.format == "text":
         corpus = corpus_lib.load_corpus(d.source, tokenizer, d.val_percent)
+        if d.val_percent == 0:  # shards name their validation files; 0 still means none
+            corpus = dataclasses.replace(corpus, val=corpus.val[:0])
         for name, stream in (("train", corpus.train), ("validation", corpus.val)):
             if (len(stream) or name == "train") and len(stream) < seq + 1:
                 raise ConfigError(f"data.source {d.source!r}: the {name} split has {len(stream)} tokens, fewer than "
