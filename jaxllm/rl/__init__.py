@@ -1,0 +1,1 @@
+"""Reinforcement learning with verifiable rewards: the rewards (rewards.py)."""
