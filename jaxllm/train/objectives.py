@@ -62,3 +62,37 @@ WEIGHTED_TOKENS = Objective("weighted", count=lambda batch: jnp.sum(batch["weigh
                             fields={"weights": "float32"})
 
 OBJECTIVES = {o.name: o for o in (LANGUAGE_MODEL, WEIGHTED_TOKENS)}
+
+# GRPO's batch fields, all [batch, seq] float32 and spread over each completion's tokens on the host
+# (`rl/advantages.py`): the group-normalised advantage, the log-probability of the token under the
+# parameters that sampled it and under the frozen reference (both at the sampling temperature, from
+# the trainer's own forward pass before the update), each token's loss weight (0 outside completions)
+# and `norm`, whose sum is the loss's denominator (token, sequence or constant normalisation).
+GRPO_FIELDS = {k: "float32" for k in ("advantages", "old_logp", "ref_logp", "weights", "norm")}
+
+
+def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
+         temperature: float = 1.0) -> Objective:
+    """GRPO's clipped surrogate (DeepSeekMath): per token −min(ρ·Â, clip(ρ, 1−ε, 1+ε_high)·Â) with
+    ρ = π/π_old, plus β times the k3 estimate of KL(π‖π_ref), e^(r−l) − (r−l) − 1 with r, l the
+    reference's and the policy's log-probabilities; summed with the weights, over Σ norm. Metrics:
+    `clip_frac` (tokens where the clipped branch is the minimum) and `kl` (the k3 estimate), each weighted
+    like the loss."""
+    high = epsilon if epsilon_high is None else epsilon_high
+
+    def terms(logp, lse, batch):
+        w, adv = batch["weights"], batch["advantages"]
+        ratio = jnp.exp(logp - batch["old_logp"])
+        unclipped, clipped = ratio * adv, jnp.clip(ratio, 1 - epsilon, 1 + high) * adv
+        per_token = -jnp.minimum(unclipped, clipped)
+        metrics = {"clip_frac": jnp.sum(w * (clipped < unclipped))}
+        if beta:
+            gap = batch["ref_logp"] - logp
+            k3 = jnp.exp(gap) - gap - 1
+            per_token = per_token + beta * k3
+            metrics["kl"] = jnp.sum(w * k3)
+        return jnp.sum(w * per_token), metrics
+
+    name = f"grpo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature})"
+    return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=GRPO_FIELDS,
+                     temperature=temperature)
