@@ -176,3 +176,20 @@ def test_the_step_minimises_grpo_on_the_model():
     loss, metrics, grads = loss_metrics_and_grads(fns, params, fields={**fields, "old_logp": old, "ref_logp": ref})
     assert_matches(loss, grads, (params, float(ref_loss), jax.device_get(ref_grads)))
     assert 0 < float(metrics["clip_frac"]) < 1 and float(metrics["kl"]) > 0
+
+
+def test_rollouts_become_rows_whose_mask_is_the_completion():
+    from jaxllm.errors import ConfigError
+    from jaxllm.rl.rollouts import rows
+
+    out = rows([[5, 6, 7], [8]], [[1, 2, 0], [3, 4]], [True, False], seq_len=6, mask_truncated=True)
+    assert out["inputs"].tolist() == [[5, 6, 7, 1, 2, 0], [8, 3, 0, 0, 0, 0]]
+    assert out["targets"].tolist() == [[6, 7, 1, 2, 0, 0], [3, 4, 0, 0, 0, 0]]
+    # the completion [1, 2, 0] is predicted at positions 2, 3, 4 (the stop id 0 counts); the truncated one is masked
+    assert out["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 0], [0] * 6]
+    assert out["segment_ids"].tolist() == [[1] * 5 + [0], [1, 1, 0, 0, 0, 0]]
+    assert out["positions"][0].tolist() == [0, 1, 2, 3, 4, 0]
+    kept = rows([[8]], [[3, 4]], [False], seq_len=6, mask_truncated=False)
+    assert kept["loss_mask"][0].tolist() == [1, 1, 0, 0, 0, 0]
+    with pytest.raises(ConfigError, match="do not fit model.seq_len=3"):
+        rows([[1, 2, 3]], [[4, 5]], [True], seq_len=3, mask_truncated=True)
