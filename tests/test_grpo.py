@@ -193,3 +193,29 @@ def test_rollouts_become_rows_whose_mask_is_the_completion():
     assert kept["loss_mask"][0].tolist() == [1, 1, 0, 0, 0, 0]
     with pytest.raises(ConfigError, match="do not fit model.seq_len=3"):
         rows([[1, 2, 3]], [[4, 5]], [True], seq_len=3, mask_truncated=True)
+
+
+LOGP_MESHES = {"one_device": {}, "sp_zigzag": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_load_balance": True},
+               "zero3_tp": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3},
+               "pipeline": {"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2, "train.microbatches": 2}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", LOGP_MESHES)
+def test_token_logp_is_the_plain_models_at_the_temperature(mesh):
+    """StepFns.token_logp (GRPO's old_logp and ref_logp), on each mesh, in the batch's own order: the plain
+    reference model's log-probabilities of the targets at temperature 0.7."""
+    from harness import as_batch, equivalence_config, step_fns, tokens
+    from jaxllm.models import transformer
+    from tools.bench import plain_model
+
+    m = equivalence_config("tiny-llama").model
+    module, c = plain_model(m)
+    params = jax.device_get(jax.jit(lambda k: transformer.init_params(m, k))(jax.random.key(0)))
+    toks = tokens()
+    logits, _ = jax.jit(lambda p: module.logits(module.from_jaxllm(p), toks[:, :-1], c))(params)
+    want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits / 0.7)), toks[:, 1:, None].astype(np.int64), -1)[..., 0]
+    fns = step_fns(equivalence_config("tiny-llama", **LOGP_MESHES[mesh]), objective=grpo(temperature=0.7))
+    got = fns.token_logp(jax.device_put(params, fns.state_shardings.params),
+                         jax.device_put(as_batch(toks), fns.batch_sharding))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -358,6 +358,14 @@ def forward(params: dict, batch: dict, m: ModelConfig, dtype, terms, loss_chunk:
     return total, sums, aux
 
 
+def target_logp(params: dict, batch: dict, m: ModelConfig, dtype, temperature: float = 1.0) -> jax.Array:
+    """Each target's log-probability [batch, seq], fp32, with the logits divided by `temperature`."""
+    x = embed(params, batch["inputs"], batch["positions"], m, dtype)
+    x, _ = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
+    x = constrain(norm(m.norm, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+    return head_logp(params, x, batch["targets"], m, dtype, temperature)[0]
+
+
 def zero_aux(m: ModelConfig) -> dict:
     """The blocks' auxiliary terms of no layer: the start of a sum over layers and microbatches."""
     return moe_lib.zero_stats(m) if "moe" in m.pattern else {}

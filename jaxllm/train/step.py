@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -111,6 +112,7 @@ class StepFns:
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
+    token_logp: Callable  # (params, batch) -> [batch, seq] log-probabilities of the targets (GRPO)
     abstract_state: Any
     schedule: Any = None  # the pipeline's Schedule table when mesh.pp > 1
 
@@ -165,6 +167,15 @@ def eval_loss(params, batch: dict, g: Paths):
         return total, lm.count(batch)
 
 
+def token_logp(params, batch: dict, g: Paths):
+    """Each target's log-probability at the objective's temperature, in the batch's own order: the trainer's
+    forward pass, as GRPO needs for the sampling and the reference parameters before an update."""
+    with matmul_precision(g.dtype), use_layout(g.layout):
+        logp = transformer.target_logp(params, gradients.in_model_order(batch, g), g.model, g.dtype,
+                                       g.objective.temperature)
+        return logp if g.order is None else logp[:, np.argsort(g.order)]
+
+
 def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
     return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), tx=tx)
 
@@ -198,6 +209,8 @@ def make_step_fns(cfg: Config, mesh, objective: Objective = LANGUAGE_MODEL) -> S
                                out_shardings=(replicated, replicated, sh.grads)),
         eval_loss=jax.jit(functools.partial(eval_loss, g=g), in_shardings=(sh.params, batch_sh),
                           out_shardings=replicated),
+        token_logp=jax.jit(functools.partial(token_logp, g=g), in_shardings=(sh.params, batch_sh),
+                           out_shardings=batch_sh),
         abstract_state=abstract_state, schedule=g.schedule)
 
 
