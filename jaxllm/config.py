@@ -24,6 +24,7 @@ from jaxllm.interop import hf_config
 from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import transformer
 from jaxllm.parallel import pipeline_schedules
+from jaxllm.rl import prompts
 from jaxllm.schema import FAMILIES, Config, TrainConfig
 from jaxllm.train import optimizer, step
 
@@ -256,7 +257,8 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     m, t = cfg.model, cfg.train
     shape = resolve_mesh_shape(cfg.mesh, n_devices)
     notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
-             + step.check_config(cfg, shape) + optimizer.check_config(t) + dataset.check_config(cfg))
+             + step.check_config(cfg, shape) + optimizer.check_config(t)
+             + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
     _check_loop(t)
     return shape, notes
 

@@ -114,6 +114,9 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    # What a step minimises: lm (next-token cross-entropy over the loss mask: pre-training and fine-tuning)
+    # | grpo (reinforcement learning with verifiable rewards on the model's own samples: the `rl` section).
+    objective: str = "lm"
     steps: int = 200
     epochs: int = 0  # fine-tuning examples: passes over the rows; when set it wins over train.steps
     schedule_steps: int = 0  # 0: train.steps
@@ -170,6 +173,27 @@ class DataConfig:
 
 
 @dataclass
+class RlConfig:
+    """Reinforcement learning with verifiable rewards (`train.objective = "grpo"`): prompts from `data.source`
+    (a JSONL file of `prompt`, `answer` and any column a reward reads, or the built-in task `arith`), each
+    sampled `group_size` times, scored, and trained on with GRPO. `train.global_batch` counts completions:
+    prompts per step × group_size."""
+
+    group_size: int = 8  # completions per prompt (G), compared with each other
+    max_new_tokens: int = 64  # a completion's length limit; one that reaches it without a stop id is truncated
+    temperature: float = 1.0  # sampling temperature, also the one the log-probabilities are taken at
+    rewards: list = field(default_factory=lambda: ["exact_match"])  # "name" or "name*weight", summed
+    format_pattern: str = ""  # the `format` reward's regular expression
+    scale_rewards: str = "group"  # advantages divided by the group's std | the batch's | none (Dr. GRPO)
+    loss_norm: str = "token"  # token | sequence | constant (Dr. GRPO)
+    epsilon: float = 0.2  # the ratio's clip range: [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = 0.0  # 0: rl.epsilon
+    beta: float = 0.0  # weight of the KL (k3) to the starting parameters; 0: no reference model
+    num_iterations: int = 1  # optimizer steps on each batch of rollouts
+    mask_truncated: bool = False  # truncated completions count for nothing
+
+
+@dataclass
 class RunConfig:
     dir: str = ""  # "": runs/<date>-<time>
     sample_tokens: int = 200  # generated at the end; 0: none
@@ -193,4 +217,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     run: RunConfig = field(default_factory=RunConfig)

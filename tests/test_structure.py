@@ -15,7 +15,7 @@ from jaxllm.schema import Config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxllm"
 # Each layer may import only from the layers after it in this list (and its own).
-LAYERS = ("train", "generate", "models", "parallel", "ops")
+LAYERS = ("train", "rl", "generate", "models", "parallel", "ops")
 MAX_LINES = 80  # per function in jaxllm/train/
 
 
@@ -148,10 +148,12 @@ model.preset model.remat model.rope_factor model.rope_high_freq_factor model.rop
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size
 precision.compute
+rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm rl.mask_truncated
+rl.max_new_tokens rl.num_iterations rl.rewards rl.scale_rewards rl.temperature
 run.dir run.progress run.sample_prompt run.sample_tokens
 train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.loss_chunk train.lr train.microbatches
-train.min_lr_ratio train.momentum train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
+train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
 train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
 train.warmup_steps train.weight_decay train.zero_stage
 """.split()

@@ -39,7 +39,7 @@ class Example:
     key: str  # the raw line, for the train/validation split
 
 
-def _messages(value, where: str, what: str) -> list:
+def check_messages(value, where: str, what: str) -> list:
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {what} must be a non-empty list of messages; fix the line")
     for m in value:
@@ -81,7 +81,7 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
     if d.format == "chat":
         if d.messages_key not in obj:
             raise DataError(f"{where}: no '{d.messages_key}' (data.messages_key); each line needs the list of messages")
-        return _chat_example(_messages(obj[d.messages_key], where, f"'{d.messages_key}'"), 0, template, tokenizer)
+        return _chat_example(check_messages(obj[d.messages_key], where, f"'{d.messages_key}'"), 0, template, tokenizer)
     missing = [k for k in (d.prompt_key, d.completion_key) if k not in obj]
     if missing:
         raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} (data.prompt_key / data.completion_key)")
@@ -89,12 +89,24 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
     if isinstance(prompt, str) and isinstance(completion, str):
         return _text_example(prompt, completion, tokenizer)
     if isinstance(prompt, list) and isinstance(completion, list):
-        prompt = _messages(prompt, where, f"'{d.prompt_key}'")
-        completion = _messages(completion, where, f"'{d.completion_key}'")
+        prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
+        completion = check_messages(completion, where, f"'{d.completion_key}'")
         start = len(chat.render(template(), prompt, add_generation_prompt=True)[0])
         return _chat_example(prompt + completion, start, template, tokenizer)
     raise DataError(f"{where}: '{d.prompt_key}' and '{d.completion_key}' must both be strings or both lists of "
                     "messages; fix the line")
+
+
+def prompt_ids(prompt, template, tokenizer) -> np.ndarray:
+    """A prompt as the model is to continue it: a string tokenized as it is (after the BOS an `hf:DIR`
+    tokenizer adds), a list of messages (checked by the caller) rendered by the chat template with its
+    generation prompt."""
+    if isinstance(prompt, str):
+        ids, _, _ = tokenizer.encode_chat(prompt)
+        bos = [tokenizer.bos] if getattr(tokenizer, "add_bos", False) else []
+        return np.concatenate([np.asarray(bos, np.int64), ids])
+    ids, _, _ = tokenizer.encode_chat(chat.render(template(), prompt, add_generation_prompt=True)[0])
+    return ids
 
 
 def prompt_and_reply(obj, where: str, d, template, tokenizer) -> tuple[np.ndarray, str]:
@@ -102,22 +114,19 @@ def prompt_and_reply(obj, where: str, d, template, tokenizer) -> tuple[np.ndarra
     chat: the messages before the last, which must be the assistant's, with the generation prompt;
     prompt_completion: the prompt, and the completion (a string, or one assistant message)."""
     if d.format == "chat":
-        messages = _messages(obj.get(d.messages_key) if isinstance(obj, dict) else None, where, f"'{d.messages_key}'")
+        messages = check_messages(obj.get(d.messages_key) if isinstance(obj, dict) else None, where, f"'{d.messages_key}'")
         prompt, reply = messages[:-1], messages[-1]
     else:
         if not isinstance(obj, dict) or d.prompt_key not in obj or d.completion_key not in obj:
             raise DataError(f"{where}: needs '{d.prompt_key}' and '{d.completion_key}'; fix the line")
         prompt, reply = obj[d.prompt_key], obj[d.completion_key]
         if isinstance(prompt, str) and isinstance(reply, str):
-            ids, _, _ = tokenizer.encode_chat(prompt)
-            bos = [tokenizer.bos] if getattr(tokenizer, "add_bos", False) else []
-            return np.concatenate([np.asarray(bos, np.int64), ids]), reply
-        prompt = _messages(prompt, where, f"'{d.prompt_key}'")
-        reply = _messages(reply, where, f"'{d.completion_key}'")[-1]
+            return prompt_ids(prompt, template, tokenizer), reply
+        prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
+        reply = check_messages(reply, where, f"'{d.completion_key}'")[-1]
     if reply["role"] != "assistant":
         raise DataError(f"{where}: the last message is the {reply['role']}'s, not the assistant's reply to compare")
-    ids, _, _ = tokenizer.encode_chat(chat.render(template(), prompt, add_generation_prompt=True)[0])
-    return ids, reply["content"]
+    return prompt_ids(prompt, template, tokenizer), reply["content"]
 
 
 def read_lines(path: str):

@@ -29,6 +29,8 @@ from jaxllm.interop import hf
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import attention, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
+from jaxllm.rl import prompts
+from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import faults, preemption
@@ -55,10 +57,10 @@ def resolve(cfg: Config):
 
 
 def prepare(cfg: Config):
-    """`resolve`, then load the data (`data/dataset.py`) and fix the steps it decides (train.epochs,
-    train.warmup_ratio): (tokenizer, mesh shape, notes, data)."""
+    """`resolve`, then load the data (`data/dataset.py`; a GRPO run's prompts, `rl/prompts.py`) and fix the
+    steps it decides (train.epochs, train.warmup_ratio): (tokenizer, mesh shape, notes, data)."""
     tokenizer, shape, notes = resolve(cfg)
-    data = dataset.load(cfg, tokenizer)
+    data = prompts.load(cfg, tokenizer) if cfg.train.objective == "grpo" else dataset.load(cfg, tokenizer)
     notes = notes + dataset.resolve_schedule(cfg, data)
     validate(cfg, jax.device_count())  # the steps may have changed
     return tokenizer, shape, notes, data
@@ -116,16 +118,28 @@ def _restore(cfg: Config, fns):
 
 def initial_state(cfg: Config, fns):
     """The state at step 0: random parameters, or those `init.from` names, with a fresh optimizer."""
-    source = cfg.init.from_
-    if not source:
+    if not cfg.init.from_:
         return fns.init(cfg.train.seed)
+    log.info("parameters from %s; the optimizer starts fresh", cfg.init.from_)
+    return fns.start(_source_params(cfg, fns))
+
+
+def _source_params(cfg: Config, fns):
+    source = cfg.init.from_
     if source.startswith("hf:"):
-        params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
-    else:
-        run_dir, step = split_run_source(source)
-        params = ckpt.read_params(run_dir, step, fns.abstract_state.params)
-    log.info("parameters from %s; the optimizer starts fresh", source)
-    return fns.start(params)
+        return hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
+    run_dir, step = split_run_source(source)
+    return ckpt.read_params(run_dir, step, fns.abstract_state.params)
+
+
+def reference_params(cfg: Config, fns):
+    """GRPO's frozen reference: the starting parameters (`init.from`, else the seed's random ones), read
+    again whether or not the run resumes, in the compute dtype and laid out like the policy's."""
+    params = _source_params(cfg, fns) if cfg.init.from_ else fns.init(cfg.train.seed).params
+    shardings = fns.state_shardings.params
+    cast = jax.jit(lambda p: transformer.compute_weights(p, jnp.dtype(cfg.precision.compute)),
+                   in_shardings=(shardings,), out_shardings=shardings)
+    return cast(params)
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -219,7 +233,10 @@ def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int) -> dict:
            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
            "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak),
            "padding_frac": run.data.padding_frac(range(since, step))}
-    row.update({k: float(v) for k, v in metrics.items() if k.startswith("moe_") and k != "moe_load"})
+    # the objective's own metrics (GRPO: clip_frac, kl) and MoE's router statistics
+    row.update({k: float(v) for k, v in metrics.items() if k not in row and k != "moe_load"})
+    if cfg.train.objective == "grpo":  # those of the rollouts this step trained on
+        row.update(run.data.metrics(step - 1))
     # each expert's share of the routed pairs, one column per expert
     row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
     return row
@@ -234,6 +251,9 @@ def _write_row(run: _Run, row: dict) -> None:
            f"{row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.0f} ms | mfu {row['mfu'] * 100:.1f}%")
     if row["padding_frac"]:
         msg += f" | padding {row['padding_frac'] * 100:.0f}%"
+    if "reward_mean" in row:
+        msg += (f" | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | clip {row['clip_frac'] * 100:.1f}%"
+                + (f" | kl {row['kl']:.4f}" if "kl" in row else "") + f" | len {row['completion_len']:.1f}")
     if "moe_balance" in row:
         msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
                 f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
@@ -270,8 +290,17 @@ def _save(run: _Run, step: int, state) -> None:
     faults.after_save(run.mngr, step)
 
 
-def _batch(run: _Run, step: int):
+def _batch(run: _Run, step: int, state):
+    """The batch of step `step` (0-based); a GRPO run's is sampled from the current parameters."""
+    if run.cfg.train.objective == "grpo":
+        return run.data.train_batch(step, run.fns.batch_sharding, state.params)
     return run.data.train_batch(step, run.fns.batch_sharding)
+
+
+def _at_boundary(cfg: Config, step: int) -> bool:
+    """Whether a run may stop after step `step`: not between the updates of one batch of GRPO rollouts,
+    which a resumed run could not sample again."""
+    return cfg.train.objective != "grpo" or step % cfg.rl.num_iterations == 0
 
 
 def _train_steps(run: _Run, state, start: int, should_stop):
@@ -280,9 +309,9 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     t = run.cfg.train
     mark_time, mark_step = time.time(), start
     for step in range(start + 1, t.steps + 1):
-        state, metrics = run.step_fn(state, _batch(run, step - 1))
+        state, metrics = run.step_fn(state, _batch(run, step - 1, state))
         faults.after_dispatch(step, run.mngr)
-        signum = should_stop(step)
+        signum = should_stop(step) if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
@@ -311,7 +340,8 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     return state
 
 
-def _compile(cfg: Config, fns, state, batch, data):
+def _compile(cfg: Config, fns, state, data):
+    batch = fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len)
     batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
     with faults.compiling():
@@ -336,6 +366,8 @@ def train(cfg: Config) -> dict:
     fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
     # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
     state, start = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0)
+    if t.objective == "grpo":  # the batches come from the policy's own samples
+        data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
 
     # From here on the run directory is written.
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -348,7 +380,7 @@ def train(cfg: Config) -> dict:
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
-        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data.train_batch(start, fns.batch_sharding), data))
+        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data))
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
         if lead:

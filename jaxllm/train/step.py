@@ -41,12 +41,13 @@ from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
 from jaxllm.train import gradients
 from jaxllm.train.gradients import Paths, constrain_tree
-from jaxllm.train.objectives import LANGUAGE_MODEL, Objective
+from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, grpo
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 from jaxllm.train.state import TrainState
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32")  # precision.compute
+OBJECTIVES = ("lm", "grpo")  # train.objective
 
 
 def optimizer_state_shardings(abstract_opt, table, layout: Layout, rules):
@@ -184,8 +185,18 @@ def start_state(params, *, tx) -> TrainState:
     return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params))
 
 
-def make_step_fns(cfg: Config, mesh, objective: Objective = LANGUAGE_MODEL) -> StepFns:
+def objective_of(cfg: Config) -> Objective:
+    """What `train.objective` (and for GRPO the `rl` section) asks a step to minimise."""
+    if cfg.train.objective == "grpo":
+        r = cfg.rl
+        return grpo(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
+    return LANGUAGE_MODEL
+
+
+def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> StepFns:
+    """The step's programs on `mesh` for `objective` (None: the config's, `objective_of`)."""
     m, t = cfg.model, cfg.train
+    objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
                     context_attention=m.cp_strategy)
@@ -218,6 +229,8 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     """The step's keys (precision, ZeRO stage, batch and microbatches, sequence parallelism, loss chunks)
     against the mesh: ConfigError (one line) for what cannot run; notes to log."""
     m, t, notes = cfg.model, cfg.train, []
+    if t.objective not in OBJECTIVES:
+        raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
     if t.zero_stage not in (0, 1, 2, 3):

@@ -1,0 +1,137 @@
+"""What reinforcement learning samples from: prompts with their answers, and which of them each step takes.
+
+`data.source` is a JSONL file, one prompt per line: the prompt under `data.prompt_key` (a string, continued
+as it is, or a list of messages, rendered by the chat template with its generation prompt), `answer` (read
+by the exact_match, gsm8k and boxed rewards) and any other column a reward reads; rewards get each column
+as a list with one entry per completion. Every line must have the columns the first one has.
+
+`data.source = "arith"` is the built-in task: the 100 prompts `a+b=` for a, b ∈ 0..9, answered by (a+b) mod
+10 as one digit, which a small model learns from rewards in minutes on a CPU
+(`experiments/configs/grpo_arith.toml`).
+
+Each step takes `train.global_batch / rl.group_size` prompts: epoch after epoch of a permutation drawn
+from (train.seed, epoch), so a step's prompts depend on the seed and the step alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxllm.data import chat
+from jaxllm.data.examples import check_messages, prompt_ids, read_lines
+from jaxllm.errors import ConfigError, DataError
+from jaxllm.rl.advantages import LOSS_NORMS, SCALE_REWARDS
+
+BUILT_IN_TASKS = ("arith",)
+ANSWER_REWARDS = ("exact_match", "gsm8k", "boxed")  # the built-in rewards that read `answer`
+
+
+@dataclass(frozen=True)
+class Prompts:
+    ids: list  # each prompt's token ids
+    texts: list  # each prompt as the data gives it (a string or a list of messages), for the rewards
+    columns: dict  # every other column: name -> [one value per prompt]
+    description: str
+
+
+def arith_lines() -> list[dict]:
+    """The built-in task's prompts and answers."""
+    return [{"prompt": f"{a}+{b}=", "answer": str((a + b) % 10)} for a in range(10) for b in range(10)]
+
+
+def _lines(source: str, prompt_key: str) -> list[tuple[str, dict]]:
+    """(where, object) for each prompt of `data.source`."""
+    if source in BUILT_IN_TASKS:
+        return [(f"task {source} prompt {i}", {prompt_key: line["prompt"], "answer": line["answer"]})
+                for i, line in enumerate(arith_lines(), 1)]
+    if not os.path.isfile(source):
+        raise DataError(f"data.source: train.objective=grpo reads prompts from a JSONL file or the built-in task "
+                        f"{' or '.join(BUILT_IN_TASKS)}, and '{source}' is neither")
+    return [(where, obj) for where, _, _, obj in read_lines(source)]
+
+
+def load(cfg, tokenizer) -> Prompts:
+    """Every prompt of `data.source`, tokenized; DataError (one line) for a line that is not one."""
+    d = cfg.data
+    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer))
+    lines = _lines(d.source, d.prompt_key)
+    if not lines:
+        raise DataError(f"data.source: '{d.source}' holds no prompts; give a JSONL file with one prompt per line")
+    keys = None
+    ids, texts, columns = [], [], {}
+    for where, obj in lines:
+        if not isinstance(obj, dict) or d.prompt_key not in obj:
+            raise DataError(f"{where}: no '{d.prompt_key}' (data.prompt_key); each line needs its prompt")
+        keys = set(obj) if keys is None else keys
+        if set(obj) != keys:
+            raise DataError(f"{where}: columns {sorted(obj)} differ from the first line's {sorted(keys)}; give every "
+                            "line the same columns")
+        prompt = obj[d.prompt_key]
+        if not isinstance(prompt, str):
+            prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
+        ids.append([int(i) for i in prompt_ids(prompt, template, tokenizer)])
+        texts.append(prompt)
+        for k, v in obj.items():
+            if k != d.prompt_key:
+                columns.setdefault(k, []).append(v)
+    _check_columns(cfg, columns, lines[0][0])
+    where = template().source if template.cache_info().currsize else "no template"
+    return Prompts(ids, texts, columns, f"{d.source} (prompts, {where}): {len(ids)} prompts, columns "
+                                        f"{sorted(columns) or 'none'}")
+
+
+def _check_columns(cfg, columns: dict, where: str) -> None:
+    """The columns the configured rewards read are there; answers given as numbers become their text."""
+    names = [spec.rpartition("*")[0] if "*" in spec else spec for spec in cfg.rl.rewards]
+    needs = [n for n in names if n in ANSWER_REWARDS]
+    if not needs:
+        return
+    if "answer" not in columns:
+        raise DataError(f"{where}: no 'answer', which the {needs[0]} reward compares with; add it to every line")
+    for i, a in enumerate(columns["answer"]):
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+            raise DataError(f"data.source: prompt {i + 1}'s answer is {a!r}; give a string or a number")
+        columns["answer"][i] = str(a)
+
+
+def step_prompts(n: int, per_step: int, seed: int, step: int) -> np.ndarray:
+    """The prompts of step `step` (0-based): positions step·per_step … of the stream of epochs."""
+    at = np.arange(step * per_step, (step + 1) * per_step)
+    epochs, index = np.divmod(at, n)
+    orders = {e: np.random.default_rng([seed, e]).permutation(n) for e in np.unique(epochs).tolist()}
+    return np.asarray([orders[e][i] for e, i in zip(epochs.tolist(), index.tolist())], np.int64)
+
+
+def check_config(cfg) -> list[str]:
+    """The `rl` section, for train.objective = grpo, before anything is read."""
+    r, t = cfg.rl, cfg.train
+    for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS)):
+        if getattr(r, key) not in choices:
+            raise ConfigError(f"rl.{key}: '{getattr(r, key)}' is not one of {', '.join(choices)}")
+    if r.group_size < 2:
+        raise ConfigError(f"rl.group_size: a group needs at least 2 completions to compare, got {r.group_size}")
+    if t.global_batch % r.group_size:
+        raise ConfigError(f"train.global_batch={t.global_batch} is not a multiple of rl.group_size={r.group_size}: "
+                          "it counts completions, prompts per step × group_size")
+    for key in ("max_new_tokens", "num_iterations"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"rl.{key}: must be at least 1, got {getattr(r, key)}")
+    if r.temperature <= 0:
+        raise ConfigError(f"rl.temperature: must be > 0 (the ratio needs the sampling distribution), got {r.temperature}")
+    if not 0 < r.epsilon < 1 or r.epsilon_high < 0 or r.beta < 0:
+        raise ConfigError("rl.epsilon must be in (0, 1), rl.epsilon_high and rl.beta 0 or more")
+    if t.checkpoint_every % r.num_iterations:
+        raise ConfigError(f"train.checkpoint_every={t.checkpoint_every} is not a multiple of rl.num_iterations="
+                          f"{r.num_iterations}: a checkpoint would fall between the updates of one batch of rollouts")
+    if t.epochs:
+        raise ConfigError("train.epochs: GRPO counts optimizer steps; set train.steps and train.epochs = 0")
+    if cfg.data.format != "text":
+        raise ConfigError("data.format: train.objective=grpo reads prompts (README: GRPO); leave data.format unset")
+    notes = []
+    if cfg.data.val_percent and t.eval_every:
+        notes.append("train.objective=grpo: no validation loss (the rewards measure it); train.eval_every is ignored")
+    return notes
