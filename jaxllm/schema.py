@@ -160,7 +160,7 @@ class PrecisionConfig:
 class DataConfig:
     # text: stdlib | text file | folder | folder or glob of llm.c .bin shards; chat, prompt_completion: a JSONL file
     source: str = "stdlib"
-    tokenizer: str = "byte"  # byte | gpt2 | hf:DIR (a Hugging Face tokenizer.json)
+    tokenizer: str = "byte"  # byte | gpt2 | hf:DIR (a Hugging Face tokenizer.json) | init (init.from's hf:DIR)
     val_percent: float = 5.0  # text: by file or by bytes; examples: by example; 0: no validation
     format: str = "text"  # text (pre-training) | chat | prompt_completion (fine-tuning examples, one per line)
     messages_key: str = "messages"  # chat: the key of a line's list of {role, content} messages
@@ -182,6 +182,7 @@ class RlConfig:
     group_size: int = 8  # completions per prompt (G), compared with each other
     max_new_tokens: int = 64  # a completion's length limit; one that reaches it without a stop id is truncated
     temperature: float = 1.0  # sampling temperature, also the one the log-probabilities are taken at
+    prompt_suffix: str = ""  # text after every string prompt (an instruction, such as how to mark the answer)
     rewards: list = field(default_factory=lambda: ["exact_match"])  # "name" or "name*weight", summed
     format_pattern: str = ""  # the `format` reward's regular expression
     scale_rewards: str = "group"  # advantages divided by the group's std | the batch's | none (Dr. GRPO)

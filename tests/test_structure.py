@@ -149,7 +149,7 @@ model.rope_original_context model.rope_scaling model.rope_theta model.seq_len mo
 model.tie_embeddings model.vocab_size
 precision.compute
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm rl.mask_truncated
-rl.max_new_tokens rl.num_iterations rl.rewards rl.scale_rewards rl.temperature
+rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
 run.dir run.progress run.sample_prompt run.sample_tokens
 train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.loss_chunk train.lr train.microbatches

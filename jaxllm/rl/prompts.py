@@ -1,7 +1,8 @@
 """What reinforcement learning samples from: prompts with their answers, and which of them each step takes.
 
 `data.source` is a JSONL file, one prompt per line: the prompt under `data.prompt_key` (a string, continued
-as it is, or a list of messages, rendered by the chat template with its generation prompt), `answer` (read
+as it is, or with `data.format = "chat"` the user's message; or a list of messages; messages are rendered
+by the chat template with its generation prompt), `answer` (read
 by the exact_match, gsm8k and boxed rewards) and any other column a reward reads; rewards get each column
 as a list with one entry per completion. Every line must have the columns the first one has.
 
@@ -27,6 +28,7 @@ from jaxllm.errors import ConfigError, DataError
 from jaxllm.rl.advantages import LOSS_NORMS, SCALE_REWARDS
 
 BUILT_IN_TASKS = ("arith",)
+PROMPT_FORMATS = ("text", "chat")  # data.format: a string prompt continued as it is | as the user's message
 ANSWER_REWARDS = ("exact_match", "gsm8k", "boxed")  # the built-in rewards that read `answer`
 
 
@@ -71,6 +73,10 @@ def load(cfg, tokenizer) -> Prompts:
             raise DataError(f"{where}: columns {sorted(obj)} differ from the first line's {sorted(keys)}; give every "
                             "line the same columns")
         prompt = obj[d.prompt_key]
+        if isinstance(prompt, str):
+            prompt = prompt + cfg.rl.prompt_suffix
+        if isinstance(prompt, str) and d.format == "chat":
+            prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, str):
             prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
         ids.append([int(i) for i in prompt_ids(prompt, template, tokenizer)])
@@ -79,6 +85,11 @@ def load(cfg, tokenizer) -> Prompts:
             if k != d.prompt_key:
                 columns.setdefault(k, []).append(v)
     _check_columns(cfg, columns, lines[0][0])
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) + cfg.rl.max_new_tokens - 1 > cfg.model.seq_len:
+        raise DataError(f"{lines[longest][0]}: its {len(ids[longest])} tokens and rl.max_new_tokens="
+                        f"{cfg.rl.max_new_tokens} do not fit model.seq_len={cfg.model.seq_len}; raise model.seq_len "
+                        f"to {len(ids[longest]) + cfg.rl.max_new_tokens - 1} or shorten the prompt")
     where = template().source if template.cache_info().currsize else "no template"
     return Prompts(ids, texts, columns, f"{d.source} (prompts, {where}): {len(ids)} prompts, columns "
                                         f"{sorted(columns) or 'none'}")
@@ -124,13 +135,17 @@ def check_config(cfg) -> list[str]:
         raise ConfigError(f"rl.temperature: must be > 0 (the ratio needs the sampling distribution), got {r.temperature}")
     if not 0 < r.epsilon < 1 or r.epsilon_high < 0 or r.beta < 0:
         raise ConfigError("rl.epsilon must be in (0, 1), rl.epsilon_high and rl.beta 0 or more")
+    if t.steps % r.num_iterations:
+        raise ConfigError(f"train.steps={t.steps} is not a multiple of rl.num_iterations={r.num_iterations}: the run "
+                          "would end between the updates of one batch of rollouts")
     if t.checkpoint_every % r.num_iterations:
         raise ConfigError(f"train.checkpoint_every={t.checkpoint_every} is not a multiple of rl.num_iterations="
                           f"{r.num_iterations}: a checkpoint would fall between the updates of one batch of rollouts")
     if t.epochs:
         raise ConfigError("train.epochs: GRPO counts optimizer steps; set train.steps and train.epochs = 0")
-    if cfg.data.format != "text":
-        raise ConfigError("data.format: train.objective=grpo reads prompts (README: GRPO); leave data.format unset")
+    if cfg.data.format not in PROMPT_FORMATS:
+        raise ConfigError(f"data.format: train.objective=grpo reads prompts as {' or '.join(PROMPT_FORMATS)} (README: "
+                          f"GRPO), not '{cfg.data.format}'")
     notes = []
     if cfg.data.val_percent and t.eval_every:
         notes.append("train.objective=grpo: no validation loss (the rewards measure it); train.eval_every is ignored")

@@ -299,7 +299,7 @@ def _batch(run: _Run, step: int, state):
 
 def _at_boundary(cfg: Config, step: int) -> bool:
     """Whether a run may stop after step `step`: not between the updates of one batch of GRPO rollouts,
-    which a resumed run could not sample again."""
+    which a resumed run could not sample again (a stop asked for there waits for the batch's last update)."""
     return cfg.train.objective != "grpo" or step % cfg.rl.num_iterations == 0
 
 
@@ -307,11 +307,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     """Steps start+1 .. train.steps: log, evaluate and checkpoint as configured; on a stop request save
     this step and raise Stopped."""
     t = run.cfg.train
-    mark_time, mark_step = time.time(), start
+    mark_time, mark_step, pending = time.time(), start, None
     for step in range(start + 1, t.steps + 1):
         state, metrics = run.step_fn(state, _batch(run, step - 1, state))
         faults.after_dispatch(step, run.mngr)
-        signum = should_stop(step) if _at_boundary(run.cfg, step) else None
+        pending = pending or should_stop(step)  # asked every step: several processes agree on the step
+        signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite

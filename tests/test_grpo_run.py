@@ -1,0 +1,151 @@
+"""GRPO as a user runs it: the loop samples, scores and trains; its metrics rows carry the rollout
+statistics; the KL to the reference starts at 0 and rises; a resumed run repeats the uninterrupted one bit
+for bit; a 2-process dp×fsdp×tp run equals one device; the refusals are one line; and (slow) the arith
+example learns while its shuffled-reward control does not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness import REPO, subprocess_env
+from test_sft_run import llama_with_tokenizer  # noqa: F401  (a fixture: a tiny LLaMA folder with tokenizer, template)
+from jaxllm.config import build_config
+from jaxllm.errors import UserError
+from jaxllm.train.loop import prepare, train
+
+# A tiny random LLaMA on the built-in arith prompts; its reward (a lowercase letter among 3 sampled bytes)
+# is earned by about a third of random completions, so groups have spread and the policy moves.
+TINY = {"model.family": "llama", "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2, "model.d_ff": 64,
+        "model.seq_len": 8, "precision.compute": "float32", "data.source": "arith", "train.objective": "grpo",
+        "train.global_batch": 16, "train.lr": 1e-2, "train.warmup_steps": 0, "train.log_every": 1,
+        "rl.group_size": 4, "rl.max_new_tokens": 3, "rl.rewards": ["format"], "rl.format_pattern": "[a-z]",
+        "rl.beta": 0.1, "rl.num_iterations": 2, "run.sample_tokens": 0, "run.progress": False}
+GSM8K = REPO / "tests" / "fixtures" / "gsm8k.jsonl"
+ROLLOUT_METRICS = ("reward_mean", "reward_std", "kl", "clip_frac", "completion_len", "zero_std_frac",
+                   "truncated_frac", "logp_mismatch", "loss")
+
+
+TIMINGS = ("tokens_per_s", "step_time_s", "mfu")
+
+
+def rows(run_dir) -> list[dict]:
+    """metrics.jsonl without the timings."""
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):
+    """4 steps (2 batches of rollouts, 2 updates each), checkpoints every 2: every row carries the rollout
+    metrics; the first update of each batch is on-policy (no clipping), the KL starts at 0 and grows; a run
+    resumed from step 2 repeats steps 3 and 4 bit for bit."""
+    over = {**TINY, "train.steps": 4, "train.checkpoint_every": 2, "train.keep_checkpoints": 5}
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(build_config(None, {**over, "run.dir": str(full)}))
+    ref = rows(full)
+    assert [r["step"] for r in ref] == [1, 2, 3, 4]
+    for r in ref:
+        assert all(np.isfinite(r[k]) for k in ROLLOUT_METRICS), r
+        assert 0 < r["reward_mean"] < 1 and r["completion_len"] <= 3
+    assert ref[0]["clip_frac"] == ref[2]["clip_frac"] == 0.0  # π = π_old on fresh rollouts
+    assert ref[0]["reward_mean"] == ref[1]["reward_mean"]  # one batch of rollouts serves two updates
+    assert ref[0]["kl"] < 1e-7 < 1e-4 < ref[3]["kl"], [r["kl"] for r in ref]
+
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "4")
+    train(build_config(None, {**over, "run.dir": str(part), "train.resume": True}))
+    assert rows(part) == ref
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"rl.group_size": 5}, "multiple of rl.group_size"),
+    ({"rl.group_size": 1}, "at least 2 completions"),
+    ({"train.steps": 3}, "multiple of rl.num_iterations"),
+    ({"rl.scale_rewards": "mean"}, "rl.scale_rewards"),
+    ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
+    ({"rl.rewards": ["exact"]}, "not one of exact_match"),
+    ({"rl.rewards": ["exact_match"], "data.source": "missing.jsonl"}, "neither"),
+])
+def test_refusals_are_one_line(over, says):
+    with pytest.raises(UserError) as e:
+        cfg = build_config(None, {**TINY, "train.steps": 4, **over})
+        prepare(cfg)
+        from jaxllm.rl.rewards import parse
+        parse(cfg.rl.rewards, cfg.rl.format_pattern)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_gsm8k_prompt_is_transformers_chat_prompt(llama_with_tokenizer):
+    """grpo_gsm8k.toml's prompts (data.format = chat, VeRL's instruction after the question) are the token ids
+    transformers' apply_chat_template gives with the generation prompt; their answers are the whole solutions."""
+    from transformers import AutoTokenizer
+
+    from jaxllm.rl import prompts
+
+    folder = llama_with_tokenizer
+    cfg = build_config(str(REPO / "experiments/configs/grpo_gsm8k.toml"),
+                       {"init.from": f"hf:{folder}", "data.source": str(GSM8K), "model.seq_len": 256,
+                        "rl.max_new_tokens": 16})
+    assert cfg.data.tokenizer == f"hf:{folder}"  # data.tokenizer = "init"
+    tokenizer, _, _, loaded = prepare(cfg)
+    lines = [json.loads(line) for line in GSM8K.read_text().splitlines()]
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    for line, ids in zip(lines, loaded.ids):
+        message = [{"role": "user", "content": line["question"] + cfg.rl.prompt_suffix}]
+        assert ids == list(auto.apply_chat_template(message, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"])
+    assert loaded.columns["answer"] == [line["answer"] for line in lines]
+
+
+@pytest.mark.slow
+def test_the_gsm8k_command_runs_on_a_tiny_model(llama_with_tokenizer, tmp_path):
+    """The README's command as written (shrunk: 2 prompts × 8 completions of 16 tokens, 2 steps) on a tiny
+    random LLaMA with a tokenizer and chat template, and the 10-line fixture: it samples, scores with the
+    gsm8k and format rewards, and the trainer's log-probabilities of the samples are the generator's."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "--config", "experiments/configs/grpo_gsm8k.toml",
+         f"init.from=hf:{llama_with_tokenizer}", f"data.source={GSM8K}", "train.steps=2", "train.global_batch=16",
+         "rl.max_new_tokens=16", "model.seq_len=192", "precision.compute=float32", f"run.dir={run_dir}",
+         "run.progress=false"], cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        assert {"reward_gsm8k", "reward_format"} <= set(r) and 0 <= r["reward_mean"] <= 1.1
+        assert r["logp_mismatch"] < 1e-4 and 0 < r["completion_len"] <= 16
+
+
+@pytest.mark.slow
+def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
+    """The same GRPO run on 2 processes × 4 devices (dp2 × fsdp2 × tp2, ZeRO-3, over jax.distributed) and on one
+    device: the same completions and rewards at every rollout (the second sampled after two updates), and the
+    same losses, gradient norms and KL."""
+    from test_multiprocess import Procs, _free_port
+
+    from jaxllm.config import to_toml
+
+    config = tmp_path / "grpo.toml"
+    config.write_text(to_toml(build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0})))
+    procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
+    mesh = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"]
+    for pid in (0, 1):
+        procs.start(f"p{pid}", ["-m", "experiments.run", "--config", str(config), f"run.dir={tmp_path / 'multi'}",
+                                *mesh, f"distributed.coordinator_address={address}", "distributed.num_processes=2",
+                                f"distributed.process_id={pid}"], n_devices=4)
+    procs.start("one", ["-m", "experiments.run", "--config", str(config), f"run.dir={tmp_path / 'one'}"], n_devices=1)
+    procs.wait()
+    multi, one = rows(tmp_path / "multi"), rows(tmp_path / "one")
+    assert [r["step"] for r in multi] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for a, b in zip(multi, one):
+        for k in ("reward_mean", "reward_std", "completion_len", "zero_std_frac", "truncated_frac", "padding_frac"):
+            assert a[k] == b[k], (k, a, b)
+        for k in ("grad_norm", "kl"):
+            assert abs(a[k] - b[k]) <= 1e-5 * abs(b[k]), (k, a, b)
+        # the loss is a mean of per-token terms of order 1 that cancel on fresh rollouts: compared absolutely
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+    assert multi[2]["reward_mean"] != multi[0]["reward_mean"]  # the second rollout came from updated parameters
