@@ -30,7 +30,11 @@ SHRUNK = {  # file -> the keys that shrink its model
 # The fine-tuning configs name their data on the command line (sft.toml) or after a script wrote it
 # (sft_addition.toml, tools/make_addition.py): a small chat file stands in.
 DATA_GIVEN = {"sft.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
-              "sft_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")}}
+              "sft_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
+              # GRPO: no model to start from in a clean checkout (init.from names one the user makes or downloads)
+              "grpo_arith.toml": {"init.from": ""},
+              "grpo_gsm8k.toml": {"data.tokenizer": "byte",
+                                  "data.source": os.path.join(REPO, "tests", "fixtures", "gsm8k.jsonl")}}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)

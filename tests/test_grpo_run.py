@@ -68,14 +68,15 @@ def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):
     ({"rl.scale_rewards": "mean"}, "rl.scale_rewards"),
     ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
     ({"rl.rewards": ["exact"]}, "not one of exact_match"),
+    ({"rl.rewards": ["format"], "rl.format_pattern": ""}, "set rl.format_pattern"),
+    ({"rl.rewards": ["python:no_such_module:f"]}, "cannot import it"),
     ({"rl.rewards": ["exact_match"], "data.source": "missing.jsonl"}, "neither"),
+    ({"data.tokenizer": "init"}, "set init.from=hf:DIR"),
+    ({"data.format": "prompt_completion"}, "not 'prompt_completion'"),
 ])
 def test_refusals_are_one_line(over, says):
     with pytest.raises(UserError) as e:
-        cfg = build_config(None, {**TINY, "train.steps": 4, **over})
-        prepare(cfg)
-        from jaxllm.rl.rewards import parse
-        parse(cfg.rl.rewards, cfg.rl.format_pattern)
+        prepare(build_config(None, {**TINY, "train.steps": 4, **over}))
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -149,3 +150,23 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
         # the loss is a mean of per-token terms of order 1 that cancel on fresh rollouts: compared absolutely
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
     assert multi[2]["reward_mean"] != multi[0]["reward_mean"]  # the second rollout came from updated parameters
+
+
+@pytest.mark.slow
+def test_the_arith_example_learns_and_its_control_does_not(tmp_path):
+    """The README's example, shortened to 150 GRPO steps of seed 0, through tools.grpo_study as a user runs
+    it: the exact-match reward rises from the format model's one in ten while the control, whose rewards are
+    shuffled within each group, does not rise. Measured here: 0.09 → 0.21 over the first and last 20 steps
+    (the issue's bar for this variant, 0.4, is not reached; BENCHMARKS.md "GRPO"), control ≤ 0.10."""
+    env = {**subprocess_env(1), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # XLA's usual optimisation
+    out = tmp_path / "study"
+    done = subprocess.run([sys.executable, "-m", "tools.grpo_study", "--seeds", "0", "--steps", "150", "--out",
+                           str(out), f"--format-data={tmp_path / 'arith'}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from tools.grpo_study import rewards
+
+    grpo, control = rewards(out / "grpo_seed0"), rewards(out / "control_seed0")
+    assert len(grpo) == len(control) == 150
+    assert grpo[:20].mean() < 0.13 and grpo[-20:].mean() >= 0.17, (grpo[:20].mean(), grpo[-20:].mean())
+    assert control[-20:].mean() <= 0.15 and (out / "rewards.png").is_file()

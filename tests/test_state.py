@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -37,8 +38,13 @@ def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(tm
     assert "resumed from step 2" in done.stderr
     rows = _rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # steps 3 and 4, trained again from the migrated state, are bit for bit what the old code logged
-    assert [(r["loss"], r["grad_norm"]) for r in rows[2:]] == [(r["loss"], r["grad_norm"]) for r in old_rows[2:]]
+    # Steps 3 and 4, trained again from the migrated state, are what the old code logged: the losses bit for bit,
+    # the gradient norms to float32 rounding. XLA:CPU's last bits depend on the host: on the machine of
+    # 2026-11-24 the old code itself (5274dd5, run afresh with these flags) logs a step-1 gradient norm 1 ulp
+    # away from the one this fixture recorded, and the resumed step 4 lands 1 ulp away too.
+    assert [r["loss"] for r in rows[2:]] == [r["loss"] for r in old_rows[2:]]
+    for new, old in zip(rows[2:], old_rows[2:]):
+        assert abs(new["grad_norm"] - old["grad_norm"]) <= 4 * np.finfo(np.float32).eps * old["grad_norm"], (new, old)
     mngr = ocp.CheckpointManager(run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
     saved = mngr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
                                                       meta=ocp.args.JsonRestore()))

@@ -1,6 +1,7 @@
 """The GRPO example, measured: seeds of `grpo_arith.toml` beside a control whose rewards carry no signal.
 
-    python -m tools.grpo_study [--seeds 0 1 2] [--steps 300] [--out runs/grpo_study] [key=value ...]
+    python -m tools.grpo_study [--seeds 0 1 2] [--steps 300] [--out runs/grpo_study] [--format-data DIR]
+                               [key=value ...]
 
 For each seed: the format SFT (`experiments/configs/arith_format.toml`, a digit and end-of-text after
 `a+b=`, any digit: right one time in ten), then GRPO from it with the exact-match reward
@@ -63,12 +64,12 @@ def rewards(run_dir: str) -> np.ndarray:
     return np.asarray([r["reward_mean"] for r in rows if "reward_mean" in r])
 
 
-def run_seed(out: str, seed: int, steps: int, overrides: list[str]) -> dict[str, str]:
+def run_seed(out: str, seed: int, steps: int, format_data: str, overrides: list[str]) -> dict[str, str]:
     """The format SFT, GRPO and its control for one seed: {name: run directory}."""
     fmt, grpo, control = (os.path.join(out, f"{name}_seed{seed}") for name in ("format", "grpo", "control"))
-    _run("experiments/configs/arith_format.toml", fmt, [f"train.seed={seed}"])
-    common = [f"init.from=run:{fmt}", f"train.seed={seed}", f"train.steps={steps}", "train.log_every=1",
-              f"train.checkpoint_every={steps}", *overrides]
+    _run("experiments/configs/arith_format.toml", fmt,
+         [f"train.seed={seed}", f"data.source={os.path.join(format_data, 'format.jsonl')}"])
+    common = [f"init.from=run:{fmt}", f"train.seed={seed}", f"train.steps={steps}", "train.log_every=1", *overrides]
     _run("experiments/configs/grpo_arith.toml", grpo, common)
     _run("experiments/configs/grpo_arith.toml", control, [*common, f'rl.rewards=["{CONTROL_REWARD}"]'])
     return {"grpo": grpo, "control": control}
@@ -98,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="runs/grpo_study")
+    p.add_argument("--format-data", default="data/arith", help="where tools.make_arith writes (if it is not there)")
     args, overrides = p.parse_known_args(argv)
-    if not os.path.exists("data/arith/format.jsonl"):
-        subprocess.run([sys.executable, "-m", "tools.make_arith"], check=True)
+    if not os.path.exists(os.path.join(args.format_data, "format.jsonl")):
+        subprocess.run([sys.executable, "-m", "tools.make_arith", args.format_data], check=True)
     os.makedirs(args.out, exist_ok=True)
     curves = {}
     print(f"| run | first {WINDOW} steps | last {WINDOW} steps |\n|---|---|---|")
     for seed in args.seeds:
-        for name, run_dir in run_seed(args.out, seed, args.steps, overrides).items():
+        for name, run_dir in run_seed(args.out, seed, args.steps, args.format_data, overrides).items():
             r = curves[f"{name} seed {seed}"] = rewards(run_dir)
             print(f"| {name} seed {seed} | {r[:WINDOW].mean():.3f} | {r[-WINDOW:].mean():.3f} |", flush=True)
     plot(curves, os.path.join(args.out, "rewards.png"))

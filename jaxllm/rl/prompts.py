@@ -25,6 +25,7 @@ import numpy as np
 from jaxllm.data import chat
 from jaxllm.data.examples import check_messages, prompt_ids, read_lines
 from jaxllm.errors import ConfigError, DataError
+from jaxllm.rl import rewards
 from jaxllm.rl.advantages import LOSS_NORMS, SCALE_REWARDS
 
 BUILT_IN_TASKS = ("arith",)
@@ -146,6 +147,7 @@ def check_config(cfg) -> list[str]:
     if cfg.data.format not in PROMPT_FORMATS:
         raise ConfigError(f"data.format: train.objective=grpo reads prompts as {' or '.join(PROMPT_FORMATS)} (README: "
                           f"GRPO), not '{cfg.data.format}'")
+    rewards.parse(r.rewards, r.format_pattern)  # a reward that cannot be built is one line before anything runs
     notes = []
     if cfg.data.val_percent and t.eval_every:
         notes.append("train.objective=grpo: no validation loss (the rewards measure it); train.eval_every is ignored")

@@ -126,7 +126,7 @@ def _one(spec: str, format_pattern: str) -> tuple[str, Callable, float]:
         return name, _hook(name), w
     if name == "format":
         if not format_pattern:
-            raise ConfigError("reward 'format' needs a regular expression to match; set the format pattern")
+            raise ConfigError("reward 'format' needs a regular expression to match; set rl.format_pattern")
         return name, format_reward(format_pattern), w
     if name not in BUILT_IN:
         raise ConfigError(f"reward {name!r}: not one of {', '.join([*BUILT_IN, 'format', 'python:module:function'])}")
