@@ -85,7 +85,7 @@ def test_a_gsm8k_prompt_is_transformers_chat_prompt(llama_with_tokenizer):
     transformers' apply_chat_template gives with the generation prompt; their answers are the whole solutions."""
     from transformers import AutoTokenizer
 
-    from jaxllm.rl import prompts
+    from jaxllm.rl import rewards
 
     folder = llama_with_tokenizer
     cfg = build_config(str(REPO / "experiments/configs/grpo_gsm8k.toml"),
@@ -100,6 +100,10 @@ def test_a_gsm8k_prompt_is_transformers_chat_prompt(llama_with_tokenizer):
         assert ids == list(auto.apply_chat_template(message, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
     assert loaded.columns["answer"] == [line["answer"] for line in lines]
+    score = rewards.parse(cfg.rl.rewards, cfg.rl.format_pattern)  # a completion ending as a solution does scores 1.1
+    total, _ = score(loaded.texts, [a.replace("<<", "(").replace(">>", ")") for a in loaded.columns["answer"]],
+                     **loaded.columns)
+    assert total.tolist() == [1.1] * len(lines)
 
 
 @pytest.mark.slow

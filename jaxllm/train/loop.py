@@ -341,8 +341,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     return state
 
 
-def _compile(cfg: Config, fns, state, data):
-    batch = fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len)
+def _compile(cfg: Config, fns, state, data, start: int):
+    """The train (and evaluation) step, compiled for the loader's first batch; a GRPO run's first batch is
+    sampled from the parameters (and checked when made), so its step is compiled for the batch's shapes."""
+    grpo = cfg.train.objective == "grpo"
+    batch = (fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len) if grpo
+             else data.train_batch(start, fns.batch_sharding))
     batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
     with faults.compiling():
@@ -381,7 +385,7 @@ def train(cfg: Config) -> dict:
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
-        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data))
+        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data, start))
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
         if lead:
