@@ -31,6 +31,7 @@ SHRUNK = {  # file -> the keys that shrink its model
 # (sft_addition.toml, tools/make_addition.py): a small chat file stands in.
 DATA_GIVEN = {"sft.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
               "sft_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
+              "arith_format.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "gsm8k.jsonl")},
               # GRPO: no model to start from in a clean checkout (init.from names one the user makes or downloads)
               "grpo_arith.toml": {"init.from": ""},
               "grpo_gsm8k.toml": {"data.tokenizer": "byte",
