@@ -143,6 +143,10 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 turns clipping off
+    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient leaves params and optimizer state alone
+    spike_factor: float = 0.0  # > 1: also skip a step whose loss exceeds this × the median of recent losses; 0 = off
+    spike_window: int = 100  # how many recent losses of applied steps that median looks at
+    max_consecutive_skips: int = 10  # so many skipped steps in a row end the run (one line)
     resume: bool = False
     log_every: int = 10
     eval_every: int = 50  # 0: no validation
@@ -153,7 +157,12 @@ class TrainConfig:
 
 @dataclass
 class PrecisionConfig:
-    compute: str = "bfloat16"  # bfloat16 | float32
+    compute: str = "bfloat16"  # bfloat16 | float32 | float16
+    loss_scale: str = "auto"  # auto (dynamic under float16, else none) | dynamic | static | none
+    loss_scale_init: float = 65536.0  # 2^16; a power of two
+    loss_scale_window: int = 1000  # finite steps in a row before a dynamic scale doubles
+    loss_scale_min: float = 1.0  # a dynamic scale never halves below it
+    grad_reduce: str = "compute"  # ZeRO-3's gradient reduce-scatter in the compute dtype | float32 (gathers fp32)
 
 
 @dataclass

@@ -44,7 +44,8 @@ def test_plain_baseline_step_matches_jaxllm(family):
     for norm in (old["final_norm"], old["blocks"][0]["ln1"], old["blocks"][0]["ln2"]):
         norm["scale"] += 1
     params = jax.device_put(old, fns.state_shardings.params)
-    state = TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=jax.jit(fns.tx.init)(params))
+    state = TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=jax.jit(fns.tx.init)(params),
+                       guard=fns.fresh_guard())
     new_state, metrics = train_step(fns, state, tokens)
 
     plain_old = module.from_jaxllm(old)

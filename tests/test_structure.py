@@ -147,12 +147,14 @@ model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pa
 model.preset model.remat model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size
-precision.compute
+precision.compute precision.grad_reduce precision.loss_scale precision.loss_scale_init precision.loss_scale_min
+precision.loss_scale_window
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm rl.mask_truncated
 rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
 run.dir run.progress run.sample_prompt run.sample_tokens
 train.beta1 train.beta2 train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
-train.grad_clip train.keep_checkpoints train.log_every train.loss_chunk train.lr train.microbatches
+train.grad_clip train.keep_checkpoints train.log_every train.max_consecutive_skips train.skip_nonfinite
+train.spike_factor train.spike_window train.loss_chunk train.lr train.microbatches
 train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
 train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
 train.warmup_steps train.weight_decay train.zero_stage

@@ -23,20 +23,20 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.sharding import BATCH_AXES, Layout, use_layout
 
 
-def reduce_once(accumulate: Callable, params, batch: dict, count, local_layout: Layout):
+def reduce_once(accumulate: Callable, params, batch: dict, norm, local_layout: Layout):
     """(loss, gradients) over the global batch: the per-device sums, all-reduced.
 
-    `accumulate(params, batch, count)` sums over the microbatches of the rows it is given
-    (losses already divided by the global token count `count`); it
+    `accumulate(params, batch, norm)` sums over the microbatches of the rows it is given
+    (losses already divided by the global token count; `norm` holds it and the loss scale, replicated); it
     runs on each device's own rows under `local_layout` (activations without batch
     sharding, since those axes are manual here). Parameters must be replicated over
     the batch axes.
     """
 
-    def local(params, batch, count):
+    def local(params, batch, norm):
         with use_layout(local_layout):
-            sums = accumulate(params, batch, count)
+            sums = accumulate(params, batch, norm)
         return jax.lax.psum(sums, BATCH_AXES)
 
     return jax.shard_map(local, mesh=local_layout.mesh, in_specs=(P(), P(BATCH_AXES), P()), out_specs=P(),
-                         axis_names=set(BATCH_AXES), check_vma=False)(params, batch, count)
+                         axis_names=set(BATCH_AXES), check_vma=False)(params, batch, norm)

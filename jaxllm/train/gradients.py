@@ -9,7 +9,8 @@
 
 Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
 count (so microbatches add up to the mean over the whole batch), plus the model's auxiliary
-losses (MoE) divided by the number of microbatches. Every path sums the objective's metric
+losses (MoE) divided by the number of microbatches, times the loss scale when there is one
+(`train/guard.py`; the gradients come out scaled, the reported loss does not). Every path sums the objective's metric
 shares and the blocks' auxiliary terms like the loss. The batch is a dict of fields
 (`jaxllm/batch.py`), split and reordered field by field, none read here by name.
 """
@@ -72,35 +73,37 @@ def split_microbatches(x: jax.Array, microbatches: int, shards: int) -> jax.Arra
     return x.reshape(microbatches, shards * rows, *x.shape[3:])
 
 
-def loss_share(params, batch: dict, count, g: Paths):
+def loss_share(params, batch: dict, norm, g: Paths):
     """This batch's objective sum divided by the global batch's count (dividing inside the loss scales the
     scalar cotangent, not every gradient afterwards), plus this microbatch's share of the model's
-    auxiliary losses. Aux: (that objective share, metric shares, the blocks' auxiliary terms)."""
-    o = g.objective
+    auxiliary losses, times the loss scale. `norm` is (count, scale or None). Aux: (that objective share,
+    metric shares, the blocks' auxiliary terms), unscaled."""
+    (count, scale), o = norm, g.objective
     total, sums, aux = transformer.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk,
                                            o.temperature)
     share = total / count
     shares = {k: v / count for k, v in sums.items()}
-    return share + transformer.aux_loss(aux, g.model) / g.microbatches, (share, shares, aux)
+    value = share + transformer.aux_loss(aux, g.model) / g.microbatches
+    return (value if scale is None else value * scale), (share, shares, aux)
 
 
-def _value_and_grad(params, batch, count, g: Paths):
-    (_, (loss, metrics, aux)), grads = jax.value_and_grad(loss_share, has_aux=True)(params, batch, count, g)
+def _value_and_grad(params, batch, norm, g: Paths):
+    (_, (loss, metrics, aux)), grads = jax.value_and_grad(loss_share, has_aux=True)(params, batch, norm, g)
     return loss, metrics, aux, grads
 
 
-def one_batch(params, batch: dict, count, g: Paths):
-    loss, metrics, aux, grads = _value_and_grad(params, batch, count, g)
+def one_batch(params, batch: dict, norm, g: Paths):
+    loss, metrics, aux, grads = _value_and_grad(params, batch, norm, g)
     return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
 
 
-def accumulate(params, batch: dict, count, g: Paths, shards: int, pin_grads, pin_microbatches):
+def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_microbatches):
     """Sums of (loss, metric shares, auxiliary terms, gradients) over `g.microbatches` microbatches (a scan)."""
     mbs = jax.tree.map(lambda x: pin_microbatches(split_microbatches(x, g.microbatches, shards)), batch)
 
     def body(carry, mb):
         loss, metrics, aux, acc = carry
-        s, ms, a, grads = _value_and_grad(params, mb, count, g)
+        s, ms, a, grads = _value_and_grad(params, mb, norm, g)
         add = lambda x, y: jax.tree.map(jnp.add, x, y)
         return (loss + s, add(metrics, ms), add(aux, a), pin_grads(add(acc, grads))), None
 
@@ -110,15 +113,15 @@ def accumulate(params, batch: dict, count, g: Paths, shards: int, pin_grads, pin
     return loss, metrics, aux, grads
 
 
-def island_accumulation(params, batch: dict, count, g: Paths):
+def island_accumulation(params, batch: dict, norm, g: Paths):
     """ZeRO-0/1: each device accumulates its own rows, then one all-reduce over the batch axes."""
-    local = lambda p, b, c: accumulate(p, b, c, g, 1, lambda t: t, lambda x: x)
-    return reduce_once(local, params, batch, count, g.local_layout)
+    local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
+    return reduce_once(local, params, batch, norm, g.local_layout)
 
 
-def sharded_accumulation(params, batch: dict, count, g: Paths):
+def sharded_accumulation(params, batch: dict, norm, g: Paths):
     """ZeRO-2/3: the accumulator is sharded over fsdp, so each microbatch is reduce-scattered into it."""
-    return accumulate(params, batch, count, g, g.batch_shards, lambda t: constrain_tree(t, g.grad_shardings),
+    return accumulate(params, batch, norm, g, g.batch_shards, lambda t: constrain_tree(t, g.grad_shardings),
                       lambda x: jax.lax.with_sharding_constraint(x, g.microbatch_sharding))
 
 
@@ -135,9 +138,10 @@ def _island_specs(key: str, rules, g: Paths, names, shapes):
         pick(names), pick(shapes), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
 
 
-def pipelined(params, batch: dict, count, g: Paths):
-    """(loss, metric shares, no auxiliary terms, gradients) through the pipeline executor over pp."""
-    m, dtype, o = g.model, g.dtype, g.objective
+def pipelined(params, batch: dict, norm, g: Paths):
+    """(loss, metric shares, no auxiliary terms, gradients) through the pipeline executor over pp. The
+    executor divides by the count; a loss scale S enters as count / S (exact: S is a power of two)."""
+    (count, scale), m, dtype, o = norm, g.model, g.dtype, g.objective
     names, shapes = transformer.param_names(m), transformer.param_shapes(m)
     batch_manual = g.zero_stage <= 1  # as in the accumulation island: reduce over the batch axes once
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
@@ -152,7 +156,7 @@ def pipelined(params, batch: dict, count, g: Paths):
         return use(stack, "blocks"), use(shared, "shared")
 
     loss, metrics, grads = pipeline.loss_and_grads(
-        params, mbs, count, g.schedule, inner,
+        params, mbs, count if scale is None else count / scale, g.schedule, inner,
         embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
         blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype)[0],
         loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
@@ -160,6 +164,8 @@ def pipelined(params, batch: dict, count, g: Paths):
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
         gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None)
+    if scale is not None:
+        loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
     return loss, metrics, transformer.zero_aux(m), constrain_tree(grads, g.grad_shardings)
 
 
@@ -172,12 +178,12 @@ def path_of(g: Paths):
     return island_accumulation if g.zero_stage <= 1 else sharded_accumulation
 
 
-def loss_and_grads(params, batch: dict, g: Paths):
+def loss_and_grads(params, batch: dict, g: Paths, scale=None):
     """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
-    objective) over the global batch, on the step's layout."""
+    objective times `scale`, a power of two, when given) over the global batch, on the step's layout."""
     with use_layout(g.layout):
         batch = in_model_order(batch, g)
-        return path_of(g)(params, batch, g.objective.count(batch), g)
+        return path_of(g)(params, batch, (g.objective.count(batch), scale), g)
 
 
 def in_model_order(batch: dict, g: Paths) -> dict:

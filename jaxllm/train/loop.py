@@ -108,7 +108,7 @@ def _restore(cfg: Config, fns):
         log.info("the checkpoint holds parameters only (an imported model): the optimizer starts fresh")
         state = fns.start(saved["params"])
     else:
-        state = state_lib.complete(saved)
+        state = state_lib.complete(saved, {"guard": fns.fresh_guard()})
     start = int(state.step)
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
@@ -218,6 +218,7 @@ class _Run:
     flops_per_token: float = 0.0
     peak: float = 0.0
     good_checkpoint: int | None = None
+    pending: list = field(default_factory=list)  # (step, its consecutive-skip count) not yet read
     last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
 
 
@@ -251,6 +252,10 @@ def _write_row(run: _Run, row: dict) -> None:
            f"{row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.0f} ms | mfu {row['mfu'] * 100:.1f}%")
     if row["padding_frac"]:
         msg += f" | padding {row['padding_frac'] * 100:.0f}%"
+    if row.get("skipped_total"):
+        msg += f" | skipped {row['skipped_total']:.0f}" + (" (this step)" if row["skipped"] else "")
+    if "loss_scale" in row:
+        msg += f" | loss scale 2^{math.log2(row['loss_scale']):.0f}"
     if "reward_mean" in row:
         msg += (f" | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | clip {row['clip_frac'] * 100:.1f}%"
                 + (f" | kl {row['kl']:.4f}" if "kl" in row else "") + f" | len {row['completion_len']:.1f}")
@@ -260,15 +265,33 @@ def _write_row(run: _Run, row: dict) -> None:
     _show(run, msg)
 
 
+def _resume_point(run: _Run) -> str:
+    return (f"the newest checkpoint with a finite loss is step {run.good_checkpoint} in "
+            f"{ckpt.checkpoint_dir(run.cfg.run.dir)}; resume from it with train.resume=true"
+            if run.good_checkpoint is not None else "no checkpoint was saved before it")
+
+
 def _check_finite(run: _Run, row: dict) -> None:
-    """A non-finite loss or gradient norm ends the run, pointing at the newest good checkpoint."""
-    if math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]):
+    """A non-finite loss or gradient norm the guard did not skip (train.skip_nonfinite=false) ends the run,
+    pointing at the newest good checkpoint."""
+    if row.get("skipped") or (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
         return
-    where = (f"the newest checkpoint with a finite loss is step {run.good_checkpoint} in "
-             f"{ckpt.checkpoint_dir(run.cfg.run.dir)}; resume from it with train.resume=true"
-             if run.good_checkpoint is not None else "no checkpoint was saved before it")
     raise TrainingDiverged(f"loss {row['loss']}, gradient norm {row['grad_norm']} at step {row['step']}: "
-                           f"lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data; {where}")
+                           f"lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data; "
+                           f"{_resume_point(run)}")
+
+
+def _watch_skips(run: _Run, step: int, metrics, wait: bool) -> None:
+    """End the run (one line) once train.max_consecutive_skips steps in a row were skipped. Each step's count
+    is read once it is ready, without waiting for it (`wait`: at a step whose metrics are read anyway)."""
+    run.pending.append((step, metrics["consecutive_skips"]))
+    limit = run.cfg.train.max_consecutive_skips
+    while run.pending and (wait or run.pending[0][1].is_ready()):
+        at, count = run.pending.pop(0)
+        if int(count) >= limit:
+            raise TrainingDiverged(f"{int(count)} steps in a row skipped through step {at} (train.max_consecutive_"
+                                   f"skips={limit}): non-finite or spiking losses; lower train.lr, raise train."
+                                   f"warmup_steps, or check the data; {_resume_point(run)}")
 
 
 def _evaluate(run: _Run, params) -> float:
@@ -315,6 +338,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
+        _watch_skips(run, step, metrics, wait=logging_now or saving)
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
             now = time.time()

@@ -32,6 +32,7 @@ class Objective:
     token_terms: Callable  # (logp, lse, batch) -> (sum, {name: sum})
     fields: dict = field(default_factory=dict)
     temperature: float = 1.0
+    spiky: bool = True  # its loss is a likelihood, so the step guard may skip its spikes (train/guard.py)
 
 
 def zero_metrics(objective: Objective, batch: dict) -> dict:
@@ -95,4 +96,4 @@ def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 
 
     name = f"grpo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature})"
     return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=GRPO_FIELDS,
-                     temperature=temperature)
+                     temperature=temperature, spiky=False)  # near 0 and of either sign: no spikes to judge

@@ -4,12 +4,14 @@
   a function of (seed, s));
 - `applied`: updates actually applied to the parameters (equal to `step` until a step guard
   skips updates);
-- `params`: fp32 parameters (the master copy); `opt_state`: the optimizer's state.
+- `params`: fp32 parameters (the master copy); `opt_state`: the optimizer's state;
+- `guard`: the loss scale and the step guard's counters and loss history (`train/guard.py`).
 
-A field added later gets a default in `DEFAULTS`, so a checkpoint saved before it existed
-restores: `saved_fields(meta)` says which fields a checkpoint holds (its metadata lists them;
-one saved before this type existed held a dict of `step`, `params` and `opt_state`), the
-checkpoint is read into just those, and `complete` fills in the rest.
+A field added later gets a default, so a checkpoint saved before it existed restores:
+`saved_fields(meta)` says which fields a checkpoint holds (its metadata lists them; one saved
+before this type existed held a dict of `step`, `params` and `opt_state`), the checkpoint is read
+into just those, and `complete` fills in the rest: from the saved fields (`DEFAULTS`) or, for the
+`FRESH` fields, as a new run starts them (the guard: the configured initial loss scale).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class TrainState:
     applied: jax.Array
     params: Any
     opt_state: Any
+    guard: Any
 
 
 FIELDS = tuple(TrainState.__dataclass_fields__)
@@ -39,6 +42,7 @@ FIELDS = tuple(TrainState.__dataclass_fields__)
 # A field's value when a checkpoint predates it, from the fields the checkpoint has (a new buffer: the step
 # donates the whole state, and one buffer must not be donated twice).
 DEFAULTS = {"applied": lambda saved: jnp.copy(saved["step"])}
+FRESH = ("guard",)  # fields a checkpoint may lack that start as in a new run (`complete`'s `fresh`)
 
 
 def saved_fields(meta: dict) -> tuple[str, ...]:
@@ -52,7 +56,7 @@ def check_fields(meta: dict, where: str) -> None:
     if names == PARAMS_ONLY:
         return
     unknown = [n for n in names if n not in FIELDS]
-    missing = [n for n in FIELDS if n not in names and n not in DEFAULTS]
+    missing = [n for n in FIELDS if n not in names and n not in DEFAULTS and n not in FRESH]
     if unknown or missing:
         raise ConfigError(f"{where}: its train state has fields {list(names)} and this jaxllm's has {list(FIELDS)}; "
                           "resume it with the jaxllm version that saved it")
@@ -66,9 +70,10 @@ def as_saved(abstract: TrainState, names: tuple[str, ...]):
     return {n: getattr(abstract, n) for n in names}
 
 
-def complete(saved) -> TrainState:
-    """A restored checkpoint as this version's state, missing fields set from their defaults."""
+def complete(saved, fresh: dict) -> TrainState:
+    """A restored checkpoint as this version's state, missing fields set from their defaults; `fresh` gives
+    the `FRESH` fields as a new run would start them."""
     if isinstance(saved, TrainState):
         return saved
-    values = {n: saved[n] if n in saved else DEFAULTS[n](saved) for n in FIELDS}
+    values = {n: saved[n] if n in saved else DEFAULTS[n](saved) if n in DEFAULTS else fresh[n] for n in FIELDS}
     return TrainState(**values)

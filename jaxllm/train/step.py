@@ -39,14 +39,15 @@ from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
-from jaxllm.train import gradients
+from jaxllm.train import gradients, guard
 from jaxllm.train.gradients import Paths, constrain_tree
 from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, grpo
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 from jaxllm.train.state import TrainState
 
 
-COMPUTE_DTYPES = ("bfloat16", "float32")  # precision.compute
+COMPUTE_DTYPES = ("bfloat16", "float32", "float16")  # precision.compute
+GRAD_REDUCES = ("compute", "float32")  # precision.grad_reduce
 OBJECTIVES = ("lm", "grpo")  # train.objective
 
 
@@ -94,8 +95,10 @@ def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
     opt = optimizer_state_shardings(jax.eval_shape(tx.init, shapes), transformer.param_table(m), layout, update_rules)
     replicated = NamedSharding(mesh, P())
     params = of(layout.params)
+    guard_sh = jax.tree.map(lambda _: replicated, guard.init(cfg))
     return Shardings(params=params, update=of(update_rules), grads=of(grad_rules), grad_rules=grad_rules,
-                     state=TrainState(step=replicated, applied=replicated, params=params, opt_state=opt))
+                     state=TrainState(step=replicated, applied=replicated, params=params, opt_state=opt,
+                                      guard=guard_sh))
 
 
 @dataclass
@@ -110,6 +113,7 @@ class StepFns:
     grad_shardings: Any
     init: Callable  # (seed) -> state
     start: Callable  # (params) -> state at step 0 with a fresh optimizer (params from elsewhere; donated)
+    fresh_guard: Callable  # () -> the guard a new run starts with (for checkpoints saved before it existed)
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
@@ -136,10 +140,15 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         pp_gather_once=t.pp_gather_once)
 
 
-def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn) -> tuple[TrainState, dict]:
-    """One optimizer step: gradients of the objective over the batch, the update, the logged metrics."""
+def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
+    """One optimizer step: gradients of the objective over the batch (scaled, then unscaled, when a loss
+    scale is on), the update unless the guard skips it (`train/guard.py`), the logged metrics."""
+    scale = state.guard.loss_scale if guard.scaling(cfg) != "none" else None
     with matmul_precision(g.dtype):
-        loss, metrics, aux, grads = gradients.loss_and_grads(state.params, batch, g)
+        loss, metrics, aux, grads = gradients.loss_and_grads(state.params, batch, g, scale)
+        if scale is not None:  # once per step, before clipping
+            grads = jax.tree.map(lambda x: x / scale, grads)
+        applied, finite = guard.decide(loss, grads, state.guard, cfg, g.objective.spiky)
         grad_norm = optax.tree.norm(grads)
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, sh.update)
@@ -147,9 +156,13 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
         params = constrain_tree(optax.apply_updates(state.params, updates), sh.params)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state.step), **metrics,
-               **transformer.aux_metrics(aux)}
-    return state.replace(step=state.step + 1, applied=state.applied + 1, params=params, opt_state=opt_state), metrics
+    params, opt_state = guard.keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+    kept = guard.advance(state.guard, loss, applied, finite, cfg)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state.applied), **metrics,
+               **transformer.aux_metrics(aux), "skipped": ~applied, "skipped_total": kept.skipped_total,
+               "consecutive_skips": kept.consecutive_skips, **({"loss_scale": scale} if scale is not None else {})}
+    return state.replace(step=state.step + 1, applied=state.applied + applied.astype(jnp.int32), params=params,
+                         opt_state=opt_state, guard=kept), metrics
 
 
 def loss_and_grads(params, batch: dict, g: Paths):
@@ -178,11 +191,12 @@ def token_logp(params, batch: dict, g: Paths):
 
 
 def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
-    return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), tx=tx)
+    return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), cfg=cfg, tx=tx)
 
 
-def start_state(params, *, tx) -> TrainState:
-    return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params))
+def start_state(params, *, cfg: Config, tx) -> TrainState:
+    return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params),
+                      guard=guard.init(cfg))
 
 
 def objective_of(cfg: Config) -> Objective:
@@ -199,7 +213,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
-                    context_attention=m.cp_strategy)
+                    context_attention=m.cp_strategy, gather_fp32=cfg.precision.grad_reduce == "float32")
     tx = make_optimizer(t, transformer.param_table(m))
     sh = _shardings(cfg, layout, tx)
     g = _paths(cfg, layout, sh, objective)
@@ -207,13 +221,14 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     init = functools.partial(init_state, cfg=cfg, tx=tx)
     abstract_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
                                   jax.eval_shape(init, 0), sh.state)
-    step = functools.partial(train_step, g=g, sh=sh, tx=tx, lr_fn=learning_rate(t))
+    step = functools.partial(train_step, g=g, sh=sh, tx=tx, lr_fn=learning_rate(t), cfg=cfg)
     return StepFns(
         layout=layout, tx=tx, objective=objective, state_shardings=sh.state, batch_sharding=batch_sh,
         grad_shardings=sh.grads,
         init=jax.jit(init, static_argnums=0, out_shardings=sh.state),
-        start=jax.jit(functools.partial(start_state, tx=tx), in_shardings=(sh.params,), out_shardings=sh.state,
-                      donate_argnums=0),
+        start=jax.jit(functools.partial(start_state, cfg=cfg, tx=tx), in_shardings=(sh.params,),
+                      out_shardings=sh.state, donate_argnums=0),
+        fresh_guard=jax.jit(functools.partial(guard.init, cfg), out_shardings=sh.state.guard),
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
         loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g), in_shardings=(sh.params, batch_sh),
@@ -233,6 +248,9 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
+    if cfg.precision.grad_reduce not in GRAD_REDUCES:
+        raise ConfigError(f"precision.grad_reduce: '{cfg.precision.grad_reduce}' is not one of {', '.join(GRAD_REDUCES)}")
+    notes += guard.check_config(cfg)
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
     for key in ("global_batch", "microbatches"):
