@@ -162,7 +162,6 @@ class PrecisionConfig:
     loss_scale_init: float = 65536.0  # 2^16; a power of two
     loss_scale_window: int = 1000  # finite steps in a row before a dynamic scale doubles
     loss_scale_min: float = 1.0  # a dynamic scale never halves below it
-    grad_reduce: str = "compute"  # ZeRO-3's gradient reduce-scatter in the compute dtype | float32 (gathers fp32)
 
 
 @dataclass

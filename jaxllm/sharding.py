@@ -130,10 +130,6 @@ class Layout:
     # How attention runs when the sequence is split over sp: ring | allgather | ulysses.
     context_attention: str = "ring"
 
-    # Weights laid out (a ZeRO-3 gather) in fp32 before the cast to the compute dtype, so the transpose,
-    # the gradients' reduce-scatter, sums in fp32 (precision.grad_reduce = float32; twice the gather bytes).
-    gather_fp32: bool = False
-
     def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
         return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
 
@@ -176,16 +172,15 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
 def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     """A parameter as used: cast to the compute dtype, then laid out as `weights` says.
 
-    Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32, and the gradients'
-    reduce-scatter (its transpose) sums in the compute dtype; a layout with `gather_fp32` lays out
-    first and casts after. KV heads fewer than tp are repeated up to tp first (`replicated_heads`).
+    Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32.
+    KV heads fewer than tp are repeated up to tp first (`replicated_heads`).
     """
+    w = w.astype(dtype)
     layout = _layout.get()
     if layout is None:
-        return w.astype(dtype)
-    w = replicated_heads(w if layout.gather_fp32 else w.astype(dtype), names)
-    w = jax.lax.with_sharding_constraint(w, layout.constraint(names, layout.weights, w.shape))
-    return w.astype(dtype)
+        return w
+    w = replicated_heads(w, names)
+    return jax.lax.with_sharding_constraint(w, layout.constraint(names, layout.weights, w.shape))
 
 
 def replicated_heads(w: jax.Array, names: tuple[str, ...], axis_name: str = "kv_heads") -> jax.Array:

@@ -1,6 +1,7 @@
-"""Test-only hard kills: `JAXLLM_TEST_KILL=<point>:<step>` sends the process SIGKILL at one chosen point,
-so the tests can check what a killed run leaves behind and that resuming loses nothing. Unset (as in
-every real run), each call here only reads the environment.
+"""Test-only faults. `JAXLLM_TEST_KILL=<point>:<step>` sends the process SIGKILL at one chosen point,
+so the tests can check what a killed run leaves behind and that resuming loses nothing;
+`JAXLLM_TEST_NAN_FROM=<step>` makes the loss of every step from that one (1-based) on NaN (its loss
+mask), for the step guard. Unset (as in every real run), each call here only reads the environment.
 
 Points:
 - `compile`: 50 ms into compiling the train step (step is ignored);
@@ -69,3 +70,11 @@ def compiling():
     if target is not None and target[0] == "compile":
         threading.Timer(0.05, _kill).start()
     yield
+
+
+def corrupt(step: int, batch: dict) -> dict:
+    """For `JAXLLM_TEST_NAN_FROM=N`: step `step` (1-based) from N on gets a loss mask of NaN."""
+    start = os.environ.get("JAXLLM_TEST_NAN_FROM")
+    if not start or step < int(start):
+        return batch
+    return {**batch, "loss_mask": batch["loss_mask"] * float("nan")}

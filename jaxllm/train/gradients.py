@@ -76,15 +76,18 @@ def split_microbatches(x: jax.Array, microbatches: int, shards: int) -> jax.Arra
 def loss_share(params, batch: dict, norm, g: Paths):
     """This batch's objective sum divided by the global batch's count (dividing inside the loss scales the
     scalar cotangent, not every gradient afterwards), plus this microbatch's share of the model's
-    auxiliary losses, times the loss scale. `norm` is (count, scale or None). Aux: (that objective share,
-    metric shares, the blocks' auxiliary terms), unscaled."""
+    auxiliary losses, times the loss scale. `norm` is (count, scale). Aux: (that objective share, metric
+    shares, the blocks' auxiliary terms), unscaled."""
     (count, scale), o = norm, g.objective
     total, sums, aux = transformer.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk,
                                            o.temperature)
-    share = total / count
-    shares = {k: v / count for k, v in sums.items()}
-    value = share + transformer.aux_loss(aux, g.model) / g.microbatches
-    return (value if scale is None else value * scale), (share, shares, aux)
+    # The scale enters as count / S, and the step passes S (1 when not scaling) as data, so a scaled and an
+    # unscaled run compile one program and, S a power of two, every gradient is exactly S times the other's.
+    denom = count / scale
+    share = total / denom
+    shares = {k: v / denom / scale for k, v in sums.items()}
+    aux_loss = transformer.aux_loss(aux, g.model) / g.microbatches
+    return share + aux_loss * scale, (share / scale, shares, aux)
 
 
 def _value_and_grad(params, batch, norm, g: Paths):
@@ -156,7 +159,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         return use(stack, "blocks"), use(shared, "shared")
 
     loss, metrics, grads = pipeline.loss_and_grads(
-        params, mbs, count if scale is None else count / scale, g.schedule, inner,
+        params, mbs, count / scale, g.schedule, inner,
         embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
         blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype)[0],
         loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
@@ -164,8 +167,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
         gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None)
-    if scale is not None:
-        loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
+    loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
     return loss, metrics, transformer.zero_aux(m), constrain_tree(grads, g.grad_shardings)
 
 
@@ -178,9 +180,9 @@ def path_of(g: Paths):
     return island_accumulation if g.zero_stage <= 1 else sharded_accumulation
 
 
-def loss_and_grads(params, batch: dict, g: Paths, scale=None):
+def loss_and_grads(params, batch: dict, g: Paths, scale):
     """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
-    objective times `scale`, a power of two, when given) over the global batch, on the step's layout."""
+    objective times `scale`, a power of two, 1 when not scaling) over the global batch, on the step's layout."""
     with use_layout(g.layout):
         batch = in_model_order(batch, g)
         return path_of(g)(params, batch, (g.objective.count(batch), scale), g)

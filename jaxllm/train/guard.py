@@ -9,6 +9,8 @@ A step's update is skipped (parameters and optimizer state left exactly as they 
 
 A skipped step still consumes its batch (`step` advances) but not the learning-rate schedule: the
 optimizer's own counters sit in the untouched optimizer state, and `applied` counts the updates made.
+`train.max_consecutive_skips` skips in a row end the run (the loop's check); an overflow the dynamic
+scaler answers by halving a scale still above `loss_scale_min` does not count towards them.
 
 Loss scaling (`precision.loss_scale`) multiplies the loss by a power of two S inside the differentiated
 function and divides the gradients by S once per step, before clipping. Dynamic scaling halves S after a
@@ -55,38 +57,51 @@ def init(cfg) -> Guard:
                  skipped_total=jnp.int32(0), history=jnp.zeros((window,), jnp.float32), history_len=jnp.int32(0))
 
 
-def _spike(loss, g: Guard, factor: float):
+def _settings(cfg):
+    """The guard's and the scaler's settings as values behind an optimization barrier, so every setting
+    compiles to one program. (With them as constants XLA folds the unused logic away, and XLA:CPU was
+    seen to fuse the gradient computation differently around what is left: gradients an ulp apart
+    between dynamic scaling and none, against the scaler's promise to change no bit in fp32.)"""
+    p, t = cfg.precision, cfg.train
+    return jax.lax.optimization_barrier({
+        "dynamic": jnp.bool_(scaling(cfg) == "dynamic"), "window": jnp.int32(p.loss_scale_window),
+        "floor": jnp.float32(p.loss_scale_min), "skip_nonfinite": jnp.bool_(t.skip_nonfinite),
+        "spike_factor": jnp.float32(t.spike_factor)})
+
+
+def _spike(loss, g: Guard, factor):
     """Whether `loss` exceeds factor × the median of the known history (once half of it is known)."""
     window = g.history.shape[0]
     known = jnp.arange(window) < g.history_len
     median = jnp.nanmedian(jnp.where(known, g.history, jnp.nan))
-    return (g.history_len * 2 >= window) & (loss > factor * median)
+    return (factor > 0) & (g.history_len * 2 >= window) & (loss > factor * median)
 
 
-def decide(loss, grads, g: Guard, cfg, spiky: bool):
-    """(apply the update?, whether the gradients and loss were finite) for this step."""
-    finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(grads)]))
-    skip = jnp.bool_(False)
-    if cfg.train.skip_nonfinite or scaling(cfg) == "dynamic":  # an overflow under dynamic scaling is never applied
-        skip = ~finite
-    if spiky and cfg.train.spike_factor > 0:
-        skip = skip | (finite & _spike(loss, g, cfg.train.spike_factor))
+def decide(loss, grad_norm, g: Guard, cfg, spiky: bool):
+    """(apply the update?, whether the gradients and loss were finite) for this step. The gradients are
+    judged by their global norm, which the step computes anyway: an inf or NaN anywhere makes it non-finite
+    (and so does a norm past fp32's range), and nothing else here reads the gradients."""
+    s = _settings(cfg)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    skip = ~finite & (s["skip_nonfinite"] | s["dynamic"])  # an overflow under dynamic scaling is never applied
+    if spiky:
+        skip = skip | (finite & _spike(loss, g, s["spike_factor"]))
     return ~skip, finite
 
 
 def advance(g: Guard, loss, applied, finite, cfg) -> Guard:
     """The guard after a step: the scale updated, the skip counters, the loss remembered if applied."""
+    s = _settings(cfg)
     scale, good = g.loss_scale, g.good_steps + 1
-    if scaling(cfg) == "dynamic":
-        p = cfg.precision
-        grow = finite & (good >= p.loss_scale_window)
-        scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, p.loss_scale_min))
-        good = jnp.where(finite & ~grow, good, 0)
+    adapting = s["dynamic"] & ~finite & (scale > s["floor"])  # an overflow the scaler still answers by halving
+    grow = s["dynamic"] & finite & (good >= s["window"])
+    scale = jnp.where(s["dynamic"] & ~finite, jnp.maximum(scale / 2, s["floor"]), jnp.where(grow, scale * 2, scale))
+    good = jnp.where(finite & ~grow, good, 0)
     window = g.history.shape[0]
     remember = applied & jnp.isfinite(loss)
     history = jnp.where(remember, g.history.at[g.history_len % window].set(loss.astype(jnp.float32)), g.history)
     return Guard(loss_scale=scale.astype(jnp.float32), good_steps=good.astype(jnp.int32),
-                 consecutive_skips=jnp.where(applied, 0, g.consecutive_skips + 1).astype(jnp.int32),
+                 consecutive_skips=jnp.where(applied, 0, g.consecutive_skips + ~adapting).astype(jnp.int32),
                  skipped_total=(g.skipped_total + (~applied)).astype(jnp.int32), history=history,
                  history_len=jnp.where(remember, g.history_len + 1, g.history_len).astype(jnp.int32))
 

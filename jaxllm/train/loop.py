@@ -254,7 +254,7 @@ def _write_row(run: _Run, row: dict) -> None:
         msg += f" | padding {row['padding_frac'] * 100:.0f}%"
     if row.get("skipped_total"):
         msg += f" | skipped {row['skipped_total']:.0f}" + (" (this step)" if row["skipped"] else "")
-    if "loss_scale" in row:
+    if row.get("loss_scale", 1) != 1:
         msg += f" | loss scale 2^{math.log2(row['loss_scale']):.0f}"
     if "reward_mean" in row:
         msg += (f" | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | clip {row['clip_frac'] * 100:.1f}%"
@@ -332,13 +332,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     t = run.cfg.train
     mark_time, mark_step, pending = time.time(), start, None
     for step in range(start + 1, t.steps + 1):
-        state, metrics = run.step_fn(state, _batch(run, step - 1, state))
+        state, metrics = run.step_fn(state, faults.corrupt(step, _batch(run, step - 1, state)))
         faults.after_dispatch(step, run.mngr)
         pending = pending or should_stop(step)  # asked every step: several processes agree on the step
         signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
-        _watch_skips(run, step, metrics, wait=logging_now or saving)
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
             now = time.time()
@@ -347,6 +346,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
                 mark_time, mark_step = now, step
                 _write_row(run, row)
             _check_finite(run, row)
+        _watch_skips(run, step, metrics, wait=logging_now or saving)
         if run.eval_fn is not None and (step % t.eval_every == 0 or step == t.steps):
             run.last["val_loss"] = _evaluate(run, state.params)
             if run.writer:

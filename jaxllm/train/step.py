@@ -47,7 +47,6 @@ from jaxllm.train.state import TrainState
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")  # precision.compute
-GRAD_REDUCES = ("compute", "float32")  # precision.grad_reduce
 OBJECTIVES = ("lm", "grpo")  # train.objective
 
 
@@ -143,13 +142,12 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
     """One optimizer step: gradients of the objective over the batch (scaled, then unscaled, when a loss
     scale is on), the update unless the guard skips it (`train/guard.py`), the logged metrics."""
-    scale = state.guard.loss_scale if guard.scaling(cfg) != "none" else None
+    scale = state.guard.loss_scale  # 1 when not scaling, still data: see gradients.loss_share
     with matmul_precision(g.dtype):
         loss, metrics, aux, grads = gradients.loss_and_grads(state.params, batch, g, scale)
-        if scale is not None:  # once per step, before clipping
-            grads = jax.tree.map(lambda x: x / scale, grads)
-        applied, finite = guard.decide(loss, grads, state.guard, cfg, g.objective.spiky)
+        grads = jax.tree.map(lambda x: x / scale, grads)  # once per step, before clipping
         grad_norm = optax.tree.norm(grads)
+        applied, finite = guard.decide(loss, grad_norm, state.guard, cfg, g.objective.spiky)
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, sh.update)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -160,16 +158,18 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
     kept = guard.advance(state.guard, loss, applied, finite, cfg)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state.applied), **metrics,
                **transformer.aux_metrics(aux), "skipped": ~applied, "skipped_total": kept.skipped_total,
-               "consecutive_skips": kept.consecutive_skips, **({"loss_scale": scale} if scale is not None else {})}
+               "consecutive_skips": kept.consecutive_skips, "loss_scale": scale}
     return state.replace(step=state.step + 1, applied=state.applied + applied.astype(jnp.int32), params=params,
                          opt_state=opt_state, guard=kept), metrics
 
 
-def loss_and_grads(params, batch: dict, g: Paths):
-    """(loss, metrics, gradients): the step's gradient path alone, for tests and tools."""
+def loss_and_grads(params, batch: dict, g: Paths, cfg):
+    """(loss, metrics, gradients): the step's gradient path alone, for tests and tools, with the initial
+    loss scale a new run starts with (the gradients unscaled)."""
+    scale = guard.init(cfg).loss_scale
     with matmul_precision(g.dtype):
-        loss, metrics, aux, grads = gradients.loss_and_grads(params, batch, g)
-    return loss, {**metrics, **transformer.aux_metrics(aux)}, grads
+        loss, metrics, aux, grads = gradients.loss_and_grads(params, batch, g, scale)
+    return loss, {**metrics, **transformer.aux_metrics(aux)}, jax.tree.map(lambda x: x / scale, grads)
 
 
 def eval_loss(params, batch: dict, g: Paths):
@@ -213,7 +213,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
-                    context_attention=m.cp_strategy, gather_fp32=cfg.precision.grad_reduce == "float32")
+                    context_attention=m.cp_strategy)
     tx = make_optimizer(t, transformer.param_table(m))
     sh = _shardings(cfg, layout, tx)
     g = _paths(cfg, layout, sh, objective)
@@ -231,7 +231,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
         fresh_guard=jax.jit(functools.partial(guard.init, cfg), out_shardings=sh.state.guard),
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
-        loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g), in_shardings=(sh.params, batch_sh),
+        loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g, cfg=cfg), in_shardings=(sh.params, batch_sh),
                                out_shardings=(replicated, replicated, sh.grads)),
         eval_loss=jax.jit(functools.partial(eval_loss, g=g), in_shardings=(sh.params, batch_sh),
                           out_shardings=replicated),
@@ -248,8 +248,6 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
-    if cfg.precision.grad_reduce not in GRAD_REDUCES:
-        raise ConfigError(f"precision.grad_reduce: '{cfg.precision.grad_reduce}' is not one of {', '.join(GRAD_REDUCES)}")
     notes += guard.check_config(cfg)
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
