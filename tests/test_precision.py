@@ -16,7 +16,7 @@ import pytest
 
 import harness as H
 from jaxllm.config import build_config
-from jaxllm.errors import TrainingDiverged
+from jaxllm.errors import ConfigError, TrainingDiverged
 from jaxllm.train import guard
 from jaxllm.train.loop import train
 
@@ -146,6 +146,9 @@ def test_fp16_resumes_exactly_with_its_loss_scale(tmp_path):
     ref = rows(full)
     assert [r["loss_scale"] for r in ref] == [2.0 ** 10, 2.0 ** 10, 2.0 ** 11, 2.0 ** 11, 2.0 ** 12, 2.0 ** 12]
     assert rows(part) == ref
+    with pytest.raises(ConfigError, match=r"train.spike_window=100; resume with the same window"):
+        train(build_config(None, {**over, "run.dir": str(part), "train.resume": True, "train.steps": 8,
+                                  "train.spike_window": 50}))
 
 
 def test_too_many_skips_in_a_row_end_the_run_in_one_line(tmp_path, monkeypatch):

@@ -212,11 +212,19 @@ def test_no_good_checkpoint_is_one_line_exit_2_and_nothing_moved(uninterrupted, 
 
 
 def test_a_non_finite_loss_ends_the_run_in_one_line_keeping_good_checkpoints(tmp_path, capsys):
-    """lr 1e30 makes step 1's update enormous: step 2's loss overflows."""
-    run_dir = tmp_path / "run"
-    code = run_cli.main(args(run_dir, **{"train.steps": 6, "train.lr": 1e30, "train.checkpoint_every": 1}))
+    """lr 1e30 makes step 1's update enormous: step 2's loss overflows. Without the guard the run ends there;
+    with it, steps 2.. are skipped until train.max_consecutive_skips end the run, and the checkpoints of
+    skipped steps are not offered as finite ones."""
+    run = {"train.steps": 6, "train.lr": 1e30, "train.checkpoint_every": 1}
+    code = run_cli.main(args(tmp_path / "off", **run, **{"train.skip_nonfinite": False}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("error: loss ") and "at step 2" in err[-1], err
     assert "train.lr" in err[-1] and "checkpoint with a finite loss is step 1" in err[-1]
-    assert listing(run_dir) == ["1"]
-    assert [r["step"] for r in rows(run_dir)] == [1, 2] and np.isfinite(rows(run_dir)[0]["loss"])
+    assert listing(tmp_path / "off") == ["1"]
+    assert [r["step"] for r in rows(tmp_path / "off")] == [1, 2] and np.isfinite(rows(tmp_path / "off")[0]["loss"])
+
+    code = run_cli.main(args(tmp_path / "on", **run, **{"train.max_consecutive_skips": 3}))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "3 steps in a row skipped through step 4" in err[-1], err
+    assert "checkpoint with a finite loss is step 1" in err[-1]
+    assert [r["skipped"] for r in rows(tmp_path / "on")] == [0, 1, 1, 1]

@@ -93,6 +93,10 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
         if a != b:
             raise ConfigError(f"run.dir '{cfg.run.dir}' was trained with different {section} settings; "
                               "resume with the same ones or choose another run.dir")
+    window = saved.get("train", {}).get("spike_window")  # the guard's loss history has its length
+    if window is not None and not params_only and window != cfg.train.spike_window:
+        raise ConfigError(f"run.dir '{cfg.run.dir}' was trained with train.spike_window={window}; resume with the "
+                          "same window or choose another run.dir")
 
 
 def _restore(cfg: Config, fns):
@@ -303,13 +307,15 @@ def _evaluate(run: _Run, params) -> float:
     return total / count
 
 
-def _save(run: _Run, step: int, state) -> None:
+def _save(run: _Run, step: int, state, applied: bool = True) -> None:
+    """Save step `step`; `applied`: its update was not skipped, so its loss was a finite one."""
     if run.mngr is None:
         run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
     faults.before_save(step)
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
     ckpt.save(run.mngr, step, state, meta)
-    run.good_checkpoint = step  # its row was checked finite first
+    if applied:  # its row was checked finite first
+        run.good_checkpoint = step
     faults.after_save(run.mngr, step)
 
 
@@ -354,7 +360,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
                 _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
             mark_time = time.time()  # evaluation is not training time
         if saving:
-            _save(run, step, state)
+            _save(run, step, state, applied=not row.get("skipped"))
         if run.bar:
             run.bar.update(1)
             run.bar.set_postfix(loss=f"{run.last['loss']:.3f}")
