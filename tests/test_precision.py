@@ -130,6 +130,7 @@ def rows(run_dir) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in timings} for line in open(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # 8 s: the fast tier keeps issue 18 within its +15 s
 def test_fp16_resumes_exactly_with_its_loss_scale(tmp_path):
     """fp16 with a dynamic scale that grows during the run (from 2^10, window 2): a run resumed from step 2 of 6 logs
     the same rows, loss scale included."""
