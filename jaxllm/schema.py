@@ -162,6 +162,8 @@ class PrecisionConfig:
     loss_scale_init: float = 65536.0  # 2^16; a power of two
     loss_scale_window: int = 1000  # finite steps in a row before a dynamic scale doubles
     loss_scale_min: float = 1.0  # a dynamic scale never halves below it
+    matmul: str = "default"  # default (the compute dtype) | fp8 (E4M3 forward, E5M2 gradients, per-tensor scales)
+    fp8_exclude: list = field(default_factory=lambda: ["head"])  # matmul groups kept out of fp8: attention, mlp, experts, head
 
 
 @dataclass

@@ -152,6 +152,7 @@ def test_fp16_resumes_exactly_with_its_loss_scale(tmp_path):
                                   "train.spike_window": 50}))
 
 
+@pytest.mark.slow  # test_recovery's non-finite test ends a run of skips too
 def test_too_many_skips_in_a_row_end_the_run_in_one_line(tmp_path, monkeypatch):
     """NaN batches from step 3 on (the test hook of train/faults.py): the run stops once 4 steps in a row
     were skipped, in one line that says what to do."""

@@ -63,7 +63,7 @@ def _project(p: dict, x, positions, m, dtype):
     """Column-parallel Q/K/V (heads split over tp), with their biases and RoPE at `positions`."""
     q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
                                   (p["wk"], ("embed", "kv_heads", "head_dim")),
-                                  (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype)
+                                  (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype, "attention")
     q = add_bias(q, p, "bq", ("heads", "head_dim"), dtype)
     k = add_bias(k, p, "bk", ("kv_heads", "head_dim"), dtype)
     v = add_bias(v, p, "bv", ("kv_heads", "head_dim"), dtype)
@@ -79,7 +79,8 @@ def _project(p: dict, x, positions, m, dtype):
 def _project_out(p: dict, out, dtype):
     """The row-parallel output projection of the heads' outputs."""
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
-    return add_bias(row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype), p, "bo", None, dtype)
+    out = row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype, "attention")
+    return add_bias(out, p, "bo", None, dtype)
 
 
 def attention_layer(p: dict, x, positions, segment_ids, m, dtype):

@@ -18,14 +18,19 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxllm.ops import fp8
 from jaxllm.parallel import collective_matmul
 from jaxllm.sharding import constrain, current_layout, weight
 
 
-def matmul_precision(dtype):
+@contextlib.contextmanager
+def matmul_precision(dtype, fp8_groups: frozenset = frozenset()):
     """The matmul precision a forward pass of this compute dtype traces under: fp32 means fp32 on GPU too
-    (no TF32). A context manager, so building a program changes no global JAX setting."""
-    return jax.default_matmul_precision("highest") if jnp.dtype(dtype) == jnp.float32 else contextlib.nullcontext()
+    (no TF32); the weight matmuls of `fp8_groups` run in fp8 (`ops/fp8.py`). A context manager, so
+    building a program changes no global JAX setting."""
+    highest = jnp.dtype(dtype) == jnp.float32
+    with jax.default_matmul_precision("highest") if highest else contextlib.nullcontext(), fp8.use(fp8_groups):
+        yield
 
 
 def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
@@ -50,8 +55,10 @@ def norm(kind: str, p: dict, x: jax.Array, eps: float) -> jax.Array:
     return NORMS[kind](p, x, eps)
 
 
-def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype) -> list[jax.Array]:
-    """x [batch, seq, embed] times each weight [embed, ...] (given with its logical names) -> [batch, seq, ...].
+def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype,
+                    group: str) -> list[jax.Array]:
+    """x [batch, seq, embed] times each weight [embed, ...] (given with its logical names) -> [batch, seq, ...];
+    `group` names the matmuls for `precision.matmul` (`ops/fp8.py`).
 
     The weights' output dimensions are split over tp; x enters from the residual stream
     (sequence-split over tp under sequence parallelism, so it is gathered along the sequence).
@@ -62,10 +69,10 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
         return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
     # the whole sequence enters the region (under sequence parallelism: the all-gather is here)
     x = constrain(x, ("batch", "seq", "embed"))
-    return [jnp.tensordot(x, w, axes=1) for w in ws]
+    return [fp8.tensordot(group, x, w, axes=1) for w in ws]
 
 
-def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
+def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, group: str) -> jax.Array:
     """h [batch, seq, *c] times w [*c, embed] -> [batch, seq, embed]: the contracted dimensions are
     split over tp, so the result is a sum over tp (all-reduced, or reduce-scattered along the
     sequence into the residual stream under sequence parallelism)."""
@@ -73,7 +80,7 @@ def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype) -> j
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.matmul_reduce_scatter(h, w, names, layout)
-    return jnp.tensordot(h, w, axes=w.ndim - 1)
+    return fp8.tensordot(group, h, w, axes=w.ndim - 1)
 
 
 def add_bias(y: jax.Array, p: dict, name: str, names: tuple[str, ...] | None, dtype) -> jax.Array:
@@ -86,18 +93,19 @@ def add_bias(y: jax.Array, p: dict, name: str, names: tuple[str, ...] | None, dt
 
 def gelu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     """GPT-2 feed-forward (`model.mlp = "gelu_tanh"`): column-parallel in, GELU (tanh form), row-parallel out."""
-    (h,) = column_parallel(x, [(p["w_in"], ("embed", "mlp"))], dtype)
+    (h,) = column_parallel(x, [(p["w_in"], ("embed", "mlp"))], dtype, "mlp")
     h = add_bias(h, p, "b_in", ("mlp",), dtype)
     h = checkpoint_name(constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp")), "mlp_hidden")
-    return add_bias(row_parallel(h, p["w_out"], ("mlp", "embed"), dtype), p, "b_out", None, dtype)
+    return add_bias(row_parallel(h, p["w_out"], ("mlp", "embed"), dtype, "mlp"), p, "b_out", None, dtype)
 
 
 def swiglu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     """LLaMA feed-forward (`model.mlp = "swiglu"`): silu(x W_gate + b) * (x W_up + b), then W_down."""
-    gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype)
+    gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype,
+                               "mlp")
     gate, up = add_bias(gate, p, "b_gate", ("mlp",), dtype), add_bias(up, p, "b_up", ("mlp",), dtype)
     h = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
-    return add_bias(row_parallel(h, p["w_down"], ("mlp", "embed"), dtype), p, "b_down", None, dtype)
+    return add_bias(row_parallel(h, p["w_down"], ("mlp", "embed"), dtype, "mlp"), p, "b_down", None, dtype)
 
 
 MLPS = {"gelu_tanh": gelu_mlp, "swiglu": swiglu_mlp}

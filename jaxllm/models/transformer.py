@@ -34,6 +34,7 @@ from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, attention_layer, cached_attention_layer, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
+from jaxllm.ops import fp8
 from jaxllm.schema import ModelConfig
 from jaxllm.sharding import constrain, weight
 
@@ -275,10 +276,10 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
     if m.tie_embeddings:
         w = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
-        logits = jnp.einsum("bsd,vd->bsv", x, w, preferred_element_type=jnp.float32)
+        logits = fp8.einsum("head", "bsd,vd->bsv", x, w, jnp.float32)
     else:
         w = weight(params["head"]["w"], ("embed", "vocab"), dtype)
-        logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+        logits = fp8.einsum("head", "bsd,dv->bsv", x, w, jnp.float32)
     logits = constrain(logits, ("batch", "seq", "vocab"))
     # An additive constant rather than a select: its gradient is the identity, so the backward
     # pass makes no second pass over [tokens, vocab] (BENCHMARKS.md measured the difference).

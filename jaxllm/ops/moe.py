@@ -31,6 +31,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllm.ops import fp8
+
 
 def route(router_w: jax.Array, x: jax.Array, top_k: int):
     """(logits [..., E], probs [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
@@ -79,12 +81,15 @@ def combine(out: jax.Array, experts: jax.Array, positions: jax.Array, gates: jax
 def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
     """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh or swiglu; no biases)."""
     h = buffer.astype(dtype)
+
+    def expert_matmul(spec, x, name):  # the "experts" group of precision.matmul
+        return fp8.einsum("experts", spec, x, p[name].astype(dtype))
+
     if mlp == "gelu_tanh":
-        hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", h, p["w_in"].astype(dtype)), approximate=True)
-        return jnp.einsum("ecf,efd->ecd", hidden, p["w_out"].astype(dtype))
-    gate = jnp.einsum("ecd,edf->ecf", h, p["w_gate"].astype(dtype))
-    up = jnp.einsum("ecd,edf->ecf", h, p["w_up"].astype(dtype))
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, p["w_down"].astype(dtype))
+        hidden = jax.nn.gelu(expert_matmul("ecd,edf->ecf", h, "w_in"), approximate=True)
+        return expert_matmul("ecf,efd->ecd", hidden, "w_out")
+    gate, up = expert_matmul("ecd,edf->ecf", h, "w_gate"), expert_matmul("ecd,edf->ecf", h, "w_up")
+    return expert_matmul("ecf,efd->ecd", jax.nn.silu(gate) * up, "w_down")
 
 
 def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:

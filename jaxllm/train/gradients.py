@@ -49,6 +49,7 @@ class Paths:
     order: Any = None  # zig-zag order of the sequence (context parallelism with load balance), or None
     schedule: Any = None  # the pipeline's table when pp > 1
     pp_gather_once: bool = False
+    fp8: frozenset = frozenset()  # the weight matmul groups run in fp8 (precision.matmul, ops/fp8.py)
 
     @property
     def local_layout(self) -> Layout:

@@ -35,6 +35,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
+from jaxllm.ops import fp8
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
@@ -136,14 +137,14 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         order=zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None,
         schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
                   if mesh.shape["pp"] > 1 else None),
-        pp_gather_once=t.pp_gather_once)
+        pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision))
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
     """One optimizer step: gradients of the objective over the batch (scaled, then unscaled, when a loss
     scale is on), the update unless the guard skips it (`train/guard.py`), the logged metrics."""
     scale = state.guard.loss_scale  # 1 when not scaling, still data: see gradients.loss_share
-    with matmul_precision(g.dtype):
+    with matmul_precision(g.dtype, g.fp8):
         loss, metrics, aux, grads = gradients.loss_and_grads(state.params, batch, g, scale)
         grads = jax.tree.map(lambda x: x / scale, grads)  # once per step, before clipping
         grad_norm = optax.tree.norm(grads)
@@ -167,7 +168,7 @@ def loss_and_grads(params, batch: dict, g: Paths, cfg):
     """(loss, metrics, gradients): the step's gradient path alone, for tests and tools, with the initial
     loss scale a new run starts with (the gradients unscaled)."""
     scale = guard.init(cfg).loss_scale
-    with matmul_precision(g.dtype):
+    with matmul_precision(g.dtype, g.fp8):
         loss, metrics, aux, grads = gradients.loss_and_grads(params, batch, g, scale)
     return loss, {**metrics, **transformer.aux_metrics(aux)}, jax.tree.map(lambda x: x / scale, grads)
 
@@ -175,7 +176,7 @@ def loss_and_grads(params, batch: dict, g: Paths, cfg):
 def eval_loss(params, batch: dict, g: Paths):
     """(summed next-token cross-entropy over loss_mask tokens, their count), whatever the training objective."""
     lm = LANGUAGE_MODEL
-    with matmul_precision(g.dtype), use_layout(g.layout):
+    with matmul_precision(g.dtype, g.fp8), use_layout(g.layout):
         batch = gradients.in_model_order(batch, g)
         total, _, _ = transformer.forward(params, batch, g.model, g.dtype, lm.token_terms, g.loss_chunk)
         return total, lm.count(batch)
@@ -184,7 +185,7 @@ def eval_loss(params, batch: dict, g: Paths):
 def token_logp(params, batch: dict, g: Paths):
     """Each target's log-probability at the objective's temperature, in the batch's own order: the trainer's
     forward pass, as GRPO needs for the sampling and the reference parameters before an update."""
-    with matmul_precision(g.dtype), use_layout(g.layout):
+    with matmul_precision(g.dtype, g.fp8), use_layout(g.layout):
         logp = transformer.target_logp(params, gradients.in_model_order(batch, g), g.model, g.dtype,
                                        g.objective.temperature)
         return logp if g.order is None else logp[:, np.argsort(g.order)]
@@ -249,6 +250,9 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
     notes += guard.check_config(cfg)
+    if fp8.covered_groups(cfg.precision) and m.collective_matmul:
+        raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
+                          "multiplies chunks of one tensor); set one of them off")
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
     for key in ("global_batch", "microbatches"):

@@ -1,0 +1,129 @@
+"""FP8 matmuls with per-tensor current scaling (`precision.matmul = "fp8"`).
+
+A covered matmul quantizes both operands just before it: scale = amax / the format's largest
+finite value (448 for E4M3), so the largest element maps to ±448 and nothing saturates; the
+operands are multiplied as fp8 with fp32 accumulation and the product is scaled back by
+scale_x · scale_w. The backward pass quantizes the incoming gradient to E5M2 (wider range,
+fewer bits) and multiplies it with the saved E4M3 operands: E5M2 × E4M3 and E4M3 × E5M2, the
+pairs cuBLASLt's fp8 GEMM takes (E5M2 × E5M2 it does not). The saved residuals are the fp8
+operands and their scales, a quarter of fp32's bytes.
+
+Scales are "current": computed from the tensor being multiplied, every time. Delayed scaling
+(an amax history carried in the state) is not offered: inside the accumulation scan every
+microbatch would add its own update to it.
+
+The amax is the whole tensor's. Under the compiler's sharding, `max` over a sharded array is
+already global. Inside a shard_map island each device holds a piece, so the amax is reduced
+(`pmax`, one fp32 scalar per call) over the island's manual axes but `pp`, whose ranks hold
+different layers, not pieces of one tensor. Per tensor means per microbatch and per loss chunk:
+a run equals one device for microbatches 1 only (a device's microbatches are its own rows).
+
+On CPU XLA multiplies fp8 by widening it (exact: the products fit fp32); on a GPU with fp8
+tensor cores the dot lowers to cuBLASLt's fp8 GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.errors import ConfigError
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+GROUPS = ("attention", "mlp", "experts", "head")  # the weight matmuls precision.matmul = "fp8" covers
+MATMULS = ("default", "fp8")  # precision.matmul
+PIPELINE_AXIS = "pp"
+
+_covered: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jaxllm_fp8", default=frozenset())
+
+
+def covered_groups(precision) -> frozenset:
+    """The groups of weight matmuls run in fp8 under a `precision` config section; ConfigError (one
+    line) for an unknown setting."""
+    if precision.matmul not in MATMULS:
+        raise ConfigError(f"precision.matmul: '{precision.matmul}' is not one of {', '.join(MATMULS)}")
+    unknown = sorted(set(precision.fp8_exclude) - set(GROUPS))
+    if unknown:
+        raise ConfigError(f"precision.fp8_exclude: {unknown} are not matmul groups; choose from {', '.join(GROUPS)}")
+    return frozenset(GROUPS) - set(precision.fp8_exclude) if precision.matmul == "fp8" else frozenset()
+
+
+@contextlib.contextmanager
+def use(groups: frozenset):
+    """Trace the matmuls of `groups` in fp8 (a context, so building a program changes no global setting)."""
+    token = _covered.set(frozenset(groups))
+    try:
+        yield
+    finally:
+        _covered.reset(token)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    """max |x| over the whole tensor, fp32, reduced over the manual axes of the island traced in."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    axes = tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a != PIPELINE_AXIS)
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(q, scale) with x ≈ q · scale: q = x / scale in `dtype` (rounded to nearest), scale = amax / its
+    largest value. An all-zero x gets scale 1 (q is zero, nothing divides by zero)."""
+    top = float(jnp.finfo(dtype).max)
+    amax = _amax(x)
+    scale = jnp.where(amax > 0, jnp.maximum(amax / top, jnp.finfo(jnp.float32).tiny), 1.0)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype), scale
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+
+
+def _transposed(spec: str) -> tuple[str, str]:
+    """The einsums of the two operands' gradients for "x,w->y": "y,w->x" and "x,y->w"."""
+    ins, out = spec.split("->")
+    x, w = ins.split(",")
+    return f"{out},{w}->{x}", f"{x},{out}->{w}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    return _forward(spec, x, w, out_dtype)[0]
+
+
+def _forward(spec, x, w, out_dtype):
+    (qx, sx), (qw, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    return _dot(spec, qx, qw, sx * sw, out_dtype), (qx, sx, qw, sw, jnp.zeros((0,), x.dtype))
+
+
+def _backward(spec, out_dtype, saved, g):
+    qx, sx, qw, sw, like = saved
+    qg, sg = quantize(g, E5M2)
+    dx_spec, dw_spec = _transposed(spec)
+    return _dot(dx_spec, qg, qw, sg * sw, like.dtype), _dot(dw_spec, qx, qg, sx * sg, like.dtype)
+
+
+_fp8_einsum.defvjp(_forward, _backward)
+
+
+def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """jnp.einsum(spec, x, w) of a weight matmul in `group` (x and w of one dtype; out_dtype defaults to
+    theirs), through the fp8 dot when the traced program covers the group. Each index of the spec
+    appears in two of its three terms (a matmul: no index summed within one operand)."""
+    if group not in _covered.get():
+        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+    if x.dtype != w.dtype:
+        raise ValueError(f"fp8 einsum {spec}: operands of dtypes {x.dtype} and {w.dtype}; cast them to one")
+    return _fp8_einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype))
+
+
+def tensordot(group: str, x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
+    """jnp.tensordot(x, w, axes) (x's last `axes` dimensions against w's first) as `einsum` above."""
+    if group not in _covered.get():
+        return jnp.tensordot(x, w, axes=axes)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lead, summed, rest = x.ndim - axes, letters[x.ndim - axes:x.ndim], letters[x.ndim:x.ndim + w.ndim - axes]
+    return einsum(group, f"{letters[:lead]}{summed},{summed}{rest}->{letters[:lead]}{rest}", x, w)
