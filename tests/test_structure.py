@@ -144,7 +144,7 @@ model.family model.head_dim model.init_std model.max_positions model.mlp model.m
 model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_experts model.moe.shared_expert
 model.moe.top_k model.moe.z_weight
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
-model.preset model.remat model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
+model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size
 precision.compute precision.fp8_exclude precision.loss_scale precision.loss_scale_init precision.loss_scale_min

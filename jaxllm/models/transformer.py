@@ -229,8 +229,34 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Matmuls against weights are saved; attention scores and elementwise work are recomputed.
     "save-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Megatron's selective recomputation (keep the linear layers' outputs, recompute the attention core)
+    # is exactly save-dots: the attention core's matmuls have batch dimensions, the weights' do not.
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save-named": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attention", "mlp_hidden"),
+    # save-dots, with what it saves moved to host memory until the backward pass needs it.
+    "offload-dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
+
+
+def remat_group(m: ModelConfig, repeats: int) -> int:
+    """`model.remat_group` for a slice of `repeats` pattern repeats: 0 (no groups), or the repeats per
+    group, -1 resolved to the divisor of `repeats` nearest its square root (the smaller on a tie)."""
+    if m.remat_group >= 0:
+        return m.remat_group
+    return min((d for d in range(1, repeats + 1) if repeats % d == 0), key=lambda d: (abs(d - math.sqrt(repeats)), d))
+
+
+def _grouped_scan(body, carry, stack: list, group: int):
+    """scan `body` over the stack in groups of `group` repeats: an outer scan over the groups, each one
+    recomputed in the backward pass (only the groups' inputs are kept: O(√L) for √L-sized groups), and an
+    inner scan over the group's repeats, which keeps what `body`'s own remat policy keeps."""
+    grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // group, group, *a.shape[1:]), stack)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # saves nothing inside: the group's input is kept
+    def one_group(carry, layers):
+        return jax.lax.scan(body, carry, layers)[0], None
+
+    return jax.lax.scan(one_group, carry, grouped)[0]
 
 
 def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype):
@@ -248,6 +274,9 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
+    group = remat_group(m, jax.tree.leaves(stack)[0].shape[0])
+    if group:
+        return _grouped_scan(body, (x, zero_aux(m)), stack, group)
     (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), stack)
     return x, stats
 
@@ -452,6 +481,15 @@ def _check_shape(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
 
 
+def _check_remat_group(m: ModelConfig, t, pp: int) -> None:
+    """Groups are cut from each stage chunk's repeats, R / (pp · pp_virtual)."""
+    chunks = pp * (t.pp_virtual if pp > 1 else 1)
+    repeats = m.n_layers // len(m.pattern) // chunks
+    if m.remat_group < -1 or (m.remat_group > 0 and repeats % m.remat_group):
+        raise ConfigError(f"model.remat_group={m.remat_group} does not divide the {repeats} pattern repeats of a stage "
+                          f"chunk (n_layers / pattern / (pp·pp_virtual)); use a divisor, 0 (off) or -1 (nearest √)")
+
+
 def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
     notes, kv = [], kv_heads(m)
     if m.n_heads % tp:
@@ -477,6 +515,7 @@ def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
     """The model section against the mesh (and the training keys it depends on): ConfigError (one line:
     key and fix) for what cannot run; notes to log."""
     _check_shape(m)
+    _check_remat_group(m, t, shape["pp"])
     notes = _check_tensor_parallel(m, t, shape["tp"], shape["sp"])
     if "moe" in m.pattern:
         notes += moe_lib.check_config(m, t, shape)
