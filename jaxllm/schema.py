@@ -168,6 +168,14 @@ class PrecisionConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Host offload of the train state (`jaxllm/train/offload.py`): stored in host memory, used on the device."""
+
+    offload_optimizer: bool = False  # the optimizer state lives in host memory between steps
+    offload_params: bool = False  # the fp32 master parameters live in host memory between steps
+
+
+@dataclass
 class DataConfig:
     # text: stdlib | text file | folder | folder or glob of llm.c .bin shards; chat, prompt_completion: a JSONL file
     source: str = "stdlib"
@@ -228,6 +236,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rl: RlConfig = field(default_factory=RlConfig)
     run: RunConfig = field(default_factory=RunConfig)

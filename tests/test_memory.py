@@ -1,16 +1,26 @@
-"""Activation memory (`model.remat`, `model.remat_group`): recomputation in groups of layers and every
+"""Memory (`model.remat`, `model.remat_group`, `memory.*`): recomputation in groups of layers and every
 policy give the gradients of no recomputation; for 16 layers the compiled temporaries order √L groups <
-full < selective < none; the offloading policy marks what it saves for host memory."""
+full < selective < none; the offloading policy marks what it saves for host memory. Host offload of the
+optimizer state and the parameters changes no bit on every ZeRO stage it runs, the compiled step takes and
+returns them in host memory, and runs resume with offload kept, turned on or turned off."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import jax
+import numpy as np
 import pytest
 
 import harness as H
-from jaxllm.config import validate
+from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
+from jaxllm.mesh import make_mesh
+from jaxllm.train import loop
+from jaxllm.train.loop import train
+from jaxllm.train.step import make_step_fns
 from tools.collectives import memory_summary
 
 DEEP = {"model.n_layers": 16, "train.global_batch": 8}  # tiny-llama's width, 16 layers
@@ -73,3 +83,91 @@ def test_a_remat_group_that_does_not_divide_a_stage_chunk_is_refused(over):
     cfg = H.equivalence_config("tiny-llama", **DEEP, **{"mesh.dp": -1, "train.microbatches": 2, **over})
     with pytest.raises(ConfigError, match=r"model.remat_group=-?\d+ does not divide the (16|8) pattern repeats"):
         validate(cfg, 8)
+
+
+# ---------------------------------------------------------------- host offload of the train state
+
+OFFLOAD = {"memory.offload_optimizer": True, "memory.offload_params": True}
+
+
+def memory_kinds(shardings) -> set:
+    return {s.memory_kind for s in jax.tree.leaves(shardings)}
+
+
+@pytest.mark.parametrize("zero, microbatches", H.tiers([(0, 1), (1, 1), (2, 2), (3, 2)], fast=[(3, 2)]))
+def test_offload_changes_no_bit_and_the_step_keeps_the_state_on_the_host(zero, microbatches):
+    """3 steps on dp2 × fsdp2 with the optimizer state and the parameters in host memory and without."""
+    def run(**over):
+        fns = H.step_fns(H.equivalence_config("tiny-llama", **{"mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": zero,
+                                                               "train.microbatches": microbatches, **over}))
+        state = fns.init(0)
+        for step in range(3):
+            state, metrics = H.train_step(fns, state, H.tokens(step))
+        return fns, jax.device_get((state.params, state.opt_state, metrics["loss"])), state
+
+    fns, on, state = run(**OFFLOAD)
+    _, off, _ = run()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)))
+    compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(H.BATCH, H.SEQ)).compile()
+    state_in, state_out = compiled.input_shardings[0][0], compiled.output_shardings[0]
+    for shardings in (state_in.params, state_in.opt_state, state_out.params, state_out.opt_state,
+                      state.params, state.opt_state):
+        assert memory_kinds(jax.tree.map(lambda a: getattr(a, "sharding", a), shardings)) == {"pinned_host"}
+    assert memory_kinds(state_in.step) == {"device"}
+    jaxpr = str(jax.make_jaxpr(fns.train_step)(fns.abstract_state, fns.abstract_batch(H.BATCH, H.SEQ)))
+    assert jaxpr.count("device_put[") == 2  # the parameters and the optimizer state come to the device to be used
+
+
+def offload_run(run_dir, steps: int, resume: bool = False, **over):
+    train(build_config(None, {"model.preset": "tiny-llama", "data.source": H.CORPUS, "train.global_batch": 8,
+                              "mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 3, "train.steps": steps,
+                              "train.log_every": 1, "train.checkpoint_every": 2, "train.keep_checkpoints": 5,
+                              "train.eval_every": 2,
+                              "run.sample_tokens": 8, "run.progress": False, "run.dir": str(run_dir),
+                              "train.resume": resume, **over}))
+    timings = ("tokens_per_s", "step_time_s", "mfu")
+    return [{k: v for k, v in json.loads(line).items() if k not in timings}
+            for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_runs_resume_with_offload_kept_turned_on_or_turned_off(tmp_path):
+    """4 steps with offload and without (checkpoints at 2 and 4): the same rows, bit for bit; each resumed
+    from its step 2 with offload turned off or turned on repeats them. A resumed offloaded state is in host
+    memory."""
+    ref = offload_run(tmp_path / "on", 4, **OFFLOAD)
+    assert offload_run(tmp_path / "off", 4) == ref
+    for name, source, then in (("turned_off", "on", {}), ("turned_on", "off", OFFLOAD)):
+        shutil.copytree(tmp_path / source, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "4")
+        assert offload_run(tmp_path / name, 4, resume=True, **then) == ref, name
+    cfg = build_config(str(tmp_path / "on" / "config.toml"), {"train.resume": True, "train.steps": 6})
+    _, shape, _ = loop.resolve(cfg)
+    state, start = loop._restore(cfg, make_step_fns(cfg, make_mesh(shape, cfg)))
+    assert start == 4 and memory_kinds([a.sharding for a in jax.tree.leaves((state.params, state.opt_state))]) == \
+        {"pinned_host"}
+
+
+@pytest.mark.parametrize("over, what", [({"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2}, "mesh.pp > 1"),
+                                        ({"train.microbatches": 2, "train.zero_stage": 1},
+                                         "train.microbatches > 1 at ZeRO-0/1 .the accumulation island.")])
+def test_offload_where_it_is_not_checked_yet_is_refused_in_one_line(over, what):
+    cfg = H.equivalence_config("tiny-llama", **{"mesh.dp": -1, **OFFLOAD, **over})
+    with pytest.raises(ConfigError, match=f"memory.offload_optimizer / memory.offload_params with {what}"):
+        validate(cfg, 8)
+
+
+@pytest.mark.slow
+def test_the_planner_counts_the_offloaded_state_and_shows_the_remat_group():
+    """tools.plan: host bytes per device = the parameters' and optimizer state's shards (fp32: Φ·4 over fsdp
+    for each of params, mu, nu at ZeRO-3), none without offload; the resolved group of the stage chunk."""
+    from tools.plan import format_table, plan
+
+    over = {"mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 3, **DEEP, "model.remat": "full", "model.remat_group": -1}
+    on = plan(H.equivalence_config("tiny-llama", **over, **OFFLOAD))
+    off = plan(H.equivalence_config("tiny-llama", **over))
+    params = on["params"]
+    assert off["memory"]["host_bytes"] == 0
+    assert 3 * params * 4 / 4 <= on["memory"]["host_bytes"] <= 3 * params * 4 / 4 + 1024  # + Adam's counters
+    assert on["remat"] == {"remat": "full", "group": 4, "repeats": 16, "temp_bytes": on["memory"]["temp_bytes"]}
+    assert "groups of 4 of 16 repeats per stage chunk" in format_table(on) and "host memory" in format_table(on)

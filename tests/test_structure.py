@@ -138,6 +138,7 @@ data.source data.tokenizer data.truncation data.val_percent
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
 init.from_
 mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp
+memory.offload_optimizer memory.offload_params
 mesh.dp mesh.ep mesh.fsdp mesh.pp mesh.sp mesh.tp
 model.attn_bias model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model
 model.family model.head_dim model.init_std model.max_positions model.mlp model.mlp_bias

@@ -50,7 +50,9 @@ def load(source: str, step: int | None, overrides: list[str]):
     from jaxllm.train.loop import initial_state, resolve
     from tools.hf import step_fns_for
 
-    given = {**cli.OWN_PROCESSES, **parse_overrides(list(overrides))}
+    # generation keeps the parameters on the device, wherever the run stored them between steps
+    given = {**cli.OWN_PROCESSES, "memory.offload_params": False, "memory.offload_optimizer": False,
+             **parse_overrides(list(overrides))}
     if source.startswith("hf:"):
         cfg = hf.config_for(source[3:], {"data.tokenizer": source, **given})
     elif os.path.isfile(os.path.join(source, "config.toml")):

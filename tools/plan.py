@@ -560,6 +560,29 @@ def resolve(cfg):
     return cfg, shape, notes
 
 
+def host_state_bytes(abstract_state, compiled) -> int:
+    """Bytes per device of the state kept in host memory between steps (`memory.*`): what the compiled
+    program reports as host arguments, or, where the backend reports none (XLA:CPU), the shards of the
+    state leaves whose shardings carry the host memory kind."""
+    import jax
+    import numpy as np
+
+    reported = int(compiled.memory_analysis().host_argument_size_in_bytes)
+    if reported:
+        return reported
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+               for a in jax.tree.leaves(abstract_state) if a.sharding.memory_kind == "pinned_host")
+
+
+def remat_summary(m, t, shape: dict, temp_bytes: int) -> dict:
+    """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table."""
+    from jaxllm.models.transformer import remat_group
+
+    chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
+    repeats = m.n_layers // len(m.pattern) // chunks
+    return {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
+
+
 def plan(cfg) -> dict:
     """Compile the train step for `cfg` (not run it) and report memory, collectives and theory per device.
 
@@ -610,8 +633,10 @@ def plan(cfg) -> dict:
             "collective_matmul": m.collective_matmul,
         },
         "params": n_params,
-        "memory": {k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-                                           "total_bytes")},
+        "memory": {**{k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                                              "total_bytes")},
+                   "host_bytes": host_state_bytes(fns.abstract_state, compiled)},
+        "remat": remat_summary(m, t, shape, memory["temp_bytes"]),
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
         # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp
@@ -746,6 +771,20 @@ def _format_generation(g: dict, compute: str) -> list[str]:
             f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}"]
 
 
+SEEDS_REMAT = [("none", "O(L): every activation", "1"), ("full", "O(L) layer inputs", "~1.33"),
+               ("√L groups", "O(√L) group (and layer) inputs", "~1.33 to 1.67")]
+
+
+def _format_remat(r: dict) -> list[str]:
+    from tools.collectives import format_bytes
+
+    group = f"groups of {r['group']} of {r['repeats']} repeats per stage chunk" if r["group"] else "no groups"
+    lines = ["", f"activation recomputation: remat={r['remat']}, {group}; compiled temporaries "
+             f"{format_bytes(r['temp_bytes'])} (python -m tools.remat_table compares the settings)",
+             f"  {'seeds':<12}{'activation memory':<34}{'compute':>14}"]
+    return lines + [f"  {name:<12}{memory:<34}{compute:>14}" for name, memory, compute in SEEDS_REMAT]
+
+
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     from tools.collectives import KINDS, format_bytes
@@ -801,6 +840,11 @@ def format_table(p: dict) -> str:
                      f"{f32['argument_formula']:>15} {format_bytes(f32['argument_bytes']):>10}"
                      f"{b16['total_formula']:>15} {format_bytes(b16['total_bytes']):>10}")
     lines.append(f"  (* this config; assumes {th['assumes']})")
+    if mem.get("host_bytes"):
+        lines.append(f"  host memory (offloaded state, memory.*): {format_bytes(mem['host_bytes'])} per device, "
+                     "counted in the arguments above")
+    if "remat" in p:
+        lines += _format_remat(p["remat"])
     if "tensor_parallel" in p:
         lines += _format_tensor_parallel(p["tensor_parallel"], mem["temp_bytes"])
     if "attention" in p:

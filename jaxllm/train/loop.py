@@ -354,7 +354,7 @@ def _train_steps(run: _Run, state, start: int, should_stop):
             _check_finite(run, row)
         _watch_skips(run, step, metrics, wait=logging_now or saving)
         if run.eval_fn is not None and (step % t.eval_every == 0 or step == t.steps):
-            run.last["val_loss"] = _evaluate(run, state.params)
+            run.last["val_loss"] = _evaluate(run, run.fns.device_params(state.params))
             if run.writer:
                 run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
                 _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
@@ -382,7 +382,7 @@ def _compile(cfg: Config, fns, state, data, start: int):
     with faults.compiling():
         step_fn = fns.train_step.lower(state, batch).compile()
         evaluating = cfg.train.eval_every and data.has_validation
-        eval_fn = fns.eval_loss.lower(state.params, batch).compile() if evaluating else None
+        eval_fn = fns.eval_loss.lower(fns.device_params(state.params), batch).compile() if evaluating else None
     log.info("compiled the train step in %.1f s", time.time() - t0)
     return step_fn, eval_fn
 
@@ -445,7 +445,8 @@ def _finish(cfg: Config, run: _Run, state, tokenizer, lead: bool) -> dict:
         summary["plot"] = metrics_lib.plot_metrics(cfg.run.dir)
         log.info("loss curves: %s", summary["plot"])
     if cfg.run.sample_tokens > 0:
-        text = sample(state.params, cfg, tokenizer, cfg.run.sample_prompt, cfg.run.sample_tokens, on=run.fns)
+        text = sample(run.fns.device_params(state.params), cfg, tokenizer, cfg.run.sample_prompt,
+                      cfg.run.sample_tokens, on=run.fns)
         summary["sample"] = text
         if lead:
             with open(os.path.join(cfg.run.dir, "sample.txt"), "w") as f:

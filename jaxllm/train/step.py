@@ -40,7 +40,7 @@ from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
-from jaxllm.train import gradients, guard
+from jaxllm.train import gradients, guard, offload
 from jaxllm.train.gradients import Paths, constrain_tree
 from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, grpo
 from jaxllm.train.optimizer import learning_rate, make_optimizer
@@ -74,11 +74,12 @@ def optimizer_state_shardings(abstract_opt, table, layout: Layout, rules):
 class Shardings:
     """Where each piece of the state lives for one ZeRO stage (see the table above)."""
 
-    params: Any  # the stored parameters
+    params: Any  # the parameters as the step uses them (on the device)
     update: Any  # parameters as the optimizer update sees them (sharded from ZeRO-1 on)
     grads: Any  # gradients and their accumulator (sharded from ZeRO-2 on)
     grad_rules: Any
-    state: Any  # the whole TrainState
+    opt_state: Any  # the optimizer state as the update uses it (on the device)
+    state: Any  # the whole TrainState as stored between steps (offloaded parts in host memory)
 
 
 def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
@@ -96,9 +97,12 @@ def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
     replicated = NamedSharding(mesh, P())
     params = of(layout.params)
     guard_sh = jax.tree.map(lambda _: replicated, guard.init(cfg))
+    mem = cfg.memory
     return Shardings(params=params, update=of(update_rules), grads=of(grad_rules), grad_rules=grad_rules,
-                     state=TrainState(step=replicated, applied=replicated, params=params, opt_state=opt,
-                                      guard=guard_sh))
+                     opt_state=opt,
+                     state=TrainState(step=replicated, applied=replicated, guard=guard_sh,
+                                      params=offload.stored(params, mem.offload_params),
+                                      opt_state=offload.stored(opt, mem.offload_optimizer)))
 
 
 @dataclass
@@ -113,6 +117,7 @@ class StepFns:
     grad_shardings: Any
     init: Callable  # (seed) -> state
     start: Callable  # (params) -> state at step 0 with a fresh optimizer (params from elsewhere; donated)
+    device_params: Callable  # (params as stored) -> params on the device, for programs besides the step
     fresh_guard: Callable  # () -> the guard a new run starts with (for checkpoints saved before it existed)
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
@@ -144,18 +149,21 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
     """One optimizer step: gradients of the objective over the batch (scaled, then unscaled, when a loss
     scale is on), the update unless the guard skips it (`train/guard.py`), the logged metrics."""
     scale = state.guard.loss_scale  # 1 when not scaling, still data: see gradients.loss_share
+    mem = cfg.memory
+    old_params = offload.fetch(state.params, sh.params, mem.offload_params)
+    old_opt = offload.fetch(state.opt_state, sh.opt_state, mem.offload_optimizer)
     with matmul_precision(g.dtype, g.fp8):
-        loss, metrics, aux, grads = gradients.loss_and_grads(state.params, batch, g, scale)
+        loss, metrics, aux, grads = gradients.loss_and_grads(old_params, batch, g, scale)
         grads = jax.tree.map(lambda x: x / scale, grads)  # once per step, before clipping
         grad_norm = optax.tree.norm(grads)
         applied, finite = guard.decide(loss, grad_norm, state.guard, cfg, g.objective.spiky)
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, sh.update)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = tx.update(grads, old_opt, old_params)
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
-        params = constrain_tree(optax.apply_updates(state.params, updates), sh.params)
-    params, opt_state = guard.keep_if(applied, (params, opt_state), (state.params, state.opt_state))
+        params = constrain_tree(optax.apply_updates(old_params, updates), sh.params)
+    params, opt_state = guard.keep_if(applied, (params, opt_state), (old_params, old_opt))
     kept = guard.advance(state.guard, loss, applied, finite, cfg)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state.applied), **metrics,
                **transformer.aux_metrics(aux), "skipped": ~applied, "skipped_total": kept.skipped_total,
@@ -195,7 +203,10 @@ def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
     return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), cfg=cfg, tx=tx)
 
 
-def start_state(params, *, cfg: Config, tx) -> TrainState:
+def start_state(params, *, cfg: Config, tx, sh: Shardings | None = None) -> TrainState:
+    """The state at step 0 from `params` (as stored: brought to the device first when offloaded)."""
+    if sh is not None:
+        params = offload.fetch(params, sh.params, cfg.memory.offload_params)
     return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params),
                       guard=guard.init(cfg))
 
@@ -227,8 +238,10 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
         layout=layout, tx=tx, objective=objective, state_shardings=sh.state, batch_sharding=batch_sh,
         grad_shardings=sh.grads,
         init=jax.jit(init, static_argnums=0, out_shardings=sh.state),
-        start=jax.jit(functools.partial(start_state, cfg=cfg, tx=tx), in_shardings=(sh.params,),
+        start=jax.jit(functools.partial(start_state, cfg=cfg, tx=tx, sh=sh), in_shardings=(sh.state.params,),
                       out_shardings=sh.state, donate_argnums=0),
+        device_params=(jax.jit(lambda p: p, in_shardings=(sh.state.params,), out_shardings=sh.params)
+                       if cfg.memory.offload_params else lambda p: p),
         fresh_guard=jax.jit(functools.partial(guard.init, cfg), out_shardings=sh.state.guard),
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
@@ -249,7 +262,7 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
-    notes += guard.check_config(cfg)
+    notes += guard.check_config(cfg) + offload.check_config(cfg, shape)
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
