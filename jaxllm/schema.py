@@ -125,6 +125,8 @@ class TrainConfig:
     global_batch: int = 16  # sequences per step
     microbatches: int = 1
     zero_stage: int = 0
+    allreduce: str = "xla"  # ZeRO-0/1's gradient all-reduce: xla | ring | tree | halving_doubling | hierarchical | ps
+    bucket_mb: float = 25.0  # gradients reduced in buckets of this size by a hand-built train.allreduce
     # Pipeline (mesh.pp > 1): the schedule, model chunks per stage (interleaved), and under ZeRO-3
     # whether a stage's weights are gathered once per step rather than at every microbatch.
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved

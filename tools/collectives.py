@@ -225,6 +225,27 @@ def collective_report(hlo_text: str) -> dict:
     return visit(entry)
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def permute_bytes_by_device(hlo_text: str, n_devices: int) -> list[int]:
+    """Bytes each device sends through the `collective-permute`s of a straight-line program (no loops: the
+    hand-built algorithms of `jaxllm/parallel/allreduce.py` unroll theirs). An SPMD permute has one shape on
+    every device, but only the sources of its `source_target_pairs` send it: a device in no pair is not
+    charged."""
+    comps, _ = _parse(hlo_text)
+    sent = [0] * n_devices
+    for ins in (i for body in comps.values() for i in body):
+        op = ins["opcode"]
+        if op not in ("collective-permute", "collective-permute-start"):
+            continue
+        size = _array_bytes(ins["type"]) if op == "collective-permute" else _start_bytes(op, ins["type"])
+        pairs = _PAIRS.search(ins["attrs"])
+        for src, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
+            sent[int(src)] += size
+    return sent
+
+
 def collectives_per_step(hlo_text: str) -> dict[str, dict]:
     """{kind: {"count", "bytes"}} for all five kinds; see `collective_report`."""
     return collective_report(hlo_text)["collectives"]

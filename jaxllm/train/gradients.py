@@ -4,7 +4,8 @@
       │
       ├─ pp > 1 ─────────────────────────► pipelined          (parallel/pipeline.py island)
       ├─ microbatches = 1 ───────────────► one_batch          (the partitioner places the reductions)
-      ├─ ZeRO-0/1, microbatches > 1 ─────► island_accumulation (parallel/accumulation.py: one all-reduce)
+      ├─ ZeRO-0/1, microbatches > 1, ────► island_accumulation (parallel/accumulation.py: one all-reduce,
+      │  or any train.allreduce but xla                         or train.allreduce's rounds)
       └─ ZeRO-2/3, microbatches > 1 ─────► sharded_accumulation (reduce-scatter into a sharded buffer)
 
 Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models import transformer
-from jaxllm.parallel import pipeline
+from jaxllm.parallel import allreduce, pipeline
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
 from jaxllm.train.objectives import Objective, zero_metrics
@@ -50,6 +51,8 @@ class Paths:
     schedule: Any = None  # the pipeline's table when pp > 1
     pp_gather_once: bool = False
     fp8: frozenset = frozenset()  # the weight matmul groups run in fp8 (precision.matmul, ops/fp8.py)
+    allreduce: str = "xla"  # the ZeRO-0/1 gradient all-reduce (train.allreduce, parallel/allreduce.py)
+    bucket_bytes: int = 25 << 20  # train.bucket_mb
 
     @property
     def local_layout(self) -> Layout:
@@ -118,9 +121,11 @@ def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_
 
 
 def island_accumulation(params, batch: dict, norm, g: Paths):
-    """ZeRO-0/1: each device accumulates its own rows, then one all-reduce over the batch axes."""
+    """ZeRO-0/1: each device accumulates its own rows, then one all-reduce over the batch axes (`psum`, or
+    the hand-built algorithm `train.allreduce` names)."""
     local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
-    return reduce_once(local, params, batch, norm, g.local_layout)
+    reduce = lambda tree, axes: allreduce.all_reduce_tree(tree, g.allreduce, axes, "dp", g.bucket_bytes)
+    return reduce_once(local, params, batch, norm, g.local_layout, reduce)
 
 
 def sharded_accumulation(params, batch: dict, norm, g: Paths):
@@ -176,7 +181,7 @@ def path_of(g: Paths):
     """The gradient path this configuration takes."""
     if g.schedule is not None:
         return pipelined
-    if g.microbatches == 1:
+    if g.microbatches == 1 and g.allreduce == "xla":
         return one_batch
     return island_accumulation if g.zero_stage <= 1 else sharded_accumulation
 

@@ -36,6 +36,7 @@ from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import fp8
+from jaxllm.parallel import allreduce
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
@@ -142,7 +143,8 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         order=zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None,
         schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
                   if mesh.shape["pp"] > 1 else None),
-        pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision))
+        pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
+        bucket_bytes=int(t.bucket_mb * 2**20))
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
@@ -254,6 +256,25 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
         abstract_state=abstract_state, schedule=g.schedule)
 
 
+def _check_allreduce(t, shape: dict) -> list[str]:
+    """`train.allreduce`: a hand-built algorithm replaces ZeRO-0/1's all-reduce over the batch axes."""
+    if t.allreduce not in allreduce.CHOICES:
+        raise ConfigError(f"train.allreduce: '{t.allreduce}' is not one of {', '.join(allreduce.CHOICES)}")
+    if t.allreduce == "xla":
+        return []
+    if t.bucket_mb <= 0:
+        raise ConfigError(f"train.bucket_mb: must be positive, got {t.bucket_mb}")
+    unchecked = ("train.zero_stage >= 2 (its reduction is a reduce-scatter)" if t.zero_stage >= 2 else
+                 "mesh.pp > 1 (the pipeline keeps xla's)" if shape["pp"] > 1 else
+                 "mesh.tp, mesh.sp or mesh.ep > 1" if max(shape["tp"], shape["sp"], shape["ep"]) > 1 else None)
+    if unchecked:
+        raise ConfigError(f"train.allreduce={t.allreduce} with {unchecked} is not supported; use train.allreduce=xla")
+    shards = batch_shards(shape)
+    if t.allreduce == "halving_doubling" and shards & (shards - 1):
+        raise ConfigError(f"train.allreduce=halving_doubling needs a power-of-two dp×fsdp×ep, got {shards}; use ring")
+    return []
+
+
 def check_config(cfg: Config, shape: dict) -> list[str]:
     """The step's keys (precision, ZeRO stage, batch and microbatches, sequence parallelism, loss chunks)
     against the mesh: ConfigError (one line) for what cannot run; notes to log."""
@@ -262,7 +283,7 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
-    notes += guard.check_config(cfg) + offload.check_config(cfg, shape)
+    notes += guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
