@@ -190,3 +190,17 @@ def test_bad_allreduce_settings_are_refused_in_one_line(over, message):
     with pytest.raises(ConfigError, match=message):
         validate(H.equivalence_config("tiny-llama", **{"mesh.dp": 8, "train.global_batch": 48, **over}),
                  over.get("mesh.dp", 8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "ps", "hierarchical"])
+def test_the_planner_reports_the_bytes_each_device_sends_beside_the_formula(algorithm):
+    """tools.plan on dp2 × fsdp4 (ZeRO-1): the compiled step's most-sending device sends the formula's bytes
+    for 4Φ of fp32 gradients, plus the padding of each bucket to a multiple of 8 and the loss's scalars."""
+    from tools.plan import format_table, plan
+
+    report = plan(ddp_config("dp2xfsdp4_zero1", algorithm))
+    a = report["allreduce"]
+    assert a["formula_bytes"] <= a["sent_max"] <= 1.01 * a["formula_bytes"], a
+    assert a["seeds_bytes"] == 8 * report["params"]
+    assert f"train.allreduce={algorithm} over 8 devices" in format_table(report)

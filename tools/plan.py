@@ -583,6 +583,44 @@ def remat_summary(m, t, shape: dict, temp_bytes: int) -> dict:
     return {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
 
 
+# the most bytes one device sends all-reducing S over N (parallel/allreduce.py's docstrings)
+ALLREDUCE_BYTES = {"ring": lambda n, s: 2 * (n - 1) / n * s, "halving_doubling": lambda n, s: 2 * (n - 1) / n * s,
+                   "tree": lambda n, s: 3 * s if n > 2 else s, "ps": lambda n, s: (n - 1) * s}
+
+
+def allreduce_report(cfg, shape: dict, hlo: str, n_params: int) -> dict | None:
+    """For a hand-built `train.allreduce`: its rounds and the bytes each device sends in the compiled step
+    (from the permutes' source_target_pairs), beside its formula and the seeds' 2Φ for an all-reduce."""
+    from jaxllm.mesh import batch_shards
+    from tools.collectives import collective_report, permute_bytes_by_device
+
+    t = cfg.train
+    if t.allreduce == "xla":
+        return None
+    import jax
+
+    sent = permute_bytes_by_device(hlo, jax.device_count())
+    n, message = batch_shards(shape), 4 * n_params  # fp32 gradients
+    if t.allreduce == "hierarchical":
+        inner, outer = n // shape["dp"], shape["dp"]
+        formula = 2 * (inner - 1) / inner * message + 2 * (outer - 1) / outer * message / inner
+    else:
+        formula = ALLREDUCE_BYTES[t.allreduce](n, message)
+    return {"algorithm": t.allreduce, "devices": n, "rounds": collective_report(hlo)["collectives"][
+        "collective-permute"]["count"], "sent_max": max(sent), "sent_mean": sum(sent) / len(sent),
+        "formula_bytes": formula, "seeds_bytes": 2 * message, "bucket_mb": t.bucket_mb}
+
+
+def _format_allreduce(a: dict) -> list[str]:
+    from tools.collectives import format_bytes
+
+    return ["", f"gradient all-reduce: train.allreduce={a['algorithm']} over {a['devices']} devices, buckets of "
+            f"{a['bucket_mb']} MB: {a['rounds']} collective-permute rounds per step",
+            f"  bytes sent per device: compiled max {format_bytes(a['sent_max'])}, mean "
+            f"{format_bytes(a['sent_mean'])}; formula {format_bytes(a['formula_bytes'])}; the seeds' all-reduce "
+            f"2Φ = {format_bytes(a['seeds_bytes'])}"]
+
+
 def plan(cfg) -> dict:
     """Compile the train step for `cfg` (not run it) and report memory, collectives and theory per device.
 
@@ -646,6 +684,7 @@ def plan(cfg) -> dict:
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "pipeline": pipeline,
         "generation": generation_theory(cfg, fns),
+        "allreduce": allreduce_report(cfg, shape, hlo, n_params),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -853,6 +892,8 @@ def format_table(p: dict) -> str:
         lines += _format_pipeline(pl)
     if "generation" in p:
         lines += _format_generation(p["generation"], c["compute"])
+    if p.get("allreduce"):
+        lines += _format_allreduce(p["allreduce"])
     return "\n".join(lines)
 
 
