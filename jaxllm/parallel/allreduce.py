@@ -250,12 +250,11 @@ def broadcast(x: jax.Array, axis) -> jax.Array:
 def scatter(x: jax.Array, axis) -> jax.Array:
     """Rank 0's x[i] on rank i (x: [N, ...] on every rank; only the root's is read): N-1 rounds, the root
     sending one block of S/N to each other rank."""
-    n, i = axis_size(axis), jax.lax.axis_index(axis)
-    mine = x[0]
-    for r in range(1, n):
+    mine = x[0]  # the root keeps its own block
+    for r in range(1, axis_size(axis)):
         pairs = [(0, r)]
         mine = jnp.where(_received(axis, pairs), _send(x[r], axis, pairs), mine)
-    return jnp.where(i == 0, x[0], mine)
+    return mine
 
 
 def gather(x: jax.Array, axis) -> jax.Array:
@@ -271,14 +270,14 @@ def gather(x: jax.Array, axis) -> jax.Array:
 def all_gather(x: jax.Array, axis) -> jax.Array:
     """Every rank's x stacked [N, ...] everywhere: the ring's all-gather, N-1 rounds of one block each."""
     n, i = axis_size(axis), jax.lax.axis_index(axis)
-    return ring_all_gather(jnp.zeros((n, *x.shape), x.dtype).at[i].set(x).reshape(n, -1), axis).reshape(n, *x.shape)
+    mine = jnp.zeros((n, x.size), x.dtype).at[i].set(x.reshape(-1))
+    return ring_all_gather(mine, axis).reshape(n, *x.shape)
 
 
 def reduce_scatter(x: jax.Array, axis) -> jax.Array:
     """Block i of the sum on rank i (x: [N, ...]; `psum_scatter`): the ring's reduce-scatter, N-1 rounds of
     one block each."""
-    n, i = axis_size(axis), jax.lax.axis_index(axis)
-    return _take(ring_reduce_scatter(x, axis), i).reshape(x.shape[1:])
+    return _take(ring_reduce_scatter(x, axis), jax.lax.axis_index(axis)).reshape(x.shape[1:])
 
 
 def all_to_all(x: jax.Array, axis) -> jax.Array:
