@@ -32,7 +32,8 @@ BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) 
 
 
 def operations():
-    """{name: (kind for the bus bandwidth, fn(x [elements] on one device, axis))}."""
+    """{name: (kind for the bus bandwidth, fn(x [elements] on one device, axis))}: S is the buffer each device
+    holds, in or out (all_gather gathers S/N from each; reduce_scatter and all_to_all split S in N blocks)."""
     import jax
 
     from jaxllm.parallel import allreduce as A
@@ -40,7 +41,7 @@ def operations():
     ops = {"xla psum": ("all_reduce", lambda x, a: jax.lax.psum(x, a))}
     ops.update({name: ("all_reduce", fn) for name, fn in A.ALGORITHMS.items()})
     blocks = lambda fn: lambda x, a: fn(x.reshape(A.axis_size(a), -1), a)  # [N, S/N] blocks
-    ops.update({"all_gather": ("all_gather", lambda x, a: A.all_gather(x, a)),
+    ops.update({"all_gather": ("all_gather", lambda x, a: A.all_gather(x.reshape(A.axis_size(a), -1)[0], a)),
                 "reduce_scatter": ("reduce_scatter", blocks(A.reduce_scatter)),
                 "all_to_all": ("all_to_all", blocks(A.all_to_all)),
                 "broadcast": ("broadcast", A.broadcast), "reduce": ("reduce", A.reduce)})
@@ -77,11 +78,18 @@ def measure(name: str, fn, elements: int, repeats: int) -> dict:
 
 
 def fit(rows: list[dict]) -> tuple[float, float]:
-    """(α seconds per round, β seconds per byte) by least squares of t = α·rounds + β·sent_max."""
+    """(α seconds per round, β seconds per byte) by least squares of t = α·rounds + β·sent_max in relative
+    error (each row divided by its time: sizes span five orders of magnitude), α and β kept ≥ 0 (a
+    negative one is set to 0 and the other refitted)."""
     import numpy as np
 
-    a = np.array([[r["rounds"], r["sent_max"]] for r in rows], float)
-    (alpha, beta), *_ = np.linalg.lstsq(a, np.array([r["seconds"] for r in rows]), rcond=None)
+    t = np.array([r["seconds"] for r in rows])
+    a = np.array([[r["rounds"], r["sent_max"]] for r in rows], float) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    if alpha < 0 or beta < 0:
+        keep = 1 if alpha < 0 else 0
+        only = float(np.linalg.lstsq(a[:, keep:keep + 1], np.ones(len(rows)), rcond=None)[0][0])
+        alpha, beta = (0.0, only) if keep else (only, 0.0)
     return float(alpha), float(beta)
 
 
@@ -92,6 +100,7 @@ def plot(rows: list[dict], fits: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for op, (alpha, beta) in fits.items():
         mine = [r for r in rows if r["op"] == op]
         line = ax.loglog([r["bytes"] for r in mine], [r["seconds"] for r in mine], "o", label=op)[0]
