@@ -11,6 +11,8 @@
   The test process itself compiles through the registry in harness.py, each program once
   per test file.
 - The `slow` marker: `python -m pytest -m "not slow"` is the fast tier for development.
+- pytest-xdist workers (pyproject's addopts) inherit the controller's environment, so they share its
+  compilation cache folder, which only the controller (the process that made it) removes at the end.
 """
 
 import os
