@@ -160,7 +160,8 @@ def test_offload_where_it_is_not_checked_yet_is_refused_in_one_line(over, what):
 @pytest.mark.slow
 def test_the_planner_counts_the_offloaded_state_and_shows_the_remat_group():
     """tools.plan: host bytes per device = the parameters' and optimizer state's shards (fp32: Φ·4 over fsdp
-    for each of params, mu, nu at ZeRO-3), none without offload; the resolved group of the stage chunk."""
+    for each of params, mu, nu at ZeRO-3), none without offload; the resolved group of the stage chunk, and
+    beside the step's temporaries those of the same step without groups (as planning that config reports)."""
     from tools.plan import format_table, plan
 
     over = {"mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 3, **DEEP, "model.remat": "full", "model.remat_group": -1}
@@ -169,5 +170,9 @@ def test_the_planner_counts_the_offloaded_state_and_shows_the_remat_group():
     params = on["params"]
     assert off["memory"]["host_bytes"] == 0
     assert 3 * params * 4 / 4 <= on["memory"]["host_bytes"] <= 3 * params * 4 / 4 + 1024  # + Adam's counters
-    assert on["remat"] == {"remat": "full", "group": 4, "repeats": 16, "temp_bytes": on["memory"]["temp_bytes"]}
+    ungrouped = plan(H.equivalence_config("tiny-llama", **{**over, **OFFLOAD, "model.remat_group": 0}))
+    assert on["remat"] == {"remat": "full", "group": 4, "repeats": 16, "temp_bytes": on["memory"]["temp_bytes"],
+                           "temp_bytes_without_group": ungrouped["memory"]["temp_bytes"]}
+    assert "temp_bytes_without_group" not in ungrouped["remat"]
     assert "groups of 4 of 16 repeats per stage chunk" in format_table(on) and "host memory" in format_table(on)
+    assert "without groups" in format_table(on)

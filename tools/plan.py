@@ -574,13 +574,31 @@ def host_state_bytes(abstract_state, compiled) -> int:
                for a in jax.tree.leaves(abstract_state) if a.sharding.memory_kind == "pinned_host")
 
 
-def remat_summary(m, t, shape: dict, temp_bytes: int) -> dict:
-    """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table."""
+def _temp_bytes(cfg, shape: dict) -> int:
+    """The compiled train step's temporaries per device for `cfg`."""
+    from jaxllm.mesh import make_mesh
+    from jaxllm.train.step import make_step_fns
+    from tools.collectives import memory_summary
+
+    fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
+    lowered = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(t.global_batch, cfg.model.seq_len))
+    return memory_summary(lowered.compile())["temp_bytes"]
+
+
+def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
+    """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table; with
+    groups, the temporaries of the same step compiled without them (the groups' effect)."""
     from jaxllm.models.transformer import remat_group
 
+    m, t = cfg.model, cfg.train
     chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
     repeats = m.n_layers // len(m.pattern) // chunks
-    return {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
+    out = {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
+    if out["group"]:
+        plain = copy.deepcopy(cfg)
+        plain.model.remat_group = 0
+        out["temp_bytes_without_group"] = _temp_bytes(plain, shape)
+    return out
 
 
 # the most bytes one device sends all-reducing S over N (parallel/allreduce.py's docstrings)
@@ -674,7 +692,7 @@ def plan(cfg) -> dict:
         "memory": {**{k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
                                               "total_bytes")},
                    "host_bytes": host_state_bytes(fns.abstract_state, compiled)},
-        "remat": remat_summary(m, t, shape, memory["temp_bytes"]),
+        "remat": remat_summary(cfg, shape, memory["temp_bytes"]),
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
         # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp
@@ -818,8 +836,10 @@ def _format_remat(r: dict) -> list[str]:
     from tools.collectives import format_bytes
 
     group = f"groups of {r['group']} of {r['repeats']} repeats per stage chunk" if r["group"] else "no groups"
+    effect = (f", without groups {format_bytes(r['temp_bytes_without_group'])} "
+              f"({r['temp_bytes'] / r['temp_bytes_without_group']:.2f}×)" if "temp_bytes_without_group" in r else "")
     lines = ["", f"activation recomputation: remat={r['remat']}, {group}; compiled temporaries "
-             f"{format_bytes(r['temp_bytes'])} (python -m tools.remat_table compares the settings)",
+             f"{format_bytes(r['temp_bytes'])}{effect} (python -m tools.remat_table compares the settings)",
              f"  {'seeds':<12}{'activation memory':<34}{'compute':>14}"]
     return lines + [f"  {name:<12}{memory:<34}{compute:>14}" for name, memory, compute in SEEDS_REMAT]
 
