@@ -102,7 +102,7 @@ class ModelConfig:
     sliding_window: int = 0  # attention window of a loaded model; 0: none. Only windows ≥ seq_len run
     init_std: float = 0.02
     pattern: list = field(default_factory=lambda: ["dense"])  # block kinds repeated down the stack
-    remat: str = "none"  # none | full | selective (= save-dots) | save-dots | save-named | offload-dots
+    remat: str = "none"  # none | full | selective (= save-dots) | save-dots | save-named | offload-dots | offload-named
     remat_group: int = 0  # pattern repeats per recomputed group (0: off; -1: the divisor nearest the square root)
     # Tensor-parallel projections overlap their sequence all-gather / reduce-scatter with partial
     # matmuls (a ring of ppermutes over tp); needs train.sequence_parallel.

@@ -32,7 +32,7 @@ def deep_fns(**over):
 
 # (remat, remat_group, pp): groups over full and over no per-layer remat, each policy, groups per stage chunk
 CASES = [("full", -1, 1), ("none", 4, 1), ("selective", 0, 1), ("save-named", 2, 1), ("offload-dots", 0, 1),
-         ("full", -1, 2)]
+         ("offload-named", 0, 1), ("full", -1, 2)]
 
 
 @pytest.mark.parametrize("remat, group, pp", H.tiers(CASES, fast=[("full", -1, 1), ("offload-dots", 0, 1)]))
@@ -59,7 +59,7 @@ def test_sixteen_layers_order_their_temporaries_by_what_they_keep():
     assert grouped < full < selective < none, (grouped, full, selective, none)
 
 
-def test_the_offloading_policy_sends_saved_matmuls_to_the_host():
+def test_the_offloading_policies_send_what_they_save_to_the_host():
     """The traced gradient program puts each saved weight-matmul output in host memory (XLA:CPU then
     compiles the placement away: no memory saving shows here)."""
     def host_values(remat):
@@ -67,8 +67,9 @@ def test_the_offloading_policy_sends_saved_matmuls_to_the_host():
         jaxpr = jax.make_jaxpr(fns.loss_and_grads)(fns.abstract_state.params, fns.abstract_batch(8, H.SEQ))
         return str(jaxpr).count("MemorySpace.Host")
 
-    assert host_values("selective") == 0
+    assert host_values("selective") == host_values("save-named") == 0
     assert host_values("offload-dots") > 0  # the weight matmuls whose outputs the backward pass reads
+    assert host_values("offload-named") > 0  # q, k, v, the attention output, the MLP hidden state
 
 
 @pytest.mark.parametrize("repeats, group", [(16, 4), (8, 2), (12, 3), (7, 1), (1, 1)])

@@ -225,6 +225,7 @@ def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=
 
 BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply}
 
+SAVED_NAMES = ("query", "key", "value", "attention", "mlp_hidden")  # the activations save-named keeps
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Matmuls against weights are saved; attention scores and elementwise work are recomputed.
@@ -232,9 +233,12 @@ REMAT_POLICIES = {
     # Megatron's selective recomputation (keep the linear layers' outputs, recompute the attention core)
     # is exactly save-dots: the attention core's matmuls have batch dimensions, the weights' do not.
     "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save-named": jax.checkpoint_policies.save_only_these_names("query", "key", "value", "attention", "mlp_hidden"),
-    # save-dots, with what it saves moved to host memory until the backward pass needs it.
+    "save-named": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
+    # save-dots and save-named, with what they save moved to host memory until the backward pass needs it.
     "offload-dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+    "offload-named": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(), names_which_can_be_offloaded=SAVED_NAMES, offload_src="device",
+        offload_dst="pinned_host"),
 }
 
 
