@@ -151,7 +151,9 @@ def test_runs_resume_with_offload_kept_turned_on_or_turned_off(tmp_path):
 
 @pytest.mark.parametrize("over, what", [({"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2}, "mesh.pp > 1"),
                                         ({"train.microbatches": 2, "train.zero_stage": 1},
-                                         "train.microbatches > 1 at ZeRO-0/1 .the accumulation island.")])
+                                         "train.microbatches > 1 at ZeRO-0/1 .the accumulation island."),
+                                        ({"train.allreduce": "ring"},
+                                         "train.allreduce=ring at ZeRO-0/1 .the accumulation island.")])
 def test_offload_where_it_is_not_checked_yet_is_refused_in_one_line(over, what):
     cfg = H.equivalence_config("tiny-llama", **{"mesh.dp": -1, **OFFLOAD, **over})
     with pytest.raises(ConfigError, match=f"memory.offload_optimizer / memory.offload_params with {what}"):

@@ -574,21 +574,22 @@ def host_state_bytes(abstract_state, compiled) -> int:
                for a in jax.tree.leaves(abstract_state) if a.sharding.memory_kind == "pinned_host")
 
 
-def _temp_bytes(cfg, shape: dict) -> int:
-    """The compiled train step's temporaries per device for `cfg`."""
+def compile_step(cfg, shape: dict):
+    """(step fns, the train step compiled for `cfg` on its mesh, seconds the compile took)."""
     from jaxllm.mesh import make_mesh
     from jaxllm.train.step import make_step_fns
-    from tools.collectives import memory_summary
 
     fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
-    lowered = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(t.global_batch, cfg.model.seq_len))
-    return memory_summary(lowered.compile())["temp_bytes"]
+    start = time.perf_counter()
+    compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(t.global_batch, cfg.model.seq_len)).compile()
+    return fns, compiled, time.perf_counter() - start
 
 
 def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
     """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table; with
     groups, the temporaries of the same step compiled without them (the groups' effect)."""
     from jaxllm.models.transformer import remat_group
+    from tools.collectives import memory_summary
 
     m, t = cfg.model, cfg.train
     chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
@@ -597,7 +598,7 @@ def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
     if out["group"]:
         plain = copy.deepcopy(cfg)
         plain.model.remat_group = 0
-        out["temp_bytes_without_group"] = _temp_bytes(plain, shape)
+        out["temp_bytes_without_group"] = memory_summary(compile_step(plain, shape)[1])["temp_bytes"]
     return out
 
 
@@ -646,9 +647,7 @@ def plan(cfg) -> dict:
     """
     import jax
 
-    from jaxllm.mesh import make_mesh
     from jaxllm.models import transformer
-    from jaxllm.train.step import make_step_fns
     from tools.collectives import collective_report, memory_summary
 
     log = logging.getLogger("jaxllm")
@@ -656,11 +655,7 @@ def plan(cfg) -> dict:
     for note in notes:
         log.info(note)
     m, t = cfg.model, cfg.train
-    mesh = make_mesh(shape, cfg)
-    fns = make_step_fns(cfg, mesh)
-    start = time.perf_counter()
-    compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(t.global_batch, m.seq_len)).compile()
-    seconds = time.perf_counter() - start
+    fns, compiled, seconds = compile_step(cfg, shape)
     memory = memory_summary(compiled)
     hlo = compiled.as_text()
     report = collective_report(hlo)

@@ -35,6 +35,7 @@ def build(overrides: dict, config: str | None):
     import jax
     import numpy as np
 
+    from jaxllm.batch import from_windows, global_arrays
     from jaxllm.config import build_config, validate
     from jaxllm.mesh import make_mesh
     from jaxllm.train.step import make_step_fns
@@ -43,12 +44,8 @@ def build(overrides: dict, config: str | None):
     shape, _ = validate(cfg, len(jax.devices()))
     fns = make_step_fns(cfg, make_mesh(shape, cfg))
     m, t = cfg.model, cfg.train
-    toks = np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch, m.seq_len + 1), dtype=np.int32)
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
-             "positions": np.broadcast_to(np.arange(m.seq_len, dtype=np.int32), (t.global_batch, m.seq_len)),
-             "segment_ids": np.ones((t.global_batch, m.seq_len), np.int32),
-             "loss_mask": np.ones((t.global_batch, m.seq_len), np.float32)}
-    return fns, fns.init(t.seed), jax.device_put(batch, fns.batch_sharding)
+    toks = np.random.default_rng(0).integers(0, m.vocab_size, (t.global_batch, m.seq_len + 1))
+    return fns, fns.init(t.seed), global_arrays(from_windows(toks), fns.batch_sharding)
 
 
 def measure(config: str | None, overrides: dict, rounds: int, steps: int) -> list[dict]:

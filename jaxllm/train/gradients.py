@@ -177,13 +177,18 @@ def pipelined(params, batch: dict, norm, g: Paths):
     return loss, metrics, transformer.zero_aux(m), constrain_tree(grads, g.grad_shardings)
 
 
+def uses_island(zero_stage: int, microbatches: int, allreduce: str) -> bool:
+    """Whether a step without a pipeline takes its gradients through the accumulation island."""
+    return zero_stage <= 1 and (microbatches > 1 or allreduce != "xla")
+
+
 def path_of(g: Paths):
     """The gradient path this configuration takes."""
     if g.schedule is not None:
         return pipelined
-    if g.microbatches == 1 and g.allreduce == "xla":
-        return one_batch
-    return island_accumulation if g.zero_stage <= 1 else sharded_accumulation
+    if uses_island(g.zero_stage, g.microbatches, g.allreduce):
+        return island_accumulation
+    return one_batch if g.microbatches == 1 else sharded_accumulation
 
 
 def loss_and_grads(params, batch: dict, g: Paths, scale):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from jaxllm.errors import ConfigError
+from jaxllm.train.gradients import uses_island
 
 HOST = "pinned_host"
 
@@ -27,14 +28,15 @@ def check_config(cfg, shape: dict) -> list[str]:
     mem, t, m = cfg.memory, cfg.train, cfg.model
     if not (mem.offload_optimizer or mem.offload_params):
         return []
-    island = ("mesh.pp > 1" if shape["pp"] > 1 else "mesh.sp > 1 (ring attention)" if shape["sp"] > 1
-              else "mesh.ep > 1 (expert dispatch)" if shape["ep"] > 1
-              else "model.collective_matmul" if m.collective_matmul
-              else "train.microbatches > 1 at ZeRO-0/1 (the accumulation island)"
-              if t.microbatches > 1 and t.zero_stage < 2
-              else "train.objective = grpo" if t.objective == "grpo" else None)
-    if island:
-        raise ConfigError(f"memory.offload_optimizer / memory.offload_params with {island} are not supported yet "
+    by = "train.microbatches > 1" if t.microbatches > 1 else f"train.allreduce={t.allreduce}"
+    unchecked = ("mesh.pp > 1" if shape["pp"] > 1 else "mesh.sp > 1 (ring attention)" if shape["sp"] > 1
+                 else "mesh.ep > 1 (expert dispatch)" if shape["ep"] > 1
+                 else "model.collective_matmul" if m.collective_matmul
+                 else f"{by} at ZeRO-0/1 (the accumulation island)"
+                 if uses_island(t.zero_stage, t.microbatches, t.allreduce)
+                 else "train.objective = grpo" if t.objective == "grpo" else None)
+    if unchecked:
+        raise ConfigError(f"memory.offload_optimizer / memory.offload_params with {unchecked} are not supported yet "
                           "(not checked on a GPU); turn offload off, or use the plain or ZeRO-2/3 accumulation path")
     return []
 
