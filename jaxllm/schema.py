@@ -114,6 +114,17 @@ class ModelConfig:
 
 
 @dataclass
+class ZeroPPConfig:
+    """ZeRO++ over ZeRO-3 (`jaxllm/parallel/zeropp.py`): int8 weight gathers and gradient reduce-scatters,
+    hierarchical partitioning. Not one device's numbers: within the bounds the README states."""
+
+    weights: bool = False  # qwZ: the weight all-gather moves int8 blocks and fp32 scales
+    grads: bool = False  # qgZ: the gradient reduce-scatter is an all-to-all of int8 blocks, summed in fp32
+    hpz: bool = False  # hpZ: master and optimizer state over dp × fsdp, a compute-dtype copy over fsdp (dp > 1)
+    block: int = 256  # elements per quantization block (one fp32 scale each)
+
+
+@dataclass
 class TrainConfig:
     # What a step minimises: lm (next-token cross-entropy over the loss mask: pre-training and fine-tuning)
     # | grpo (reinforcement learning with verifiable rewards on the model's own samples: the `rl` section).
@@ -127,6 +138,7 @@ class TrainConfig:
     zero_stage: int = 0
     allreduce: str = "xla"  # ZeRO-0/1's gradient all-reduce: xla | ring | tree | halving_doubling | hierarchical | ps
     bucket_mb: float = 25.0  # gradients reduced in buckets of this size by a hand-built train.allreduce
+    zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
     # Pipeline (mesh.pp > 1): the schedule, model chunks per stage (interleaved), and under ZeRO-3
     # whether a stage's weights are gathered once per step rather than at every microbatch.
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved

@@ -25,6 +25,7 @@ import contextvars
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +64,12 @@ def activation_rules(sequence_parallel: bool) -> Rules:
     return with_rule(ACTIVATION_RULES, "residual_seq", ("sp", "tp")) if sequence_parallel else ACTIVATION_RULES
 
 
-def param_rules(shard_over_fsdp: bool) -> Rules:
+def param_rules(shard_over_fsdp: bool, hpz: bool = False) -> Rules:
     """Stored parameter layout: the use layout with the layer stack split over pipeline stages
-    (contiguous, in canonical order), plus `embed` over fsdp when ZeRO shards it."""
+    (contiguous, in canonical order), plus `embed` over fsdp when ZeRO shards it (over fsdp × dp,
+    fsdp major, under ZeRO++'s hpZ: `parallel/zeropp.py`)."""
     rules = with_rule(WEIGHT_RULES, "layers", ("pp",))
-    return with_rule(rules, "embed", ("fsdp",)) if shard_over_fsdp else rules
+    return with_rule(rules, "embed", ("fsdp", "dp") if hpz else ("fsdp",)) if shard_over_fsdp else rules
 
 
 _warned: set = set()
@@ -130,6 +132,10 @@ class Layout:
     # How attention runs when the sequence is split over sp: ring | allgather | ulysses.
     context_attention: str = "ring"
 
+    # ZeRO++ (inside its island, `parallel/zeropp.py`): (w, names, dtype) -> the weight gathered over fsdp
+    # where it is used, for weights with an `embed` dimension; None: the partitioner gathers.
+    use_site_gather: Callable | None = None
+
     def sharding(self, names, rules: Rules, shape=None) -> NamedSharding:
         return NamedSharding(self.mesh, logical_spec(tuple(names), rules, self.mesh, shape))
 
@@ -172,11 +178,14 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
 def weight(w: jax.Array, names: tuple[str, ...], dtype) -> jax.Array:
     """A parameter as used: cast to the compute dtype, then laid out as `weights` says.
 
-    Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32.
+    Casting first means a ZeRO-3 gather moves compute-dtype bytes, not fp32 (ZeRO++'s island gathers
+    by its own collectives: `Layout.use_site_gather`).
     KV heads fewer than tp are repeated up to tp first (`replicated_heads`).
     """
-    w = w.astype(dtype)
     layout = _layout.get()
+    if layout is not None and layout.use_site_gather is not None and "embed" in names:
+        w = layout.use_site_gather(w, names, dtype)
+    w = w.astype(dtype)
     if layout is None:
         return w
     w = replicated_heads(w, names)

@@ -150,79 +150,78 @@ def _refs(attrs: str, key: str) -> list[str]:
     return [n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", m.group(1))]
 
 
-def _empty() -> dict:
-    return {"collectives": {k: {"count": 0, "bytes": 0} for k in KINDS}, "unknown_trip_loops": 0}
+def _summary(ops: list[dict], unknown: int = 0) -> dict:
+    out = {"collectives": {k: {"count": 0, "bytes": 0} for k in KINDS}, "unknown_trip_loops": unknown}
+    for o in ops:
+        out["collectives"][o["kind"]]["count"] += o["times"]
+        out["collectives"][o["kind"]]["bytes"] += o["times"] * o["bytes"]
+    return out
 
 
-def _add(acc: dict, part: dict, times: int = 1) -> None:
-    for k in KINDS:
-        acc["collectives"][k]["count"] += times * part["collectives"][k]["count"]
-        acc["collectives"][k]["bytes"] += times * part["collectives"][k]["bytes"]
-    acc["unknown_trip_loops"] += part["unknown_trip_loops"]
+def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
+    """Every collective reached from ENTRY, as {"kind", "type", "bytes" (one run), "groups" (its
+    replica_groups text), "times" (runs per step)}, and the number of loops of unknown trip count.
 
-
-def collective_report(hlo_text: str) -> dict:
-    """Collectives executed per step per device, plus loops whose trip count is unknown.
-
-    Returns {"collectives": {kind: {"count", "bytes"}}, "unknown_trip_loops": n}.
-    `bytes` is the op's result size on one device (summed over tuple elements of
-    variadic ops; see `_start_bytes` for async `-start` ops; `-done` ops are not
-    counted). The walk starts at ENTRY and follows `calls=` (fusion, call,
-    async-start; not async-update/-done, which name the same computation),
-    `to_apply=` of `call` only (elsewhere it is a reducer), `body=` (x trips),
-    `condition=` (x trips + 1: it runs once more than the body), and
-    `branch_computations=`/`true_computation=`/`false_computation=` of a
-    `conditional`, where only the branch with the most collective bytes is
-    counted (ties: most ops) since exactly one branch runs per execution: an
-    upper bound. A `while` without `known_trip_count` counts as one trip and
-    adds 1 to `unknown_trip_loops` (per loop instruction reached, not
-    multiplied by enclosing trips).
+    The walk follows `calls=` (fusion, call, async-start; not async-update/-done, which name the same
+    computation), `to_apply=` of `call` only (elsewhere it is a reducer), `body=` (x trips),
+    `condition=` (x trips + 1: it runs once more than the body), and `branch_computations=`/
+    `true_computation=`/`false_computation=` of a `conditional`, where only the branch with the most
+    collective bytes is counted (ties: most ops) since exactly one branch runs per execution: an upper
+    bound. A `while` without `known_trip_count` counts as one trip and adds 1 to the unknown loops (per
+    loop instruction reached, not multiplied by enclosing trips).
     """
     comps, entry = _parse(hlo_text)
-    memo: dict[str, dict] = {}
+    memo: dict[str, tuple[list[dict], int]] = {}
+    times = lambda ops, n: [{**o, "times": o["times"] * n} for o in ops]
 
-    def visit(name: str, stack: tuple = ()) -> dict:
+    def visit(name: str, stack: tuple = ()) -> tuple[list[dict], int]:
         if name in memo:
             return memo[name]
         if name in stack or name not in comps:
-            return _empty()
+            return [], 0
         stack += (name,)
-        acc = _empty()
+        ops, unknown = [], 0
         for ins in comps[name]:
             op, attrs = ins["opcode"], ins["attrs"]
-            if op in KINDS:
-                acc["collectives"][op]["count"] += 1
-                acc["collectives"][op]["bytes"] += _array_bytes(ins["type"])
-            elif op.endswith("-start") and op[:-6] in KINDS:
-                acc["collectives"][op[:-6]]["count"] += 1
-                acc["collectives"][op[:-6]]["bytes"] += _start_bytes(op, ins["type"])
+            kind = op if op in KINDS else op[:-6] if op.endswith("-start") and op[:-6] in KINDS else None
+            if kind:
+                groups = re.search(r"replica_groups=(\{[{}\d,]*\}|\[[^\]]*\]<=\[[^\]]*\][^,\s]*)", attrs)
+                ops.append({"kind": kind, "type": ins["type"], "times": 1, "groups": groups.group(1) if groups else "",
+                            "bytes": _array_bytes(ins["type"]) if kind == op else _start_bytes(op, ins["type"])})
             if op == "while":
                 trips = ins["trip"]
-                if trips is None:
-                    trips = 1
-                    acc["unknown_trip_loops"] += 1
-                for c in _refs(attrs, "body"):
-                    _add(acc, visit(c, stack), trips)
-                for c in _refs(attrs, "condition"):
-                    _add(acc, visit(c, stack), trips + 1)
+                unknown += trips is None
+                trips = 1 if trips is None else trips
+                for c, extra in [(c, 0) for c in _refs(attrs, "body")] + [(c, 1) for c in _refs(attrs, "condition")]:
+                    part, u = visit(c, stack)
+                    ops, unknown = ops + times(part, trips + extra), unknown + u
             elif op == "conditional":
                 branches = (_refs(attrs, "branch_computations") + _refs(attrs, "true_computation")
                             + _refs(attrs, "false_computation"))
                 parts = [visit(c, stack) for c in branches]
                 if parts:
-                    _add(acc, max(parts, key=lambda p: (
-                        sum(v["bytes"] for v in p["collectives"].values()),
-                        sum(v["count"] for v in p["collectives"].values()))))
+                    weight = lambda p: (sum(o["bytes"] * o["times"] for o in p[0]), sum(o["times"] for o in p[0]))
+                    part, u = max(parts, key=weight)
+                    ops, unknown = ops + part, unknown + u
             elif op not in ("async-update", "async-done"):
                 called = _refs(attrs, "calls") + _refs(attrs, "called_computations")
                 if op == "call":
                     called += _refs(attrs, "to_apply")
                 for c in called:
-                    _add(acc, visit(c, stack))
-        memo[name] = acc
-        return acc
+                    part, u = visit(c, stack)
+                    ops, unknown = ops + part, unknown + u
+        memo[name] = ops, unknown
+        return memo[name]
 
     return visit(entry)
+
+
+def collective_report(hlo_text: str) -> dict:
+    """Collectives executed per step per device, plus loops whose trip count is unknown:
+    {"collectives": {kind: {"count", "bytes"}}, "unknown_trip_loops": n} (see `executed_collectives`).
+    `bytes` is the op's result size on one device (summed over tuple elements of variadic ops; see
+    `_start_bytes` for async `-start` ops; `-done` ops are not counted)."""
+    return _summary(*executed_collectives(hlo_text))
 
 
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")

@@ -6,6 +6,8 @@
       ├─ microbatches = 1 ───────────────► one_batch          (the partitioner places the reductions)
       ├─ ZeRO-0/1, microbatches > 1, ────► island_accumulation (parallel/accumulation.py: one all-reduce,
       │  or any train.allreduce but xla                         or train.allreduce's rounds)
+      ├─ ZeRO-3 with train.zeropp ───────► zeropp_accumulation (parallel/zeropp.py island: its own gathers
+      │                                                         and reduce-scatters, int8 or hierarchical)
       └─ ZeRO-2/3, microbatches > 1 ─────► sharded_accumulation (reduce-scatter into a sharded buffer)
 
 Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models import transformer
-from jaxllm.parallel import allreduce, pipeline
+from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
 from jaxllm.train.objectives import Objective, zero_metrics
@@ -53,6 +55,7 @@ class Paths:
     fp8: frozenset = frozenset()  # the weight matmul groups run in fp8 (precision.matmul, ops/fp8.py)
     allreduce: str = "xla"  # the ZeRO-0/1 gradient all-reduce (train.allreduce, parallel/allreduce.py)
     bucket_bytes: int = 25 << 20  # train.bucket_mb
+    zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp is on
 
     @property
     def local_layout(self) -> Layout:
@@ -114,7 +117,7 @@ def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_
         add = lambda x, y: jax.tree.map(jnp.add, x, y)
         return (loss + s, add(metrics, ms), add(aux, a), pin_grads(add(acc, grads))), None
 
-    zeros = pin_grads(jax.tree.map(jnp.zeros_like, params))
+    zeros = pin_grads(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))  # fp32 even for hpZ's copy
     (loss, metrics, aux, grads), _ = jax.lax.scan(
         body, (jnp.float32(0), zero_metrics(g.objective, batch), transformer.zero_aux(g.model), zeros), mbs)
     return loss, metrics, aux, grads
@@ -126,6 +129,15 @@ def island_accumulation(params, batch: dict, norm, g: Paths):
     local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
     reduce = lambda tree, axes: allreduce.all_reduce_tree(tree, g.allreduce, axes, "dp", g.bucket_bytes)
     return reduce_once(local, params, batch, norm, g.local_layout, reduce)
+
+
+def zeropp_accumulation(params, batch: dict, norm, g: Paths):
+    """ZeRO++: each device accumulates its own rows inside the island of `parallel/zeropp.py`, which gathers
+    each weight where it is used and reduce-scatters its gradient there (int8 with qwZ / qgZ)."""
+    local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
+    loss, metrics, aux, grads = zeropp.island(local, params, batch, norm, transformer.param_names(g.model),
+                                              g.local_layout, g.zeropp, g.dtype)
+    return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
 
 
 def sharded_accumulation(params, batch: dict, norm, g: Paths):
@@ -186,6 +198,8 @@ def path_of(g: Paths):
     """The gradient path this configuration takes."""
     if g.schedule is not None:
         return pipelined
+    if g.zeropp is not None:
+        return zeropp_accumulation
     if uses_island(g.zero_stage, g.microbatches, g.allreduce):
         return island_accumulation
     return one_batch if g.microbatches == 1 else sharded_accumulation

@@ -36,7 +36,7 @@ from jaxllm.mesh import batch_shards
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import fp8
-from jaxllm.parallel import allreduce
+from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
@@ -85,7 +85,7 @@ class Shardings:
 
 def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
     m, stage, mesh = cfg.model, cfg.train.zero_stage, layout.mesh
-    sharded = param_rules(shard_over_fsdp=True)
+    sharded = param_rules(shard_over_fsdp=True, hpz=cfg.train.zeropp.hpz)
     names, shapes = transformer.param_names(m), transformer.param_shapes(m)
 
     def of(rules):
@@ -144,7 +144,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
                   if mesh.shape["pp"] > 1 else None),
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
-        bucket_bytes=int(t.bucket_mb * 2**20))
+        bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(t.zeropp))
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
@@ -225,7 +225,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     """The step's programs on `mesh` for `objective` (None: the config's, `objective_of`)."""
     m, t = cfg.model, cfg.train
     objective = objective_of(cfg) if objective is None else objective
-    layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3),
+    layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3, hpz=t.zeropp.hpz),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
                     context_attention=m.cp_strategy)
     tx = make_optimizer(t, transformer.param_table(m))
@@ -283,7 +283,8 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
-    notes += guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
+    notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
+              + zeropp.check_config(cfg, shape))
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
