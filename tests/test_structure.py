@@ -158,7 +158,8 @@ train.grad_clip train.keep_checkpoints train.log_every train.max_consecutive_ski
 train.spike_factor train.spike_window train.loss_chunk train.lr train.microbatches
 train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
 train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
-train.warmup_steps train.weight_decay train.zero_stage
+train.warmup_steps train.weight_decay train.zero_stage train.zeropp.block train.zeropp.grads train.zeropp.hpz
+train.zeropp.weights
 """.split()
 
 
