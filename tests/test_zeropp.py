@@ -128,36 +128,50 @@ def fake_quantized_params(params, m, fsdp: int, block: int):
                         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
 
 
-def test_a_qwz_step_equals_one_device_on_the_fake_quantized_weights():
+@pytest.mark.parametrize("mesh", H.tiers(["fsdp8", "dp2xfsdp4"], fast=["fsdp8"]))
+def test_a_qwz_step_equals_one_device_on_the_fake_quantized_weights(mesh):
     """The forward sees exactly the dequantised shards; the backward's exact reduce-scatter gives the
-    gradient at those weights (the quantizer passes the gradient straight through)."""
-    cfg = zpp_config(FSDP8, weights=True, block=64)
+    gradient at those weights (the quantizer passes the gradient straight through); over dp the shards'
+    gradients are summed too."""
+    mesh, fsdp = (FSDP8, 8) if mesh == "fsdp8" else (DP2_FSDP4, 4)
+    cfg = zpp_config(mesh, weights=True, block=64)
     params = transformer.init_params(cfg.model, jax.random.key(0))
     loss, grads = H.loss_and_grads(H.step_fns(cfg), params)
     ref_loss, ref_grads = H.loss_and_grads(H.step_fns(H.equivalence_config("tiny-llama")),
-                                           fake_quantized_params(params, cfg.model, 8, 64))
+                                           fake_quantized_params(params, cfg.model, fsdp, 64))
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert H.max_rel_err(grads, ref_grads) <= 1e-5
-    plain, _ = H.loss_and_grads(H.step_fns(zpp_config(FSDP8)), params)
+    plain, _ = H.loss_and_grads(H.step_fns(zpp_config(mesh)), params)
     assert float(loss) != float(plain)  # the quantization is really there
 
 
-@pytest.mark.parametrize("microbatches", H.tiers([1, 2], fast=[1]))
-def test_hpz_equals_plain_zero3_in_fp32(microbatches):
-    """hpZ moves bytes differently, not numbers: one step's gradients and three updates' parameters."""
+def hpz_and_plain(microbatches: int = 1):
     over = {"train.microbatches": microbatches}
-    ours, ref = H.step_fns(zpp_config(DP2_FSDP4, over, hpz=True)), H.step_fns(zpp_config(DP2_FSDP4, over))
+    return H.step_fns(zpp_config(DP2_FSDP4, over, hpz=True)), H.step_fns(zpp_config(DP2_FSDP4, over))
+
+
+@pytest.mark.parametrize("microbatches", H.tiers([1, 2], fast=[1]))
+def test_hpz_gradients_equal_plain_zero3_in_fp32(microbatches):
+    """hpZ moves bytes differently, not numbers."""
+    ours, ref = hpz_and_plain(microbatches)
     params = transformer.init_params(H.equivalence_config("tiny-llama").model, jax.random.key(0))
     (loss, grads), (ref_loss, ref_grads) = H.loss_and_grads(ours, params), H.loss_and_grads(ref, params)
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert H.max_rel_err(grads, ref_grads) <= 1e-6
+
+
+@pytest.mark.slow
+def test_hpz_trains_like_plain_zero3_with_the_master_over_all_devices():
+    """Three updates with the master and optimizer state sharded over dp × fsdp equal ZeRO-3's."""
+    ours, ref = hpz_and_plain()
     states = [fns.init(0) for fns in (ours, ref)]
     for step in range(3):
         states = [H.train_step(fns, s, H.tokens(step))[0] for fns, s in zip((ours, ref), states)]
     assert H.max_rel_err(states[0].params, states[1].params) <= 1e-6
-    # the master is sharded over all 8 devices: each holds an eighth of a weight
-    wq = states[0].params["blocks"][0]["attn"]["wq"]
-    assert wq.addressable_shards[0].data.size * 8 == wq.size
+    for tree in (states[0].params, states[0].opt_state):  # each device holds an eighth of a weight
+        wq = [leaf for leaf in jax.tree.leaves(tree) if leaf.shape == ref.abstract_state.params["blocks"][0][
+            "attn"]["wq"].shape][0]
+        assert wq.addressable_shards[0].data.size * 8 == wq.size
 
 
 # ---------------------------------------------------------------- what the compiled programs move
@@ -245,3 +259,41 @@ def test_what_zeropp_does_not_support_is_refused_in_one_line(over, message):
     cfg = zpp_config(FSDP8, {"train.global_batch": 16, **over}, weights=True)
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_hpz", [False, True])
+def test_a_checkpoint_restores_across_hpz_on_and_off(tmp_path, saved_hpz):
+    """The stored arrays are the same arrays, laid out over fsdp or fsdp × dp: an Orbax checkpoint of either
+    restores into the other's layout and the next step equals the saving run's."""
+    from jaxllm.train import checkpoint
+
+    saver, loader = (H.step_fns(zpp_config(DP2_FSDP4, hpz=True) if hpz else zpp_config(DP2_FSDP4))
+                     for hpz in (saved_hpz, not saved_hpz))
+    state, _ = H.train_step(saver, saver.init(0), H.tokens(0))
+    mngr = checkpoint.open_manager(str(tmp_path), keep=1)
+    checkpoint.save(mngr, 1, state, {"step": 1})
+    mngr.wait_until_finished()
+    restored = checkpoint.read_state(mngr, 1, loader.abstract_state)
+    mngr.close()
+    wq = restored.params["blocks"][0]["attn"]["wq"]
+    assert wq.sharding == loader.state_shardings.params["blocks"][0]["attn"]["wq"]
+    np.testing.assert_array_equal(np.asarray(wq), np.asarray(state.params["blocks"][0]["attn"]["wq"]))
+    ours, _ = H.train_step(loader, restored, H.tokens(1))
+    ref, _ = H.train_step(saver, state, H.tokens(1))
+    assert H.max_rel_err(ours.params, ref.params) <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_planner_shows_the_bytes_drop_as_predicted():
+    """tools.plan on fsdp=8, qwZ + qgZ, fp32: the all-gathers against the same step compiled without
+    quantization and the gradient all-to-alls against their elements in fp32, both at (1 + 4/256) / 4 within
+    1% (the small leaves' fp32 gathers and the blocks' padding)."""
+    from tools.plan import format_table, plan
+
+    report = plan(zpp_config(FSDP8, weights=True, grads=True))
+    z = report["zeropp"]
+    assert z["predicted_ratio"] == pytest.approx((1 + 4 / 256) / 4)
+    assert z["gathers"] / z["gathers_unquantized"] == pytest.approx(z["predicted_ratio"], rel=0.01)
+    assert z["grad_all_to_all"] / z["grad_unquantized"] == pytest.approx(z["predicted_ratio"], rel=0.01)
+    assert "ZeRO++ (qwZ, qgZ; blocks of 256" in format_table(report)

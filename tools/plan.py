@@ -640,6 +640,47 @@ def _format_allreduce(a: dict) -> list[str]:
             f"2Φ = {format_bytes(a['seeds_bytes'])}"]
 
 
+def _bytes_of(ops: list[dict], kind: str, int8: bool | None = None) -> int:
+    """Bytes per step of the collectives of `kind` (only the s8 ones, or only the others, when `int8` says)."""
+    is_int8 = lambda o: o["type"].lstrip("(").startswith("s8")
+    return sum(o["bytes"] * o["times"] for o in ops if o["kind"] == kind and int8 in (None, is_int8(o)))
+
+
+def zeropp_report(cfg, shape: dict, hlo: str) -> dict | None:
+    """With `train.zeropp`, per device and step from the compiled programs: the all-gather bytes beside those
+    of the same config compiled without quantization; the gradient all-to-alls (int8 blocks and their fp32
+    scales) beside the same elements in the compute dtype; the predicted ratio (1 + 4/block) / dtype bytes."""
+    import jax.numpy as jnp
+
+    from tools.collectives import executed_collectives
+
+    z = cfg.train.zeropp
+    if not (z.weights or z.grads or z.hpz):
+        return None
+    plain = copy.deepcopy(cfg)
+    plain.train.zeropp.weights = plain.train.zeropp.grads = False
+    ops, plain_ops = executed_collectives(hlo)[0], executed_collectives(compile_step(plain, shape)[1].as_text())[0]
+    width = jnp.dtype(cfg.precision.compute).itemsize
+    return {"weights": z.weights, "grads": z.grads, "hpz": z.hpz, "block": z.block, "compute": cfg.precision.compute,
+            "gathers": _bytes_of(ops, "all-gather"), "gathers_unquantized": _bytes_of(plain_ops, "all-gather"),
+            "grad_all_to_all": _bytes_of(ops, "all-to-all"),
+            "grad_unquantized": _bytes_of(ops, "all-to-all", int8=True) * width,
+            "predicted_ratio": (1 + 4 / z.block) / width}
+
+
+def _format_zeropp(z: dict) -> list[str]:
+    from tools.collectives import format_bytes
+
+    on = ", ".join(n for n, k in (("qwZ", "weights"), ("qgZ", "grads"), ("hpZ", "hpz")) if z[k])
+    ratio = lambda a, b: f"×{a / b:.3f}" if b else "-"
+    return ["", f"ZeRO++ ({on}; blocks of {z['block']}; predicted ratio (1 + 4/{z['block']}) / "
+            f"{z['compute']} bytes = {z['predicted_ratio']:.3f}), per device per step:",
+            f"  all-gathers {format_bytes(z['gathers'])}; compiled without quantization "
+            f"{format_bytes(z['gathers_unquantized'])}: {ratio(z['gathers'], z['gathers_unquantized'])}",
+            f"  gradient all-to-alls {format_bytes(z['grad_all_to_all'])}; the same elements in {z['compute']} "
+            f"{format_bytes(z['grad_unquantized'])}: {ratio(z['grad_all_to_all'], z['grad_unquantized'])}"]
+
+
 def plan(cfg) -> dict:
     """Compile the train step for `cfg` (not run it) and report memory, collectives and theory per device.
 
@@ -698,6 +739,7 @@ def plan(cfg) -> dict:
         "pipeline": pipeline,
         "generation": generation_theory(cfg, fns),
         "allreduce": allreduce_report(cfg, shape, hlo, n_params),
+        "zeropp": zeropp_report(cfg, shape, hlo),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -909,6 +951,8 @@ def format_table(p: dict) -> str:
         lines += _format_generation(p["generation"], c["compute"])
     if p.get("allreduce"):
         lines += _format_allreduce(p["allreduce"])
+    if p.get("zeropp"):
+        lines += _format_zeropp(p["zeropp"])
     return "\n".join(lines)
 
 
