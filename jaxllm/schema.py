@@ -179,6 +179,9 @@ class PrecisionConfig:
     loss_scale_min: float = 1.0  # a dynamic scale never halves below it
     matmul: str = "default"  # default (the compute dtype) | fp8 (E4M3 forward, E5M2 gradients, per-tensor scales)
     fp8_exclude: list = field(default_factory=lambda: ["head"])  # matmul groups kept out of fp8: attention, mlp, experts, head
+    # ZeRO-3's gradient reduce-scatter: in the compute dtype (the transpose of cast-then-gather), or float32
+    # (through the ZeRO-3 island of parallel/zeropp.py)
+    grad_reduce: str = "compute"
 
 
 @dataclass

@@ -148,7 +148,7 @@ model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pa
 model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size
-precision.compute precision.fp8_exclude precision.loss_scale precision.loss_scale_init precision.loss_scale_min
+precision.compute precision.fp8_exclude precision.grad_reduce precision.loss_scale precision.loss_scale_init precision.loss_scale_min
 precision.loss_scale_window precision.matmul
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm rl.mask_truncated
 rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature

@@ -1,5 +1,6 @@
 """ZeRO++ (`train.zeropp`): ZeRO-3's step as a shard_map island whose gathers and reduce-scatters are
-written out, so they can move int8 (qwZ, qgZ) and stay inside one fsdp group (hpZ).
+written out, so they can move int8 (qwZ, qgZ), stay inside one fsdp group (hpZ), or reduce the gradients
+in fp32 whatever the compute dtype (`precision.grad_reduce = float32`).
 
 Axis: manual over the batch axes dp, fsdp, ep (tp, sp, ep and pp > 1 are refused for now). Each device
 runs the forward and backward on its own rows; a weight sharded over fsdp is gathered where `weight()`
@@ -12,7 +13,8 @@ dtype of d bytes; per device and per use (forward; again in the backward under r
 - the gather: all-gather over fsdp of int8 blocks + fp32 scales with qwZ, P·(1 + 4/b) bytes received
   in all, else of the compute dtype, P·d;
 - the gradient, in the backward: with qgZ an all-to-all over fsdp of int8 blocks + scales (each device
-  sends (F-1)/F · P·(1 + 4/b)), dequantised and summed in fp32; else a reduce-scatter in the compute dtype.
+  sends (F-1)/F · P·(1 + 4/b)), dequantised and summed in fp32; else a reduce-scatter in the compute dtype
+  (in fp32 with `precision.grad_reduce = float32`).
 Once per step: one-dimensional leaves (norm scales, output biases: tiny) are all-gathered over fsdp in
 fp32 before the microbatch loop and their gradients reduce-scattered after it; with hpZ every weight's
 secondary copy is all-gathered over dp in the compute dtype (P·d over the step) and its gradient
@@ -47,6 +49,7 @@ class Plan:
     grads: bool  # qgZ: gradient reduce-scatters move int8 blocks (an all-to-all)
     hpz: bool  # hpZ: master sharded over fsdp × dp, a compute-dtype secondary copy over fsdp
     block: int  # elements per quantization block
+    reduce_fp32: bool = False  # the unquantized gradient reduce-scatter in fp32 (precision.grad_reduce)
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -54,10 +57,11 @@ class Plan:
         return ("fsdp", "dp") if self.hpz else ("fsdp",)
 
 
-def plan_of(zeropp) -> Plan | None:
-    """The `train.zeropp` section as a Plan, or None when all of it is off."""
-    p = Plan(zeropp.weights, zeropp.grads, zeropp.hpz, zeropp.block)
-    return p if (p.weights or p.grads or p.hpz) else None
+def plan_of(cfg) -> Plan | None:
+    """What `train.zeropp` and `precision.grad_reduce` ask of the island, or None when it is not needed."""
+    z = cfg.train.zeropp
+    p = Plan(z.weights, z.grads, z.hpz, z.block, cfg.precision.grad_reduce == "float32")
+    return p if (p.weights or p.grads or p.hpz or p.reduce_fp32) else None
 
 
 # ---------------------------------------------------------------- the use-site gather and its transpose
@@ -109,6 +113,7 @@ def _gather_bwd(plan, axis, dtype, residual, ct):
     if plan.grads:
         shard = quantized_reduce_scatter(ct, axis, plan.block)
     else:
+        ct = ct.astype(jnp.float32) if plan.reduce_fp32 else ct
         shard = jax.lax.psum_scatter(ct, "fsdp", scatter_dimension=axis, tiled=True)
     return (shard.astype(residual.dtype),)
 
@@ -183,15 +188,22 @@ def island(accumulate: Callable, params, batch: dict, norm, names, layout: Layou
 # ---------------------------------------------------------------- config
 
 
+GRAD_REDUCE = ("compute", "float32")  # precision.grad_reduce
+
+
 def check_config(cfg, shape: dict) -> list[str]:
-    """`train.zeropp` against the rest of the config: ConfigError (one line) for what it does not support."""
+    """`train.zeropp` and `precision.grad_reduce` against the rest of the config: ConfigError (one line) for
+    what the island does not support."""
     z, t, m = cfg.train.zeropp, cfg.train, cfg.model
     if z.block < 1:
         raise ConfigError(f"train.zeropp.block: must be at least 1, got {z.block}")
-    if plan_of(z) is None:
+    if cfg.precision.grad_reduce not in GRAD_REDUCE:
+        raise ConfigError(f"precision.grad_reduce: '{cfg.precision.grad_reduce}' is not one of {', '.join(GRAD_REDUCE)}")
+    plan = plan_of(cfg)
+    if plan is None:
         return []
-    plan = plan_of(z)
-    unsupported = ("train.zero_stage != 3 (ZeRO++ is a form of ZeRO-3)" if t.zero_stage != 3 else
+    what = "train.zeropp" if (plan.weights or plan.grads or plan.hpz) else "precision.grad_reduce=float32"
+    unsupported = ("train.zero_stage != 3 (the island is ZeRO-3's)" if t.zero_stage != 3 else
                    "mesh.pp > 1" if shape["pp"] > 1 else
                    "mesh.tp, mesh.sp or mesh.ep > 1" if max(shape["tp"], shape["sp"], shape["ep"]) > 1 else
                    "mixture-of-experts blocks" if "moe" in m.pattern else
@@ -199,12 +211,12 @@ def check_config(cfg, shape: dict) -> list[str]:
                    "precision.matmul=fp8" if cfg.precision.matmul != "default" else
                    "memory offload" if cfg.memory.offload_params or cfg.memory.offload_optimizer else None)
     if unsupported:
-        raise ConfigError(f"train.zeropp with {unsupported} is not supported yet; turn train.zeropp off")
+        raise ConfigError(f"{what} with {unsupported} is not supported yet; turn it off")
     if plan.hpz and shape["dp"] < 2:
         raise ConfigError("train.zeropp.hpz needs mesh.dp > 1 (it shards the master over dp × fsdp and gathers "
                           "within fsdp); set mesh.dp or turn hpz off")
     shards = shape["fsdp"] * (shape["dp"] if plan.hpz else 1)
     if m.d_model % shards:
-        raise ConfigError(f"train.zeropp: model.d_model={m.d_model} is not divisible by the {shards} shards of "
+        raise ConfigError(f"{what}: model.d_model={m.d_model} is not divisible by the {shards} shards of "
                           "its embed dimension; pick a d_model or mesh that divides")
     return []

@@ -6,8 +6,8 @@
       ├─ microbatches = 1 ───────────────► one_batch          (the partitioner places the reductions)
       ├─ ZeRO-0/1, microbatches > 1, ────► island_accumulation (parallel/accumulation.py: one all-reduce,
       │  or any train.allreduce but xla                         or train.allreduce's rounds)
-      ├─ ZeRO-3 with train.zeropp ───────► zeropp_accumulation (parallel/zeropp.py island: its own gathers
-      │                                                         and reduce-scatters, int8 or hierarchical)
+      ├─ ZeRO-3 with train.zeropp or ────► zeropp_accumulation (parallel/zeropp.py island: its own gathers
+      │  precision.grad_reduce=float32                          and reduce-scatters: int8, hierarchical, fp32)
       └─ ZeRO-2/3, microbatches > 1 ─────► sharded_accumulation (reduce-scatter into a sharded buffer)
 
 Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
