@@ -288,7 +288,8 @@ def test_a_checkpoint_restores_across_hpz_on_and_off(tmp_path, saved_hpz):
 def test_the_planner_shows_the_bytes_drop_as_predicted():
     """tools.plan on fsdp=8, qwZ + qgZ, fp32: the all-gathers against the same step compiled without
     quantization and the gradient all-to-alls against their elements in fp32, both at (1 + 4/256) / 4 within
-    1% (the small leaves' fp32 gathers and the blocks' padding)."""
+    1% (the small leaves' fp32 gathers and the blocks' padding); with hpZ the compiled step's arguments are
+    the ZeRO-3 theory over dp × fsdp."""
     from tools.plan import format_table, plan
 
     report = plan(zpp_config(FSDP8, weights=True, grads=True))
@@ -297,3 +298,8 @@ def test_the_planner_shows_the_bytes_drop_as_predicted():
     assert z["gathers"] / z["gathers_unquantized"] == pytest.approx(z["predicted_ratio"], rel=0.01)
     assert z["grad_all_to_all"] / z["grad_unquantized"] == pytest.approx(z["predicted_ratio"], rel=0.01)
     assert "ZeRO++ (qwZ, qgZ; blocks of 256" in format_table(report)
+    # hpZ: the state as stored is ZeRO-3's over all 8 devices (12Φ/8 in fp32), not over the 4 of fsdp
+    hpz = plan(zpp_config(DP2_FSDP4, hpz=True))
+    assert hpz["theory"]["fsdp"] == 8
+    got, expected = hpz["memory"]["argument_bytes"], hpz["theory"]["fp32"]["argument_bytes"]
+    assert abs(got - expected) <= 0.10 * expected, (got, expected)

@@ -733,7 +733,9 @@ def plan(cfg) -> dict:
         "unknown_trip_loops": report["unknown_trip_loops"],
         # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp
         # + experts / (pp·ep) + embedding/head/final norm
-        "theory": theory(pipeline["params"]["stage"], shape["fsdp"], t.zero_stage),
+        # hpZ (train.zeropp.hpz) shards the master and the optimizer state over dp × fsdp
+        "theory": theory(pipeline["params"]["stage"], shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1),
+                         t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "pipeline": pipeline,
