@@ -43,7 +43,7 @@ from jaxllm.sharding import BATCH_AXES, Layout, manual_spec, use_layout
 
 @dataclass(frozen=True)
 class Plan:
-    """What `train.zeropp` turns on."""
+    """What the island does: `train.zeropp`'s switches and `precision.grad_reduce`."""
 
     weights: bool  # qwZ: weight gathers move int8 blocks
     grads: bool  # qgZ: gradient reduce-scatters move int8 blocks (an all-to-all)
