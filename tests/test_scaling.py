@@ -57,8 +57,8 @@ def test_the_fits_recover_known_exponents(true, budgets):
     for seed in range(3):
         result = scaling_fit.analyse(synthetic(true, budgets, seed=seed), n_boot=30, seed=seed)
         fit, iso = result["surface"], result["isoflop"]
-        found = {"alpha": (fit["alpha"], result["surface_ci"]["alpha"]), "beta": (fit["beta"], result["surface_ci"]["beta"]),
-                 "a": (fit["a"], result["surface_ci"]["a"]), "a (approach 2)": (iso["a"], result["isoflop_ci"]["a"])}
+        found = {key: (fit[key], result["surface_ci"][key]) for key in ("alpha", "beta", "a")}
+        found["a (approach 2)"] = (iso["a"], result["isoflop_ci"]["a"])
         for key, (estimate, (lo, hi)) in found.items():
             value = true[key] if key in true else a_true
             inside[key] += lo <= value <= hi

@@ -6,21 +6,23 @@ checked by a run.
     python -m tools.scaling fit RUNS_DIR [--plots DIR] [--bootstrap N]
     python -m tools.scaling check RUNS_DIR [--budget C] [--bootstrap N]
 
-`run` trains one ordinary `experiments.run` run directory per (size, budget) under `--out`, smallest
-budget first: a size LAYERSxWIDTH sets model.n_layers and model.d_model (and the heads and d_ff, keeping
-the base config's head width and d_ff/d_model); a budget C in FLOPs sets train.steps from C = 6·N·D,
-D = steps · global_batch · seq_len tokens. N counts the parameters WITHOUT the embeddings (token and
-position tables, output head), as Kaplan et al. (2020) and Hoffmann et al. (2022) do, so 6·N·D leaves out
-the attention scores and the head's matmul. The learning-rate schedule is each run's own (cosine over its
-steps, warm-up train.warmup_ratio of them), and every run is validated at its last step on the same
-held-out windows (train.eval_batches fixed batches spread over the validation split). The command can be
-run again: a finished run is not trained again, an interrupted one resumes from its newest checkpoint.
+`run` trains one ordinary `experiments.run` run directory per (size, budget) under `--out`, one after
+another in this process, smallest budget first: a size LAYERSxWIDTH sets model.n_layers and
+model.d_model (and the heads and d_ff, keeping the base config's head width and d_ff/d_model); a budget
+C in FLOPs sets train.steps from C = 6·N·D, D = steps · global_batch · seq_len tokens. N counts the
+parameters WITHOUT the embeddings (token and position tables, output head), as Kaplan et al. (2020) and
+Hoffmann et al. (2022) do, so 6·N·D leaves out the attention scores and the head's matmul. The
+learning-rate schedule is each run's own (cosine over its steps, warm-up train.warmup_ratio of them), and
+every run is validated at its last step on the same held-out windows (train.eval_batches fixed batches
+spread over the validation split). The command can be run again: a finished run is not trained again,
+an interrupted one resumes from its newest checkpoint.
 
 `fit` fits approach 3 and approach 2 (`tools/scaling_fit.py`) to the finished runs, prints the exponents
-with bootstrap intervals and the compute-optimal N(C) and D(C), and draws three PNGs
-(`tools/scaling_plots.py`). `check` fits the runs below budget C, predicts the loss at C of the size the fit
-calls optimal (written to RUNS_DIR/prediction_<C>.json before the run, and kept if the check is resumed),
-trains that run, and prints predicted against measured. Bad input is one line `error: ...` and exit code 2.
+with bootstrap intervals and the compute-optimal N(C) and D(C), and draws three PNGs (tables and plots:
+`tools/scaling_report.py`). `check` fits the runs below budget C, predicts the loss at C of the size the
+fit calls optimal (written to RUNS_DIR/prediction_<C>.json before the run, and kept if the check is
+resumed), trains that run, and prints predicted against measured. Bad input is one line `error: ...`
+and exit code 2.
 """
 
 from __future__ import annotations

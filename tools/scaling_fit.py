@@ -4,8 +4,9 @@
   the Huber loss (δ = 1e-3) between the predicted and measured log-loss, the prediction written as
   log L = LSE(a − α log N, b − β log D, e) with A = e^a, B = e^b, E = e^e, and L-BFGS from a grid of
   initialisations (theirs: α, β ∈ {0, 0.5, ..., 2}, e ∈ {−1, −0.5, ..., 1}, a, b ∈ {0, 5, ..., 25}). The
-  grid's objective is evaluated at all 4,500 points at once and the quasi-Newton method runs from the
-  best few (they ran it from every one: the same minimum here, in a fraction of the time). The method is
+  grid's objective is evaluated at all 4,500 points at once and the optimizer runs from the best few (they
+  ran it from every one: the same minimum here, in a fraction of the time); a bootstrap resample starts
+  from the full data's optimum, and from a grid point only if that is better still. The optimizer is
   BFGS, L-BFGS without the memory limit (five unknowns): scipy's L-BFGS-B calls OpenBLAS, whose threads
   made each fit about 80 times slower on a 2-core machine busy with other work.
 - Approach 2: at each budget C, a parabola in log N fitted to the losses; its minimum is N_opt(C); then
@@ -49,7 +50,7 @@ def _terms(theta: np.ndarray, log_n: np.ndarray, log_d: np.ndarray) -> np.ndarra
 
 
 def _huber(r: np.ndarray) -> np.ndarray:
-    """Huber's loss divided by δ (the same minimum; gradients of order one, which the optimizer's tolerances expect)."""
+    """Huber's loss divided by δ (the same minimum; gradients of order one, as the optimizer's tolerances expect)."""
     small = np.abs(r) <= DELTA
     return np.where(small, 0.5 * r * r / DELTA, np.abs(r) - 0.5 * DELTA)
 
@@ -76,14 +77,19 @@ def _grid_values(log_n, log_d, log_l) -> np.ndarray:
     return _huber(r).sum(axis=-1)
 
 
-def fit_surface(n, d, loss, starts: int = STARTS, extra_starts=()) -> dict:
+def fit_surface(n, d, loss, starts: int = STARTS, warm=None) -> dict:
     """Approach 3 on points (N, D, loss): {E, A, B, alpha, beta, objective, theta}, from the grid's `starts` best
-    points and `extra_starts` (a, b, e, α, β) (the bootstrap adds the full data's optimum)."""
+    points. With `warm` (a, b, e, α, β: the bootstrap passes the full data's optimum) it starts there, and
+    from a grid point only where that point is already better than the minimum found from `warm`."""
     log_n, log_d, log_l = np.log(n), np.log(d), np.log(loss)
-    starts = [*GRID[np.argsort(_grid_values(log_n, log_d, log_l))[:starts]], *extra_starts]
+    values = _grid_values(log_n, log_d, log_l)
     best = None
-    for x0 in starts:
-        res = minimize(_objective, np.asarray(x0, float), args=(log_n, log_d, log_l), jac=True, method="BFGS")
+    if warm is not None:
+        best = minimize(_objective, np.asarray(warm, float), args=(log_n, log_d, log_l), jac=True, method="BFGS")
+    for i in np.argsort(values)[:starts]:
+        if best is not None and warm is not None and values[i] >= best.fun:
+            break
+        res = minimize(_objective, GRID[i], args=(log_n, log_d, log_l), jac=True, method="BFGS")
         if best is None or res.fun < best.fun:
             best = res
     a, b, e, alpha, beta = best.x
@@ -168,14 +174,13 @@ def interval(values, axis=None):
 
 
 def bootstrap_surface(points: list[dict], fit: dict, n_boot: int, seed: int = 0) -> list[dict]:
-    """Approach 3 on `n_boot` resamples of the points (with replacement), each from the grid's best point and
-    from `fit`."""
+    """Approach 3 on `n_boot` resamples of the points (with replacement), each started from `fit`."""
     rng = np.random.default_rng(seed)
     arrays = [np.array([p[k] for p in points], float) for k in ("n_params", "tokens", "loss")]
     fits = []
     for _ in range(n_boot):
         pick = rng.integers(0, len(points), len(points))
-        fits.append(fit_surface(*(x[pick] for x in arrays), starts=1, extra_starts=[fit["theta"]]))
+        fits.append(fit_surface(*(x[pick] for x in arrays), warm=fit["theta"]))
     return fits
 
 

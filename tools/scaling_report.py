@@ -91,7 +91,8 @@ def summary(result: dict) -> dict:
     iso = result["isoflop"]
     return {"note": N_NOTE, "surface": {k: v for k, v in result["surface"].items() if k != "theta"},
             "surface_ci": result["surface_ci"], "resamples": len(result["surface_boot"]),
-            "isoflop": iso and {"a": iso["a"], "k": float(scaling_fit.isoflop_n_opt(iso, 1.0)), "ci": result["isoflop_ci"],
+            "isoflop": iso and {"a": iso["a"], "k": float(scaling_fit.isoflop_n_opt(iso, 1.0)),
+                                "ci": result["isoflop_ci"],
                                 "minima": {f"{c:g}": m for c, m in iso["minima"].items()}}}
 
 
