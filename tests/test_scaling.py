@@ -24,6 +24,7 @@ import pytest
 
 from harness import CORPUS, REPO, subprocess_env
 from jaxllm.config import build_config
+from jaxllm.errors import UserError
 from jaxllm.models.transformer import count_params
 from tools import scaling, scaling_fit
 
@@ -162,6 +163,17 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     assert scaling.main([a.format(d=runs) for a in argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+
+
+def test_a_sweep_continues_only_on_its_own_base(tmp_path):
+    path = scaling.write_base(str(tmp_path), scaling.CONFIG, [])
+    with open(path) as f:  # as if written before jaxllm had a key, which now takes its default
+        lines = [line for line in f if not line.startswith("keep_checkpoints")]
+    with open(path, "w") as f:
+        f.writelines(lines)
+    assert scaling.write_base(str(tmp_path), scaling.CONFIG, []) == path
+    with pytest.raises(UserError, match="another base config"):
+        scaling.write_base(str(tmp_path), scaling.CONFIG, ["train.lr=1e-3"])
 
 
 # ---------------------------------------------------------------- real runs (slow tier)

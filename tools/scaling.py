@@ -166,20 +166,20 @@ def train_point(base_file: str, point: Point, out: str) -> float:
 
 
 def write_base(out: str, config: str, overrides: list[str]) -> str:
-    """RUNS_DIR/base.toml: the resolved base config every point is built from (a sweep continued with another
-    base is refused)."""
-    from jaxllm.config import build_config, to_toml
+    """RUNS_DIR/base.toml: the resolved base config every point is built from. A sweep continued with another
+    base is refused (compared as configs, so keys added to jaxllm since, at their defaults, do not count)."""
+    from jaxllm.config import build_config, to_dict, to_toml
 
-    text = to_toml(build_config(config, overrides))
+    cfg = build_config(config, overrides)
     path = os.path.join(out, "base.toml")
     if os.path.exists(path):
-        with open(path) as f:
-            if f.read() != text:
-                raise UserError(f"{out} holds a sweep of another base config (its base.toml); give the same "
-                                "--config and key=value overrides, or another --out")
+        if to_dict(build_config(path)) != to_dict(cfg):
+            raise UserError(f"{out} holds a sweep of another base config (its base.toml); give the same "
+                            "--config and key=value overrides, or another --out")
+        return path
     os.makedirs(out, exist_ok=True)
     with open(path, "w") as f:
-        f.write(text)
+        f.write(to_toml(cfg))
     return path
 
 
