@@ -57,6 +57,7 @@ class Point:
     n_params: int  # N, without embeddings
     steps: int
     tokens: int  # D = steps · global_batch · seq_len
+    flops_over_6n: float = 0.0  # the FLOPs of a token as the log's MFU counts them (attention, head) over 6·N
 
     @property
     def name(self) -> str:
@@ -115,12 +116,13 @@ def plan(base_file: str, size: tuple[int, int], budget: float, role: str = "swee
     """The point of `size` at `budget`: N without embeddings, steps = round(C / (6·N·tokens per step)), at least 1."""
     from jaxllm.config import build_config
     from jaxllm.models.transformer import count_params
+    from jaxllm.train.loop import flops_per_token
 
     cfg = point_config(base_file, size_keys(build_config(base_file), *size))
     n = count_params(cfg.model, embeddings=False)
     per_step = cfg.train.global_batch * cfg.model.seq_len
     steps = max(1, round(budget / (6 * n * per_step)))
-    return Point(role, *size, budget, n, steps, steps * per_step)
+    return Point(role, *size, budget, n, steps, steps * per_step, flops_per_token(cfg) / (6 * n))
 
 
 def run_keys(base_file: str, point: Point, run_dir: str) -> dict:
@@ -205,12 +207,13 @@ def plan_grid(base_file: str, sizes, budgets) -> list[Point]:
 
 
 def table(points: list[Point], losses: dict) -> str:
-    rows = ["| run | layers × width | N | budget C | D (tokens) | D/N | steps | val loss |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | layers × width | N | budget C | D (tokens) | D/N | steps | model FLOPs / 6N | val loss |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         loss = losses.get(p.name)
         rows.append(f"| {p.name} | {p.n_layers} × {p.d_model} | {p.n_params:,} | {p.budget:.3g} | {p.tokens:,} | "
-                    f"{p.tokens / p.n_params:.1f} | {p.steps} | {'' if loss is None else f'{loss:.4f}'} |")
+                    f"{p.tokens / p.n_params:.1f} | {p.steps} | {p.flops_over_6n:.2f} | "
+                    f"{'' if loss is None else f'{loss:.4f}'} |")
     return "\n".join(rows)
 
 
