@@ -2,17 +2,17 @@
 
 - Approach 3 of Hoffmann et al. (2022, "Chinchilla"): L(N, D) = E + A/N^α + B/D^β, fitted as they did:
   the Huber loss (δ = 1e-3) between the predicted and measured log-loss, the prediction written as
-  log L = LSE(a − α log N, b − β log D, e) with A = e^a, B = e^b, E = e^e, and L-BFGS from a grid of
+  log L = LSE(a − α log N, b − β log D, e) with A = e^a, B = e^b, E = e^e, and L-BFGS (here BFGS) from a grid of
   initialisations (theirs: α, β ∈ {0, 0.5, ..., 2}, e ∈ {−1, −0.5, ..., 1}, a, b ∈ {0, 5, ..., 25}). The
   grid's objective is evaluated at all 4,500 points at once and the optimizer runs from the best few (they
   ran it from every one: the same minimum here, in a fraction of the time); a bootstrap resample starts
   from the full data's optimum, and from a grid point only if that is better still. The optimizer is
   BFGS, L-BFGS without the memory limit (five unknowns): scipy's L-BFGS-B calls OpenBLAS, whose threads
   made each fit about 80 times slower on a 2-core machine busy with other work.
-- Approach 2: at each budget C, a parabola in log N fitted to the losses; its minimum is N_opt(C); then
-  the power law N_opt = k·C^a by least squares in log-log (and D_opt = C/(6·N_opt), so D_opt ∝ C^(1−a)),
-  over the budgets whose minimum lies within their sizes. Chinchilla fitted the parabola to the loss
-  against log N, as here.
+- Approach 2: at each budget C, a parabola in log N fitted to the losses, as Chinchilla did, but only of
+  the lowest-loss size and up to WINDOW sizes on each side of it; its minimum is N_opt(C); then the power
+  law N_opt = k·C^a by least squares in log-log (and D_opt = C/(6·N_opt), so D_opt ∝ C^(1−a)), over the
+  budgets whose minimum lies within the sizes fitted.
 - Bootstrap intervals: the fits repeated on points resampled with replacement (approach 2 within
   each budget, so every budget keeps its count), the 2.5th and 97.5th percentiles reported.
 
@@ -37,6 +37,7 @@ GRID = np.array(list(itertools.product(
     (0.0, 0.5, 1.0, 1.5, 2.0),  # β
 )))
 STARTS = 4  # BFGS runs from this many of the grid's best points
+WINDOW = 2  # approach 2's parabola: the lowest-loss size and up to this many sizes on each side of it
 LEVEL = 95  # bootstrap intervals: the central LEVEL %
 
 
@@ -126,18 +127,29 @@ def parabola(log_n, loss):
     return coef if coef[0] > 0 else None
 
 
+def near_minimum(points: list[dict]) -> list[dict]:
+    """The points of one budget whose size is the lowest-loss run's or one of the WINDOW sizes on either side
+    of it: a parabola describes the curve near its minimum, and runs far out on the arms (a tenth of a
+    token per parameter) would tilt it."""
+    sizes = sorted({p["n_params"] for p in points})
+    at = sizes.index(min(points, key=lambda p: p["loss"])["n_params"])
+    keep = set(sizes[max(0, at - WINDOW):at + WINDOW + 1])
+    return [p for p in points if p["n_params"] in keep]
+
+
 def isoflop_minima(points: list[dict]) -> dict[float, dict]:
-    """Per budget with a minimum: {budget: {n_opt, loss, coef, inside (the minimum lies within its sizes)}}."""
+    """Per budget with a minimum: {budget: {n_opt, loss, coef, sizes (the N fitted), inside (the minimum lies
+    within them)}}."""
     out = {}
     for budget in sorted({p["budget"] for p in points}):
-        mine = [p for p in points if p["budget"] == budget]
+        mine = near_minimum([p for p in points if p["budget"] == budget])
         log_n = np.log([p["n_params"] for p in mine])
         coef = parabola(log_n, np.array([p["loss"] for p in mine]))
         if coef is None:
             continue
         x = -coef[1] / (2 * coef[0])
         out[budget] = {"n_opt": math.exp(x), "loss": float(np.polyval(coef, x)), "coef": coef.tolist(),
-                       "inside": bool(log_n.min() <= x <= log_n.max())}
+                       "sizes": sorted({p["n_params"] for p in mine}), "inside": bool(log_n.min() <= x <= log_n.max())}
     return out
 
 

@@ -60,15 +60,16 @@ def isoflop_table(result: dict) -> list[str]:
     iso = result["isoflop"]
     if iso is None:
         return ["Approach 2: fewer than two budgets have a parabola with a minimum."]
-    lines = ["Approach 2, a parabola in log N at each budget:", "",
-             "| budget C | N_opt | D_opt | D/N | loss at the minimum | minimum within the sizes |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"Approach 2, at each budget a parabola in log N through the lowest-loss size and up to "
+             f"{scaling_fit.WINDOW} sizes on each side:", "",
+             "| budget C | sizes fitted (N) | N_opt | D_opt | D/N | loss at the minimum | minimum within them |",
+             "|---|---|---|---|---|---|---|"]
     for c, m in iso["minima"].items():
         d_opt = c / 6 / m["n_opt"]
-        lines.append(f"| {c:.3g} | {_si(m['n_opt'])} | {_si(d_opt)} | {d_opt / m['n_opt']:.1f} | {m['loss']:.4f} | "
-                     f"{'yes' if m['inside'] else 'no'} |")
+        lines.append(f"| {c:.3g} | {', '.join(map(_si, m['sizes']))} | {_si(m['n_opt'])} | {_si(d_opt)} | "
+                     f"{d_opt / m['n_opt']:.1f} | {m['loss']:.4f} | {'yes' if m['inside'] else 'no'} |")
     ci = result["isoflop_ci"]
-    lines.append(f"| a: N_opt ∝ C^a | {iso['a']:.3g} {_ci(ci['a']) if ci else ''} | | | | |")
+    lines.append(f"| a: N_opt ∝ C^a | {iso['a']:.3g} {_ci(ci['a']) if ci else ''} | | | | | |")
     return lines
 
 
@@ -158,8 +159,9 @@ def _isoflop(plt, points, result, checks):
         ax.plot([p["n_params"] for p in mine], [p["loss"] for p in mine], "o", color=colors[c], label=f"C = {c:.3g}")
         n = np.geomspace(min(n_all) / 1.5, max(n_all) * 1.5, 80)
         ax.plot(n, scaling_fit.predict(result["surface"], n, c / 6 / n), "--", color=colors[c], lw=1)
-        if c in minima:
-            ax.plot(n, np.polyval(minima[c]["coef"], np.log(n)), "-", color=colors[c], lw=1, alpha=0.7)
+        if c in minima:  # the parabola over the sizes it was fitted to
+            near = np.geomspace(min(minima[c]["sizes"]) / 1.3, max(minima[c]["sizes"]) * 1.3, 40)
+            ax.plot(near, np.polyval(minima[c]["coef"], np.log(near)), "-", color=colors[c], lw=1.2, alpha=0.8)
             ax.plot(minima[c]["n_opt"], minima[c]["loss"], "*", ms=12, color=colors[c], mec="k")
     for ch in checks:
         ax.errorbar(ch["point"]["n_params"], ch["predicted"], yerr=_yerr(ch), fmt="o", mfc="none", color="r",
@@ -170,8 +172,8 @@ def _isoflop(plt, points, result, checks):
     ax.set_ylim(top=max(p["loss"] for p in points) + 0.1)
     ax.set_xlabel("N (parameters without embeddings)")
     ax.set_ylabel("validation loss")
-    ax.set_title("Iso-FLOP curves: runs (dots), parabola in log N (solid) and its minimum (star), "
-                 "L(N, C/6N) fit (dashed)", fontsize=8)
+    ax.set_title("Iso-FLOP curves: runs (dots), parabola in log N near the lowest (solid) and its minimum "
+                 "(star), L(N, C/6N) fit (dashed)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return fig
