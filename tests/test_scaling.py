@@ -152,6 +152,9 @@ BAD = {
     "check without a sweep": (lambda d: os.makedirs(d), ["check", "{d}"], "no base.toml"),
     "a size that is not LAYERSxWIDTH": (lambda d: None, ["run", "--dry-run", "--sizes", "2y32"], "LAYERSxWIDTH"),
     "a width off the head width": (lambda d: None, ["run", "--dry-run", "--sizes", "2x40"], "head width 16"),
+    "a budget that is not FLOPs": (lambda d: None, ["run", "--dry-run", "--budgets", "0"], "positive number"),
+    "a check budget that is not FLOPs": (lambda d: None, ["check", "{d}", "--budget", "lots"], "positive number"),
+    "no bootstrap": (lambda d: None, ["fit", "{d}", "--bootstrap", "0"], "at least 2"),
 }
 
 

@@ -82,7 +82,7 @@ def parse_budget(text: str) -> float:
     except ValueError:
         value = math.nan
     if not value > 0 or math.isinf(value):
-        raise UserError(f"--budgets: '{text}' is not a positive number of FLOPs, e.g. 1e12")
+        raise UserError(f"a budget: '{text}' is not a positive number of FLOPs, e.g. 1e12")
     return value
 
 
@@ -265,7 +265,13 @@ def enough(points: list[dict], where: str) -> None:
 # ---------------------------------------------------------------- fit and check
 
 
+def _check_bootstrap(n: int) -> None:
+    if n < 2:
+        raise UserError(f"--bootstrap: {n} resamples cannot make an interval; give at least 2 (200 by default)")
+
+
 def fit(args) -> None:
+    _check_bootstrap(args.bootstrap)
     everything = load_points(args.runs_dir)
     points = [p for p in everything if p["role"] == "sweep"]
     enough(points, args.runs_dir)
@@ -282,12 +288,14 @@ def fit(args) -> None:
 
 
 def check(args) -> None:
+    budget = parse_budget(args.budget)
+    _check_bootstrap(args.bootstrap)
     base = os.path.join(args.runs_dir, "base.toml")
     if not os.path.isfile(base):
         raise UserError(f"{args.runs_dir}: no base.toml; give the --out of `python -m tools.scaling run`")
-    prediction = _prediction(args.runs_dir, args.budget)
+    prediction = _prediction(args.runs_dir, budget)
     if prediction is None:  # made once, before the run it predicts
-        prediction = predict_run(args.runs_dir, base, args.budget, args.bootstrap)
+        prediction = predict_run(args.runs_dir, base, budget, args.bootstrap)
         _write_prediction(args.runs_dir, prediction)
     point = Point(**prediction["point"])
     prediction["measured"] = train_point(base, point, args.runs_dir)
@@ -357,11 +365,11 @@ def parser() -> argparse.ArgumentParser:
                        ("check", "predict the loss of a larger budget's optimal size, train it, compare")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("runs_dir")
-        cmd.add_argument("--bootstrap", type=int, default=200, help="resamples for the intervals")
+        cmd.add_argument("--bootstrap", type=int, default=200, help="resamples for the intervals (at least 2)")
         if name == "fit":
             cmd.add_argument("--plots", default=None, help="where the PNGs go (default RUNS_DIR)")
         else:
-            cmd.add_argument("--budget", type=parse_budget, default=CHECK_BUDGET, help="the larger budget, FLOPs")
+            cmd.add_argument("--budget", default=f"{CHECK_BUDGET:g}", help="the larger budget, FLOPs")
     return p
 
 
