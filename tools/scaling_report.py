@@ -17,6 +17,7 @@ import numpy as np
 
 from tools import scaling_fit
 
+SMOOTH = 5  # logged rows averaged in the training-loss curves
 N_NOTE = "N counts parameters without embeddings (token and position tables, output head); C = 6·N·D"
 
 
@@ -132,8 +133,10 @@ def _loss_vs_tokens(plt, points, result, checks):
     for (layers, width), n in sorted(sizes.items(), key=lambda kv: kv[1]):
         mine = sorted((p for p in points if p["n_params"] == n), key=lambda p: p["tokens"])
         trained = mine[-1]["curve"][1:]  # the first row is the untrained model's loss
-        if trained:
-            ax.plot(*zip(*trained), lw=0.6, alpha=0.5, color=colors[n])
+        if len(trained) >= SMOOTH:  # one batch's loss is noisy: a moving mean over SMOOTH logged rows
+            tokens, loss = (np.array(v, float) for v in zip(*trained))
+            mean = np.convolve(loss, np.ones(SMOOTH) / SMOOTH, mode="valid")
+            ax.plot(tokens[SMOOTH - 1:], mean, lw=0.7, alpha=0.6, color=colors[n])
         ax.plot([p["tokens"] for p in mine], [p["loss"] for p in mine], "o", color=colors[n],
                 label=f"{layers} × {width}, N = {_si(n)}")
         d = np.geomspace(min(p["tokens"] for p in points) / 2, mine[-1]["tokens"] * 2, 50)
@@ -142,7 +145,8 @@ def _loss_vs_tokens(plt, points, result, checks):
     ax.set_ylim(top=max(p["loss"] for p in points) + 0.3)
     ax.set_xlabel("tokens D")
     ax.set_ylabel("loss (nats per token)")
-    ax.set_title("Loss against tokens: training (thin), final validation (dots), L(N, D) fit (dashed)", fontsize=9)
+    ax.set_title(f"Loss against tokens: training ({SMOOTH}-row mean, thin), final validation (dots), "
+                 "L(N, D) fit (dashed)", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return fig
