@@ -159,13 +159,14 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
-    """The README's example shortened to 150 GRPO steps (seed 1), through tools.grpo_study as a user runs it,
+    """The README's example shortened to 150 GRPO steps (seed 2), through tools.grpo_study as a user runs it,
     then 20 steps from the same format model with a reward any prompt can earn (a completion starting with
-    7, the `format` reward). The arith bar of the issue for this variant (0.4 by step 150) is not reached:
-    this run logs 0.09 over its first 20 steps and 0.16 over its last 20 (3 seeds × 300 steps: BENCHMARKS.md
+    7, the `format` reward). The issue's bar for this variant (0.4 by step 150) is not reached: the study's
+    seeds are at 0.32, 0.17 and 0.33 over steps 131-150 (and 0.74, 0.64, 0.82 by step 300: BENCHMARKS.md
     "GRPO"), so the test asserts what holds however the last bits of this host's arithmetic fall: the
-    control, whose rewards are shuffled within each group, stays at or below 0.15, GRPO's last 50 steps
-    earn more than the control's, and the prompt-independent reward is learned (0.09 → over 0.9)."""
+    control, whose rewards are shuffled within each group, stays at or below 0.15, GRPO's last 20 steps
+    earn at least 0.15 and 0.05 more than the control's, and the prompt-independent reward is learned
+    (0.1 → over 0.9)."""
     env = {**subprocess_env(1), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # XLA's usual optimisation
     out = tmp_path / "study"
 
@@ -174,15 +175,15 @@ def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
                               timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
 
-    cli("tools.grpo_study", "--seeds", "1", "--steps", "150", "--out", str(out), f"--format-data={tmp_path / 'arith'}")
+    cli("tools.grpo_study", "--seeds", "2", "--steps", "150", "--out", str(out), f"--format-data={tmp_path / 'arith'}")
     from tools.grpo_study import rewards
 
-    grpo, control = rewards(out / "grpo_seed1"), rewards(out / "control_seed1")
+    grpo, control = rewards(out / "grpo_seed2"), rewards(out / "control_seed2")
     assert len(grpo) == len(control) == 150 and (out / "rewards.png").is_file()
     assert control[-20:].mean() <= 0.15, control[-20:].mean()
-    assert grpo[-50:].mean() > control[-50:].mean(), (grpo[-50:].mean(), control[-50:].mean())
+    assert grpo[-20:].mean() >= max(0.15, control[-20:].mean() + 0.05), (grpo[-20:].mean(), control[-20:].mean())
 
-    cli("experiments.run", "--config", "experiments/configs/grpo_arith.toml", f"init.from=run:{out / 'format_seed1'}",
+    cli("experiments.run", "--config", "experiments/configs/grpo_arith.toml", f"init.from=run:{out / 'format_seed2'}",
         f"run.dir={tmp_path / 'seven'}", "train.steps=20", "train.log_every=1", 'rl.rewards=["format"]',
         "rl.format_pattern=^7", "run.progress=false")
     seven = rewards(tmp_path / "seven")
