@@ -55,7 +55,7 @@ class Paths:
     fp8: frozenset = frozenset()  # the weight matmul groups run in fp8 (precision.matmul, ops/fp8.py)
     allreduce: str = "xla"  # the ZeRO-0/1 gradient all-reduce (train.allreduce, parallel/allreduce.py)
     bucket_bytes: int = 25 << 20  # train.bucket_mb
-    zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp is on
+    zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp or precision.grad_reduce=float32 asks for it
 
     @property
     def local_layout(self) -> Layout:
