@@ -158,6 +158,20 @@ def _summary(ops: list[dict], unknown: int = 0) -> dict:
     return out
 
 
+_GROUPS = re.compile(r"replica_groups=(\{[{}\d,]*\}|\[[^\]]*\]<=\[[^\]]*\][^,\s]*)")
+
+
+def _collective(ins: dict) -> dict | None:
+    """A collective instruction (or the `-start` of an async one) as one run of `executed_collectives`."""
+    op = ins["opcode"]
+    kind = op if op in KINDS else op[:-6] if op.endswith("-start") and op[:-6] in KINDS else None
+    if kind is None:
+        return None
+    groups = _GROUPS.search(ins["attrs"])
+    return {"kind": kind, "type": ins["type"], "times": 1, "groups": groups.group(1) if groups else "",
+            "bytes": _array_bytes(ins["type"]) if kind == op else _start_bytes(op, ins["type"])}
+
+
 def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
     """Every collective reached from ENTRY, as {"kind", "type", "bytes" (one run), "groups" (its
     replica_groups text), "times" (runs per step)}, and the number of loops of unknown trip count.
@@ -183,11 +197,8 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
         ops, unknown = [], 0
         for ins in comps[name]:
             op, attrs = ins["opcode"], ins["attrs"]
-            kind = op if op in KINDS else op[:-6] if op.endswith("-start") and op[:-6] in KINDS else None
-            if kind:
-                groups = re.search(r"replica_groups=(\{[{}\d,]*\}|\[[^\]]*\]<=\[[^\]]*\][^,\s]*)", attrs)
-                ops.append({"kind": kind, "type": ins["type"], "times": 1, "groups": groups.group(1) if groups else "",
-                            "bytes": _array_bytes(ins["type"]) if kind == op else _start_bytes(op, ins["type"])})
+            if (collective := _collective(ins)) is not None:
+                ops.append(collective)
             if op == "while":
                 trips = ins["trip"]
                 unknown += trips is None
