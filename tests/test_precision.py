@@ -172,14 +172,10 @@ def test_too_many_skips_in_a_row_end_the_run_in_one_line(tmp_path, monkeypatch):
 
 def reductions_by_dtype(cfg) -> dict:
     """{(kind, dtype): bytes per step} of the compiled gradient path's reduce-scatters and all-reduces."""
-    from tools.collectives import executed_collectives
+    from tools.collectives import bytes_by_kind_and_dtype, executed_collectives
 
-    out = {}
-    for o in executed_collectives(H.lower_loss_and_grads(H.step_fns(cfg)).compile().as_text())[0]:
-        if o["kind"] in ("reduce-scatter", "all-reduce"):
-            key = (o["kind"], o["type"].lstrip("(").split("[")[0])
-            out[key] = out.get(key, 0) + o["bytes"] * o["times"]
-    return out
+    ops = executed_collectives(H.lower_loss_and_grads(H.step_fns(cfg)).compile().as_text())[0]
+    return {k: b for k, b in bytes_by_kind_and_dtype(ops).items() if k[0] in ("reduce-scatter", "all-reduce")}
 
 
 def test_zero3_reduces_fp16_gradients_in_fp32_when_asked():

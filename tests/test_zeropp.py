@@ -22,7 +22,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from jaxllm.ops.quantize import dequantize, quantize
 from jaxllm.parallel import zeropp
-from tools.collectives import executed_collectives
+from tools.collectives import bytes_by_kind_and_dtype, dtype_of, executed_collectives
 
 QMAX = 127
 
@@ -181,10 +181,6 @@ def collectives_of(cfg) -> list[dict]:
     return executed_collectives(H.lower_loss_and_grads(H.step_fns(cfg)).compile().as_text())[0]
 
 
-def dtype_of(op: dict) -> str:
-    return op["type"].lstrip("(").split("[")[0]
-
-
 def leaves(m, kind: str) -> list:
     """Shapes of the parameter leaves ZeRO++ gathers at their use ("use": `embed` and another non-layer
     dimension) or once per step in fp32 ("small": `embed` alone, as norm scales and output biases)."""
@@ -204,7 +200,8 @@ def test_quantized_steps_move_int8_and_no_float_copy_of_the_weights():
     gathers are the blocks' scales and the small leaves, the only float all-to-alls the scales."""
     cfg = zpp_config(FSDP8, weights=True, grads=True)
     ops = collectives_of(cfg)
-    total = lambda kind, dtype: sum(o["bytes"] * o["times"] for o in ops if o["kind"] == kind and dtype_of(o) == dtype)
+    table = bytes_by_kind_and_dtype(ops)
+    total = lambda kind, dtype: table.get((kind, dtype), 0)
     s8_ops = [o for o in ops if dtype_of(o) == "s8"]
     assert {o["kind"] for o in s8_ops} == {"all-gather", "all-to-all"}
     scales = {kind: sum(o["bytes"] // 256 * 4 * o["times"] for o in s8_ops if o["kind"] == kind)

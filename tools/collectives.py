@@ -227,6 +227,20 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
     return visit(entry)
 
 
+def dtype_of(op: dict) -> str:
+    """The element type of a collective from `executed_collectives` (of its first array, for a tuple)."""
+    return op["type"].lstrip("(").split("[")[0]
+
+
+def bytes_by_kind_and_dtype(ops: list[dict]) -> dict[tuple[str, str], int]:
+    """{(kind, element type): bytes per step} of collectives from `executed_collectives`."""
+    out: dict[tuple[str, str], int] = {}
+    for o in ops:
+        key = (o["kind"], dtype_of(o))
+        out[key] = out.get(key, 0) + o["bytes"] * o["times"]
+    return out
+
+
 def collective_report(hlo_text: str) -> dict:
     """Collectives executed per step per device, plus loops whose trip count is unknown:
     {"collectives": {kind: {"count", "bytes"}}, "unknown_trip_loops": n} (see `executed_collectives`).

@@ -640,31 +640,27 @@ def _format_allreduce(a: dict) -> list[str]:
             f"2Φ = {format_bytes(a['seeds_bytes'])}"]
 
 
-def _bytes_of(ops: list[dict], kind: str, int8: bool | None = None) -> int:
-    """Bytes per step of the collectives of `kind` (only the s8 ones, or only the others, when `int8` says)."""
-    is_int8 = lambda o: o["type"].lstrip("(").startswith("s8")
-    return sum(o["bytes"] * o["times"] for o in ops if o["kind"] == kind and int8 in (None, is_int8(o)))
-
-
 def zeropp_report(cfg, shape: dict, hlo: str) -> dict | None:
-    """With `train.zeropp`, per device and step from the compiled programs: the all-gather bytes beside those
+    """With qwZ or qgZ (`train.zeropp`), per device and step from the compiled programs: the all-gather bytes beside those
     of the same config compiled without quantization; the gradient all-to-alls (int8 blocks and their fp32
     scales) beside the same elements in the compute dtype; the predicted ratio (1 + 4/block) / dtype bytes."""
     import jax.numpy as jnp
 
-    from tools.collectives import executed_collectives
+    from tools.collectives import bytes_by_kind_and_dtype, executed_collectives
 
     z = cfg.train.zeropp
-    if not (z.weights or z.grads or z.hpz):
+    if not (z.weights or z.grads):  # hpZ alone quantizes nothing (its state shows in the ZeRO theory)
         return None
     plain = copy.deepcopy(cfg)
     plain.train.zeropp.weights = plain.train.zeropp.grads = False
-    ops, plain_ops = executed_collectives(hlo)[0], executed_collectives(compile_step(plain, shape)[1].as_text())[0]
+    ours, unquantized = (bytes_by_kind_and_dtype(executed_collectives(text)[0])
+                         for text in (hlo, compile_step(plain, shape)[1].as_text()))
+    of = lambda table, kind: sum(b for (k, _), b in table.items() if k == kind)
     width = jnp.dtype(cfg.precision.compute).itemsize
     return {"weights": z.weights, "grads": z.grads, "hpz": z.hpz, "block": z.block, "compute": cfg.precision.compute,
-            "gathers": _bytes_of(ops, "all-gather"), "gathers_unquantized": _bytes_of(plain_ops, "all-gather"),
-            "grad_all_to_all": _bytes_of(ops, "all-to-all"),
-            "grad_unquantized": _bytes_of(ops, "all-to-all", int8=True) * width,
+            "gathers": of(ours, "all-gather"), "gathers_unquantized": of(unquantized, "all-gather"),
+            "grad_all_to_all": of(ours, "all-to-all"),
+            "grad_unquantized": ours.get(("all-to-all", "s8"), 0) * width,
             "predicted_ratio": (1 + 4 / z.block) / width}
 
 

@@ -123,10 +123,15 @@ def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_
     return loss, metrics, aux, grads
 
 
+def accumulate_own_rows(g: Paths):
+    """`accumulate` inside an island manual over the batch axes: this device's rows, nothing pinned."""
+    return lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
+
+
 def island_accumulation(params, batch: dict, norm, g: Paths):
     """ZeRO-0/1: each device accumulates its own rows, then one all-reduce over the batch axes (`psum`, or
     the hand-built algorithm `train.allreduce` names)."""
-    local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
+    local = accumulate_own_rows(g)
     reduce = lambda tree, axes: allreduce.all_reduce_tree(tree, g.allreduce, axes, "dp", g.bucket_bytes)
     return reduce_once(local, params, batch, norm, g.local_layout, reduce)
 
@@ -134,7 +139,7 @@ def island_accumulation(params, batch: dict, norm, g: Paths):
 def zeropp_accumulation(params, batch: dict, norm, g: Paths):
     """ZeRO++: each device accumulates its own rows inside the island of `parallel/zeropp.py`, which gathers
     each weight where it is used and reduce-scatters its gradient there (int8 with qwZ / qgZ)."""
-    local = lambda p, b, n: accumulate(p, b, n, g, 1, lambda t: t, lambda x: x)
+    local = accumulate_own_rows(g)
     loss, metrics, aux, grads = zeropp.island(local, params, batch, norm, transformer.param_names(g.model),
                                               g.local_layout, g.zeropp, g.dtype)
     return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
