@@ -159,14 +159,11 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
-    """The README's example shortened to 150 GRPO steps (seed 2), through tools.grpo_study as a user runs it,
-    then 20 steps from the same format model with a reward any prompt can earn (a completion starting with
-    7, the `format` reward). The issue's bar for this variant (0.4 by step 150) is not reached: the study's
-    seeds are at 0.32, 0.17 and 0.33 over steps 131-150 (and 0.74, 0.64, 0.82 by step 300: BENCHMARKS.md
-    "GRPO"), so the test asserts what holds however the last bits of this host's arithmetic fall: the
-    control, whose rewards are shuffled within each group, stays at or below 0.15, GRPO's last 20 steps
-    earn at least 0.15 and 0.05 more than the control's, and the prompt-independent reward is learned
-    (0.1 → over 0.9)."""
+    """The README's example shortened to 150 GRPO steps (seed 2), through tools.grpo_study as a user runs it:
+    the issue's bar for this variant, GRPO's last 20 steps at 0.4 or more while the control, whose rewards
+    are shuffled within each group, stays at or below 0.15 (the study's three seeds are at 0.45, 0.52 and
+    0.61 over steps 131-150: BENCHMARKS.md "GRPO"). Then 20 steps from the same format model with a reward
+    any prompt can earn (a completion starting with 7, the `format` reward): 0.1 → over 0.9."""
     env = {**subprocess_env(1), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}  # XLA's usual optimisation
     out = tmp_path / "study"
 
@@ -181,10 +178,10 @@ def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
     grpo, control = rewards(out / "grpo_seed2"), rewards(out / "control_seed2")
     assert len(grpo) == len(control) == 150 and (out / "rewards.png").is_file()
     assert control[-20:].mean() <= 0.15, control[-20:].mean()
-    assert grpo[-20:].mean() >= max(0.15, control[-20:].mean() + 0.05), (grpo[-20:].mean(), control[-20:].mean())
+    assert grpo[-20:].mean() >= 0.4, grpo[-20:].mean()
 
     cli("experiments.run", "--config", "experiments/configs/grpo_arith.toml", f"init.from=run:{out / 'format_seed2'}",
         f"run.dir={tmp_path / 'seven'}", "train.steps=20", "train.log_every=1", 'rl.rewards=["format"]',
         "rl.format_pattern=^7", "run.progress=false")
     seven = rewards(tmp_path / "seven")
-    assert seven[:3].mean() < 0.2 and seven[-3:].mean() > 0.9, seven
+    assert seven[0] < 0.2 and seven[-3:].mean() > 0.9, seven  # step 1 samples the format model itself
