@@ -641,9 +641,10 @@ def _format_allreduce(a: dict) -> list[str]:
 
 
 def zeropp_report(cfg, shape: dict, hlo: str) -> dict | None:
-    """With qwZ or qgZ (`train.zeropp`), per device and step from the compiled programs: the all-gather bytes beside those
-    of the same config compiled without quantization; the gradient all-to-alls (int8 blocks and their fp32
-    scales) beside the same elements in the compute dtype; the predicted ratio (1 + 4/block) / dtype bytes."""
+    """With qwZ or qgZ (`train.zeropp`), per device and step from the compiled programs: the all-gather bytes
+    beside those of the same config compiled without quantization; the gradient all-to-alls (int8 blocks and
+    their fp32 scales) beside the same elements in the compute dtype; the predicted ratio (1 + 4/block) /
+    dtype bytes."""
     import jax.numpy as jnp
 
     from tools.collectives import bytes_by_kind_and_dtype, executed_collectives
