@@ -8,8 +8,9 @@
 - JAX's persistent compilation cache for the one-device command lines the tests start
   (`harness.subprocess_env`), in a temporary folder for this session: a program one CLI run
   compiled is read back by the next (two processes of one run, a run and its resumption).
-  The test process itself compiles through the registry in harness.py, each program once
-  per test file.
+  The test process itself compiles each program once (`harness.compile_each_program_once`) and
+  keeps it across test files until it holds half the memory mappings Linux allows.
+- JAXLLM_COMPILE_LEDGER=DIR records every compile for `python -m tools.compile_ledger DIR`.
 - The `slow` marker: `python -m pytest -m "not slow"` is the fast tier for development.
 - pytest-xdist workers (pyproject's addopts) inherit the controller's environment, so they share its
   compilation cache folder, which only the controller (the process that made it) removes at the end.
@@ -21,12 +22,18 @@ import tempfile
 
 import pytest
 
-from harness import compile_flags, forget_programs
+from harness import compile_each_program_once, compile_flags, free_programs_near_the_map_limit
 
 for _flag in compile_flags(8).split():
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+compile_each_program_once()
+if os.environ.get("JAXLLM_COMPILE_LEDGER"):  # where the compile time goes: python -m tools.compile_ledger
+    from tools.compile_ledger import install
+
+    install(os.environ["JAXLLM_COMPILE_LEDGER"])
 
 _OWN_CACHE = None
 if not os.environ.get("JAXLLM_TEST_CACHE_DIR"):
@@ -36,11 +43,11 @@ if not os.environ.get("JAXLLM_TEST_CACHE_DIR"):
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop each file's compiled programs when it is done. XLA:CPU maps its code for every executable
-    (about a hundred memory regions each): a whole session that kept them all passed Linux's 65,530
-    mappings per process and crashed inside a compile."""
+    """After each test file, drop the compiled programs if the process holds half the memory mappings
+    Linux allows. XLA:CPU maps its code for every executable (a train step's in about a hundred): a whole
+    session that kept them all passed Linux's 65,530 mappings per process and crashed inside a compile."""
     yield
-    forget_programs()
+    free_programs_near_the_map_limit()
 
 
 def pytest_configure(config):

@@ -3,9 +3,11 @@ independent references, the equivalence tolerances and subprocess environments.
 
 - `step_fns(cfg, devices)` is the one registry of step programs: a config (resolved to TOML)
   on n devices is built once, so every test asking for the same program gets the same jitted
-  functions, already compiled. conftest.py empties it after each test file (`forget_programs`).
-  The one-device command lines tests start share JAX's persistent compilation cache instead
-  (`subprocess_env`; see conftest.py).
+  functions, already compiled. Below it, `compile_each_program_once` hands any jitted function
+  that lowers to a program compiled before the executable compiled then. Both live as long as the
+  test process, until it holds half the memory mappings Linux allows
+  (`free_programs_near_the_map_limit`, after each test file). The one-device command lines tests
+  start share JAX's persistent compilation cache instead (`subprocess_env`; see conftest.py).
 - `loss_and_grads`, `loss_metrics_and_grads`, `train_step`, `eval_loss` and `lower_loss_and_grads`
   are the only places a test hands a batch to a step: they turn token windows into the batch
   contract's fields (`jaxllm/batch.py`, plus any the step's objective needs) and lay the
@@ -27,8 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tools/ is importable from the tests
     sys.path.insert(0, str(REPO))
 
-# LLVM at -O0 and XLA:CPU's older loop emitters: each about halves the compile time of a step.
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# LLVM at -O0 and XLA:CPU's older loop emitters: each about halves the compile time of a step. One LLVM
+# module per program instead of XLA's split for parallel codegen: a fifth less compile CPU on two cores,
+# and about half the memory mappings per executable (see `free_programs_near_the_map_limit`).
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1")
 
 BATCH, SEQ = 16, 32  # the equivalence batch: 16 windows of 33 tokens
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-8
@@ -47,11 +52,16 @@ def subprocess_env(n_devices: int = 8) -> dict:
     """The environment for a CLI the tests start: this checkout importable, n fake CPU devices, the
     cheap-compile flags, and the session's persistent compilation cache (every program that took
     a noticeable time to compile; JAX's default threshold is 1 s)."""
-    # Multi-device programs are compiled afresh: an XLA:CPU executable read back from the persistent cache
-    # deadlocked in its collectives (devices at different collectives of one run; JAX 0.10, the step of
-    # issue 13), so only one-device programs may come from the cache.
+    # Multi-device programs are compiled afresh: XLA:CPU reads a program back from the persistent cache
+    # without the order between the collectives inside its loops and those outside, and it can hang
+    # (tools/xla_cpu_cache_hang.py, docs/design-notes.md), so only one-device programs come from the cache.
     cache = os.environ.get("JAXLLM_TEST_CACHE_DIR", "") if n_devices == 1 else ""
-    return dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices),
+    path = str(REPO)
+    if os.environ.get("JAXLLM_COMPILE_LEDGER"):  # the command line records its compiles too
+        from tools.compile_ledger import SITE
+
+        path = f"{SITE}{os.pathsep}{path}"
+    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices),
                 JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
 
 
@@ -96,11 +106,77 @@ def step_fns(cfg, devices: int | None = None, objective=None):
 
 
 def forget_programs() -> None:
-    """Drop the registry and JAX's caches, so their executables (and the code XLA mapped for them) are freed."""
+    """Drop the registry, the shared executables and JAX's caches, so their executables (and the code XLA
+    mapped for them) are freed."""
     import jax
 
     _programs.clear()
+    _executables.clear()
     jax.clear_caches()
+
+
+# ---------------------------------------------------------------- one compile per program and process
+
+_executables: dict = {}  # JAX's persistent-cache key -> the executable XLA compiled for it
+REUSED = "/jaxllm/tests/executable_reused"  # a jax.monitoring event, one per compile saved
+
+
+def compile_each_program_once() -> None:
+    """Hand every later request for an XLA program this process has compiled the executable compiled the
+    first time: two jitted functions (two step registries, two in-process training runs, two test files)
+    that lower to one program compile once. The key is the one JAX's persistent cache files the program
+    under (canonical StableHLO, compile options with the device assignment, XLA flags, jaxlib). JAX's
+    persistent cache itself serves only one-device programs (`subprocess_env`): XLA:CPU loses the order of
+    a multi-device program's collectives when it reads one back (docs/design-notes.md). Programs with
+    host callbacks are left alone (their pointers are in the program, as JAX's own cache does)."""
+    import inspect
+
+    from jax import monitoring
+    from jax._src import cache_key, compiler
+
+    compile_or_get_cached = compiler.compile_or_get_cached
+    if getattr(compile_or_get_cached, "_once", False):
+        return
+    signature = inspect.signature(compile_or_get_cached)  # arguments by name: JAX versions add parameters
+
+    def once(*args, **kwargs):
+        a = signature.bind(*args, **kwargs).arguments
+        if a["host_callbacks"]:
+            return compile_or_get_cached(*args, **kwargs)
+        key = cache_key.get(a["computation"], a["devices"], a["compile_options"], a["backend"])
+        if key in _executables:
+            monitoring.record_event(REUSED)
+        else:
+            _executables[key] = compile_or_get_cached(*args, **kwargs)
+        return _executables[key]
+
+    once._once = True
+    compiler.compile_or_get_cached = once
+
+
+def memory_maps() -> tuple[int, int]:
+    """(memory mappings this process holds, the most Linux allows it: vm.max_map_count)."""
+    with open("/proc/self/maps") as f:
+        held = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+        return held, int(f.read())
+
+
+# Measured by `python -m tools.compile_ledger`: one test file adds at most about 16,500 mappings
+# (test_context_parallel.py), so freeing at the first file end past half of Linux's 65,530 leaves the
+# largest file room to spare (docs/design-notes.md).
+MAP_SHARE = 0.5
+
+
+def free_programs_near_the_map_limit() -> bool:
+    """Forget the compiled programs if this process holds more than MAP_SHARE of the mappings Linux allows
+    (XLA:CPU maps each executable's code in about a hundred regions; past the limit, a compile crashes).
+    Returns whether they were freed."""
+    held, limit = memory_maps()
+    if held <= MAP_SHARE * limit:
+        return False
+    forget_programs()
+    return True
 
 
 # ---------------------------------------------------------------- batches and steps
