@@ -22,8 +22,8 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from tools.collectives import KINDS
-from tools.plan import (_format_attention, attention_memory_theory, format_table, permute_dtypes, plan,
-                        tensor_parallel_theory)
+from tools.plan import (_format_attention, attention_memory_theory, format_table, matmul_operands, permute_dtypes,
+                        plan, tensor_parallel_theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -341,6 +341,26 @@ ENTRY %main (a: bf16[1,64,64]) -> f32[1,64,64] {
 }
 """
     assert permute_dtypes(hlo, 64 * 64) == ["float32"] and permute_dtypes(hlo, 32) == ["bfloat16"]
+
+
+def test_matmul_operands_reads_runners_and_operand_types():
+    """The planner names what runs each matmul and its operands' types: a program compiled here (operands printed
+    without types, looked up by name) and the form of an fp8 cuBLAS call on a GPU (BENCHMARKS.md, H200)."""
+    f = jax.jit(lambda a, b, c: (a @ b, c.astype(jax.numpy.float32) @ b))
+    x = jax.numpy.ones((8, 8), jax.numpy.float32)
+    assert matmul_operands(f.lower(x, x, x.astype(jax.numpy.int8)).compile().as_text()) == {"dot f32×f32": 2}
+    gpu = """HloModule m
+
+ENTRY %main (a: f8e4m3fn[64,64], b: f8e5m2[64,64], s: f32[]) -> bf16[64,64] {
+  %a = f8e4m3fn[64,64]{1,0} parameter(0)
+  %b = f8e5m2[64,64]{1,0} parameter(1)
+  %s = f32[] parameter(2)
+  %g = (bf16[64,64]{1,0}, s8[4194304]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8"
+  %n = f32[64,64]{1,0} custom-call(%a), custom_call_target="SomethingElse"
+  ROOT %r = bf16[64,64]{1,0} get-tuple-element(%g), index=0
+}
+"""
+    assert matmul_operands(gpu) == {"__cublas$lt$matmul$f8 f8e4m3fn×f8e5m2": 1}
 
 
 @pytest.mark.slow

@@ -518,6 +518,37 @@ def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
     return sorted(found)
 
 
+_MATMUL_LINE = re.compile(r"\s(dot|custom-call)\(([^)]*)\)")
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?([a-z]\w*)\[")
+
+
+def matmul_operands(hlo_text: str) -> dict[str, int]:
+    """The compiled program's matmuls counted by what runs them and their two operands' element types, e.g.
+    {"dot bf16×bf16": 6, "__cublas$lt$matmul$f8 f8e4m3fn×f8e4m3fn": 18}: `dot`s and the cuBLAS calls
+    (custom calls whose target names a gemm or matmul) that XLA rewrote them into. This is how one reads
+    whether `precision.matmul = "fp8"` reached an fp8 GEMM or was widened back (XLA:CPU widens every one).
+    Instructions are counted as written, a loop body once; operands are looked up by name, since
+    `as_text()` prints them without their types."""
+    lines = hlo_text.splitlines()
+    element = {m.group(1): m.group(2) for m in map(_DEFINED.match, lines) if m}
+    found: dict[str, int] = {}
+    for line in lines:
+        m = _MATMUL_LINE.search(line)
+        if not m:
+            continue
+        runner = m.group(1)
+        if runner == "custom-call":
+            target = _CALL_TARGET.search(line)
+            if not target or not re.search(r"gemm|matmul", target.group(1), re.I):
+                continue
+            runner = target.group(1)
+        names = re.findall(r"%?([\w.\-]+)\s*(?:,|$)", m.group(2).strip())[:2]
+        key = f"{runner} {'×'.join(element.get(n, '?') for n in names)}"
+        found[key] = found.get(key, 0) + 1
+    return dict(sorted(found.items()))
+
+
 def _pipeline_compiled(pl: dict, hlo_text: str, compiled: dict) -> dict:
     """The pipeline theory with the compiled program's side: the element type its permutes of one slot
     move ("moved_dtype"; XLA:CPU promotes bf16 collective-permutes to f32), the table's bytes at that
@@ -739,6 +770,7 @@ def plan(cfg) -> dict:
         "generation": generation_theory(cfg, fns),
         "allreduce": allreduce_report(cfg, shape, hlo, n_params),
         "zeropp": zeropp_report(cfg, shape, hlo),
+        "matmuls": matmul_operands(hlo),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),
@@ -952,6 +984,9 @@ def format_table(p: dict) -> str:
         lines += _format_allreduce(p["allreduce"])
     if p.get("zeropp"):
         lines += _format_zeropp(p["zeropp"])
+    if p.get("matmuls"):
+        lines += ["", "matmuls in the compiled program by runner and operand types (a loop body counted once)"]
+        lines += [f"  {k:<60}{v:>6}" for k, v in p["matmuls"].items()]
     return "\n".join(lines)
 
 

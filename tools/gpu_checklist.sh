@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# tools/gpu_checklist.sh OUT_DIR: the accelerator checks BENCHMARKS.md records, in one run on one GPU.
+# Each check writes OUT_DIR/<name>.log (and .json where the tool has --json) and a failed check does not
+# stop the others. Run from a checkout: PYTHONPATH=. is set here. ONLY=REGEX runs the checks it matches.
+# LLaMA-1B runs at seq_len 1024, batch 4: at 2048 its O(t²) attention (fp32 scores) does not fit 139 GiB.
+#   mfu_llama1b, mfu_gpt2  MFU of the bf16 train step against tools/plain_* (tools.bench)
+#   fp8_llama1b            the fp8 step's matmuls by runner and operand type (tools.plan), and its speed
+#   offload_{none,host}    the step's argument and host bytes without and with host offload (tools.plan)
+#   comm_lab               the all-reduce algorithms on this machine's GPUs (tools.comm_lab)
+set -u
+out=${1:?usage: tools/gpu_checklist.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+check() {  # check NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && return
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - start)) s"
+  tail -n 1 "$out/$name.log" | grep '^{' >"$out/$name.json" || rm -f "$out/$name.json"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+  $py -c 'import jax, sys; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'; } >"$out/machine.log" 2>&1
+bf16="precision.compute=bfloat16"
+llama="model.preset=llama-1b model.seq_len=1024 train.global_batch=4 $bf16"
+check mfu_llama1b 150 $py -m tools.bench $llama --steps 5 --warmup 2 --windows 3 --json
+check mfu_gpt2 90 $py -m tools.bench model.preset=gpt2-124m train.global_batch=16 $bf16 --steps 10 --warmup 2 --windows 3 --json
+check fp8_llama1b 90 $py -m tools.plan $llama precision.matmul=fp8 --json
+check fp8_llama1b_bench 150 $py -m tools.bench $llama precision.matmul=fp8 --steps 5 --warmup 2 --windows 3 --json
+check offload_none 60 $py -m tools.plan model.preset=gpt2-124m train.global_batch=16 $bf16 --json
+check offload_host 60 $py -m tools.plan model.preset=gpt2-124m train.global_batch=16 $bf16 \
+  memory.offload_optimizer=true memory.offload_params=true --json
+check comm_lab 45 $py -m tools.comm_lab --max-mib 64 --repeats 3 --out "$out/comm_lab"
