@@ -132,9 +132,13 @@ def compile_each_program_once() -> None:
     import inspect
 
     from jax import monitoring
-    from jax._src import cache_key, compiler
 
-    compile_or_get_cached = compiler.compile_or_get_cached
+    try:
+        from jax._src import cache_key, compiler
+
+        compile_or_get_cached = compiler.compile_or_get_cached
+    except (ImportError, AttributeError):  # a JAX without these private names: compile as JAX does
+        return
     if getattr(compile_or_get_cached, "_once", False):
         return
     signature = inspect.signature(compile_or_get_cached)  # arguments by name: JAX versions add parameters
