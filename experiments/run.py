@@ -1,26 +1,18 @@
-"""`python -m experiments.run [--config FILE] [key=value ...]`: train a model as configured.
+"""`python -m experiments.run [--config NAME|FILE] [key=value ...]`: `jaxllm train` from a checkout.
 
-With no arguments: experiments/configs/default.toml, a small GPT on the Python standard
-library's source, on this machine's devices. Any mistake in the config, data or run
-directory is reported as one line `error: ...` with exit code 2 and nothing written.
+The entry the docs have always shown, kept for a checkout without `pip install`; the code is
+jaxllm/cli/train.py, and an installed jaxllm has only the `jaxllm` command.
 """
 
 from __future__ import annotations
 
 import sys
 
-from jaxllm import cli
+from jaxllm.cli import train
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cli.config_parser("python -m experiments.run", __doc__.splitlines()[0]).parse_args(argv)
-
-    def go():
-        from jaxllm.train.loop import train
-
-        train(cli.load_config(args))
-
-    return cli.run(go)
+    return train.main(argv, prog="python -m experiments.run")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def parse_overrides(args: list[str]) -> dict[str, typing.Any]:
 
 def load_toml(path: str) -> dict[str, typing.Any]:
     if not os.path.isfile(path):
-        raise ConfigError(f"--config: no such file '{path}'; give a TOML file, e.g. experiments/configs/default.toml")
+        raise ConfigError(f"--config: no such file '{path}'; give a TOML file or a shipped config's name, "
+                          "e.g. --config default")
     try:
         with open(path, "rb") as f:
             return flatten(tomllib.load(f))

@@ -3,35 +3,61 @@
 Below everything that reads a section (the mesh, the model, the step, the optimizer, the data):
 it imports nothing of jaxllm. `config.py` builds a `Config` from files and overrides and has each
 section validated by the code that owns it.
+
+Each key's meaning is its field's metadata (`key(default, meaning)`); `meaning(key)`, `keys()` and
+`reference_markdown()` (the configuration reference page) read it from here, so there is one place to
+say what a key does.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
+import json
 from dataclasses import dataclass, field
+
+
+def key(default, meaning: str, **kw):
+    """A config key: its default and what it means (a list or dict default is copied for each instance)."""
+    if isinstance(default, (list, dict)):
+        kw["default_factory"] = lambda: copy.deepcopy(default)
+    else:
+        kw["default"] = default
+    return field(metadata={"meaning": meaning}, **kw)
+
+
+def _dcn(axis: str) -> str:
+    return (f"multi-node: how many nodes/slices the `{axis}` axis spans (the slow links carry it); `mesh.{axis}` is "
+            f"then its size within a node, and the axis has `mesh.{axis}` × `mesh.dcn.{axis}` devices in all")
 
 
 @dataclass
 class DcnConfig:
     """Mesh sizes across nodes/slices (slow links) for a hybrid mesh; the `mesh` sizes are then per node."""
 
-    pp: int = 1
-    dp: int = 1
-    fsdp: int = 1
-    ep: int = 1
-    sp: int = 1
-    tp: int = 1
+    pp: int = key(1, _dcn("pp"))
+    dp: int = key(1, _dcn("dp"))
+    fsdp: int = key(1, _dcn("fsdp"))
+    ep: int = key(1, _dcn("ep"))
+    sp: int = key(1, _dcn("sp"))
+    tp: int = key(1, _dcn("tp"))
 
 
 @dataclass
 class MeshConfig:
     """Device mesh sizes, outermost to innermost. One axis may be -1: it takes the remaining devices."""
 
-    pp: int = 1
-    dp: int = -1
-    fsdp: int = 1
-    ep: int = 1
-    sp: int = 1
-    tp: int = 1
+    pp: int = key(1, "pipeline stages: the layer stack is split into `pp` contiguous stages (see \"Pipeline "
+                     'parallelism")')
+    dp: int = key(-1, "data-parallel replicas (parameters replicated); the default -1 gives data parallelism every "
+                      "device the other axes leave")
+    fsdp: int = key(1, "sharded data parallel: the axis ZeRO shards over")
+    ep: int = key(1, 'expert parallel: MoE experts split over it (see "Mixture of experts"); a data axis for '
+                     "everything else")
+    sp: int = key(1, 'context parallel: the sequence sharded over it (see "Context parallelism")')
+    tp: int = key(1, "tensor parallel: heads, MLP hidden and vocabulary sharded over it (see \"Tensor and sequence "
+                     'parallelism")')
     dcn: DcnConfig = field(default_factory=DcnConfig)
 
 
@@ -39,23 +65,28 @@ class MeshConfig:
 class DistributedConfig:
     """Multi-process start-up. Explicit address/count/id, or `auto` for the cluster detection JAX has."""
 
-    coordinator_address: str = ""
-    num_processes: int = 0
-    process_id: int = -1
-    auto: bool = False
+    coordinator_address: str = key("", "`host:port` of process 0; set it (with `distributed.num_processes` and "
+                                        "`distributed.process_id`) to start `jax.distributed` (see \"Multi-GPU node, "
+                                        'GPU cluster, TPU pod"); `""`: no explicit coordinator')
+    num_processes: int = key(0, "how many processes there are (0: left to `jax.distributed`)")
+    process_id: int = key(-1, "this process's id, 0 = the coordinator (-1: left to `jax.distributed`)")
+    auto: bool = key(False, "`true`: let JAX detect the cluster (SLURM, Open MPI, TPU pods, ...); used when no "
+                            "`distributed.coordinator_address` is given")
 
 
 @dataclass
 class MoeConfig:
     """Mixture-of-experts feed-forward, used by the "moe" blocks of `model.pattern`."""
 
-    n_experts: int = 8
-    top_k: int = 2  # 1 as in Switch, 2 as in Mixtral
-    d_ff: int = 0  # each expert's hidden size; 0: model.d_ff
-    shared_expert: bool = False  # a dense feed-forward every token also goes through
-    capacity_factor: float = 1.25  # buffer slots per expert = factor · tokens·top_k / n_experts; 0: dropless
-    balance_weight: float = 0.01  # Switch load-balancing loss
-    z_weight: float = 0.001  # router z-loss
+    n_experts: int = key(8, "experts per MoE layer")
+    top_k: int = key(2, "how many experts each token goes to (1 as in Switch, 2 as in Mixtral)")
+    d_ff: int = key(0, "each expert's hidden size; 0 = `model.d_ff`")
+    shared_expert: bool = key(False, "also a dense feed-forward every token goes through")
+    capacity_factor: float = key(1.25, "buffer slots per expert = factor × tokens × top_k / n_experts per batch "
+                                       "shard; pairs past it are dropped (the token passes on through the "
+                                       "residual); 0 = dropless")
+    balance_weight: float = key(0.01, "weight of the Switch load-balancing loss (a mean over MoE layers)")
+    z_weight: float = key(0.001, "weight of the router z-loss (a mean over MoE layers)")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
@@ -72,44 +103,67 @@ FAMILIES: dict[str, dict] = {
 
 @dataclass
 class ModelConfig:
-    preset: str = ""
-    # A shorthand that fills the features below as a preset does (`FAMILIES` above: gpt2 | llama |
-    # qwen2); keys set explicitly win. The model code reads only the features.
-    family: str = "gpt2"
-    n_layers: int = 4
-    d_model: int = 256
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0: same as n_heads
-    head_dim: int = 0  # 0: d_model / n_heads
-    d_ff: int = 1024
-    vocab_size: int = 0  # 0: the tokenizer's; padded up to a multiple of 128 in the parameters
-    seq_len: int = 256
+    """The transformer: its sizes, the features a family is made of, positions, attention over a split sequence
+    and activation recomputation; `model.moe` holds the experts."""
+
+    preset: str = key("", "fills the model's fields: `tiny-gpt2`, `tiny-llama` (tests: 2 layers, d_model 64, 8 heads), "
+                          "`small-gpt2` (the default job), `gpt2-124m`, `gpt2-350m`, `gpt2-774m`, `gpt2-1.5b`, "
+                          "`llama-1b`, `llama-3b`, `llama-8b`, `tiny-moe` (tiny-llama with 8 experts, top-2, in "
+                          "every layer), `mixtral-8x7b` (Mixtral's shape: 46.7B parameters, 12.9B active); keys set "
+                          "explicitly win")
+    family: str = key("gpt2", "a shorthand that fills the features below (`FAMILIES`), as a preset does (keys you set "
+                              "win; the model code reads only the features): `gpt2` (LayerNorm, `gelu_tanh`, learned "
+                              "positions, `qkvo` biases, MLP biases, tied embeddings), `llama` (RMSNorm, SwiGLU, "
+                              "RoPE, no biases, untied head) or `qwen2` (as `llama` with `qkv` biases)")
+    n_layers: int = key(4, "transformer blocks in the stack")
+    d_model: int = key(256, "the residual stream's width")
+    n_heads: int = key(4, "attention (query) heads")
+    n_kv_heads: int = key(0, "key/value heads (grouped-query attention); 0 = `n_heads`")
+    head_dim: int = key(0, "each head's dimension; 0 = `d_model / n_heads`")
+    d_ff: int = key(1024, "the dense feed-forward's hidden size")
+    vocab_size: int = key(0, "token ids the model has; 0 = the tokenizer's; stored padded up to a multiple of 128 "
+                             "(padded logits are masked)")
+    seq_len: int = key(256, "training context length")
     # The features a family is made of.
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu_tanh"  # gelu_tanh (transformers' gelu_new) | swiglu
-    positions: str = "learned"  # learned (a table of max_positions rows) | rope
-    max_positions: int = 0  # the longest sequence the model is for (learned: the table's rows); 0: seq_len
-    attn_bias: str = "qkvo"  # none | qkv | qkvo: biases on the query, key, value (and output) projections
-    mlp_bias: bool = True  # biases on the dense feed-forward's projections (experts have none)
-    tie_embeddings: bool = True  # the output head is the token embedding
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's frequency bands, with the four keys below)
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_context: int = 8192
-    sliding_window: int = 0  # attention window of a loaded model; 0: none. Only windows ≥ seq_len run
-    init_std: float = 0.02
-    pattern: list = field(default_factory=lambda: ["dense"])  # block kinds repeated down the stack
-    remat: str = "none"  # none | full | selective (= save-dots) | save-dots | save-named | offload-dots | offload-named
-    remat_group: int = 0  # pattern repeats per recomputed group (0: off; -1: the divisor nearest the square root)
-    # Tensor-parallel projections overlap their sequence all-gather / reduce-scatter with partial
-    # matmuls (a ring of ppermutes over tp); needs train.sequence_parallel.
-    collective_matmul: bool = False
-    # Attention with the sequence split over mesh.sp: ring | allgather | ulysses.
-    cp_strategy: str = "ring"
-    cp_load_balance: bool = True  # zig-zag order, so every sp rank does the same causal work
+    norm: str = key("layernorm", "`layernorm` (scale and bias) or `rmsnorm` (scale only)")
+    mlp: str = key("gelu_tanh", "`gelu_tanh` (transformers' `gelu_new`) or `swiglu`")
+    positions: str = key("learned", "`learned` (a table of `max_positions` rows) or `rope`")
+    max_positions: int = key(0, "the longest sequence the model is for (the learned table's rows); 0 = `seq_len`; "
+                                "`seq_len` may not exceed it")
+    attn_bias: str = key("qkvo", "biases on the `q`, `k`, `v` (`qkv`) and output (`qkvo`) projections, or `none`")
+    mlp_bias: bool = key(True, "biases on the dense feed-forward's projections (experts have none)")
+    tie_embeddings: bool = key(True, "the output head is the token embedding")
+    norm_eps: float = key(1e-5, "the norms' epsilon (numerics)")
+    rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
+    rope_scaling: str = key("none", "`none` or `llama3` (Llama 3.1's frequency bands, with the four keys below: "
+                                    "wavelengths longer than original/low slowed by the factor, shorter than "
+                                    "original/high kept, smooth between)")
+    rope_factor: float = key(8.0, "`llama3` scaling: the factor long wavelengths are slowed by")
+    rope_low_freq_factor: float = key(1.0, "`llama3` scaling: low; wavelengths longer than `rope_original_context` / "
+                                           "low are slowed by `rope_factor`")
+    rope_high_freq_factor: float = key(4.0, "`llama3` scaling: high; wavelengths shorter than "
+                                            "`rope_original_context` / high are kept")
+    rope_original_context: int = key(8192, "`llama3` scaling: original, the context length the bands are measured "
+                                           "against")
+    sliding_window: int = key(0, "a loaded model's attention window (0 = none); only windows at least `seq_len` "
+                                 "run, where the window changes nothing")
+    init_std: float = key(0.02, "standard deviation of the random initialisation")
+    pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
+                                   "puts an MoE feed-forward in every second layer); the stack is scanned")
+    remat: str = key("none", "activation recomputation per layer: `none`, `full`, `selective` (= `save-dots`: keep "
+                             "the weight matmuls' outputs, recompute the attention core), `save-dots`, `save-named` "
+                             "(keep q, k, v, attention output, MLP hidden), `offload-dots` and `offload-named` "
+                             "(save-dots and save-named, kept in host memory); see \"Activation memory\"")
+    remat_group: int = key(0, "pattern repeats per recomputed group (0: off; -1: the divisor of a stage chunk's "
+                              "repeats nearest its square root; otherwise it must divide them)")
+    collective_matmul: bool = key(False, "tensor-parallel projections as collective matmuls: the sequence all-gather "
+                                         "and reduce-scatter ride a ring of `ppermute`s over tp interleaved with "
+                                         "partial matmuls (needs `train.sequence_parallel`)")
+    cp_strategy: str = key("ring", "attention when the sequence is split over `mesh.sp`: `ring` (K/V blocks rotate), "
+                                   "`allgather` (K/V gathered), `ulysses` (all-to-all to head-split and back; heads "
+                                   "must divide by `sp × tp`)")
+    cp_load_balance: bool = key(True, "zig-zag order of the sequence over `sp` ranks so each does the same causal "
+                                      "work (`seq_len` must divide by `2 × sp`)")
     moe: MoeConfig = field(default_factory=MoeConfig)
 
 
@@ -118,94 +172,149 @@ class ZeroPPConfig:
     """ZeRO++ over ZeRO-3 (`jaxllm/parallel/zeropp.py`): int8 weight gathers and gradient reduce-scatters,
     hierarchical partitioning. Not one device's numbers: within the bounds the README states."""
 
-    weights: bool = False  # qwZ: the weight all-gather moves int8 blocks and fp32 scales
-    grads: bool = False  # qgZ: the gradient reduce-scatter is an all-to-all of int8 blocks, summed in fp32
-    hpz: bool = False  # hpZ: master and optimizer state over dp × fsdp, a compute-dtype copy over fsdp (dp > 1)
-    block: int = 256  # elements per quantization block (one fp32 scale each)
+    weights: bool = key(False, "ZeRO++ qwZ under ZeRO-3: weight all-gathers move int8 blocks and fp32 scales "
+                               '(see "ZeRO++")')
+    grads: bool = key(False, "ZeRO++ qgZ under ZeRO-3: gradient reduce-scatters move int8 blocks (an all-to-all), "
+                             "summed in fp32")
+    hpz: bool = key(False, "ZeRO++ hpZ: master and optimizer state over dp × fsdp, a compute-dtype copy over fsdp: "
+                           "per-layer gathers within fsdp (needs `mesh.dp` > 1)")
+    block: int = key(256, "elements per quantization block, one fp32 scale each")
 
 
 @dataclass
 class TrainConfig:
-    # What a step minimises: lm (next-token cross-entropy over the loss mask: pre-training and fine-tuning)
-    # | grpo (reinforcement learning with verifiable rewards on the model's own samples: the `rl` section).
-    objective: str = "lm"
-    steps: int = 200
-    epochs: int = 0  # fine-tuning examples: passes over the rows; when set it wins over train.steps
-    schedule_steps: int = 0  # 0: train.steps
-    seed: int = 0
-    global_batch: int = 16  # sequences per step
-    microbatches: int = 1
-    zero_stage: int = 0
-    allreduce: str = "xla"  # ZeRO-0/1's gradient all-reduce: xla | ring | tree | halving_doubling | hierarchical | ps
-    bucket_mb: float = 25.0  # gradients reduced in buckets of this size by a hand-built train.allreduce
+    """The step and the loop: objective, batch, ZeRO and pipeline, optimizer and schedule, the step guard,
+    logging, validation and checkpoints."""
+
+    objective: str = key("lm", "what a step minimises: `lm` (next-token cross-entropy over the loss mask: "
+                               "pre-training and fine-tuning) or `grpo` (reinforcement learning with verifiable "
+                               "rewards on the model's own samples, the `rl` section; see \"Reinforcement learning "
+                               '(GRPO)")')
+    steps: int = key(200, "optimizer steps to run")
+    epochs: int = key(0, "fine-tuning data (`data.format` chat or prompt_completion): passes over the rows; when set "
+                         "(> 0) it wins over `train.steps`, which becomes epochs × steps per epoch (logged)")
+    schedule_steps: int = key(0, "length of the learning-rate schedule (0 = `train.steps`); fix it so a run stopped "
+                                 "early and resumed follows the same schedule")
+    seed: int = key(0, "initialisation and data order; the batch of step s depends only on (seed, s), never on "
+                       "the mesh")
+    global_batch: int = key(16, "sequences per step, over all devices; must divide by `microbatches × dp × fsdp × "
+                                "ep`")
+    microbatches: int = key(1, "gradient accumulation: each device's rows are split into this many microbatches; "
+                               "with `mesh.pp > 1`, the microbatches that flow through the pipeline")
+    zero_stage: int = key(0, "0 (DDP), 1 (optimizer state sharded over `fsdp`), 2 (+ gradients), 3 (+ parameters, "
+                             "gathered at use)")
+    allreduce: str = key("xla", "ZeRO-0/1's gradient all-reduce over the batch axes: `xla` (the compiler's `psum`), "
+                                "or a hand-built algorithm on `ppermute`: `ring`, `tree`, `halving_doubling`, "
+                                "`hierarchical` (over fsdp×ep inside, dp outside), `ps` (see \"Communication: the "
+                                'all-reduce algorithms")')
+    bucket_mb: float = key(25.0, "a hand-built `train.allreduce` reduces the gradients in buckets of this many "
+                                 "megabytes")
     zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
-    # Pipeline (mesh.pp > 1): the schedule, model chunks per stage (interleaved), and under ZeRO-3
-    # whether a stage's weights are gathered once per step rather than at every microbatch.
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-    pp_virtual: int = 1
-    pp_gather_once: bool = False
-    # Megatron sequence parallelism: norms and residual adds hold the sequence sharded over tp.
-    sequence_parallel: bool = False
-    loss_chunk: int = 0  # sequence positions per chunk of the loss; 0: all logits at once
-    optimizer: str = "adamw"  # adamw | sgd | adafactor | lion | muon
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    warmup_ratio: float = 0.0  # > 0: warmup_steps = this share of the schedule
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    momentum: float = 0.9
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0 turns clipping off
-    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient leaves params and optimizer state alone
-    spike_factor: float = 0.0  # > 1: also skip a step whose loss exceeds this × the median of recent losses; 0 = off
-    spike_window: int = 100  # how many recent losses of applied steps that median looks at
-    max_consecutive_skips: int = 10  # so many skipped steps in a row end the run (one line)
-    resume: bool = False
-    log_every: int = 10
-    eval_every: int = 50  # 0: no validation
-    eval_batches: int = 4
-    checkpoint_every: int = 100  # 0: no checkpoints
-    keep_checkpoints: int = 2
+    pp_schedule: str = key("1f1b", "with `mesh.pp > 1`: `gpipe` (all forwards, then all backwards), `1f1b` (one "
+                                   "forward one backward, at most 2·pp−1 stage inputs kept) or `interleaved` "
+                                   "(Megatron's interleaved 1F1B; `microbatches` a multiple of `pp`)")
+    pp_virtual: int = key(1, "model chunks per stage for `interleaved` (the bubble shrinks roughly by this factor; "
+                             "each step then moves stage weights between stages, see docs/design-notes.md); the "
+                             "pattern repeats in `n_layers` must divide by `pp × pp_virtual`")
+    pp_gather_once: bool = key(False, "with `mesh.pp > 1` and ZeRO-3: gather a stage's weights over `fsdp` once per "
+                                      "step instead of at every microbatch (more memory, fewer all-gathers)")
+    sequence_parallel: bool = key(False, "Megatron sequence parallelism: the residual stream (norms, residual adds) "
+                                         "is split along the sequence over `tp`")
+    loss_chunk: int = key(0, "compute the logits this many sequence positions at a time (0 = all at once), so "
+                             "[tokens × vocab] logits never exist at once; must divide `seq_len`")
+    optimizer: str = key("adamw", "`adamw`, `sgd` (with momentum), `adafactor`, `lion`, `muon` (per-layer on "
+                                  "stacked weights; Adam for embeddings, head, norms)")
+    lr: float = key(1e-3, "peak learning rate: linear warm-up to `lr`, cosine to `lr × min_lr_ratio`")
+    min_lr_ratio: float = key(0.1, "where the cosine ends, as a share of `lr`")
+    warmup_steps: int = key(20, "steps of linear warm-up to `lr`")
+    warmup_ratio: float = key(0.0, "> 0: `warmup_steps` is this share of the schedule (rounded), e.g. 0.03")
+    beta1: float = key(0.9, "optimizer constant: Adam's first-moment decay (AdamW 0.9)")
+    beta2: float = key(0.95, "optimizer constant: Adam's second-moment decay (AdamW 0.95)")
+    eps: float = key(1e-8, "optimizer constant: Adam's epsilon")
+    momentum: float = key(0.9, "optimizer constant: momentum (`sgd`)")
+    weight_decay: float = key(0.1, "decoupled weight decay on matrices only (not norms, biases)")
+    grad_clip: float = key(1.0, "global-norm clipping threshold (0 = off)")
+    skip_nonfinite: bool = key(True, "`true`: a step whose loss or gradients are not finite leaves the parameters "
+                                     "and optimizer state as they were (its batch is spent; the learning-rate "
+                                     "schedule does not advance)")
+    spike_factor: float = key(0.0, "> 1: also skip a step whose loss is above this factor × the median of the last "
+                                   "`spike_window` losses of applied steps, once half of them are known; 0 = off; "
+                                   "never for GRPO")
+    spike_window: int = key(100, "how many recent losses of applied steps `train.spike_factor`'s median looks at")
+    max_consecutive_skips: int = key(10, "this many skipped steps in a row end the run in one line")
+    resume: bool = key(False, "continue from the newest checkpoint in `run.dir` that reads back whole (may be on a "
+                              'different mesh; see "Preemption and recovery")')
+    log_every: int = key(10, "log every N steps (step 1 always)")
+    eval_every: int = key(50, "validation every N steps (0 = off)")
+    eval_batches: int = key(4, "validation over this many fixed batches; fine-tuning data is validated over its "
+                               "whole validation split (`eval_batches` is not used)")
+    checkpoint_every: int = key(100, "async Orbax checkpoint every N steps and at the end (0 = off)")
+    keep_checkpoints: int = key(2, "how many of the latest checkpoints are kept")
 
 
 @dataclass
 class PrecisionConfig:
-    compute: str = "bfloat16"  # bfloat16 | float32 | float16
-    loss_scale: str = "auto"  # auto (dynamic under float16, else none) | dynamic | static | none
-    loss_scale_init: float = 65536.0  # 2^16; a power of two
-    loss_scale_window: int = 1000  # finite steps in a row before a dynamic scale doubles
-    loss_scale_min: float = 1.0  # a dynamic scale never halves below it
-    matmul: str = "default"  # default (the compute dtype) | fp8 (E4M3 forward, E5M2 gradients, per-tensor scales)
-    fp8_exclude: list = field(default_factory=lambda: ["head"])  # matmul groups kept out of fp8: attention, mlp, experts, head
-    # ZeRO-3's gradient reduce-scatter: in the compute dtype (the transpose of cast-then-gather), or float32
-    # (through the ZeRO-3 island of parallel/zeropp.py)
-    grad_reduce: str = "compute"
+    """Number formats: the compute dtype, loss scaling, fp8 matmuls and ZeRO-3's gradient reduction (see
+    "Precision: loss scaling and the step guard" and "Precision: fp8 matmuls")."""
+
+    compute: str = key("bfloat16", "`bfloat16`, `float32` or `float16`: the dtype of matmuls and activations. "
+                                   "Parameters and optimizer state are always fp32; softmax, norm statistics, logits "
+                                   "and the loss are fp32. `float32` also sets full-precision matmuls (no TF32) on "
+                                   "GPU; `float16` wants loss scaling (`precision.loss_scale`)")
+    loss_scale: str = key("auto", "`auto` (`dynamic` under float16, else `none`), `dynamic`, `static` or `none`")
+    loss_scale_init: float = key(65536.0, "the first scale (65536 = 2^16; a power of two)")
+    loss_scale_window: int = key(1000, "the finite steps in a row before a dynamic scale doubles")
+    loss_scale_min: float = key(1.0, "the floor a dynamic scale never halves below")
+    matmul: str = key("default", "`default` (the compute dtype) or `fp8`: the weight matmuls of attention, MLP and "
+                                 "experts multiply E4M3 operands forward and E5M2 gradients backward, each scaled "
+                                 "per tensor")
+    fp8_exclude: list = key(["head"], "matmul groups kept in the compute dtype under `fp8`, from `attention`, `mlp`, "
+                                      "`experts`, `head`")
+    grad_reduce: str = key("compute", "ZeRO-3's gradient reduce-scatter in `compute` (the compute dtype: the "
+                                      "transpose of cast-then-gather) or `float32` (through the ZeRO-3 island of "
+                                      "parallel/zeropp.py)")
 
 
 @dataclass
 class MemoryConfig:
     """Host offload of the train state (`jaxllm/train/offload.py`): stored in host memory, used on the device."""
 
-    offload_optimizer: bool = False  # the optimizer state lives in host memory between steps
-    offload_params: bool = False  # the fp32 master parameters live in host memory between steps
+    offload_optimizer: bool = key(False, "keep the optimizer state in host memory between steps (brought to the "
+                                         'device for the update; see "Activation memory")')
+    offload_params: bool = key(False, "keep the fp32 master parameters in host memory between steps (brought to "
+                                      "the device at the step's start)")
 
 
 @dataclass
 class DataConfig:
-    # text: stdlib | text file | folder | folder or glob of llm.c .bin shards; chat, prompt_completion: a JSONL file
-    source: str = "stdlib"
-    tokenizer: str = "byte"  # byte | gpt2 | hf:DIR (a Hugging Face tokenizer.json) | init (init.from's hf:DIR)
-    val_percent: float = 5.0  # text: by file or by bytes; examples: by example; 0: no validation
-    format: str = "text"  # text (pre-training) | chat | prompt_completion (fine-tuning examples, one per line)
-    messages_key: str = "messages"  # chat: the key of a line's list of {role, content} messages
-    prompt_key: str = "prompt"  # prompt_completion: strings, or lists of messages
-    completion_key: str = "completion"
-    chat_template: str = ""  # "": the tokenizer's own (hf:DIR) or the built-in one (byte, gpt2) | builtin | a .jinja file
-    loss_on: str = "assistant"  # assistant (the replies, through their end-of-turn token) | all
-    pack: bool = False  # several examples per row (first-fit-decreasing), else one per row
-    truncation: str = "error"  # an example longer than a row: error | drop | truncate (its reply)
+    """The training data: where it comes from, its tokenizer and validation split, and how fine-tuning examples
+    are read, rendered and put into rows (see "Supervised fine-tuning")."""
+
+    source: str = key("stdlib", "`stdlib` (the Python standard library's source on this machine, split into "
+                                "train/validation by file), a text file, a folder of text files, or a folder/glob of "
+                                "llm.c `.bin` token shards (names containing `val` are validation); for `chat` and "
+                                "`prompt_completion`, a JSONL file")
+    tokenizer: str = key("byte", "`byte` (UTF-8 bytes + end-of-text, 257 ids), `gpt2` (tiktoken's GPT-2 BPE; needs "
+                                 "`pip install -e \".[gpt2]\"` and the encoding files in tiktoken's cache, since they "
+                                 "are not downloaded) or `hf:DIR` (a Hugging Face tokenizer folder); `init` takes the "
+                                 "tokenizer of the `init.from = \"hf:DIR\"` folder")
+    val_percent: float = key(5.0, "share held out for validation: of files (or of a single file's text, by bytes); "
+                                  "of examples for fine-tuning data; 0 = no validation split (`train.eval_every` is "
+                                  "then ignored, with a log line)")
+    format: str = key("text", "`text` (pre-training), `chat` or `prompt_completion` (fine-tuning examples, one per "
+                              "line); for GRPO's prompts `text` (a string continued as it is) or `chat` (a string as "
+                              "the user's message, rendered by the chat template)")
+    messages_key: str = key("messages", "`chat`: the key of a line's list of {role, content} messages")
+    prompt_key: str = key("prompt", "`prompt_completion`: the key of a line's prompt (strings, or lists of messages)")
+    completion_key: str = key("completion", "`prompt_completion`: the key of a line's completion")
+    chat_template: str = key("", '`""`: the `hf:DIR` tokenizer\'s own template, or the built-in one for `byte` and '
+                                 "`gpt2`; `builtin`; or a `.jinja` file")
+    loss_on: str = key("assistant", "`assistant` (the replies, through their end-of-turn token) or `all` (every "
+                                    "token of the example)")
+    pack: bool = key(False, "`true`: several examples per row (first-fit-decreasing); `false`: one example per row, "
+                            "padded")
+    truncation: str = key("error", "an example longer than `seq_len + 1` tokens: `error`, `drop`, or `truncate` (cut "
+                                   "its reply; dropped if nothing to learn is left)")
 
 
 @dataclass
@@ -215,38 +324,57 @@ class RlConfig:
     sampled `group_size` times, scored, and trained on with GRPO. `train.global_batch` counts completions:
     prompts per step × group_size."""
 
-    group_size: int = 8  # completions per prompt (G), compared with each other
-    max_new_tokens: int = 64  # a completion's length limit; one that reaches it without a stop id is truncated
-    temperature: float = 1.0  # sampling temperature, also the one the log-probabilities are taken at
-    prompt_suffix: str = ""  # text after every string prompt (an instruction, such as how to mark the answer)
-    rewards: list = field(default_factory=lambda: ["exact_match"])  # "name" or "name*weight", summed
-    format_pattern: str = ""  # the `format` reward's regular expression
-    scale_rewards: str = "group"  # advantages divided by the group's std | the batch's | none (Dr. GRPO)
-    loss_norm: str = "token"  # token | sequence | constant (Dr. GRPO)
-    epsilon: float = 0.2  # the ratio's clip range: [1 - epsilon, 1 + epsilon_high]
-    epsilon_high: float = 0.0  # 0: rl.epsilon
-    beta: float = 0.0  # weight of the KL (k3) to the starting parameters; 0: no reference model
-    num_iterations: int = 1  # optimizer steps on each batch of rollouts
-    mask_truncated: bool = False  # truncated completions count for nothing
+    group_size: int = key(8, "G, completions sampled per prompt and compared with each other; `train.global_batch` "
+                             "counts completions, so it is prompts per step × G")
+    max_new_tokens: int = key(64, "a completion's length limit; one that reaches it without a stop id is truncated")
+    temperature: float = key(1.0, "the sampling temperature, which the log-probabilities of the ratio and the KL are "
+                                  "also taken at")
+    prompt_suffix: str = key("", "text put after every string prompt (an instruction, such as how to mark the "
+                                 "answer)")
+    rewards: list = key(["exact_match"], "the rewards, summed: a list of `\"name\"` or `\"name*weight\"` from "
+                                         "`exact_match`, `gsm8k`, `boxed`, `format` (matches `rl.format_pattern`) and "
+                                         "`python:module:function`")
+    format_pattern: str = key("", "the `format` reward's regular expression")
+    scale_rewards: str = key("group", "advantages are rewards minus the group's mean, divided by the group's "
+                                      "standard deviation (`group`), the batch's (`batch`) or nothing (`none`, Dr. "
+                                      "GRPO)")
+    loss_norm: str = key("token", "`token` (the mean over every completion token of the batch), `sequence` (each "
+                                  "completion's mean, then their mean: DeepSeekMath's GRPO) or `constant` (the token "
+                                  "sum over rows × `max_new_tokens`: Dr. GRPO)")
+    epsilon: float = key(0.2, "the ratio's clip range [1 − epsilon, 1 + epsilon_high]")
+    epsilon_high: float = key(0.0, "the clip range's upper epsilon; 0 = `rl.epsilon` (DAPO raises it to 0.28)")
+    beta: float = key(0.0, "weight of the KL (k3) to the starting parameters; 0 keeps no reference model")
+    num_iterations: int = key(1, "optimizer steps on each batch of rollouts; `train.steps` and "
+                                 "`train.checkpoint_every` are multiples of it")
+    mask_truncated: bool = key(False, "`true`: a completion that reached `max_new_tokens` without a stop id counts "
+                                      "for nothing (DAPO's overlong filter); `false`: trained on like the others")
 
 
 @dataclass
 class RunConfig:
-    dir: str = ""  # "": runs/<date>-<time>
-    sample_tokens: int = 200  # generated at the end; 0: none
-    sample_prompt: str = "def "
-    progress: bool = True
+    """The run directory, and what a run shows besides its metrics: the sample at the end and the progress bar."""
+
+    dir: str = key("", '"": `runs/<date>-<time>`; otherwise the run directory; an existing run is never '
+                       "overwritten without `train.resume=true`")
+    sample_tokens: int = key(200, "tokens of the sample generated at the end (0: none)")
+    sample_prompt: str = key("def ", "the prompt of the sample generated at the end")
+    progress: bool = key(True, "the progress bar")
 
 
 @dataclass
 class InitConfig:
     """Where the parameters start. Spelled `init.from` in files and overrides (`from` is a Python keyword)."""
 
-    from_: str = ""  # "": random (model.init_std) | "hf:DIR" (Hugging Face weights) | "run:DIR[@STEP]"
+    from_: str = key("", 'where the parameters start: `""` (random, `model.init_std`), `"hf:DIR"` (a Hugging Face '
+                         'checkpoint, see "Hugging Face checkpoints") or `"run:DIR[@STEP]"` (another run\'s '
+                         "parameters, its newest or STEP checkpoint, with a fresh optimizer)")
 
 
 @dataclass
 class Config:
+    """The whole configuration: one section per field, each key spelled `section.key` (or
+    `section.subsection.key`) in TOML files and `key=value` overrides."""
+
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -257,3 +385,95 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rl: RlConfig = field(default_factory=RlConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def _key_name(f: dataclasses.Field) -> str:
+    return f.name.rstrip("_")  # init.from is the field from_ (`from` is a Python keyword)
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory)
+
+
+def _sections(cls=Config, prefix: str = ""):
+    """(dotted section name, its dataclass) for every section, each before the sections nested in it."""
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            yield prefix + f.name, f.default_factory
+            yield from _sections(f.default_factory, f"{prefix}{f.name}.")
+
+
+def _fields(cls=Config, prefix: str = ""):
+    """(dotted key, field) for every key, in schema order (a nested section's keys where it sits)."""
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            yield from _fields(f.default_factory, f"{prefix}{f.name}.")
+        elif prefix:
+            yield prefix + _key_name(f), f
+
+
+def keys() -> list[str]:
+    """Every dotted config key, in schema order (`init.from`, `mesh.dcn.pp`, ...)."""
+    return [k for k, _ in _fields()]
+
+
+def _field(dotted: str) -> dataclasses.Field:
+    cls, parts = Config, dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = {_key_name(f): f for f in dataclasses.fields(cls)}
+        f = fields.get(part) or fields.get(part.rstrip("_"))
+        if f is None:
+            where = ".".join(parts[:i]) or "the top level"
+            raise KeyError(f"unknown key '{dotted}': {where} has {', '.join(fields)}")
+        if i == len(parts) - 1:
+            if _is_section(f):
+                raise KeyError(f"'{dotted}' is a section, not a key")
+            return f
+        if not _is_section(f):
+            raise KeyError(f"unknown key '{dotted}': '{'.'.join(parts[:i + 1])}' is a key, not a section")
+        cls = f.default_factory
+
+
+def meaning(dotted: str) -> str:
+    """What a dotted config key (`train.steps`, `init.from`) means, as its field's metadata says."""
+    return _field(dotted).metadata.get("meaning", "")
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def _literal(value) -> str:
+    """A default as it is written in TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    return repr(value)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def reference_markdown() -> str:
+    """The configuration reference (tools/docs_hooks.py puts it into docs/configuration.md): a `## section`
+    heading per section, nested ones (`model.moe`) after their parent, each with its docstring and a table of its
+    keys' types, defaults and meanings."""
+    lines = []
+    for name, cls in _sections():
+        lines += [f"## {name}", "", inspect.cleandoc(cls.__doc__), "",
+                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            if _is_section(f):
+                continue
+            typ = f.type if isinstance(f.type, str) else f.type.__name__
+            lines.append(f"| `{name}.{_key_name(f)}` | {_cell(typ)} | `{_cell(_literal(_default(f)))}` "
+                         f"| {_cell(f.metadata.get('meaning', ''))} |")
+        lines.append("")
+    return "\n".join(lines)

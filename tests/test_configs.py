@@ -15,10 +15,11 @@ import tomllib
 import pytest
 
 from harness import CORPUS, REPO
+from jaxllm.cli import CONFIG_DIR
 from jaxllm.config import build_config, to_dict
 from jaxllm.train.loop import resolve, train
 
-CONFIGS = sorted(glob.glob(os.path.join(REPO, "experiments", "configs", "*.toml")))
+CONFIGS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.toml")))
 SHRUNK = {  # file -> the keys that shrink its model
     "pipeline_1f1b.toml": {"model.preset": "tiny-gpt2", "model.n_layers": 4, "model.seq_len": 64},
     "pipeline_3d.toml": {"model.preset": "tiny-gpt2", "model.n_layers": 4, "model.seq_len": 64},
@@ -63,7 +64,7 @@ def dotted(tree: dict, key: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHRUNK)
 def test_parallel_configs_train_two_steps(name, tmp_path):
-    path = os.path.join(REPO, "experiments", "configs", name)
+    path = os.path.join(CONFIG_DIR, name)
     shipped = build_config(path)
     over = {**SHRUNK[name], "train.steps": 2, "data.source": CORPUS, "run.dir": str(tmp_path / "run"),
             "run.progress": False}

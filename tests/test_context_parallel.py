@@ -7,7 +7,7 @@ Model level: one step's loss and gradients equal the independent reference on
 sp=4, sp=2×fsdp=4 and sp=2×tp=2×fsdp=2, and with 2 microbatches (the accumulation island
 at ZeRO-0 and the sharded scan at ZeRO-3) for each strategy. Then the compiled programs (the
 ring moves K/V by collective-permutes only; each strategy's attention memory at seq 4096 and
-sp=8 against tools.plan's estimate), the score blocks the ring computes (counted inside the
+sp=8 against jaxllm plan's estimate), the score blocks the ring computes (counted inside the
 island), and the causal work per rank under load balancing.
 """
 
@@ -27,8 +27,8 @@ from jaxllm.ops.attention import dot_product_attention
 from jaxllm.parallel import ring_attention
 from jaxllm.parallel.load_balance import visible_blocks, zigzag_order
 from jaxllm.sharding import Layout, param_rules, use_layout
-from tools.collectives import collectives_per_step, memory_summary
-from tools.plan import attention_memory_theory
+from jaxllm.hlo import collectives_per_step, memory_summary
+from jaxllm.cli.plan import attention_memory_theory
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 
@@ -177,7 +177,7 @@ def test_ring_moves_kv_by_collective_permutes_only():
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_attention_memory_is_what_the_planner_says(strategy):
     """seq_len 4096, sp=8: the compiled attention's per-device temporaries (forward and backward), as a
-    ratio to one device's plain attention, within 0.8× to 1.2× of the ratio `tools.plan` predicts
+    ratio to one device's plain attention, within 0.8× to 1.2× of the ratio `jaxllm plan` predicts
     (`attention_memory_theory`), and at most 1/4 (plain attention keeps [heads, seq, seq] scores)."""
     seq, sp = 4096, 8
     one = memory_summary(compiled_attention(1, "ring", seq))["temp_bytes"]

@@ -1,4 +1,4 @@
-"""Tests for jaxllm.data: tokenizers, shards, corpora, mesh-independent batches and tools/prepare_data."""
+"""Tests for jaxllm.data: tokenizers, shards, corpora, mesh-independent batches and jaxllm prepare-data."""
 
 import os
 import re
@@ -215,10 +215,10 @@ def test_val_percent_zero_keeps_every_text_for_training(tmp_path):
             p.read_text() for p in ([source] if source.is_file() else [tmp_path / "a.txt", tmp_path / "b.txt"]))
 
 
-# ---------------------------------------------------------------- tools/prepare_data
+# ---------------------------------------------------------------- jaxllm prepare-data
 
 def _prepare(*args):
-    return subprocess.run([sys.executable, "-m", "tools.prepare_data", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "jaxllm", "prepare-data", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -369,7 +369,7 @@ BAD_DATA = {  # name -> (make the source under a folder, words the one line must
 
 @pytest.mark.parametrize("case", BAD_DATA)
 def test_bad_data_is_one_line_exit_2_and_nothing_written(case, tmp_path, capsys):
-    from experiments import run as run_cli
+    from jaxllm.cli import train as run_cli
 
     make, words = BAD_DATA[case]
     source, run_dir = make(tmp_path), tmp_path / "run"

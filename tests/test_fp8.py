@@ -145,11 +145,11 @@ def test_bad_fp8_settings_are_refused_in_one_line(over, message):
 
 @pytest.mark.slow
 def test_tiny_llama_trains_in_fp8_within_3_percent_of_bf16(tmp_path):
-    """experiments/configs/tiny_llama.toml at seq_len 64 and batch 8 (a quarter of its work) for 30 steps
+    """jaxllm/configs/tiny_llama.toml at seq_len 64 and batch 8 (a quarter of its work) for 30 steps
     (seed 0) in bf16, with and without fp8 matmuls."""
     def final_loss(name, **over):
         run_dir = tmp_path / name
-        train(build_config("experiments/configs/tiny_llama.toml",
+        train(build_config("jaxllm/configs/tiny_llama.toml",
                            {"train.steps": 30, "train.seed": 0, "precision.compute": "bfloat16", "run.dir": str(run_dir),
                             "model.seq_len": 64, "train.global_batch": 8,
                             "train.eval_every": 0, "train.checkpoint_every": 0, "train.log_every": 10, **over}))

@@ -10,7 +10,7 @@
 - Sampling: temperature → 0 is argmax; top-k and top-p never leave the k best and the nucleus; draws
   follow the (truncated) distribution by a χ² test on 20,000 draws; the returned log-probabilities equal
   the trainer's recomputation at the same temperature (≤ 1e-5).
-- Requests past the model's positions are refused with one line; `python -m tools.generate` serves run
+- Requests past the model's positions are refused with one line; `jaxllm generate` serves run
   directories.
 
 Comparisons with transformers' `generate` are in test_generate_hf.py.
@@ -249,13 +249,13 @@ def test_a_request_past_the_models_positions_is_refused_in_one_line():
 
 @pytest.mark.slow
 def test_the_command_line_serves_run_directories_and_hf_directories(tmp_path, capsys, caplog):
-    """`tools.generate` from an imported run and from the Hugging Face directory it came from prints the same
+    """`jaxllm generate` from an imported run and from the Hugging Face directory it came from prints the same
     greedy text (the HF tokenizer's <|begin_of_text|> first) and the speed."""
     import shutil
 
     import hf_families
-    from tools import generate as tool
-    from tools import hf as hf_tool
+    from jaxllm.cli import generate as tool
+    from jaxllm.cli import hf as hf_tool
 
     caplog.set_level("INFO", logger="jaxllm")
     hf_dir = hf_families.build("llama3", str(tmp_path / "hf"), vocab_size=640)

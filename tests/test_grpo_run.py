@@ -89,7 +89,7 @@ def test_a_gsm8k_prompt_is_transformers_chat_prompt(llama_with_tokenizer):
     from jaxllm.rl import rewards
 
     folder = llama_with_tokenizer
-    cfg = build_config(str(REPO / "experiments/configs/grpo_gsm8k.toml"),
+    cfg = build_config(str(REPO / "jaxllm/configs/grpo_gsm8k.toml"),
                        {"init.from": f"hf:{folder}", "data.source": str(GSM8K), "model.seq_len": 256,
                         "rl.max_new_tokens": 16})
     assert cfg.data.tokenizer == f"hf:{folder}"  # data.tokenizer = "init"
@@ -114,7 +114,7 @@ def test_the_gsm8k_command_runs_on_a_tiny_model(llama_with_tokenizer, tmp_path):
     gsm8k and format rewards, and the trainer's log-probabilities of the samples are the generator's."""
     run_dir = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "--config", "experiments/configs/grpo_gsm8k.toml",
+        [sys.executable, "-m", "jaxllm", "train", "--config", "grpo_gsm8k",
          f"init.from=hf:{llama_with_tokenizer}", f"data.source={GSM8K}", "train.steps=2", "train.global_batch=16",
          "rl.max_new_tokens=16", "model.seq_len=192", "precision.compute=float32", f"run.dir={run_dir}",
          "run.progress=false"], cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
@@ -140,10 +140,10 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
     procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
     mesh = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"]
     for pid in (0, 1):
-        procs.start(f"p{pid}", ["-m", "experiments.run", "--config", str(config), f"run.dir={tmp_path / 'multi'}",
+        procs.start(f"p{pid}", ["-m", "jaxllm", "train", "--config", str(config), f"run.dir={tmp_path / 'multi'}",
                                 *mesh, f"distributed.coordinator_address={address}", "distributed.num_processes=2",
                                 f"distributed.process_id={pid}"], n_devices=4)
-    procs.start("one", ["-m", "experiments.run", "--config", str(config), f"run.dir={tmp_path / 'one'}"], n_devices=1)
+    procs.start("one", ["-m", "jaxllm", "train", "--config", str(config), f"run.dir={tmp_path / 'one'}"], n_devices=1)
     procs.wait()
     multi, one = rows(tmp_path / "multi"), rows(tmp_path / "one")
     assert [r["step"] for r in multi] == [r["step"] for r in one] == [1, 2, 3, 4]
@@ -180,7 +180,7 @@ def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
     assert control[-20:].mean() <= 0.15, control[-20:].mean()
     assert grpo[-20:].mean() >= 0.4, grpo[-20:].mean()
 
-    cli("experiments.run", "--config", "experiments/configs/grpo_arith.toml", f"init.from=run:{out / 'format_seed2'}",
+    cli("jaxllm", "train", "--config", "grpo_arith", f"init.from=run:{out / 'format_seed2'}",
         f"run.dir={tmp_path / 'seven'}", "train.steps=20", "train.log_every=1", 'rl.rewards=["format"]',
         "rl.format_pattern=^7", "run.progress=false")
     seven = rewards(tmp_path / "seven")

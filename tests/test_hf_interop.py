@@ -152,7 +152,7 @@ def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
     assert attention.head_dim(cfg.model) == 24 != cfg.model.d_model // cfg.model.n_heads
     shapes = transformer.param_shapes(cfg.model)
     assert shapes["blocks"][0]["attn"]["wq"].shape == (2, 64, 4, 24)
-    from tools.plan import attention_memory_theory
+    from jaxllm.cli.plan import attention_memory_theory
 
     one_device = {a: 1 for a in ("pp", "dp", "fsdp", "ep", "sp", "tp")}
     assert attention_memory_theory(cfg.model, cfg.train, one_device, "float32")["head_dim"] == 24
@@ -172,15 +172,15 @@ def test_family_shorthand_fills_features_and_explicit_keys_win():
 
 @pytest.mark.slow
 def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models, tmp_path):
-    """experiments.run's train loop with init.from=hf:DIR on dp2×fsdp2×tp2, ZeRO-3: the first step's loss is
-    transformers' loss on the same batch; tools.hf export of the run loads in transformers with our logits;
+    """jaxllm train's loop with init.from=hf:DIR on dp2×fsdp2×tp2, ZeRO-3: the first step's loss is
+    transformers' loss on the same batch; jaxllm hf export of the run loads in transformers with our logits;
     a run from that run's step 2 (init.from=run:DIR@2, fsdp=8) starts at transformers' loss of the export."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxllm.data.loader import window_starts
     from jaxllm.train.loop import prepare, train
-    from tools import hf as hf_tool
+    from jaxllm.cli import hf as hf_tool
 
     path, run_dir = models["qwen2"], str(tmp_path / "run")
     over = {"init.from": f"hf:{path}", "model.seq_len": SEQ, "mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2,
@@ -218,10 +218,10 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
 
 @pytest.mark.slow
 def test_two_process_export_equals_one_process(models, tmp_path):
-    """tools.hf import, then export from one process and from 2 processes × 4 devices over jax.distributed
+    """jaxllm hf import, then export from one process and from 2 processes × 4 devices over jax.distributed
     (fsdp=8, ZeRO-3: every tensor is gathered across the processes): the same files, bitwise."""
     from test_multiprocess import Procs, _free_port
-    from tools import hf as hf_tool
+    from jaxllm.cli import hf as hf_tool
 
     run_dir = str(tmp_path / "run")
     hf_tool.import_(models["mixtral"], run_dir, ["model.seq_len=64", "mesh.fsdp=8", "mesh.dp=1",
@@ -229,7 +229,7 @@ def test_two_process_export_equals_one_process(models, tmp_path):
     hf_tool.export(run_dir, str(tmp_path / "one"), max_shard_size="40KB")
     procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
     for pid in (0, 1):
-        procs.start(f"export{pid}", ["-m", "tools.hf", "export", run_dir, str(tmp_path / "two"),
+        procs.start(f"export{pid}", ["-m", "jaxllm", "hf", "export", run_dir, str(tmp_path / "two"),
                                      "--max-shard-size", "40KB", f"distributed.coordinator_address={address}",
                                      "distributed.num_processes=2", f"distributed.process_id={pid}"], n_devices=4)
     procs.wait()

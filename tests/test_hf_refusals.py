@@ -27,7 +27,7 @@ from harness import CORPUS, REPO, subprocess_env
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError, ModelFileError
 from jaxllm.interop.hf import load_pretrained
-from experiments import run as run_cli
+from jaxllm.cli import train as run_cli
 
 N_DEVICES = 8
 
@@ -393,7 +393,7 @@ def test_cli_checkpoint_without_weights_writes_nothing(built, tmp_path, capsys):
 @pytest.mark.slow
 def test_cli_subprocess_conflict_is_one_line_exit_2_nothing_written(built, tmp_path):
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "experiments.run", f"init.from=hf:{built('llama3')}",
+    res = subprocess.run([sys.executable, "-m", "jaxllm", "train", f"init.from=hf:{built('llama3')}",
                           "model.d_model=999", f"run.dir={run_dir}"], cwd=REPO, env=subprocess_env(1),
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and res.stdout == "", res.stderr[-3000:]

@@ -268,7 +268,7 @@ def test_sampling_stops_at_a_stop_id_only_generation_config_names(monkeypatch):
 
 
 def test_prepare_data_writes_hf_token_shards(tmp_path):
-    from tools import prepare_data
+    from jaxllm.cli import prepare_data
 
     tok = get_tokenizer(f"hf:{LLAMA}")
     assert prepare_data.main([CORPUS, str(tmp_path / "shards"), "--tokenizer", f"hf:{LLAMA}", "--name", "os"]) == 0
@@ -327,7 +327,7 @@ REFUSED = {  # name -> (make DIR under tmp_path, the line after "error: ", {d} f
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_refusals_are_one_line_exit_2_nothing_written(case, tmp_path, capsys):
-    from experiments import run as run_cli
+    from jaxllm.cli import train as run_cli
 
     make, message = REFUSED[case]
     folder, run_dir = make(tmp_path), tmp_path / "run"
@@ -349,7 +349,7 @@ def test_cli_trains_two_steps_with_an_hf_tokenizer(tmp_path):
     """One device, tiny LLaMA, the fixture tokenizer as a relative path, as a user types it; its 605 ids
     (padded to 640 in the model), stop ids and BOS through training, evaluation and the sample."""
     run_dir = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "experiments.run", "data.tokenizer=hf:tests/fixtures/hf_tokenizer",
+    res = subprocess.run([sys.executable, "-m", "jaxllm", "train", "data.tokenizer=hf:tests/fixtures/hf_tokenizer",
                           "model.preset=tiny-llama", "model.seq_len=32", "train.steps=2", "train.global_batch=2",
                           "train.warmup_steps=1", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
                           "train.checkpoint_every=0", "run.sample_tokens=8", "run.progress=false", "mesh.dp=1",

@@ -1,6 +1,6 @@
 """Real multi-process runs over jax.distributed on localhost (CPU, gloo collectives).
 
-- Two processes × 4 CPU devices of `python -m experiments.run` sharing one run.dir train the
+- Two processes × 4 CPU devices of `jaxllm train` sharing one run.dir train the
   same losses as one process × 8 devices (same dp=2 × fsdp=4 mesh, ZeRO-3, fp32); only process 0
   writes metrics.jsonl and config.toml; Orbax saves checkpoints from both processes.
 - The two processes resume from that multi-process checkpoint and continue on the
@@ -113,7 +113,7 @@ class Procs:
 def _start_distributed_run(procs: Procs, config: Path, run_dir: Path, extra: list[str], tag: str) -> None:
     address = f"127.0.0.1:{_free_port()}"
     for pid in (0, 1):
-        procs.start(f"{tag}{pid}", ["-m", "experiments.run", "--config", str(config), *COMMON, *extra,
+        procs.start(f"{tag}{pid}", ["-m", "jaxllm", "train", "--config", str(config), *COMMON, *extra,
                                     f"run.dir={run_dir}", f"distributed.coordinator_address={address}",
                                     "distributed.num_processes=2", f"distributed.process_id={pid}"], n_devices=4)
 
@@ -147,7 +147,7 @@ def runs(tmp_path_factory):
     procs = Procs(work)
     t0 = time.monotonic()
     _start_distributed_run(procs, config, multi, ["train.steps=4", "train.checkpoint_every=2"], tag="multi")
-    procs.start("single", ["-m", "experiments.run", "--config", str(config), *COMMON, "train.steps=6",
+    procs.start("single", ["-m", "jaxllm", "train", "--config", str(config), *COMMON, "train.steps=6",
                            "train.checkpoint_every=0", f"run.dir={single}"], n_devices=8)
     procs.wait()
     print(f"first runs took {time.monotonic() - t0:.1f} s")

@@ -24,7 +24,7 @@ from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
                                                 tick_times)
-from tools.collectives import memory_summary
+from jaxllm.hlo import memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 

@@ -1,4 +1,4 @@
-"""tools.plan: compiled memory follows the ZeRO theory, collectives are per step, the CLI contract,
+"""jaxllm plan: compiled memory follows the ZeRO theory, collectives are per step, the CLI contract,
 the tensor-parallel and pipeline collective-permutes against compiled steps, and the properties of
 the attention-memory trend. (The planner's per-layer tensor-parallel collectives and its attention
 memory are checked against compiled programs in test_tensor_parallel.py and test_context_parallel.py;
@@ -21,8 +21,8 @@ from harness import subprocess_env
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
-from tools.collectives import KINDS
-from tools.plan import (_format_attention, attention_memory_theory, format_table, matmul_operands, permute_dtypes,
+from jaxllm.hlo import KINDS
+from jaxllm.cli.plan import (_format_attention, attention_memory_theory, format_table, matmul_operands, permute_dtypes,
                         plan, tensor_parallel_theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def plans():
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tools.plan", *args], cwd=ROOT, env=subprocess_env(8),
+    return subprocess.run([sys.executable, "-m", "jaxllm", "plan", *args], cwd=ROOT, env=subprocess_env(8),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -147,7 +147,7 @@ def test_cli_json_contract(tmp_path):
 
 
 def test_cli_bad_config_exits_2(capsys):
-    from tools.plan import main
+    from jaxllm.cli.plan import main
 
     assert main(["mesh.tp=3"]) == 2
     out, err = capsys.readouterr()

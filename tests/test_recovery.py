@@ -1,6 +1,6 @@
 """A killed, stopped or broken run loses nothing and never lies (real processes, real Orbax checkpoints).
 
-- Hard kills (SIGKILL) at four points of a real `python -m experiments.run` (jaxllm/train/faults.py
+- Hard kills (SIGKILL) at four points of a real `jaxllm train` (jaxllm/train/faults.py
   picks the point): the run resumed with train.resume=true writes the same metrics.jsonl, row for
   row and loss for loss (fp32, bitwise), as the run that was never killed.
 - SIGTERM and Ctrl-C: the run saves the step it is at, exits 128 + the signal with one line, and
@@ -26,7 +26,7 @@ from harness import CORPUS, REPO, subprocess_env
 from jaxllm.config import build_config
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train.loop import train
-from experiments import run as run_cli
+from jaxllm.cli import train as run_cli
 
 pytestmark = [
     pytest.mark.slow,  # real processes and whole training runs
@@ -59,8 +59,8 @@ def args(run_dir, **over) -> list[str]:
 
 
 def start(run_dir, env: dict | None = None, **over) -> subprocess.Popen:
-    """`python -m experiments.run` with RUN and `over`, on 8 fake devices."""
-    return subprocess.Popen([sys.executable, "-m", "experiments.run", *args(run_dir, **over)], cwd=REPO,
+    """`python -m jaxllm train` with RUN and `over`, on 8 fake devices."""
+    return subprocess.Popen([sys.executable, "-m", "jaxllm", "train", *args(run_dir, **over)], cwd=REPO,
                             env={**subprocess_env(8), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -82,7 +82,7 @@ def transformers_assistant_nll(folder: Path, chats) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["one device, the command line", "dp2 x fsdp2 x tp2"])
 def test_an_imported_model_starts_at_transformers_assistant_loss(llama_with_tokenizer, tmp_path, mesh):
-    """The README's command (experiments/configs/sft.toml, init.from and data.tokenizer the model's folder) on
+    """The README's command (jaxllm/configs/sft.toml, init.from and data.tokenizer the model's folder) on
     one device, and the same run in this process on 8 devices: the first step's loss is transformers'."""
     folder = llama_with_tokenizer
     over = {"init.from": f"hf:{folder}", "data.tokenizer": f"hf:{folder}",
@@ -91,11 +91,11 @@ def test_an_imported_model_starts_at_transformers_assistant_loss(llama_with_toke
             "precision.compute": "float32", "run.dir": str(tmp_path / "run"), "run.progress": "false"}
     args = [f"{k}={v}" for k, v in over.items()]
     if mesh.startswith("one"):
-        done = subprocess.run([sys.executable, "-m", "experiments.run", "--config", "experiments/configs/sft.toml",
+        done = subprocess.run([sys.executable, "-m", "jaxllm", "train", "--config", "sft",
                                *args], cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
     else:
-        train(build_config(str(REPO / "experiments/configs/sft.toml"),
+        train(build_config(str(REPO / "jaxllm/configs/sft.toml"),
                            args + ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"]))
     ref = transformers_assistant_nll(folder, CHATS)
     assert abs(losses(tmp_path / "run")[1] - ref) <= 1e-4 * ref, (losses(tmp_path / "run")[1], ref)
@@ -133,7 +133,7 @@ def test_a_resume_in_the_middle_of_an_epoch_repeats_the_losses(tmp_path):
 @pytest.mark.slow
 def test_the_addition_example_learns(tmp_path):
     """The README's example, short: its data script, its config for 2 epochs instead of 10, and
-    tools.exact_match on 100 held-out sums, as a user runs them. After 2 epochs the reply loss has fallen
+    jaxllm exact-match on 100 held-out sums, as a user runs them. After 2 epochs the reply loss has fallen
     from ln 257 ≈ 5.5 to about 0.8 and a few held-out sums come out right (4-13% here, from 0% before;
     10 epochs: 100%, BENCHMARKS.md): the bars are a validation loss under 1.0 and 2%."""
     data, run_dir = tmp_path / "addition", tmp_path / "run"
@@ -147,9 +147,9 @@ def test_the_addition_example_learns(tmp_path):
         return done.stdout
 
     cli("tools.make_addition", str(data))
-    cli("experiments.run", "--config", "experiments/configs/sft_addition.toml", f"data.source={data / 'train.jsonl'}",
+    cli("jaxllm", "train", "--config", "sft_addition", f"data.source={data / 'train.jsonl'}",
         f"run.dir={run_dir}", "train.epochs=2", "train.eval_every=1000", "run.progress=false")
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert rows[0]["loss"] > 5.0 and [r["val_loss"] for r in rows if "val_loss" in r][-1] < 1.0
-    out = cli("tools.exact_match", "--from", str(run_dir), "--data", str(data / "heldout.jsonl"), "--limit", "100")
+    out = cli("jaxllm", "exact-match", "--from", str(run_dir), "--data", str(data / "heldout.jsonl"), "--limit", "100")
     assert float(out.split("= ")[-1].rstrip("%\n")) >= 2.0, out

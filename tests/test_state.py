@@ -31,7 +31,7 @@ def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(tm
     run_dir = tmp_path / "run"
     shutil.copytree(OLD_RUN, run_dir)
     old_rows = _rows(OLD_RUN / "metrics.jsonl")  # steps 1-4 as the old code trained them; its step-2 checkpoint
-    cmd = [sys.executable, "-m", "experiments.run", "--config", str(run_dir / "config.toml"), "train.resume=true",
+    cmd = [sys.executable, "-m", "jaxllm", "train", "--config", str(run_dir / "config.toml"), "train.resume=true",
            f"run.dir={run_dir}", f"data.source={OLD_RUN / 'text.txt'}", "run.progress=false"]
     done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -87,7 +87,8 @@ def test_imports_point_downward_and_none_hides_in_a_function():
         for target, local in _imports(path.read_text(), modules):
             if target == name:
                 continue
-            assert not local or name == "jaxllm.cli", f"{name} imports {target} inside a function"
+            # the command line imports lazily, so `jaxllm --help` and a config error answer without loading JAX
+            assert not local or name.split(".")[:2] == ["jaxllm", "cli"], f"{name} imports {target} inside a function"
             a, b = layer(name), layer(target)
             if a and b and a != b:
                 assert LAYERS.index(a) < LAYERS.index(b), f"{name} ({a}) imports {target} ({b}), a layer above it"

@@ -6,7 +6,7 @@ tp=2×fsdp=4 at ZeRO-3 and dp=2×tp=4, each with sequence parallelism off, on, a
 collective matmuls (each family on every mesh and in every mode). tiny-llama has 8 query heads
 and 4 KV heads, so tp=8 is grouped-query attention with fewer KV heads than tp; multi-query
 attention, remat and the chunked loss run on tp meshes too. Then the compiled programs: the
-collectives one layer's forward holds against tools.plan's theory, the temporaries sequence
+collectives one layer's forward holds against jaxllm plan's theory, the temporaries sequence
 parallelism saves against BENCHMARKS.md, and the logits the vocabulary-parallel loss never
 materialises.
 """
@@ -25,8 +25,8 @@ from jaxllm.config import build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.sharding import Layout, activation_rules, param_rules, use_layout
-from tools.collectives import collectives_per_step, computations
-from tools.plan import plan, tensor_parallel_theory
+from jaxllm.hlo import collectives_per_step, computations
+from jaxllm.cli.plan import plan, tensor_parallel_theory
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 
@@ -177,7 +177,7 @@ def sliced_along_sequence(hlo: str, name: str, shard_shape: tuple[int, ...]) -> 
 
 @pytest.mark.parametrize("family,mode", tiers([(f, m) for f in PRESETS for m in MODES], {("llama", m) for m in MODES}))
 def test_layer_forward_collectives_are_the_planners(family, mode):
-    """One layer's forward on dp=2 × tp=4 holds exactly the activation collectives `tools.plan` predicts
+    """One layer's forward on dp=2 × tp=4 holds exactly the activation collectives `jaxllm plan` predicts
     (`tensor_parallel_theory`), in count and bytes per call, and nothing else: Megatron TP's two
     all-reduces; with sequence parallelism two all-gathers and two reduce-scatters (on CPU: an
     all-reduce whose only use is the slice to this rank's sequence block); with collective matmuls only
@@ -206,7 +206,7 @@ def test_layer_forward_collectives_are_the_planners(family, mode):
 
 @pytest.mark.slow
 def test_sequence_parallel_saves_the_temporaries_benchmarks_claims():
-    """BENCHMARKS.md's tensor-parallel table (`tools.plan` on small-gpt2, dp=2 × tp=4, fp32): Megatron
+    """BENCHMARKS.md's tensor-parallel table (`jaxllm plan` on small-gpt2, dp=2 × tp=4, fp32): Megatron
     sequence parallelism cuts the step's compiled temporaries by the share it states, within 5 points,
     and collective matmuls keep them below TP alone. The planner's activation estimate of what SP
     saves is below what the compiled program saves (BENCHMARKS: norm statistics are split too)."""

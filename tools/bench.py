@@ -1,6 +1,6 @@
 """`python -m tools.bench [--config FILE] [key=value ...]`: time jaxllm's train step against the same model in plain JAX.
 
-Builds the train step for the config exactly as `experiments.run` would (same config
+Builds the train step for the config exactly as `jaxllm train` would (same config
 file default, overrides, validation, mesh and `make_step_fns`), feeds it synthetic
 random tokens, and reports tokens/s, step time and MFU (the trainer's own FLOPs per
 token and peak). Then does the same for the same model and step written plainly
@@ -43,14 +43,9 @@ import argparse
 import copy
 import json
 import logging
-import os
 import statistics
 import sys
 import time
-
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "experiments", "configs", "default.toml")
-
 
 def plain_model(m):
     """(module, its config) of the model `tools/plain_gpt.py` or `tools/plain_llama.py` writes plainly for
@@ -302,7 +297,8 @@ def format_table(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help=f"TOML config file (default: {os.path.relpath(DEFAULT_CONFIG)})")
+    parser.add_argument("--config", default=None, metavar="NAME|FILE",
+                        help="a shipped config's name (jaxllm/configs/) or a TOML file (default: default)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=gpt2-124m")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per window (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
@@ -314,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
+    from jaxllm import cli
     from jaxllm.config import build_config
     from jaxllm.errors import UserError
 
     try:
-        cfg = build_config(args.config or DEFAULT_CONFIG, args.overrides)
+        cfg = build_config(cli.config_path(args.config), args.overrides)
         result = bench(cfg, steps=args.steps, warmup=args.warmup, windows=args.windows, baseline=args.baseline)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

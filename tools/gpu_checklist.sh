@@ -4,8 +4,8 @@
 # stop the others. Run from a checkout: PYTHONPATH=. is set here. ONLY=REGEX runs the checks it matches.
 # LLaMA-1B runs at seq_len 1024, batch 4: at 2048 its O(t²) attention (fp32 scores) does not fit 139 GiB.
 #   mfu_llama1b, mfu_gpt2  MFU of the bf16 train step against tools/plain_* (tools.bench)
-#   fp8_llama1b            the fp8 step's matmuls by runner and operand type (tools.plan), and its speed
-#   offload_{none,host}    the step's argument and host bytes without and with host offload (tools.plan)
+#   fp8_llama1b            the fp8 step's matmuls by runner and operand type (jaxllm plan), and its speed
+#   offload_{none,host}    the step's argument and host bytes without and with host offload (jaxllm plan)
 #   comm_lab               the all-reduce algorithms on this machine's GPUs (tools.comm_lab)
 set -u
 out=${1:?usage: tools/gpu_checklist.sh OUT_DIR}
@@ -26,9 +26,9 @@ bf16="precision.compute=bfloat16"
 llama="model.preset=llama-1b model.seq_len=1024 train.global_batch=4 $bf16"
 check mfu_llama1b 150 $py -m tools.bench $llama --steps 5 --warmup 2 --windows 3 --json
 check mfu_gpt2 90 $py -m tools.bench model.preset=gpt2-124m train.global_batch=16 $bf16 --steps 10 --warmup 2 --windows 3 --json
-check fp8_llama1b 90 $py -m tools.plan $llama precision.matmul=fp8 --json
+check fp8_llama1b 90 $py -m jaxllm plan $llama precision.matmul=fp8 --json
 check fp8_llama1b_bench 150 $py -m tools.bench $llama precision.matmul=fp8 --steps 5 --warmup 2 --windows 3 --json
-check offload_none 60 $py -m tools.plan model.preset=gpt2-124m train.global_batch=16 $bf16 --json
-check offload_host 60 $py -m tools.plan model.preset=gpt2-124m train.global_batch=16 $bf16 \
+check offload_none 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_batch=16 $bf16 --json
+check offload_host 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_batch=16 $bf16 \
   memory.offload_optimizer=true memory.offload_params=true --json
 check comm_lab 45 $py -m tools.comm_lab --max-mib 64 --repeats 3 --out "$out/comm_lab"

@@ -3,9 +3,9 @@
     python -m tools.grpo_study [--seeds 0 1 2] [--steps 300] [--out runs/grpo_study] [--format-data DIR]
                                [key=value ...]
 
-For each seed: the format SFT (`experiments/configs/arith_format.toml`, a digit and end-of-text after
+For each seed: the format SFT (`jaxllm/configs/arith_format.toml`, a digit and end-of-text after
 `a+b=`, any digit: right one time in ten), then GRPO from it with the exact-match reward
-(`experiments/configs/grpo_arith.toml`), then the control: the same GRPO run with each group's rewards
+(`jaxllm/configs/grpo_arith.toml`), then the control: the same GRPO run with each group's rewards
 shuffled among its completions (`shuffled_exact_match` below, a `python:` reward hook), which keeps their
 mean and spread but not which completion earned them. Every run is an ordinary run directory under
 `--out`, resumable (one already finished is not run again); `key=value` overrides go to the GRPO runs.
@@ -47,10 +47,10 @@ CONTROL_REWARD = "python:tools.grpo_study:shuffled_exact_match"
 
 
 def _run(config: str, run_dir: str, overrides: list[str]) -> None:
-    """`experiments.run` into `run_dir`, resumed if it holds a checkpoint; nothing if it is finished."""
+    """`jaxllm train` into `run_dir`, resumed if it holds a checkpoint; nothing if it is finished."""
     if os.path.exists(os.path.join(run_dir, "done")):
         return
-    argv = [sys.executable, "-m", "experiments.run", "--config", config, f"run.dir={run_dir}",
+    argv = [sys.executable, "-m", "jaxllm", "train", "--config", config, f"run.dir={run_dir}",
             "train.resume=true", "run.progress=false", *overrides]
     print("$", " ".join(argv[1:]), flush=True)
     subprocess.run(argv, check=True)
@@ -67,11 +67,11 @@ def rewards(run_dir: str) -> np.ndarray:
 def run_seed(out: str, seed: int, steps: int, format_data: str, overrides: list[str]) -> dict[str, str]:
     """The format SFT, GRPO and its control for one seed: {name: run directory}."""
     fmt, grpo, control = (os.path.join(out, f"{name}_seed{seed}") for name in ("format", "grpo", "control"))
-    _run("experiments/configs/arith_format.toml", fmt,
+    _run("arith_format", fmt,
          [f"train.seed={seed}", f"data.source={os.path.join(format_data, 'format.jsonl')}"])
     common = [f"init.from=run:{fmt}", f"train.seed={seed}", f"train.steps={steps}", "train.log_every=1", *overrides]
-    _run("experiments/configs/grpo_arith.toml", grpo, common)
-    _run("experiments/configs/grpo_arith.toml", control, [*common, f'rl.rewards=["{CONTROL_REWARD}"]'])
+    _run("grpo_arith", grpo, common)
+    _run("grpo_arith", control, [*common, f'rl.rewards=["{CONTROL_REWARD}"]'])
     return {"grpo": grpo, "control": control}
 
 

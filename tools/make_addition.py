@@ -4,7 +4,7 @@
 
 Every pair a + b with 10 ≤ a, b ≤ 99 (8,100 of them) is one conversation, user "a+b", assistant the sum.
 A fixed 300 pairs (drawn with seed 0) go to OUT_DIR/heldout.jsonl and never to OUT_DIR/train.jsonl, so
-`tools.exact_match` measures sums the model has not seen. Deterministic: the same files every run.
+`jaxllm exact-match` measures sums the model has not seen. Deterministic: the same files every run.
 """
 
 from __future__ import annotations

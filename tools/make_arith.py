@@ -4,9 +4,9 @@ and nothing of the sum.
     python -m tools.make_arith [OUT_DIR]      # default data/arith
 
 OUT_DIR/format.jsonl holds, for each of the 100 prompts `a+b=` (a, b ∈ 0..9), ten prompt_completion lines,
-one per digit 0..9 as the completion. A model fine-tuned on it (experiments/configs/arith_format.toml)
+one per digit 0..9 as the completion. A model fine-tuned on it (jaxllm/configs/arith_format.toml)
 answers with one digit and its end-of-text, right one time in ten: the start GRPO learns the sums from
-(experiments/configs/grpo_arith.toml, whose built-in task `arith` asks for (a+b) mod 10). Deterministic.
+(jaxllm/configs/grpo_arith.toml, whose built-in task `arith` asks for (a+b) mod 10). Deterministic.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`python -m tools.remat_table [--config FILE] [--rounds 5] [key=value ...]`: the seeds' time-memory table of
 activation recomputation beside the compiled train step of each setting.
 
-For each row (`model.remat`, `model.remat_group`) it compiles the config's train step (as `experiments.run`
+For each row (`model.remat`, `model.remat_group`) it compiles the config's train step (as `jaxllm train`
 builds it) and reads the compiled temporaries, then times the steps on random tokens, every setting taking
 its turn in each of `--rounds` rounds (so load from other processes hits all alike); step times are medians,
 and both columns are ratios to no recomputation. Default: tiny-llama at 16 layers, seq 128, batch 16, fp32,
@@ -51,7 +51,7 @@ def build(overrides: dict, config: str | None):
 def measure(config: str | None, overrides: dict, rounds: int, steps: int) -> list[dict]:
     import jax
 
-    from tools.collectives import memory_summary
+    from jaxllm.hlo import memory_summary
 
     runs = []
     for remat, group, memory, compute in ROWS:

@@ -6,7 +6,7 @@ checked by a run.
     python -m tools.scaling fit RUNS_DIR [--plots DIR] [--bootstrap N]
     python -m tools.scaling check RUNS_DIR [--budget C] [--bootstrap N]
 
-`run` trains one ordinary `experiments.run` run directory per (size, budget) under `--out`, one after
+`run` trains one ordinary `jaxllm train` run directory per (size, budget) under `--out`, one after
 another in this process, smallest budget first: a size LAYERSxWIDTH sets model.n_layers and
 model.d_model (and the heads and d_ff, keeping the base config's head width and d_ff/d_model); a budget
 C in FLOPs sets train.steps from C = 6·N·D, D = steps · global_batch · seq_len tokens. N counts the
@@ -41,7 +41,7 @@ from jaxllm.errors import UserError
 from tools import scaling_fit, scaling_report
 from tools.scaling_report import N_NOTE
 
-CONFIG = os.path.join(os.path.dirname(cli.DEFAULT_CONFIG), "scaling.toml")
+CONFIG = os.path.join(cli.CONFIG_DIR, "scaling.toml")
 SIZES = ("2x32", "2x48", "3x64", "3x96", "4x128")  # the shipped study: N from 26k to 0.8M
 BUDGETS = (3e11, 1e12, 3e12)
 CHECK_BUDGET = 6e12

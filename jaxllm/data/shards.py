@@ -61,7 +61,7 @@ def read_shard(path) -> np.ndarray:
                         "it is not an llm.c token shard, so remove it from the data folder")
     if version not in DTYPES:
         raise DataError(f"shard {path}: unknown version {version} (known: 1 = uint16, 7 = uint32); "
-                        "remake it with tools/prepare_data.py")
+                        "remake it with jaxllm prepare-data")
     dtype = DTYPES[int(version)]
     expected = HEADER_BYTES + int(count) * dtype.itemsize
     if count < 0 or size != expected:
@@ -84,5 +84,5 @@ def list_shards(folder_or_glob) -> tuple[list[str], list[str]]:
         missing = "train" if not train else "validation"
         raise DataError(f"data.source: no {missing} shards in {source!r} ({len(train)} train, {len(val)} val); "
                         "shards with 'val' in their name are validation and the others train, "
-                        "so add the missing ones (tools/prepare_data.py writes both)")
+                        "so add the missing ones (jaxllm prepare-data writes both)")
     return train, val

@@ -11,7 +11,7 @@ what it computes alone.
 
 It runs on the training mesh with the training parameters: at its start the program casts them to the
 compute dtype and lays them out as used (`cache.generation_layout`: under ZeRO-3 or a pipeline that is
-an all-gather over fsdp/pp, a transient copy of Φ·B/tp bytes per device that `tools.plan` reports and
+an all-gather over fsdp/pp, a transient copy of Φ·B/tp bytes per device that `jaxllm plan` reports and
 that lives only while the program runs), then every decode step reads that copy instead of gathering
 again. MoE layers run dropless: prefill and decode see different groups of tokens, and only dropless
 routing gives each token what the full forward gives it. One program is compiled per (rows, prompt
@@ -262,7 +262,7 @@ def weights_copy_bytes(m, dtype, on) -> int:
 
 def lower(cfg, on, abstract_params, rows: int, prompt_len: int, new: int):
     """The generation program for `rows` prompts of `prompt_len` tokens and `new` new ones, lowered without
-    data (for `tools.plan`'s compiled memory)."""
+    data (for `jaxllm plan`'s compiled memory)."""
     m, dtype, layout = _dropless(cfg.model), jnp.dtype(cfg.precision.compute), layout_for(on)
     rows, width = padded_rows(rows, layout), bucket(prompt_len)
     batch = jax.ShapeDtypeStruct((rows, width), jnp.int32,

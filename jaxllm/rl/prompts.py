@@ -7,7 +7,7 @@ by the exact_match, gsm8k and boxed rewards) and any other column a reward reads
 as a list with one entry per completion. Every line must have the columns the first one has.
 
 `data.source = "arith"` is the built-in task: the 100 prompts `a+b=` for a, b ∈ 0..9, answered by (a+b) mod
-10 as one digit (`experiments/configs/grpo_arith.toml`; what GRPO reaches on it: BENCHMARKS.md "GRPO").
+10 as one digit (`jaxllm/configs/grpo_arith.toml`; what GRPO reaches on it: BENCHMARKS.md "GRPO").
 
 Each step takes `train.global_batch / rl.group_size` prompts: epoch after epoch of a permutation drawn
 from (train.seed, epoch), so a step's prompts depend on the seed and the step alone.

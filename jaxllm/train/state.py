@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxllm.errors import ConfigError
 
 LEGACY_FIELDS = ("step", "params", "opt_state")  # the dict checkpoints of jaxllm before TrainState
-PARAMS_ONLY = ("step", "params")  # an imported model (`tools.hf import`): the optimizer starts fresh on resume
+PARAMS_ONLY = ("step", "params")  # an imported model (`jaxllm hf import`): the optimizer starts fresh on resume
 
 
 @flax.struct.dataclass

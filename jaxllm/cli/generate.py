@@ -1,7 +1,7 @@
 """Generate text from a trained run or a Hugging Face model directory, with the KV cache.
 
-    python -m tools.generate --from runs/mine --prompt "def fib(n):" --max-new-tokens 64 --temperature 0.8
-    python -m tools.generate --from hf:DIR --prompt "..." --greedy [key=value ...]
+    jaxllm generate --from runs/mine --prompt "def fib(n):" --max-new-tokens 64 --temperature 0.8
+    jaxllm generate --from hf:DIR --prompt "..." --greedy [key=value ...]
 
 `--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`) or `hf:DIR`
 (the model, its tokenizer.json and generation_config.json's stop ids). Several `--prompt`s generate as
@@ -23,7 +23,7 @@ log = logging.getLogger("jaxllm")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="jaxllm generate", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
     p.add_argument("--prompt", action="append", required=True, help="text to continue (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -48,7 +48,7 @@ def load(source: str, step: int | None, overrides: list[str]):
     from jaxllm.mesh import initialize_distributed
     from jaxllm.train import checkpoint as ckpt
     from jaxllm.train.loop import initial_state, resolve
-    from tools.hf import step_fns_for
+    from jaxllm.cli.hf import step_fns_for
 
     # generation keeps the parameters on the device, wherever the run stored them between steps
     given = {**cli.OWN_PROCESSES, "memory.offload_params": False, "memory.offload_optimizer": False,

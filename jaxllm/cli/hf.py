@@ -1,11 +1,11 @@
 """Hugging Face checkpoints in and out of jaxllm runs.
 
-    python -m tools.hf import HF_DIR RUN_DIR [key=value ...]
-    python -m tools.hf export RUN_DIR OUT_DIR [--step N] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
-                                              [key=value ...]   (e.g. distributed.* and mesh.* for several processes)
+    jaxllm hf import HF_DIR RUN_DIR [key=value ...]
+    jaxllm hf export RUN_DIR OUT_DIR [--step N] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
+                                     [key=value ...]   (e.g. distributed.* and mesh.* for several processes)
 
 `import` writes RUN_DIR/config.toml (init.from = "hf:HF_DIR", its tokenizer when HF_DIR has one) and a
-step-0 checkpoint holding the parameters only; `python -m experiments.run --config RUN_DIR/config.toml
+step-0 checkpoint holding the parameters only; `jaxllm train --config RUN_DIR/config.toml
 train.resume=true` then trains it, the optimizer starting fresh. `export` writes RUN_DIR's newest (or
 STEP's) parameters as a directory transformers' `from_pretrained` loads, in the dtype of the checkpoint the
 run started from (float32 for a run that started from random weights) unless --dtype says otherwise, with
@@ -26,7 +26,7 @@ log = logging.getLogger("jaxllm")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.hf", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="jaxllm hf", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a Hugging Face model directory -> a jaxllm run directory at step 0")
     imp.add_argument("hf_dir")
@@ -78,7 +78,7 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
               {"config": to_dict(cfg), "step": 0, "state_fields": list(PARAMS_ONLY)})
     mngr.wait_until_finished()
     mngr.close()
-    log.info("imported %s into %s (step 0, parameters only); train it with: python -m experiments.run --config "
+    log.info("imported %s into %s (step 0, parameters only); train it with: jaxllm train --config "
              "%s train.resume=true", hf_dir, run_dir, os.path.join(run_dir, "config.toml"))
 
 

@@ -1,4 +1,4 @@
-"""`python -m tools.plan [--config FILE] [key=value ...] [--json]`: what one train step costs per device.
+"""`jaxllm plan [--config NAME|FILE] [key=value ...] [--json]`: what one train step costs per device.
 
 Compiles the train step for a config on this machine's devices, without running it
 and without loading any data, and reports per device:
@@ -35,9 +35,9 @@ estimate of what autodiff saves (see `tensor_parallel_theory`), not read from XL
 the attention memory (checked by hand against compiled attention at seq 4096, see
 `attention_memory_theory`).
 
-Config handling is the same as `experiments.run`: experiments/configs/default.toml unless
-`--config` is given, then the `key=value` overrides; `model.vocab_size=0` takes the
-tokenizer's size. A config mistake is one line `error: ...` on stderr and exit code 2.
+Config handling is the same as `jaxllm train`: jaxllm/configs/default.toml unless `--config`
+gives a shipped config's name or a file, then the `key=value` overrides; `model.vocab_size=0`
+takes the tokenizer's size. A config mistake is one line `error: ...` on stderr and exit code 2.
 Logs and the human-readable table go to stderr and stdout; with `--json`, the last line
 of stdout is one JSON object (the dict `plan(cfg)` returns).
 """
@@ -53,6 +53,8 @@ import sys
 import time
 
 from jaxllm import cli
+from jaxllm.hlo import (KINDS, bytes_by_kind_and_dtype, collective_report, computations, executed_collectives,
+                        format_bytes, memory_summary, permute_bytes_by_device)
 
 THEORY_ASSUMES = ("Adam (2 fp32 moments per parameter); tp-sharded parts counted as replicated over tp "
                   "(Φ is not divided by tp); step counters and the batch are left out")
@@ -155,7 +157,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
 
     Each entry is {kind, count, bytes_per_call, bytes, sent_bytes_per_call, sent_bytes, where}:
     `bytes_per_call` is the size of XLA's result (all-reduce and all-gather: the full
-    [b, s, d]; reduce-scatter and collective-permute: the shard), as tools.collectives counts;
+    [b, s, d]; reduce-scatter and collective-permute: the shard), as jaxllm.hlo counts;
     `sent_bytes_per_call` is what each device sends on a ring: (n-1)/n of the full array for
     an all-gather or reduce-scatter, 2(n-1)/n for an all-reduce, the whole operand for a
     collective-permute. `per_layer` sums forward and backward by kind; `per_step` multiplies
@@ -506,8 +508,6 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
 
 def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
     """Element types (as numpy names) of the compiled collective-permutes that move `elements` values."""
-    from tools.collectives import computations
-
     comps, _ = computations(hlo_text)
     found = set()
     for ins in (i for instrs in comps.values() for i in instrs):
@@ -620,7 +620,6 @@ def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
     """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table; with
     groups, the temporaries of the same step compiled without them (the groups' effect)."""
     from jaxllm.models.transformer import remat_group
-    from tools.collectives import memory_summary
 
     m, t = cfg.model, cfg.train
     chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
@@ -642,7 +641,6 @@ def allreduce_report(cfg, shape: dict, hlo: str, n_params: int) -> dict | None:
     """For a hand-built `train.allreduce`: its rounds and the bytes each device sends in the compiled step
     (from the permutes' source_target_pairs), beside its formula and the seeds' 2Φ for an all-reduce."""
     from jaxllm.mesh import batch_shards
-    from tools.collectives import collective_report, permute_bytes_by_device
 
     t = cfg.train
     if t.allreduce == "xla":
@@ -662,8 +660,6 @@ def allreduce_report(cfg, shape: dict, hlo: str, n_params: int) -> dict | None:
 
 
 def _format_allreduce(a: dict) -> list[str]:
-    from tools.collectives import format_bytes
-
     return ["", f"gradient all-reduce: train.allreduce={a['algorithm']} over {a['devices']} devices, buckets of "
             f"{a['bucket_mb']} MB: {a['rounds']} collective-permute rounds per step",
             f"  bytes sent per device: compiled max {format_bytes(a['sent_max'])}, mean "
@@ -677,8 +673,6 @@ def zeropp_report(cfg, shape: dict, hlo: str) -> dict | None:
     their fp32 scales) beside the same elements in the compute dtype; the predicted ratio (1 + 4/block) /
     dtype bytes."""
     import jax.numpy as jnp
-
-    from tools.collectives import bytes_by_kind_and_dtype, executed_collectives
 
     z = cfg.train.zeropp
     if not (z.weights or z.grads):  # hpZ alone quantizes nothing (its state shows in the ZeRO theory)
@@ -697,8 +691,6 @@ def zeropp_report(cfg, shape: dict, hlo: str) -> dict | None:
 
 
 def _format_zeropp(z: dict) -> list[str]:
-    from tools.collectives import format_bytes
-
     on = ", ".join(n for n, k in (("qwZ", "weights"), ("qgZ", "grads"), ("hpZ", "hpz")) if z[k])
     ratio = lambda a, b: f"×{a / b:.3f}" if b else "-"
     return ["", f"ZeRO++ ({on}; blocks of {z['block']}; predicted ratio (1 + 4/{z['block']}) / "
@@ -717,7 +709,6 @@ def plan(cfg) -> dict:
     import jax
 
     from jaxllm.models import transformer
-    from tools.collectives import collective_report, memory_summary
 
     log = logging.getLogger("jaxllm")
     cfg, shape, notes = resolve(cfg)
@@ -779,8 +770,6 @@ def plan(cfg) -> dict:
 
 def _format_tensor_parallel(tp: dict, temp_bytes: int) -> list[str]:
     """The "tensor parallelism" section of `format_table`."""
-    from tools.collectives import format_bytes
-
     n = tp["tp"]
     a, layers = tp["activation_bytes_per_layer"], tp["n_layers"]
     lines = ["", f"tensor parallelism (tp={n})"]
@@ -833,8 +822,6 @@ _ATTENTION_LABELS = {"probabilities": "probabilities", "score_gradients": "score
 
 def _format_attention(at: dict) -> list[str]:
     """The "attention memory per layer" section of `format_table`."""
-    from tools.collectives import format_bytes
-
     sp, strategy = at["sp"], at["strategy"]
     terms = lambda x: ", ".join(f"{_ATTENTION_LABELS.get(k, k)} {format_bytes(v)}" for k, v in x["terms"].items())
     lines = ["", f"attention memory per layer (sp={sp}, {strategy})",
@@ -857,8 +844,6 @@ def _format_attention(at: dict) -> list[str]:
 
 def _format_pipeline(pl: dict) -> list[str]:
     """The "pipeline" section of `format_table` (pp > 1 only)."""
-    from tools.collectives import format_bytes
-
     cp, bub = pl["collective_permute"], pl["bubble"]
     slots = pl["act_depth"] + pl["grad_depth"]
     lines = ["", f"pipeline (pp={pl['pp']}, {pl['schedule']}, v={pl['v']}, m={pl['m']})",
@@ -887,8 +872,6 @@ def _format_pipeline(pl: dict) -> list[str]:
 
 
 def _format_generation(g: dict, compute: str) -> list[str]:
-    from tools.collectives import format_bytes
-
     return ["", f"generation per device (no compiling): {g['rows']} prompts of {g['prompt']} tokens + {g['new']} new, "
                 f"KV cache of {g['slots']} slots, {compute}",
             f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
@@ -901,8 +884,6 @@ SEEDS_REMAT = [("none", "O(L): every activation", "1"), ("full", "O(L) layer inp
 
 
 def _format_remat(r: dict) -> list[str]:
-    from tools.collectives import format_bytes
-
     group = f"groups of {r['group']} of {r['repeats']} repeats per stage chunk" if r["group"] else "no groups"
     effect = (f", without groups {format_bytes(r['temp_bytes_without_group'])} "
               f"({r['temp_bytes'] / r['temp_bytes_without_group']:.2f}×)" if "temp_bytes_without_group" in r else "")
@@ -914,8 +895,6 @@ def _format_remat(r: dict) -> list[str]:
 
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
-    from tools.collectives import KINDS, format_bytes
-
     c, mem, th = p["config"], p["memory"], p["theory"]
     stage, n = c["zero_stage"], th["fsdp"]
     mesh = " ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
@@ -991,7 +970,7 @@ def format_table(p: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.config_parser("python -m tools.plan", __doc__.splitlines()[0])
+    parser = cli.config_parser("jaxllm plan", __doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object on the last stdout line")
     args = parser.parse_args(argv)
 

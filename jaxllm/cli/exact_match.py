@@ -1,6 +1,6 @@
 """Greedy exact-match accuracy of a model on held-out fine-tuning examples.
 
-    python -m tools.exact_match --from runs/sft --data heldout.jsonl [--limit 200] [--step N] [key=value ...]
+    jaxllm exact-match --from runs/sft --data heldout.jsonl [--limit 200] [--step N] [key=value ...]
 
 Each line of `--data` (the run's `data.format`: chat, or prompt_completion) is a request: the prompt (for
 chat, every message before the last, with the template's generation prompt) and the reference reply (the
@@ -25,7 +25,7 @@ log = logging.getLogger("jaxllm")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tools.exact_match", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="jaxllm exact-match", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
     p.add_argument("--data", required=True, help="a JSONL file of held-out examples")
     p.add_argument("--limit", type=int, default=0, help="the first N examples only (0: all)")
@@ -75,7 +75,7 @@ def accuracy(cfg, tokenizer, fns, params, prompts, replies, max_new_tokens: int,
 
 
 def run(args) -> None:
-    from tools.generate import load
+    from jaxllm.cli.generate import load
 
     cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
     prompts, replies = requests(cfg, tokenizer, args.data, args.limit)

@@ -1,8 +1,8 @@
 """Tokenize a text file, a folder of text files or "stdlib" once into llm.c shards, so that training
 starts without re-tokenizing and the shards can be shared with llm.c.
 
-    python -m tools.prepare_data INPUT OUT_DIR [--tokenizer byte|gpt2|hf:DIR] [--name NAME]
-                                 [--shard-tokens N] [--val-percent P]
+    jaxllm prepare-data INPUT OUT_DIR [--tokenizer byte|gpt2|hf:DIR] [--name NAME]
+                                      [--shard-tokens N] [--val-percent P]
 
 Writes NAME_val_000000.bin (validation), then NAME_train_000001.bin, ... of at most N tokens each.
 The magic is llm.c's GPT-2 one (20240520) for every tokenizer whose ids fit in uint16 (byte and gpt2
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxllm.cli import ArgumentParser
 from jaxllm.data.corpus import corpus_summary, load_corpus
 from jaxllm.data.shards import MAGIC_GPT2, MAGIC_LLAMA3, write_shard
 from jaxllm.data.tokenizers import get_tokenizer
@@ -36,7 +37,7 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.prepare_data", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="jaxllm prepare-data", description=__doc__.split("\n\n")[0])
     p.add_argument("input", help='a text file, a folder of text files, or "stdlib"')
     p.add_argument("out_dir", help="folder to write the .bin shards to (created if missing)")
     p.add_argument("--tokenizer", default="byte", help="byte, gpt2, or hf:DIR (a Hugging Face tokenizer.json folder)")
