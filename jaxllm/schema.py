@@ -145,8 +145,14 @@ class ModelConfig:
                                             "`rope_original_context` / high are kept")
     rope_original_context: int = key(8192, "`llama3` scaling: original, the context length the bands are measured "
                                            "against")
-    sliding_window: int = key(0, "a loaded model's attention window (0 = none); only windows at least `seq_len` "
-                                 "run, where the window changes nothing")
+    sliding_window: int = key(0, "attention window: a query sees the keys whose positions are less than this far "
+                                 "behind it (0 = none; Mistral's `sliding_window`); with `mesh.sp > 1` only windows "
+                                 "of at least `seq_len` run, where the window changes nothing")
+    attention_impl: str = key("auto", "how attention is computed: `dense` (the whole [t, t] score array: the readable "
+                                      "reference), `chunked` (query and key blocks with an online softmax and a "
+                                      "recomputing backward: O(t) memory, masked-out blocks skipped), or `auto` "
+                                      "(`chunked` from `seq_len` 4096 on or with a window shorter than `seq_len`, else "
+                                      "`dense`; the choice is logged); see \"Attention\"")
     init_std: float = key(0.02, "standard deviation of the random initialisation")
     pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
                                    "puts an MoE feed-forward in every second layer); the stack is scanned")

@@ -37,6 +37,7 @@ import hf_families as H
 from harness import tiers
 from jaxllm.generate.decode import generate_arrays
 from jaxllm.interop import hf
+from jaxllm.models import transformer
 
 NEW = 32
 _RNG = np.random.default_rng(1)
@@ -53,12 +54,13 @@ def checkpoint(tmp_path_factory):
     """family -> its float32 checkpoint directory, built on first use and kept for the file."""
     root, built = tmp_path_factory.mktemp("generate_hf"), {}
 
-    def get(family: str) -> str:
-        if family not in built:
+    def get(family: str, **overrides) -> str:
+        name = "-".join([family, *(f"{k}{v}" for k, v in sorted(overrides.items()))])
+        if name not in built:
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(H, "WEIGHT_STD", INIT_STD)
-                built[family] = H.build(family, str(root / family))
-        return built[family]
+                built[name] = H.build(family, str(root / name), **overrides)
+        return built[name]
 
     return get
 
@@ -135,3 +137,27 @@ def test_greedy_generation_equals_transformers(family, checkpoint):
     assert_same_tokens(family, "transformers' left-padded batch", tokens, logits, ref_tokens, ref_logits)
     diff = np.abs(logits - ref_logits).max()
     assert diff <= LOGIT_ATOL, f"{family}: logits differ from transformers' by up to {diff:.3g}"
+
+
+WINDOW = 16  # shorter than every row's prompt and new tokens together (34 to 45), and than the 64-token logits
+
+
+def test_mistral_sliding_window_equals_transformers(checkpoint):
+    """A Mistral whose window (16) is shorter than what it reads: logits over 64 tokens within 1e-4 of
+    transformers', and greedy generation equal token for token over 32 new tokens (the cache keeps every slot;
+    the window masks)."""
+    import jax
+    import jax.numpy as jnp
+
+    path = checkpoint("mistral", sliding_window=WINDOW)
+    tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 64, 0)
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": 64, "precision.compute": "float32"})
+    assert cfg.model.sliding_window == WINDOW
+    logits = np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
+    diff = np.abs(logits - H.reference_logits(path, tokens)).max()
+    assert diff <= LOGIT_ATOL, f"windowed logits differ from transformers' by up to {diff:.3g}"
+
+    ours_tokens, ours_logits = ours(path)
+    assert margins(ours_logits).min() > MIN_MARGIN
+    ref_tokens, ref_logits = theirs(transformers_model(path), PROMPTS)
+    assert_same_tokens("mistral", "transformers' left-padded batch", ours_tokens, ours_logits, ref_tokens, ref_logits)

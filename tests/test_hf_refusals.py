@@ -26,6 +26,7 @@ import hf_families as families
 from harness import CORPUS, REPO, subprocess_env
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError, ModelFileError
+from jaxllm.models import attention
 from jaxllm.interop.hf import load_pretrained
 from jaxllm.cli import train as run_cli
 
@@ -179,19 +180,22 @@ def test_partial_rotary_factor_one_is_accepted(built, tmp_path):
     assert import_config(path).model.rope_scaling == "none"
 
 
-# ---------------------------------------------------------------- 3. sliding-window layers shorter than seq_len
+# ---------------------------------------------------------------- 3. sliding windows on some layers only
 
 
-def test_mistral_window_shorter_than_seq_len_is_refused_at_validate(built):
-    path = built("mistral-w32", "mistral", sliding_window=32)
-    assert import_config(path, **{"model.seq_len": 64}).model.sliding_window == 32
-    validate_refused("model.sliding_window", path, **{"model.seq_len": 64})
+def test_mistral_window_shorter_than_seq_len_runs(built):
+    """A window shorter than the sequence is computed now (test_generate_hf.py checks it against transformers),
+    and `auto` takes the chunked kernel for it."""
+    cfg = import_config(built("mistral-w32", "mistral", sliding_window=32), **{"model.seq_len": 64})
+    assert cfg.model.sliding_window == 32
+    validate(cfg, N_DEVICES)
+    assert attention.implementation(cfg.model) == "chunked"
 
 
-# max_window_layers 0: every layer slides; 1: the second of the two does (layer_types [full, sliding]).
+# max_window_layers 0: every layer slides (one window for all: runs); 1: only the second of the two does (refused).
 @pytest.mark.parametrize("form", ["v5", "v4"])
 @pytest.mark.parametrize("full_layers", [0, 1])
-def test_qwen2_sliding_layers_shorter_than_seq_len_are_refused(built, form, full_layers):
+def test_qwen2_windows_on_every_layer_run_and_on_some_are_refused(built, form, full_layers):
     path = built(f"qwen2-sliding{full_layers}-{form}", "qwen2", config_form=form, use_sliding_window=True,
                  max_window_layers=full_layers, sliding_window=32)
     hf = config_json(path)
@@ -199,8 +203,12 @@ def test_qwen2_sliding_layers_shorter_than_seq_len_are_refused(built, form, full
         assert hf["layer_types"] == ["full_attention"] * full_layers + ["sliding_attention"] * (2 - full_layers)
     else:  # 4.x: use_sliding_window and max_window_layers say it
         assert "layer_types" not in hf and hf["use_sliding_window"] and hf["max_window_layers"] == full_layers
-    assert import_config(path, **{"model.seq_len": 64}).model.sliding_window == 32
-    validate_refused("model.sliding_window", path, **{"model.seq_len": 64})
+    if full_layers:
+        config_refused(ModelFileError, "sliding_window", path, **{"model.seq_len": 64})
+    else:
+        cfg = import_config(path, **{"model.seq_len": 64})
+        assert cfg.model.sliding_window == 32
+        validate(cfg, N_DEVICES)
 
 
 def test_windows_no_shorter_than_seq_len_are_accepted(built):

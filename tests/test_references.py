@@ -90,7 +90,7 @@ def head_from_the_embedding(logits):
 
 MUTANTS = {  # name -> (module, attribute, mutant maker, model)
     "rope_halves_swapped": (attention, "rope", rope_halves_swapped, "llama_gqa"),
-    "gqa_heads_grouped_g_k": (attention, "dot_product_attention", heads_grouped_wrongly, "llama_gqa"),
+    "gqa_heads_grouped_g_k": (attention, "attention", heads_grouped_wrongly, "llama_gqa"),
     "topk_gates_not_renormalised": (moe, "route", gates_not_renormalised, "moe_top2"),
     "rms_norm_subtracts_mean": (layers.NORMS, "rmsnorm", rms_norm_subtracting_the_mean, "llama_gqa"),
     "llama_head_read_from_embedding": (transformer, "_logits", head_from_the_embedding, "llama_gqa"),

@@ -141,7 +141,7 @@ init.from_
 mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp
 memory.offload_optimizer memory.offload_params
 mesh.dp mesh.ep mesh.fsdp mesh.pp mesh.sp mesh.tp
-model.attn_bias model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model
+model.attention_impl model.attn_bias model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model
 model.family model.head_dim model.init_std model.max_positions model.mlp model.mlp_bias
 model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_experts model.moe.shared_expert
 model.moe.top_k model.moe.z_weight

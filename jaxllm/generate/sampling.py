@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.attention import NEG_INF
+from jaxllm.ops.masking import NEG_INF
 
 
 def truncate(scaled: jax.Array, top_k, top_p) -> jax.Array:

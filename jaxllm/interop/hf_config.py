@@ -95,14 +95,19 @@ def _rope(hf: dict) -> dict:
 
 
 def _sliding_window(hf: dict) -> int:
-    """The attention window of any sliding-window layer (0: none)."""
+    """The attention window of every layer (0: none); refused where only some layers slide."""
     window = hf.get("sliding_window", ABSENT[hf["model_type"]]["sliding_window"]) or 0
-    if hf.get("model_type") == "qwen2":
-        if "layer_types" in hf and hf["layer_types"] is not None:
-            return window if "sliding_attention" in hf["layer_types"] else 0
-        sliding = hf.get("use_sliding_window", False) and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
-        return window if sliding else 0
-    return window
+    if hf.get("model_type") != "qwen2" or not window:
+        return window
+    if hf.get("layer_types") is not None:
+        sliding = [kind == "sliding_attention" for kind in hf["layer_types"]]
+    else:  # transformers 4.x: layers from max_window_layers on slide, when use_sliding_window
+        n = hf["num_hidden_layers"]
+        sliding = [hf.get("use_sliding_window", False) and i >= hf.get("max_window_layers", 0) for i in range(n)]
+    if any(sliding) and not all(sliding) and window < hf.get("max_position_embeddings", 0):
+        _refuse(hf, "sliding_window", "only some layers slide; a window on some layers and not others is not "
+                "implemented yet")
+    return window if all(sliding) else 0
 
 
 def _head_dim(hf: dict) -> int:

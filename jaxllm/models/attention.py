@@ -5,8 +5,8 @@
 `attend`, the one dispatch point for the attention kernel (context-parallel
 strategies plug in there, so model files carry no parallelism branches).
 `cached_attention_layer` is the same layer for generation: it writes its keys and values into a
-KV cache and attends to the whole cache. The math
-itself (scores, mask, softmax) is `ops/attention.py`, shared with those strategies.
+KV cache and attends to the whole cache. The math itself (scores, mask, softmax) and its
+implementations (`model.attention_impl`) are `ops/`, shared with those strategies.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, row_parallel
-from jaxllm.ops.attention import dot_product_attention
+from jaxllm.ops.attention import IMPLEMENTATIONS, attention
+from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope
 from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
 from jaxllm.errors import ConfigError
@@ -27,6 +28,23 @@ CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "
 
 
 ROPE_SCALINGS = ("none", "llama3")
+CHUNKED_FROM = 4096  # `auto` picks `chunked` from this seq_len on: below it every shipped config runs `dense`, as before
+
+
+def masking(m) -> Masking:
+    """The model's mask features beyond causal-by-position within a segment (no model: none)."""
+    return Masking(window=m.sliding_window) if m is not None else Masking()
+
+
+def implementation(m) -> str:
+    """`model.attention_impl` resolved: `auto` is `chunked` for long sequences or a window that masks, else `dense`
+    (no model: `dense`)."""
+    if m is None:
+        return "dense"
+    if m.attention_impl != "auto":
+        return m.attention_impl
+    windowed = 0 < m.sliding_window < m.seq_len
+    return "chunked" if m.seq_len >= CHUNKED_FROM or windowed else "dense"
 
 
 def kv_heads(m) -> int:
@@ -47,16 +65,17 @@ def rope_frequencies(m):
     return frequencies(head_dim(m), m.rope_theta, llama3)
 
 
-def attend(q, k, v, positions, segment_ids):
-    """The attention kernel for this run: the dispatch point for context parallelism.
+def attend(q, k, v, positions, segment_ids, m=None):
+    """The attention kernel for this run: the dispatch point for context parallelism and the implementation.
 
     With the sequence split over `sp`, the layout's `context_attention` strategy
-    (`model.cp_strategy`: ring, allgather or ulysses) runs as a shard_map island.
+    (`model.cp_strategy`: ring, allgather or ulysses) runs as a shard_map island; otherwise
+    `model.attention_impl` (resolved by `implementation`) with the model's masking.
     """
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout)
-    return dot_product_attention(q, k, v, positions, positions, segment_ids, segment_ids)
+    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m), implementation(m))
 
 
 def _project(p: dict, x, positions, m, dtype):
@@ -86,7 +105,7 @@ def _project_out(p: dict, out, dtype):
 def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
     """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
     q, k, v = _project(p, x, positions, m, dtype)
-    out = checkpoint_name(attend(q, k, v, positions, segment_ids), "attention")
+    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m), "attention")
     return _project_out(p, out, dtype)
 
 
@@ -110,14 +129,16 @@ class CacheView(NamedTuple):
 
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype):
     """`attention_layer` for generation: this call's keys and values are written into the cache at
-    `cache.start`, then its queries attend to every slot of the cache (the same causal-by-position,
-    same-segment mask as training). Returns (output, the cache with this layer's slots written)."""
+    `cache.start`, then its queries attend to every slot of the cache (the same mask as training: causal by
+    position within a segment, and the model's window). A windowed layer keeps every slot, masked: one cache
+    layout for every layer and no positions to remap, at the cost of slots past the window.
+    Returns (output, the cache with this layer's slots written)."""
     q, k, v = _project(p, x, positions, m, dtype)
     at = (cache.layer, 0, cache.start, 0, 0)
     keys = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at), CACHE)
     values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
-    out = dot_product_attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
-                                cache.segment_ids)
+    out = attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
+                    cache.segment_ids, masking(m), implementation(m))
     return _project_out(p, out, dtype), cache._replace(k=keys, v=values)
 
 
@@ -132,15 +153,27 @@ def _check_positions(m) -> None:
                                            and m.rope_original_context > 0):
         raise ConfigError("model.rope_scaling=llama3 needs rope_factor ≥ 1, 0 < rope_low_freq_factor < "
                           "rope_high_freq_factor and rope_original_context > 0")
-    if 0 < m.sliding_window < m.seq_len:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} is shorter than model.seq_len={m.seq_len}: "
-                          "sliding-window attention is not implemented; set seq_len ≤ the window")
+    if m.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window}: give a window of at least 1 token, or 0 for none")
+
+
+def _check_implementation(m, sp: int) -> list[str]:
+    """`model.attention_impl` and the window against the mesh; the implementation `auto` chose, as a note."""
+    if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
+        raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, {', '.join(IMPLEMENTATIONS)}")
+    if sp > 1 and 0 < m.sliding_window < m.seq_len:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.sp={sp}: the context-parallel islands "
+                          "take no window yet; use mesh.sp=1 or a window of at least model.seq_len")
+    if sp > 1:
+        return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (its own blockwise kernel)"]
+    return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
 
 
 def check_config(m, shape: dict) -> list[str]:
-    """The attention keys against the mesh: ConfigError (one line) for what cannot run."""
+    """The attention keys against the mesh: ConfigError (one line) for what cannot run; notes to log."""
     _check_positions(m)
     sp, tp = shape["sp"], shape["tp"]
+    notes = _check_implementation(m, sp)
     if m.cp_strategy not in CONTEXT_ATTENTION:
         raise ConfigError(f"model.cp_strategy: '{m.cp_strategy}' is not one of {', '.join(CONTEXT_ATTENTION)}")
     if m.seq_len % sp:
@@ -156,4 +189,4 @@ def check_config(m, shape: dict) -> list[str]:
         if kv_local % sp and sp % kv_local:
             raise ConfigError(f"model.cp_strategy=ulysses: {kv_local} KV head(s) per tp rank and mesh.sp={sp}: one "
                               "must divide the other; use ring or allgather, or change sp")
-    return []
+    return notes

@@ -1,9 +1,13 @@
-"""Attention math on one device's arrays: scores, the causal-by-position and same-segment mask,
-softmax, and the pieces of an online softmax (`attention_block`, `merge_blocks`).
+"""Attention on one device's arrays: the interface every caller uses (`attention`), the dense reference,
+and the pieces of an online softmax the context-parallel islands fold (`attention_block`, `merge_blocks`).
 
-Below both `models/` (the attention layer) and `parallel/` (the context-parallel islands):
-it imports neither. Scores and softmax are fp32; the mask is causal by *position* and
-restricted to equal segment ids, so reordered sequences and packed documents work.
+Below both `models/` (the attention layer) and `parallel/` (the context-parallel islands): it imports
+neither. q is [b, t, h, dk]; k is [b, s, kv, dk] and v [b, s, kv, dv] with h a multiple of kv (grouped
+queries read their K/V head, never a repeated copy) and dv free (latent attention has dv ≠ dk).
+
+The mask and the scores are `ops/masking.py`'s. Implementations: `dense` (the readable reference: the
+whole [t, s] score array) and `chunked` (`ops/chunked_attention.py`: blocks and an online softmax, O(t)
+memory in both passes).
 """
 
 from __future__ import annotations
@@ -12,19 +16,27 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
+from jaxllm.ops.chunked_attention import chunked_attention
+from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, scores_of, ungrouped, visible
 
+IMPLEMENTATIONS = ("dense", "chunked")
 
-def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg):
-    """Plain causal attention. q: [b, t, h, d]; k, v: [b, s, kv, d]; h a multiple of kv."""
-    groups = q.shape[2] // k.shape[2]
-    q = rearrange(q, "b t (k g) d -> b t k g d", g=groups) * (q.shape[-1] ** -0.5)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL):
+    """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]."""
+    qg = grouped(q, k.shape[2])
+    mask = visible(q_pos, k_pos, q_seg, k_seg, masking.window)
+    scores = jnp.where(mask[:, None, None], scores_of(qg, k, masking), NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return rearrange(out, "b t k g d -> b t (k g) d")
+    return ungrouped(jnp.einsum("bkgts,bskd->btkgd", probs, v))
+
+
+def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense"):
+    """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here."""
+    if impl == "dense":
+        return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+    if impl == "chunked":
+        return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+    raise ValueError(f"attention implementation '{impl}' is not one of {', '.join(IMPLEMENTATIONS)}")
 
 
 def attention_block(q, k, v, q_pos, k_pos, q_seg, k_seg):
@@ -34,16 +46,14 @@ def attention_block(q, k, v, q_pos, k_pos, q_seg, k_seg):
     this block's keys; fully masked rows give max = -1e30, which `merge_blocks` weighs as zero
     against any real block.
     """
-    groups = q.shape[2] // k.shape[2]
-    q = rearrange(q, "b t (k g) d -> b t k g d", g=groups) * (q.shape[-1] ** -0.5)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    scores = jnp.where(mask[:, None, None], scores, NEG_INF)
+    qg = grouped(q, k.shape[2])
+    mask = visible(q_pos, k_pos, q_seg, k_seg)
+    scores = jnp.where(mask[:, None, None], scores_of(qg, k, CAUSAL), NEG_INF)
     peak = scores.max(-1)
     p = jnp.exp(scores - peak[..., None])
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     heads = lambda a: rearrange(a, "b k g t -> b t (k g)")
-    return rearrange(out, "b t k g d -> b t (k g) d"), heads(peak), heads(p.sum(-1))
+    return ungrouped(out), heads(peak), heads(p.sum(-1))
 
 
 def merge_blocks(a, b):

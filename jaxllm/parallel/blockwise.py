@@ -15,7 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.attention import NEG_INF, attention_block, merge_blocks
+from jaxllm.ops.attention import attention_block, merge_blocks
+from jaxllm.ops.masking import NEG_INF
 
 
 def pieces_of(t: int, want: int = 2) -> int:

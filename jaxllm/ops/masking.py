@@ -1,0 +1,65 @@
+"""The mask rule and the scores every attention implementation shares.
+
+A query sees a key when their segment ids are equal and 0 ≤ q_pos − k_pos (< window, when a window is
+set): causal by *position*, so reordered sequences and packed documents work. Scores are fp32:
+(q · scale)·k, then cap·tanh(score/cap) with a soft cap (Gemma 2), then the mask. Queries are grouped
+by the K/V head they share ([b, t, kv, g, d]), so grouped-query attention never repeats K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+
+NEG_INF = -1e30  # finite, so fully masked rows never produce NaN
+
+
+@dataclass(frozen=True)
+class Masking:
+    """What a query may see and how its scores are shaped, beyond causal-by-position within a segment.
+
+    window: a key is visible when q_pos − k_pos < window (0: no window); an int, or a traced int32
+    scalar when the window differs by layer. softcap: scores → softcap·tanh(scores/softcap) before the
+    mask (0: none). scale: the score scale (None: 1/√head_dim; Gemma's query_pre_attn_scalar^−½)."""
+
+    window: int | jax.Array = 0
+    softcap: float = 0.0
+    scale: float | None = None
+
+    def score_scale(self, head_dim: int) -> float:
+        return head_dim ** -0.5 if self.scale is None else self.scale
+
+
+CAUSAL = Masking()
+
+
+def visible(q_pos, k_pos, q_seg, k_seg, window=0) -> jax.Array:
+    """[b, t, s]: whether each query sees each key (same segment, 0 ≤ q_pos − k_pos < window or no window)."""
+    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
+    if isinstance(window, int) and window == 0:
+        return mask
+    return mask & ((window <= 0) | (q_pos[:, :, None] - k_pos[:, None, :] < window))
+
+
+def grouped(q, kv_heads: int):
+    """[b, t, h, d] -> [b, t, kv, g, d]: the query heads that share each K/V head."""
+    return rearrange(q, "b t (k g) d -> b t k g d", k=kv_heads)
+
+
+def ungrouped(x):
+    return rearrange(x, "b t k g d -> b t (k g) d")
+
+
+def capped(scores, softcap: float):
+    """Gemma 2's logit soft cap (softcap = 0: the scores as they are)."""
+    return softcap * jnp.tanh(scores / softcap) if softcap else scores
+
+
+def scores_of(qg, k, masking: Masking):
+    """fp32 scores [b, kv, g, t, s] of grouped queries qg [b, t, kv, g, dk] against k [b, s, kv, dk], capped.
+    The scale multiplies q in its own dtype, before the product, as it always has (bitwise today's numbers)."""
+    qg = qg * masking.score_scale(qg.shape[-1])
+    return capped(jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32), masking.softcap)

@@ -1,0 +1,137 @@
+"""The attention implementations (`jaxllm/ops/attention.py`: `dense`, `chunked`) against a float64 NumPy
+reference written here: outputs and gradients with respect to q, k and v, for every mask feature — causal,
+packed segments, zig-zag positions, windows of 1, 17 and ≥ t, soft caps 30 and 50, grouped queries (8 on
+2 K/V heads), one K/V head, and a value head dimension other than the query's. fp32 within 1e-5 of each
+tensor's largest value (the soft-cap cases have scores near 50, where an fp32 ulp is 4e-6 and a gradient
+element that cancels is off by more than 1e-5 absolute in any fp32 implementation, the dense one too);
+bf16 within the low-precision rule (docs/design-notes.md) against the same reference.
+
+The chunked kernel runs with blocks of 16 rows on sequences of 40 and 48, so several blocks, a padded
+last block and the skipped blocks are all exercised; its counter shows a window visiting the window's
+blocks, not the causal triangle's.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.ops.attention import attention
+from jaxllm.ops.masking import Masking
+from jaxllm.ops.chunked_attention import chunked_attention
+
+BLOCK = 16
+
+
+def reference(q, k, v, q_pos, k_pos, q_seg, k_seg, d_out, window=0, softcap=0.0, scale=None):
+    """float64 attention, written from the definition: (out, dq, dk, dv) for the output cotangent d_out."""
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    b, t, h, dk = q.shape
+    group = h // k.shape[2]
+    scale = dk ** -0.5 if scale is None else scale
+    delta = q_pos[:, :, None] - k_pos[:, None, :]
+    mask = (q_seg[:, :, None] == k_seg[:, None, :]) & (delta >= 0) & ((window <= 0) | (delta < window))
+    out, dq, dk_, dv = np.zeros(q.shape[:3] + v.shape[3:]), np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for head in range(h):
+        kv = head // group
+        raw = scale * np.einsum("btd,bsd->bts", q[:, :, head], k[:, :, kv])
+        s = softcap * np.tanh(raw / softcap) if softcap else raw
+        s = np.where(mask, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[:, :, head] = np.einsum("bts,bsd->btd", p, v[:, :, kv])
+        dp = np.einsum("btd,bsd->bts", d_out[:, :, head], v[:, :, kv])
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+        if softcap:
+            ds *= 1 - np.tanh(raw / softcap) ** 2
+        dq[:, :, head] = scale * np.einsum("bts,bsd->btd", ds, k[:, :, kv])
+        dk_[:, :, kv] += scale * np.einsum("bts,btd->bsd", ds, q[:, :, head])
+        dv[:, :, kv] += np.einsum("bts,btd->bsd", p, d_out[:, :, head])
+    return out, dq, dk_, dv
+
+
+def zigzag(t: int, pieces: int = 4) -> np.ndarray:
+    """Positions in the order load-balanced context parallelism puts them (chunk i beside chunk n−1−i)."""
+    chunks = np.split(np.arange(t), 2 * pieces)
+    return np.concatenate([c for i in range(pieces) for c in (chunks[i], chunks[2 * pieces - 1 - i])])
+
+
+CASES = {  # name: (t, q heads, kv heads, dk, dv, window, softcap, q scale (large scores reach the cap), layout)
+    "causal": (48, 4, 4, 8, 8, 0, 0.0, 1.0, "plain"),
+    "packed": (48, 4, 4, 8, 8, 0, 0.0, 1.0, "packed"),
+    "zigzag": (48, 4, 4, 8, 8, 0, 0.0, 1.0, "zigzag"),
+    "window1": (48, 4, 2, 8, 8, 1, 0.0, 1.0, "plain"),
+    "window17": (48, 4, 2, 8, 8, 17, 0.0, 1.0, "packed"),
+    "window18": (48, 4, 2, 8, 8, BLOCK + 2, 0.0, 1.0, "plain"),  # a query block's farthest key block holds one key
+    "window_ge_t": (40, 4, 2, 8, 8, 64, 0.0, 1.0, "plain"),
+    "softcap30": (48, 4, 2, 8, 8, 0, 30.0, 12.0, "plain"),
+    "softcap50": (40, 4, 2, 8, 8, 17, 50.0, 16.0, "zigzag"),
+    "gqa8to2": (48, 8, 2, 8, 8, 0, 0.0, 1.0, "packed"),
+    "mqa": (40, 8, 1, 8, 8, 0, 0.0, 1.0, "plain"),
+    "v_dim": (48, 4, 2, 12, 8, 0, 0.0, 1.0, "plain"),
+}
+FAST = ("causal", "window17", "softcap50", "gqa8to2")
+
+
+def inputs(case: str, dtype=jnp.float32):
+    t, h, kv, dk, dv, window, softcap, q_scale, layout = CASES[case]
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    q = rng.standard_normal((2, t, h, dk)) * q_scale
+    k, v, d_out = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv)), rng.standard_normal((2, t, h, dv))
+    pos = np.tile(zigzag(t) if layout == "zigzag" else np.arange(t), (2, 1)).astype(np.int32)
+    seg = np.ones((2, t), np.int32)
+    if layout == "packed":  # row 0: three documents, positions restarting; row 1: one document and padding
+        seg[0, 20:], seg[0, 33:], seg[1, 37:] = 2, 3, 0
+        pos[0] = np.concatenate([np.arange(20), np.arange(13), np.arange(t - 33)])
+    arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v, d_out))
+    return arrays, tuple(jnp.asarray(x) for x in (pos, pos, seg, seg)), Masking(window, softcap)
+
+
+@functools.partial(jax.jit, static_argnames=("masking", "impl"))
+def out_and_grads(q, k, v, d_out, q_pos, k_pos, q_seg, k_seg, masking, impl):
+    if impl == "chunked":
+        f = lambda q, k, v: chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block=BLOCK)
+    else:
+        f = lambda q, k, v: attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, impl)
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(d_out))
+
+
+def relative_errors(got, want):
+    return [float(np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)) for g, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("impl", ("dense", "chunked"))
+@pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+def test_fp32_matches_float64_reference(case, impl):
+    (q, k, v, d_out), ints, masking = inputs(case)
+    want = reference(q, k, v, *map(np.asarray, ints), d_out, masking.window, masking.softcap)
+    got = out_and_grads(q, k, v, d_out, *ints, masking=masking, impl=impl)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        error = np.abs(np.asarray(g, np.float64) - w).max() / (np.abs(w).max() or 1.0)  # dq is 0 at window 1
+        assert error <= 1e-5, f"{impl} {case}: {name} is {error:.2e} of its largest value off the float64 reference"
+
+
+@pytest.mark.parametrize("case", ("causal", pytest.param("softcap50", marks=pytest.mark.slow),
+                                  pytest.param("gqa8to2", marks=pytest.mark.slow)))
+def test_bf16_chunked_within_the_low_precision_rule(case):
+    """err(chunked, bf16) ≤ 2·err(dense, bf16) + 1e-3 for the output and each gradient, both against float64."""
+    (q, k, v, d_out), ints, masking = inputs(case, jnp.bfloat16)
+    want = reference(q, k, v, *map(np.asarray, ints), d_out, masking.window, masking.softcap)
+    dense = relative_errors(out_and_grads(q, k, v, d_out, *ints, masking=masking, impl="dense"), want)
+    chunked = relative_errors(out_and_grads(q, k, v, d_out, *ints, masking=masking, impl="chunked"), want)
+    assert all(c <= 2 * d + 1e-3 for c, d in zip(chunked, dense)), (chunked, dense)
+
+
+def test_a_window_visits_its_blocks_not_the_triangle():
+    """Counted inside the program: with a window of one block the forward visits two key blocks per query block
+    (its own and the one before), against the causal triangle's n(n+1)/2; causal alone halves the n² pairs."""
+    t, n = 8 * BLOCK, 8
+    q = jnp.ones((1, t, 2, 8), jnp.float32)
+    pos, seg = jnp.arange(t)[None], jnp.ones((1, t), jnp.int32)
+    visited = lambda masking: int(chunked_attention(q, q, q, pos, pos, seg, seg, masking, block=BLOCK, count=True)[1])
+    assert visited(Masking()) == n * (n + 1) // 2
+    assert visited(Masking(window=BLOCK)) == 2 * n - 1
