@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harness import equivalence_config, step_fns
 from jaxllm.ops.attention import attention
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.chunked_attention import chunked_attention
@@ -127,11 +128,33 @@ def test_bf16_chunked_within_the_low_precision_rule(case):
 
 
 def test_a_window_visits_its_blocks_not_the_triangle():
-    """Counted inside the program: with a window of one block the forward visits two key blocks per query block
-    (its own and the one before), against the causal triangle's n(n+1)/2; causal alone halves the n² pairs."""
-    t, n = 8 * BLOCK, 8
+    """Counted inside the program, at 8192 tokens in blocks of 512: causal attention visits the triangle's
+    16·17/2 = 136 key blocks; a window of 512 visits 31 (each query block its own and the one before)."""
+    t, block = 8192, 512
     q = jnp.ones((1, t, 2, 8), jnp.float32)
     pos, seg = jnp.arange(t)[None], jnp.ones((1, t), jnp.int32)
-    visited = lambda masking: int(chunked_attention(q, q, q, pos, pos, seg, seg, masking, block=BLOCK, count=True)[1])
-    assert visited(Masking()) == n * (n + 1) // 2
-    assert visited(Masking(window=BLOCK)) == 2 * n - 1
+    visited = jax.jit(lambda window: chunked_attention(q, q, q, pos, pos, seg, seg, Masking(window=window),
+                                                       block=block, count=True)[1])
+    n = t // block
+    assert int(visited(0)) == n * (n + 1) // 2
+    assert int(visited(512)) == 2 * n - 1
+
+
+def step_temporaries(seq: int, impl: str) -> int:
+    """Temporary bytes of the compiled tiny-llama train step (batch 1, one device) at `seq` tokens."""
+    cfg = equivalence_config("tiny-llama", **{"model.seq_len": seq, "train.global_batch": 1,
+                                              "model.attention_impl": impl})
+    fns = step_fns(cfg, devices=1)
+    lowered = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(1, seq))
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow
+def test_chunked_temporaries_grow_linearly_and_dense_quadratically():
+    """The compiled train step's temporaries at 2048, 4096 and 8192 tokens: chunked grows at most 2.2× per
+    doubling (measured about 1.5×), dense about 4×, and at 8192 chunked needs at most a quarter of dense's."""
+    chunked = [step_temporaries(seq, "chunked") for seq in (2048, 4096, 8192)]
+    dense = [step_temporaries(seq, "dense") for seq in (2048, 4096, 8192)]
+    assert all(b / a <= 2.2 for a, b in zip(chunked, chunked[1:])), chunked
+    assert all(3.5 <= b / a <= 4.5 for a, b in zip(dense, dense[1:])), dense
+    assert chunked[-1] <= dense[-1] / 4, (chunked, dense)

@@ -145,6 +145,15 @@ def _backward(masking, block_q, block_k, t, s, residuals, d_out):
     return ungrouped(dq[:, :t]), _unblocks(dk)[:, :s], _unblocks(dv)[:, :s]
 
 
+def _tied(q, *ints):
+    """The integer inputs made to depend on q (by adding 0 computed from it). Positions and segment ids are
+    the same in every layer, and when a differentiated scan over the layers closes over them, JAX's scan
+    partial evaluation hoists what depends on them alone out of the loop: here every block pair's mask,
+    stacked, a [t, s] array. Tied to q they are computed per layer, in the loop, one block at a time."""
+    zero = q[(0,) * q.ndim].astype(jnp.int32) * 0  # 0 whatever q holds (an int times 0; XLA folds it later)
+    return tuple(x + zero for x in ints)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, softcap, scale, block_q, block_k):
     masking = Masking(window, softcap, scale)
@@ -174,6 +183,7 @@ def chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = Ma
     """Attention of q [b, t, h, dk] against k [b, s, kv, dk], v [b, s, kv, dv] in blocks of `block` rows (fewer
     when the sequence is shorter). With `count`, also the number of key blocks the forward visited."""
     block_q, block_k = min(block, q.shape[1]), min(block, k.shape[1])
+    q_pos, k_pos, q_seg, k_seg = _tied(q, q_pos, k_pos, q_seg, k_seg)
     if count:
         out, _, visited = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k)
         return out, visited
