@@ -148,11 +148,17 @@ class ModelConfig:
     sliding_window: int = key(0, "attention window: a query sees the keys whose positions are less than this far "
                                  "behind it (0 = none; Mistral's `sliding_window`); with `mesh.sp > 1` only windows "
                                  "of at least `seq_len` run, where the window changes nothing")
+    window_pattern: list = key([], "which layers `model.sliding_window` applies to: `local` (windowed) and `global` "
+                                    "(not) entries repeated down the stack, e.g. `[\"local\", \"global\"]` as Gemma 2; "
+                                    "its length must divide `n_layers`; empty: every layer. The windows are per-layer "
+                                    "data scanned with the layers")
     attention_impl: str = key("auto", "how attention is computed: `dense` (the whole [t, t] score array: the readable "
                                       "reference), `chunked` (query and key blocks with an online softmax and a "
-                                      "recomputing backward: O(t) memory, masked-out blocks skipped), or `auto` "
-                                      "(`chunked` from `seq_len` 4096 on or with a window shorter than `seq_len`, else "
-                                      "`dense`; the choice is logged); see \"Attention\"")
+                                      "recomputing backward: O(t) memory, masked-out blocks skipped), `pallas_tpu` "
+                                      "(JAX's Splash kernel, on TPU) or `pallas_gpu` (JAX's Pallas FlashAttention, on "
+                                      "GPU), refused where they cannot express the run's masks; or `auto` (`chunked` "
+                                      "from `seq_len` 4096 on or with a window shorter than `seq_len`, else `dense`; "
+                                      "the choice is logged); see \"Attention\"")
     init_std: float = key(0.02, "standard deviation of the random initialisation")
     pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
                                    "puts an MoE feed-forward in every second layer); the stack is scanned")

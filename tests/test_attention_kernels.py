@@ -158,3 +158,19 @@ def test_chunked_temporaries_grow_linearly_and_dense_quadratically():
     assert all(b / a <= 2.2 for a, b in zip(chunked, chunked[1:])), chunked
     assert all(3.5 <= b / a <= 4.5 for a, b in zip(dense, dense[1:])), dense
     assert chunked[-1] <= dense[-1] / 4, (chunked, dense)
+
+
+@pytest.mark.parametrize("impl, over, named", [
+    ("pallas_tpu", {}, "runs on tpu"),  # this machine's backend is cpu: refused, not replaced
+    ("pallas_gpu", {}, "runs on gpu"),
+    ("flash", {}, "is not one of"),
+])
+def test_an_implementation_that_cannot_run_is_refused_in_one_line(impl, over, named):
+    from jaxllm.config import validate
+    from jaxllm.errors import ConfigError
+
+    cfg = equivalence_config("tiny-llama", **{"model.attention_impl": impl, **over})
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 1)
+    message = str(info.value)
+    assert "model.attention_impl" in message and named in message and "\n" not in message, message

@@ -142,22 +142,29 @@ def test_greedy_generation_equals_transformers(family, checkpoint):
 WINDOW = 16  # shorter than every row's prompt and new tokens together (34 to 45), and than the 64-token logits
 
 
-def test_mistral_sliding_window_equals_transformers(checkpoint):
-    """A Mistral whose window (16) is shorter than what it reads: logits over 64 tokens within 1e-4 of
-    transformers', and greedy generation equal token for token over 32 new tokens (the cache keeps every slot;
-    the window masks)."""
+WINDOWED = {  # a window on every layer (Mistral), on the second of two layers only (Qwen2's max_window_layers)
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, max_window_layers=1, sliding_window=WINDOW),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_windows_equal_transformers(family, checkpoint):
+    """Windows (16) shorter than what the model reads: logits over 64 tokens within 1e-4 of transformers', and
+    greedy generation equal token for token over 32 new tokens (the cache keeps every slot; the window masks)."""
     import jax
     import jax.numpy as jnp
 
-    path = checkpoint("mistral", sliding_window=WINDOW)
+    path = checkpoint(family, **WINDOWED[family])
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 64, 0)
     cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": 64, "precision.compute": "float32"})
     assert cfg.model.sliding_window == WINDOW
     logits = np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
     diff = np.abs(logits - H.reference_logits(path, tokens)).max()
-    assert diff <= LOGIT_ATOL, f"windowed logits differ from transformers' by up to {diff:.3g}"
+    assert diff <= LOGIT_ATOL, f"{family}: windowed logits differ from transformers' by up to {diff:.3g}"
 
     ours_tokens, ours_logits = ours(path)
     assert margins(ours_logits).min() > MIN_MARGIN
     ref_tokens, ref_logits = theirs(transformers_model(path), PROMPTS)
-    assert_same_tokens("mistral", "transformers' left-padded batch", ours_tokens, ours_logits, ref_tokens, ref_logits)
+    assert_same_tokens(family, "transformers' left-padded batch", ours_tokens, ours_logits, ref_tokens, ref_logits)

@@ -192,10 +192,10 @@ def test_mistral_window_shorter_than_seq_len_runs(built):
     assert attention.implementation(cfg.model) == "chunked"
 
 
-# max_window_layers 0: every layer slides (one window for all: runs); 1: only the second of the two does (refused).
+# max_window_layers 0: every layer slides; 1: only the second of the two does (a per-layer window pattern).
 @pytest.mark.parametrize("form", ["v5", "v4"])
 @pytest.mark.parametrize("full_layers", [0, 1])
-def test_qwen2_windows_on_every_layer_run_and_on_some_are_refused(built, form, full_layers):
+def test_qwen2_windows_on_every_layer_or_some_run(built, form, full_layers):
     path = built(f"qwen2-sliding{full_layers}-{form}", "qwen2", config_form=form, use_sliding_window=True,
                  max_window_layers=full_layers, sliding_window=32)
     hf = config_json(path)
@@ -203,12 +203,16 @@ def test_qwen2_windows_on_every_layer_run_and_on_some_are_refused(built, form, f
         assert hf["layer_types"] == ["full_attention"] * full_layers + ["sliding_attention"] * (2 - full_layers)
     else:  # 4.x: use_sliding_window and max_window_layers say it
         assert "layer_types" not in hf and hf["use_sliding_window"] and hf["max_window_layers"] == full_layers
-    if full_layers:
-        config_refused(ModelFileError, "sliding_window", path, **{"model.seq_len": 64})
-    else:
-        cfg = import_config(path, **{"model.seq_len": 64})
-        assert cfg.model.sliding_window == 32
-        validate(cfg, N_DEVICES)
+    cfg = import_config(path, **{"model.seq_len": 64})
+    assert cfg.model.sliding_window == 32
+    assert cfg.model.window_pattern == ([] if not full_layers else ["global", "local"])
+    validate(cfg, N_DEVICES)
+
+
+def test_windows_that_differ_by_layer_are_refused_with_a_pipeline(built):
+    path = built("qwen2-sliding1-v5", "qwen2", config_form="v5", use_sliding_window=True, max_window_layers=1,
+                 sliding_window=32)
+    validate_refused("model.window_pattern", path, **{"model.seq_len": 64, "mesh.pp": 2, "mesh.dp": 4})
 
 
 def test_windows_no_shorter_than_seq_len_are_accepted(built):

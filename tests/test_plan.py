@@ -22,8 +22,8 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from jaxllm.hlo import KINDS
-from jaxllm.cli.plan import (_format_attention, attention_memory_theory, format_table, matmul_operands, permute_dtypes,
-                        plan, tensor_parallel_theory)
+from jaxllm.cli.plan import (_format_attention, _format_attention_compiled, attention_compiled, attention_memory_theory,
+                             format_table, matmul_operands, permute_dtypes, plan, tensor_parallel_theory)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -256,6 +256,39 @@ def test_attention_memory_falls_with_sp(strategy):
         assert ratios[sp] * sp <= 1, (sp, ratios[sp])
         assert 0.5 <= ratios[sp] * sp * sp <= 2, (sp, ratios[sp])
     assert ratios[8] <= 1 / 4
+
+
+def compiled_attention(seq: int, *extra: str, devices: int = 1) -> dict:
+    cfg = build_config(None, ["model.preset=tiny-llama", "model.vocab_size=257", f"model.seq_len={seq}",
+                              "train.global_batch=1", "precision.compute=float32", *extra])
+    shape, _ = validate(cfg, devices)
+    return attention_compiled(cfg, shape)
+
+
+def test_attention_compiled_per_implementation():
+    """The planner's compiled attention temporaries (one layer's forward + backward, one device) per implementation:
+    doubling seq from 1024 to 2048, dense's grow at least 3.5x (its [s, s] scores) and chunked's less than 2.5x
+    (blocks of 512, O(s)); "chosen" follows model.attention_impl, and the table stars it (none under sp > 1)."""
+    from jaxllm.ops.attention import IMPLEMENTATIONS
+
+    short, long = compiled_attention(1024), compiled_attention(2048)
+    assert set(IMPLEMENTATIONS) <= set(short)
+    assert all(isinstance(short[k], int) and short[k] > 0 for k in ("dense", "chunked"))
+    assert long["shape"] == {"b": 1, "seq_len": 2048, "heads": 8, "kv_heads": 4, "head_dim": 8, "dtype": "float32"}
+    assert long["dense"] >= 3.5 * short["dense"], (short, long)
+    assert long["chunked"] < 2.5 * short["chunked"], (short, long)
+    assert long["chunked"] < long["dense"]
+    assert short["chosen"] == "dense"  # auto below 4096 without a window
+    for impl in ("dense", "chunked"):
+        got = compiled_attention(1024, f"model.attention_impl={impl}")
+        assert got["chosen"] == got["setting"] == impl and got[impl] == short[impl]
+    windowed = compiled_attention(1024, "model.attention_impl=auto", "model.sliding_window=256")
+    assert windowed["chosen"] == "chunked" and windowed["setting"] == "auto"
+    line = "\n".join(_format_attention_compiled(windowed))
+    assert "chunked* " in line and "dense* " not in line and "model.attention_impl=auto" in line
+    cp = compiled_attention(1024, "mesh.sp=8", "mesh.dp=1", devices=8)  # islands: sp=1 shapes, nothing starred
+    assert cp["shape"]["seq_len"] == 1024 and cp["dense"] == short["dense"] and cp["notes"]
+    assert "*" not in "\n".join(_format_attention_compiled(cp)).split("\n")[0]
 
 
 # ---------------------------------------------------------------- pipeline parallelism

@@ -148,7 +148,7 @@ model.moe.top_k model.moe.z_weight
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
-model.tie_embeddings model.vocab_size
+model.tie_embeddings model.vocab_size model.window_pattern
 precision.compute precision.fp8_exclude precision.grad_reduce precision.loss_scale precision.loss_scale_init precision.loss_scale_min
 precision.loss_scale_window precision.matmul
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm rl.mask_truncated

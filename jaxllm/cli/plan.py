@@ -16,6 +16,11 @@ and without loading any data, and reports per device:
 - the attention memory per layer (`attention_memory_theory`, no compiling): plain attention
   at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
   their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len;
+- beside it, the compiled attention temporaries of one layer's forward + backward per implementation
+  (`attention_compiled`: `jax.grad` of one `ops.attention.attention` call at this config's per-device
+  shapes, compiled on one device from abstract inputs, `memory_analysis().temp_size_in_bytes`), marking
+  the one `model.attention_impl` picks (sp > 1: at sp=1 shapes, the islands run their own kernel;
+  dense skipped beyond seq_len 32768);
 - generation (`generation_theory`, no compiling): the transient compute-dtype copy of the weights
   the KV-cache generator reads (gathered under ZeRO-3 or a pipeline) and its KV cache, for a rollout
   of train.global_batch prompts of seq_len/2 tokens and seq_len/2 new ones;
@@ -45,6 +50,7 @@ of stdout is one JSON object (the dict `plan(cfg)` returns).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -438,6 +444,77 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     }
 
 
+ATTENTION_COMPILED_DENSE_MAX = 32768  # dense beyond this seq_len: [s, s] scores too large to be worth compiling
+
+
+@functools.lru_cache(maxsize=64)
+def _attention_temp_bytes(impl: str, b: int, s: int, heads: int, kv: int, dh: int, dtype: str, masking) -> int:
+    """Temporaries of `jax.grad` of sum(attention(q, k, v) · ct) with `impl`, compiled on one device from
+    abstract inputs (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.ops.attention import attention
+
+    def loss(q, k, v, ct, pos, seg):
+        out = attention(q, k, v, pos, pos, seg, seg, masking, impl)
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    x = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    args = (x(b, s, heads, dh), x(b, s, kv, dh), x(b, s, kv, dh), x(b, s, heads, dh),
+            x(b, s, dt="int32"), x(b, s, dt="int32"))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def attention_compiled(cfg, shape: dict) -> dict:
+    """Compiled temporaries of one attention layer's forward + backward per implementation, per device.
+
+    For each implementation in `ops.attention.IMPLEMENTATIONS`, `jax.jit(jax.grad(sum(attention(q, k, v) · ct)))`
+    compiled on one device from `jax.ShapeDtypeStruct` inputs at this config's per-device shapes: b = batch rows
+    per device per microbatch (global_batch / microbatches / (dp·fsdp·ep), as the theory, at least 1),
+    s = seq_len / sp, heads = n_heads / tp, kv = n_kv_heads / tp (at least 1), head_dim, the compute dtype
+    and the model's masking (window). With sp > 1 the context-parallel islands run their own blockwise kernel,
+    not these: they are compiled at sp = 1 shapes for comparison, with a note. Dense is skipped (None, with a
+    note) beyond seq_len 32768; an implementation that does not compile on this platform is None with a note.
+
+    Returns {impl: temp bytes or None, ..., "chosen": `implementation(model)`, "setting" (model.attention_impl),
+             "shape": {"b", "seq_len", "heads", "kv_heads", "head_dim", "dtype"}, "notes": [str], "seconds"}.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.mesh import batch_shards
+    from jaxllm.models.attention import head_dim, implementation, kv_heads, masking
+    from jaxllm.ops.attention import IMPLEMENTATIONS
+
+    m, t = cfg.model, cfg.train
+    tp, sp = int(shape.get("tp", 1)), int(shape.get("sp", 1))
+    b = max(1, t.global_batch // t.microbatches // batch_shards(shape))
+    heads, kv = max(1, m.n_heads // tp), max(1, kv_heads(m) // tp)
+    dtype = jnp.dtype(cfg.precision.compute).name
+    s, notes = m.seq_len, []
+    if sp > 1:
+        notes.append(f"sp={sp}: this run's attention is the {m.cp_strategy} island's blockwise kernel, not these; "
+                     f"plain implementations at sp=1 shapes for comparison")
+    out: dict = {}
+    start = time.perf_counter()
+    for impl in IMPLEMENTATIONS:
+        if impl == "dense" and s > ATTENTION_COMPILED_DENSE_MAX:
+            out[impl] = None
+            notes.append(f"dense not compiled at seq_len {s} > {ATTENTION_COMPILED_DENSE_MAX}")
+            continue
+        try:  # a kernel for another platform (e.g. Pallas) may not compile on this one
+            out[impl] = _attention_temp_bytes(impl, b, s, heads, kv, head_dim(m), dtype, masking(m))
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the plan goes on
+            out[impl] = None
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            notes.append(f"{impl} not compiled on {jax.devices()[0].platform}: {reason}")
+    return {**out, "chosen": implementation(m), "setting": m.attention_impl, "sp": sp,
+            "shape": {"b": b, "seq_len": s, "heads": heads, "kv_heads": kv, "head_dim": head_dim(m), "dtype": dtype},
+            "notes": notes, "seconds": round(time.perf_counter() - start, 3)}
+
+
 # ---------------------------------------------------------------- pipeline parallelism
 
 PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype, one microbatch's residual "
@@ -757,6 +834,7 @@ def plan(cfg) -> dict:
                          t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
+        "attention_compiled": attention_compiled(cfg, shape),
         "pipeline": pipeline,
         "generation": generation_theory(cfg, fns),
         "allreduce": allreduce_report(cfg, shape, hlo, n_params),
@@ -840,6 +918,26 @@ def _format_attention(at: dict) -> list[str]:
     refs = ", ".join(f"{1 / int(n):g}" for n in trend)
     lines.append(f"  this / sp=1 by sp at seq_len {at['seq_len']} ({trend_strategy}): {cells}   (1/sp: {refs})")
     return lines
+
+
+def _format_attention_compiled(ac: dict) -> list[str]:
+    """The compiled line under the attention section of `format_table`: one entry per implementation, the one this
+    run uses starred (none with sp > 1: the islands run their own kernel)."""
+    from jaxllm.ops.attention import IMPLEMENTATIONS
+
+    names = [k for k in IMPLEMENTATIONS if k in ac] + [k for k in ac if k not in IMPLEMENTATIONS and
+                                                       k not in _ATTENTION_COMPILED_KEYS]
+    star = lambda k: "*" if k == ac["chosen"] and ac["sp"] == 1 else ""
+    cells = ", ".join(f"{k}{star(k)} " + ("n/a" if ac[k] is None else format_bytes(ac[k])) for k in names)
+    sh = ac["shape"]
+    mark = (f" (* this run: model.attention_impl={ac['setting']})" if ac["sp"] == 1 else "")
+    lines = [f"  compiled, one layer's forward+backward: {cells}{mark}",
+             f"    (temporaries of jax.grad of one attention call on one device: b={sh['b']}, seq_len={sh['seq_len']}, "
+             f"{sh['heads']} heads / {sh['kv_heads']} KV heads, head_dim={sh['head_dim']}, {sh['dtype']})"]
+    return lines + [f"    ({note})" for note in ac["notes"]]
+
+
+_ATTENTION_COMPILED_KEYS = ("chosen", "setting", "sp", "shape", "notes", "seconds")
 
 
 def _format_pipeline(pl: dict) -> list[str]:
@@ -955,6 +1053,8 @@ def format_table(p: dict) -> str:
         lines += _format_tensor_parallel(p["tensor_parallel"], mem["temp_bytes"])
     if "attention" in p:
         lines += _format_attention(p["attention"])
+    if "attention_compiled" in p:
+        lines += _format_attention_compiled(p["attention_compiled"])
     if pl.get("enabled"):
         lines += _format_pipeline(pl)
     if "generation" in p:

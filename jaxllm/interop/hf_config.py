@@ -12,6 +12,7 @@ import json
 import os
 
 from jaxllm.errors import ModelFileError
+from jaxllm.models import attention
 from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
@@ -31,7 +32,7 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh form of GE
 ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
                      "norm", "mlp", "positions", "max_positions", "attn_bias", "mlp_bias", "tie_embeddings",
                      "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor", "rope_original_context", "sliding_window", "pattern",
+                     "rope_high_freq_factor", "rope_original_context", "sliding_window", "window_pattern", "pattern",
                      "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.shared_expert")
 
 
@@ -94,20 +95,20 @@ def _rope(hf: dict) -> dict:
                 rope_original_context=int(params["original_max_position_embeddings"]))
 
 
-def _sliding_window(hf: dict) -> int:
-    """The attention window of every layer (0: none); refused where only some layers slide."""
+def _windows(hf: dict) -> dict:
+    """`model.sliding_window` and `model.window_pattern` (which layers slide; empty: all) from config.json."""
     window = hf.get("sliding_window", ABSENT[hf["model_type"]]["sliding_window"]) or 0
     if hf.get("model_type") != "qwen2" or not window:
-        return window
+        return {"sliding_window": window, "window_pattern": []}
     if hf.get("layer_types") is not None:
         sliding = [kind == "sliding_attention" for kind in hf["layer_types"]]
     else:  # transformers 4.x: layers from max_window_layers on slide, when use_sliding_window
         n = hf["num_hidden_layers"]
         sliding = [hf.get("use_sliding_window", False) and i >= hf.get("max_window_layers", 0) for i in range(n)]
-    if any(sliding) and not all(sliding) and window < hf.get("max_position_embeddings", 0):
-        _refuse(hf, "sliding_window", "only some layers slide; a window on some layers and not others is not "
-                "implemented yet")
-    return window if all(sliding) else 0
+    if not any(sliding):
+        return {"sliding_window": 0, "window_pattern": []}
+    pattern = [] if all(sliding) else ["local" if s else "global" for s in sliding]
+    return {"sliding_window": window, "window_pattern": pattern}
 
 
 def _head_dim(hf: dict) -> int:
@@ -133,7 +134,7 @@ def _llama_like(hf: dict) -> dict:
                 tie_embeddings=hf.get("tie_word_embeddings", False),
                 max_positions=hf.get("max_position_embeddings", absent["max_position_embeddings"]),
                 norm_eps=hf.get("rms_norm_eps", absent["rms_norm_eps"]),
-                sliding_window=_sliding_window(hf), pattern=["dense"], **_rope(hf))
+                pattern=["dense"], **_windows(hf), **_rope(hf))
     if kind == "mixtral":
         if (hf.get("router_jitter_noise") or 0.0) > 0:
             _refuse(hf, "router_jitter_noise", "routing with noise is not deterministic; set it to 0")
@@ -180,6 +181,21 @@ def _rope_out(m: ModelConfig) -> dict:
         "high_freq_factor": m.rope_high_freq_factor, "original_max_position_embeddings": m.rope_original_context}}
 
 
+def _qwen2_windows(m: ModelConfig) -> dict:
+    """Qwen2's window keys: which layers slide as `layer_types` (transformers 5) and, where the sliding layers are
+    the last ones, `max_window_layers` (4.x)."""
+    windows = attention.layer_windows(m)
+    if not m.sliding_window:
+        return {"use_sliding_window": False, "sliding_window": None}
+    sliding = [w > 0 for w in windows]
+    out = {"use_sliding_window": True, "sliding_window": m.sliding_window,
+           "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+    first = sliding.index(True)
+    if all(sliding[first:]):
+        out["max_window_layers"] = first
+    return out
+
+
 def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     """config.json for `m` (transformers 4.x and 5.x read it); `extra` keeps a source's token ids and such."""
     kind = model_type(m)
@@ -200,7 +216,7 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = m.sliding_window or None
     if kind == "qwen2":
-        out.update(use_sliding_window=bool(m.sliding_window), sliding_window=m.sliding_window or None)
+        out.update(_qwen2_windows(m))
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k, router_jitter_noise=0.0,
                    intermediate_size=m.moe.d_ff or m.d_ff)

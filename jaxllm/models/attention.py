@@ -17,7 +17,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, row_parallel
-from jaxllm.ops.attention import IMPLEMENTATIONS, attention
+from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
+from jaxllm.ops.pallas_attention import supports
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope
 from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
@@ -31,9 +32,27 @@ ROPE_SCALINGS = ("none", "llama3")
 CHUNKED_FROM = 4096  # `auto` picks `chunked` from this seq_len on: below it every shipped config runs `dense`, as before
 
 
-def masking(m) -> Masking:
-    """The model's mask features beyond causal-by-position within a segment (no model: none)."""
-    return Masking(window=m.sliding_window) if m is not None else Masking()
+WINDOW_KINDS = ("local", "global")
+
+
+def layer_windows(m) -> list[int]:
+    """Each layer's attention window (0: none): `model.sliding_window` on the layers `model.window_pattern`
+    marks `local` (every layer when it is empty)."""
+    pattern = m.window_pattern or ["local"]
+    return [m.sliding_window if pattern[i % len(pattern)] == "local" else 0 for i in range(m.n_layers)]
+
+
+def windows_differ(m) -> bool:
+    """Whether the layers' windows differ, so each layer's is data the layer scan carries."""
+    return len(set(layer_windows(m))) > 1
+
+
+def masking(m, window=None) -> Masking:
+    """The model's mask features beyond causal-by-position within a segment (no model: none); `window` is the
+    layer's, a traced int32 scalar, when the layers' windows differ."""
+    if m is None:
+        return Masking()
+    return Masking(window=m.sliding_window if window is None else window)
 
 
 def implementation(m) -> str:
@@ -43,8 +62,15 @@ def implementation(m) -> str:
         return "dense"
     if m.attention_impl != "auto":
         return m.attention_impl
-    windowed = 0 < m.sliding_window < m.seq_len
+    windowed = any(0 < w < m.seq_len for w in layer_windows(m))
     return "chunked" if m.seq_len >= CHUNKED_FROM or windowed else "dense"
+
+
+def cache_implementation(m) -> str:
+    """What generation attends over the KV cache with: the run's implementation, except that the fused kernels
+    mask by index and a decode step's queries are not at their keys' indices, so there it is `auto`'s choice."""
+    impl = implementation(m)
+    return implementation(type(m)(**{**vars(m), "attention_impl": "auto"})) if impl in FUSED_PLATFORM else impl
 
 
 def kv_heads(m) -> int:
@@ -65,7 +91,7 @@ def rope_frequencies(m):
     return frequencies(head_dim(m), m.rope_theta, llama3)
 
 
-def attend(q, k, v, positions, segment_ids, m=None):
+def attend(q, k, v, positions, segment_ids, m=None, window=None):
     """The attention kernel for this run: the dispatch point for context parallelism and the implementation.
 
     With the sequence split over `sp`, the layout's `context_attention` strategy
@@ -75,7 +101,7 @@ def attend(q, k, v, positions, segment_ids, m=None):
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout)
-    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m), implementation(m))
+    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, window), implementation(m))
 
 
 def _project(p: dict, x, positions, m, dtype):
@@ -102,10 +128,11 @@ def _project_out(p: dict, out, dtype):
     return add_bias(out, p, "bo", None, dtype)
 
 
-def attention_layer(p: dict, x, positions, segment_ids, m, dtype):
-    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output."""
+def attention_layer(p: dict, x, positions, segment_ids, m, dtype, window=None):
+    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output. `window`: this layer's,
+    when the layers' windows differ (`windows_differ`)."""
     q, k, v = _project(p, x, positions, m, dtype)
-    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m), "attention")
+    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, window), "attention")
     return _project_out(p, out, dtype)
 
 
@@ -127,7 +154,7 @@ class CacheView(NamedTuple):
     segment_ids: jax.Array
 
 
-def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype):
+def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, window=None):
     """`attention_layer` for generation: this call's keys and values are written into the cache at
     `cache.start`, then its queries attend to every slot of the cache (the same mask as training: causal by
     position within a segment, and the model's window). A windowed layer keeps every slot, masked: one cache
@@ -138,7 +165,7 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     keys = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at), CACHE)
     values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
     out = attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
-                    cache.segment_ids, masking(m), implementation(m))
+                    cache.segment_ids, masking(m, window), cache_implementation(m))
     return _project_out(p, out, dtype), cache._replace(k=keys, v=values)
 
 
@@ -155,15 +182,43 @@ def _check_positions(m) -> None:
                           "rope_high_freq_factor and rope_original_context > 0")
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window}: give a window of at least 1 token, or 0 for none")
+    if any(kind not in WINDOW_KINDS for kind in m.window_pattern) or (m.window_pattern and
+                                                                       m.n_layers % len(m.window_pattern)):
+        raise ConfigError(f"model.window_pattern={m.window_pattern}: entries are local or global, and its length must "
+                          f"divide model.n_layers={m.n_layers}")
 
 
-def _check_implementation(m, sp: int) -> list[str]:
-    """`model.attention_impl` and the window against the mesh; the implementation `auto` chose, as a note."""
+def _check_fused(m) -> None:
+    """A fused kernel runs on its own backend and must express the run's masks exactly (`supports`), or the run
+    is refused: never another implementation in its place."""
+    import jax
+
+    platform, backend = FUSED_PLATFORM[m.attention_impl], jax.default_backend()
+    if backend != platform and not (platform == "gpu" and backend in ("cuda", "rocm")):
+        raise ConfigError(f"model.attention_impl={m.attention_impl} runs on {platform}, and this run's backend is "
+                          f"{backend}; use chunked or dense")
+    if windows_differ(m):
+        raise ConfigError(f"model.attention_impl={m.attention_impl} takes one window for every layer, and "
+                          f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
+    d = head_dim(m)
+    why = supports(m.attention_impl, masking(m), (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d),
+                   (1, m.seq_len, kv_heads(m), d), positions_are_index=True)
+    if why:
+        raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
+
+
+def _check_implementation(m, sp: int, pp: int) -> list[str]:
+    """`model.attention_impl` and the windows against the mesh; the implementation `auto` chose, as a note."""
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
         raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, {', '.join(IMPLEMENTATIONS)}")
-    if sp > 1 and 0 < m.sliding_window < m.seq_len:
+    if sp > 1 and any(0 < w < m.seq_len for w in layer_windows(m)):
         raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.sp={sp}: the context-parallel islands "
                           "take no window yet; use mesh.sp=1 or a window of at least model.seq_len")
+    if m.attention_impl in FUSED_PLATFORM and sp == 1:
+        _check_fused(m)
+    if pp > 1 and windows_differ(m):
+        raise ConfigError(f"model.window_pattern={m.window_pattern} with mesh.pp={pp}: windows that differ by layer do "
+                          "not travel with the pipeline's stages yet; use mesh.pp=1 or one window for every layer")
     if sp > 1:
         return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (its own blockwise kernel)"]
     return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
@@ -173,7 +228,7 @@ def check_config(m, shape: dict) -> list[str]:
     """The attention keys against the mesh: ConfigError (one line) for what cannot run; notes to log."""
     _check_positions(m)
     sp, tp = shape["sp"], shape["tp"]
-    notes = _check_implementation(m, sp)
+    notes = _check_implementation(m, sp, shape["pp"])
     if m.cp_strategy not in CONTEXT_ATTENTION:
         raise ConfigError(f"model.cp_strategy: '{m.cp_strategy}' is not one of {', '.join(CONTEXT_ATTENTION)}")
     if m.seq_len % sp:

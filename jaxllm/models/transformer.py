@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention
@@ -198,25 +199,26 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
-def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
+def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
     """The first half of every block: (residual stream after attention, its normed copy for the
-    feed-forward, the KV cache with this layer written when generating with one)."""
+    feed-forward, the KV cache with this layer written when generating with one). `window`: the
+    layer's attention window, when the layers' windows differ."""
     h = norm(m.norm, p["ln1"], x, m.norm_eps)
     if cache is None:
-        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype)
+        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype, window)
     else:
-        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype)
+        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, window)
     x = constrain(x + y, ACT)
     return x, norm(m.norm, p["ln2"], x, m.norm_eps), cache
 
 
-def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
-    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache)
+def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, window)
     return constrain(x + MLPS[m.mlp](p["mlp"], h, dtype), ACT), {}, cache
 
 
-def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None):
-    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache)
+def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, window)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
         y = y + MLPS[m.mlp](p["moe"]["shared"], h, dtype)
@@ -263,25 +265,49 @@ def _grouped_scan(body, carry, stack: list, group: int):
     return jax.lax.scan(one_group, carry, grouped)[0]
 
 
+def scanned_windows(m: ModelConfig, repeats: int):
+    """[repeats, len(pattern)] int32: each layer's attention window, scanned with the layers when the windows
+    differ by layer; None when every layer has the same one (the model's setting, a constant)."""
+    if not attention.windows_differ(m):
+        return None
+    windows = np.asarray(attention.layer_windows(m), np.int32).reshape(-1, len(m.pattern))
+    assert windows.shape[0] == repeats, "windows that differ by layer need the whole stack (refused with pp > 1)"
+    return jnp.asarray(windows)
+
+
+def _apply_repeat(layer, windows, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
+    """One repeat of the block pattern: (x, `total` plus the router statistics, the caches written)."""
+    written = []
+    for i, (kind, p) in enumerate(zip(m.pattern, layer)):
+        window = None if windows is None else windows[i]
+        cache = None if caches is None else caches[i]
+        x, stats, cache = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, cache, window)
+        total = jax.tree.map(jnp.add, total, stats) if stats else total
+        written.append(cache)
+    return x, total, written
+
+
 def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype):
-    """Run a slice of the layer stack: scan over repeats of the block pattern.
+    """Run a slice of the layer stack: scan over repeats of the block pattern (with each layer's window
+    when they differ).
 
     Returns (x, stats): the MoE layers' router statistics summed over the slice (see
     `models/moe.py`; empty for a dense model)."""
 
-    def body(carry, layer):
+    def body(carry, xs):
         x, total = carry
-        for kind, p in zip(m.pattern, layer):
-            x, stats, _ = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype)
-            total = jax.tree.map(jnp.add, total, stats) if stats else total
+        layer, windows = xs
+        x, total, _ = _apply_repeat(layer, windows, x, total, positions, segment_ids, m, dtype)
         return (x, total), None
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
-    group = remat_group(m, jax.tree.leaves(stack)[0].shape[0])
+    repeats = jax.tree.leaves(stack)[0].shape[0]
+    xs = (stack, scanned_windows(m, repeats))
+    group = remat_group(m, repeats)
     if group:
-        return _grouped_scan(body, (x, zero_aux(m)), stack, group)
-    (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), stack)
+        return _grouped_scan(body, (x, zero_aux(m)), xs, group)
+    (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), xs)
     return x, stats
 
 
@@ -290,18 +316,16 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
     """`blocks` over the whole stack for generation: each layer writes its keys and values into the
     KV cache (`cache[i]` the i-th block kind's {"k", "v"}, stacked over repeats) at `slots.start`
     and attends to every slot `slots` describes. Returns (x, the cache with x's slots written)."""
+    repeats = m.n_layers // len(m.pattern)
 
     def body(carry, xs):
         x, cache = carry
-        layer, r = xs
-        written = []
-        for kind, p, kv in zip(m.pattern, layer, cache):
-            view = slots._replace(k=kv["k"], v=kv["v"], layer=r)
-            x, _, view = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, view)
-            written.append({"k": view.k, "v": view.v})
-        return (x, written), None
+        layer, r, windows = xs
+        views = [slots._replace(k=kv["k"], v=kv["v"], layer=r) for kv in cache]
+        x, _, views = _apply_repeat(layer, windows, x, zero_aux(m), positions, segment_ids, m, dtype, views)
+        return (x, [{"k": view.k, "v": view.v} for view in views]), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(m.n_layers // len(m.pattern))))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(repeats), scanned_windows(m, repeats)))
     return x, cache
 
 

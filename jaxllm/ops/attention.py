@@ -6,8 +6,9 @@ neither. q is [b, t, h, dk]; k is [b, s, kv, dk] and v [b, s, kv, dv] with h a m
 queries read their K/V head, never a repeated copy) and dv free (latent attention has dv ≠ dk).
 
 The mask and the scores are `ops/masking.py`'s. Implementations: `dense` (the readable reference: the
-whole [t, s] score array) and `chunked` (`ops/chunked_attention.py`: blocks and an online softmax, O(t)
-memory in both passes).
+whole [t, s] score array), `chunked` (`ops/chunked_attention.py`: blocks and an online softmax, O(t)
+memory in both passes), and JAX's fused Pallas kernels `pallas_tpu` and `pallas_gpu`
+(`ops/pallas_attention.py`, which says what each can express: `supports`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
+from jaxllm.ops import pallas_attention
 from jaxllm.ops.chunked_attention import chunked_attention
 from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, scores_of, ungrouped, visible
 
-IMPLEMENTATIONS = ("dense", "chunked")
+IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS)
+FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}  # the backend each fused kernel compiles for
 
 def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL):
     """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]."""
@@ -36,6 +39,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, im
         return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     if impl == "chunked":
         return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+    if impl in pallas_attention.IMPLEMENTATIONS:
+        return getattr(pallas_attention, impl)(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     raise ValueError(f"attention implementation '{impl}' is not one of {', '.join(IMPLEMENTATIONS)}")
 
 
