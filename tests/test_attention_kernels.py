@@ -81,7 +81,8 @@ def inputs(case: str, dtype=jnp.float32):
     t, h, kv, dk, dv, window, softcap, q_scale, layout = CASES[case]
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q = rng.standard_normal((2, t, h, dk)) * q_scale
-    k, v, d_out = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv)), rng.standard_normal((2, t, h, dv))
+    k, v = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv))
+    d_out = rng.standard_normal((2, t, h, dv))
     pos = np.tile(zigzag(t) if layout == "zigzag" else np.arange(t), (2, 1)).astype(np.int32)
     seg = np.ones((2, t), np.int32)
     if layout == "packed":  # row 0: three documents, positions restarting; row 1: one document and padding
@@ -174,3 +175,13 @@ def test_an_implementation_that_cannot_run_is_refused_in_one_line(impl, over, na
         validate(cfg, 1)
     message = str(info.value)
     assert "model.attention_impl" in message and named in message and "\n" not in message, message
+
+
+def test_a_pattern_of_global_layers_has_no_window():
+    from jaxllm.models import attention as model_attention
+
+    m = equivalence_config("tiny-llama", **{"model.sliding_window": 8, "model.window_pattern": ["global"]}).model
+    assert model_attention.layer_windows(m) == [0, 0] and model_attention.masking(m).window == 0
+    m = equivalence_config("tiny-llama", **{"model.sliding_window": 8,
+                                            "model.window_pattern": ["global", "local"]}).model
+    assert model_attention.layer_windows(m) == [0, 8] and model_attention.windows_differ(m)

@@ -412,3 +412,20 @@ def test_cli_subprocess_conflict_is_one_line_exit_2_nothing_written(built, tmp_p
     assert res.stderr.strip().splitlines() == [res.stderr.strip()], res.stderr
     assert res.stderr.startswith("error: model.d_model=999 ") and "init.from" in res.stderr, res.stderr
     assert not run_dir.exists()
+
+
+def test_windows_a_config_json_cannot_hold_are_refused_at_export():
+    """Mistral's config.json has one window for every layer and GPT-2's none: a model whose windows differ by
+    layer, or a GPT-2 with a window, is refused rather than exported without them; Qwen2 writes its layer_types."""
+    from jaxllm.interop.hf_config import hf_config
+
+    def model(preset, **over):
+        keys = {"model.preset": preset, "model.vocab_size": 257, "model.sliding_window": 16, **over}
+        return build_config(None, keys).model
+
+    alternating = model("tiny-llama", **{"model.window_pattern": ["local", "global"]})
+    refused(ModelFileError, "model.window_pattern", hf_config, alternating, "float32")
+    refused(ModelFileError, "model.sliding_window", hf_config, model("tiny-gpt2"), "float32")
+    qwen2 = hf_config(model("tiny-llama", **{"model.family": "qwen2", "model.window_pattern": ["global", "local"]}),
+                      "float32")
+    assert qwen2["layer_types"] == ["full_attention", "sliding_attention"] and qwen2["max_window_layers"] == 1

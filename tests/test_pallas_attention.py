@@ -55,7 +55,8 @@ def inputs(case: str):
     t, h, kv, dk, dv, window, softcap, q_scale, layout, _ = CASES[case]
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     q = rng.standard_normal((2, t, h, dk)) * q_scale
-    k, v, d_out = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv)), rng.standard_normal((2, t, h, dv))
+    k, v = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv))
+    d_out = rng.standard_normal((2, t, h, dv))
     pos = np.tile(zigzag(t) if layout == "zigzag" else np.arange(t), (2, 1)).astype(np.int32)
     seg = np.ones((2, t), np.int32)
     if layout == "packed":

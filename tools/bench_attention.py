@@ -87,15 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("overrides", nargs="*", help="config keys, e.g. model.n_layers=4 train.global_batch=2")
     args = p.parse_args(argv)
-    rows = [compare(args.overrides, seq, args.pairs, args.steps, args.impls) for seq in args.seq]
-    print(f"{'seq':>6} {'implementation':>15} {'s/step':>9} {'/ ' + args.impls[0]:>10} {'temporaries':>14}")
-    for r in rows:
+    print(f"{'seq':>6} {'implementation':>15} {'s/step':>9} {'/ ' + args.impls[0]:>10} {'temporaries':>14}", flush=True)
+    rows = []
+    for seq in args.seq:  # each length printed as it is measured
+        rows.append(compare(args.overrides, seq, args.pairs, args.steps, args.impls))
         for impl in args.impls:
+            r = rows[-1]
             if f"{impl}_error" in r:
-                print(f"{r['seq']:>6} {impl:>15}  {r[f'{impl}_error']}")
+                print(f"{seq:>6} {impl:>15}  {r[f'{impl}_error']}", flush=True)
             else:
-                print(f"{r['seq']:>6} {impl:>15} {r[f'{impl}_s']:>9.4f} {r[f'{impl}_ratio']:>10.3f} "
-                      f"{r[f'{impl}_temp_bytes'] / 2**20:>10.0f} MiB")
+                print(f"{seq:>6} {impl:>15} {r[f'{impl}_s']:>9.4f} {r[f'{impl}_ratio']:>10.3f} "
+                      f"{r[f'{impl}_temp_bytes'] / 2**20:>10.0f} MiB", flush=True)
     if args.json:
         print(json.dumps({"rows": rows, "pairs": args.pairs, "steps": args.steps, "overrides": args.overrides}))
     return 0

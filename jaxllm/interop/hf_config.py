@@ -170,7 +170,7 @@ def model_type(m: ModelConfig) -> str:
         return "mixtral"
     if m.attn_bias == "qkv":
         return "qwen2"
-    return "mistral" if m.sliding_window else "llama"
+    return "mistral" if any(attention.layer_windows(m)) else "llama"
 
 
 def _rope_out(m: ModelConfig) -> dict:
@@ -203,6 +203,9 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=m.vocab_size,
                tie_word_embeddings=m.tie_embeddings, torch_dtype=dtype)
     if kind == "gpt2":
+        if any(attention.layer_windows(m)):
+            raise ModelFileError(f"model.sliding_window={m.sliding_window}: GPT-2's config.json has no attention "
+                                 "window; export a model without one")
         out.update(n_layer=m.n_layers, n_embd=m.d_model, n_head=m.n_heads, n_inner=m.d_ff,
                    n_positions=m.max_positions or m.seq_len, layer_norm_epsilon=m.norm_eps,
                    activation_function="gelu_new")
@@ -214,7 +217,10 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     if kind == "llama":
         out.update(attention_bias=m.attn_bias == "qkvo", mlp_bias=m.mlp_bias)
     if kind in ("mistral", "mixtral"):
-        out["sliding_window"] = m.sliding_window or None
+        if attention.windows_differ(m):
+            raise ModelFileError(f"model.window_pattern={m.window_pattern}: a {kind} config.json has one window for "
+                                 "every layer; export a model whose layers share one window")
+        out["sliding_window"] = attention.layer_windows(m)[0] or None
     if kind == "qwen2":
         out.update(_qwen2_windows(m))
     if kind == "mixtral":

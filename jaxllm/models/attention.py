@@ -29,7 +29,7 @@ CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "
 
 
 ROPE_SCALINGS = ("none", "llama3")
-CHUNKED_FROM = 4096  # `auto` picks `chunked` from this seq_len on: below it every shipped config runs `dense`, as before
+CHUNKED_FROM = 4096  # `auto` takes `chunked` from this seq_len on; below it every shipped config runs `dense`
 
 
 WINDOW_KINDS = ("local", "global")
@@ -52,7 +52,7 @@ def masking(m, window=None) -> Masking:
     layer's, a traced int32 scalar, when the layers' windows differ."""
     if m is None:
         return Masking()
-    return Masking(window=m.sliding_window if window is None else window)
+    return Masking(window=layer_windows(m)[0] if window is None else window)  # None: every layer's is the same
 
 
 def implementation(m) -> str:
@@ -210,7 +210,8 @@ def _check_fused(m) -> None:
 def _check_implementation(m, sp: int, pp: int) -> list[str]:
     """`model.attention_impl` and the windows against the mesh; the implementation `auto` chose, as a note."""
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
-        raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, {', '.join(IMPLEMENTATIONS)}")
+        raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, "
+                          f"{', '.join(IMPLEMENTATIONS)}")
     if sp > 1 and any(0 < w < m.seq_len for w in layer_windows(m)):
         raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.sp={sp}: the context-parallel islands "
                           "take no window yet; use mesh.sp=1 or a window of at least model.seq_len")

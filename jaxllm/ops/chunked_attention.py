@@ -126,7 +126,7 @@ def _backward(masking, block_q, block_k, t, s, residuals, d_out):
                 p = jnp.where(mask, jnp.exp(s - mi[..., None]) / li[..., None], 0.0)
                 dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, do)
                 ds = p * (jnp.einsum("btkgd,bskd->bkgts", do, vj.astype(jnp.float32)) - di[..., None])
-                if masking.softcap:  # d(cap·tanh(x/cap))/dx = 1 − (capped/cap)², where the mask lets a score through
+                if masking.softcap:  # d(cap·tanh(x/cap))/dx = 1 − (capped/cap)², where the mask lets it through
                     ds = ds * jnp.where(mask, 1 - (s / masking.softcap) ** 2, 0.0)
                 dqi = jnp.einsum("bkgts,bskd->btkgd", ds, kj.astype(jnp.float32)) * scale
                 dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qi.astype(jnp.float32)) * scale

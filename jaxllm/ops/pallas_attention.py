@@ -103,7 +103,8 @@ def _splash_kernel(heads: int, t: int, s: int, window: int, softcap: float, bloc
                               interpret=interpret), sa.SegmentIds
 
 
-def pallas_tpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False, block: int | None = None):
+def pallas_tpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False,
+               block: int | None = None):
     """Splash attention (TPU): causal by index within segments, windows, soft caps, grouped queries,
     dv ≠ dk. Returns [b, t, h, dv] in q's dtype. `block`: the q and k block (a multiple of 128 dividing
     t and s; None: the largest of 512, 256, 128 that does). q_pos, k_pos are not read (module doc)."""
@@ -121,7 +122,8 @@ def pallas_tpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret:
     return heads_first(out).astype(q.dtype)
 
 
-def pallas_gpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False, block: int | None = None):
+def pallas_gpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False,
+               block: int | None = None):
     """The Pallas Triton FlashAttention kernel (GPU): self-attention causal by index within segments,
     grouped queries by repeating K/V, no window, soft cap or dv ≠ dk. One set of segment ids serves
     queries and keys: q_seg's (k_seg must equal it, as in self-attention). Returns [b, t, h, dk] in q's
