@@ -24,6 +24,7 @@ from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, scores_of, ung
 IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS)
 FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}  # the backend each fused kernel compiles for
 
+
 def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL):
     """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]."""
     qg = grouped(q, k.shape[2])
