@@ -22,7 +22,7 @@ from jaxllm.data import dataset
 from jaxllm.errors import ConfigError
 from jaxllm.interop import hf_config
 from jaxllm.mesh import resolve_mesh_shape
-from jaxllm.models import transformer
+from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.rl import prompts
 from jaxllm.schema import FAMILIES, Config, TrainConfig
@@ -265,6 +265,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
              + step.check_config(cfg, shape) + optimizer.check_config(t)
              + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
+    attention.check_run(cfg, shape["sp"])
     _check_loop(t)
     return shape, notes
 

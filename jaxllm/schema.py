@@ -156,7 +156,8 @@ class ModelConfig:
                                       "reference), `chunked` (query and key blocks with an online softmax and a "
                                       "recomputing backward: O(t) memory, masked-out blocks skipped), `pallas_tpu` "
                                       "(JAX's Splash kernel, on TPU) or `pallas_gpu` (JAX's Pallas FlashAttention, on "
-                                      "GPU), refused where they cannot express the run's masks; or `auto` (`chunked` "
+                                      "GPU) or `cudnn` (cuDNN's, on GPU, pre-training rows in bf16/fp16), refused where "
+                                      "they cannot express the run's masks; or `auto` (`chunked` "
                                       "from `seq_len` 4096 on or with a window shorter than `seq_len`, else `dense`; "
                                       "the choice is logged); see \"Attention\"")
     init_std: float = key(0.02, "standard deviation of the random initialisation")

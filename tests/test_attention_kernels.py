@@ -164,6 +164,7 @@ def test_chunked_temporaries_grow_linearly_and_dense_quadratically():
 @pytest.mark.parametrize("impl, over, named", [
     ("pallas_tpu", {}, "runs on tpu"),  # this machine's backend is cpu: refused, not replaced
     ("pallas_gpu", {}, "runs on gpu"),
+    ("cudnn", {}, "runs on gpu"),
     ("flash", {}, "is not one of"),
 ])
 def test_an_implementation_that_cannot_run_is_refused_in_one_line(impl, over, named):
@@ -185,3 +186,20 @@ def test_a_pattern_of_global_layers_has_no_window():
     m = equivalence_config("tiny-llama", **{"model.sliding_window": 8,
                                             "model.window_pattern": ["global", "local"]}).model
     assert model_attention.layer_windows(m) == [0, 8] and model_attention.windows_differ(m)
+
+
+
+@pytest.mark.parametrize("case, dtype, one_segment_rows, named", [
+    ("causal", jnp.bfloat16, True, None),
+    ("causal", jnp.bfloat16, False, "segment ids"),  # packed fine-tuning rows, GRPO's rollouts
+    ("causal", jnp.float32, True, "float32"),
+    ("softcap30", jnp.bfloat16, True, "soft cap"),
+    ("v_dim", jnp.bfloat16, True, "head dimension"),
+])
+def test_cudnn_says_what_it_can_compute(case, dtype, one_segment_rows, named):
+    """cuDNN's kernel cannot run here (no GPU); what it cannot compute exactly is refused in one line before."""
+    from jaxllm.ops import cudnn_attention
+
+    (q, k, v, _), _, masking = inputs(case, dtype)
+    why = cudnn_attention.supports(masking, q.shape, k.shape, v.shape, q.dtype, one_segment_rows)
+    assert (why is None) if named is None else (named in why and "\n" not in why), why

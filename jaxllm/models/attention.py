@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, row_parallel
 from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
+from jaxllm.ops import cudnn_attention
 from jaxllm.ops.pallas_attention import supports
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope
@@ -200,11 +201,27 @@ def _check_fused(m) -> None:
     if windows_differ(m):
         raise ConfigError(f"model.attention_impl={m.attention_impl} takes one window for every layer, and "
                           f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
+    if m.attention_impl == "cudnn":
+        return  # what cuDNN can express depends on the data and the dtype: `check_run`
     d = head_dim(m)
     why = supports(m.attention_impl, masking(m), (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d),
                    (1, m.seq_len, kv_heads(m), d), positions_are_index=True)
     if why:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
+
+
+def check_run(cfg, sp: int) -> None:
+    """`model.attention_impl = cudnn` against the run: its rows must be one segment at their index (pre-training
+    text with the language-model objective) and its compute dtype one cuDNN takes (one line, ConfigError)."""
+    m = cfg.model
+    if m.attention_impl != "cudnn" or sp > 1:
+        return
+    d = head_dim(m)
+    one_segment_rows = cfg.train.objective == "lm" and cfg.data.format == "text"
+    why = cudnn_attention.supports(masking(m), (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d),
+                                   (1, m.seq_len, kv_heads(m), d), cfg.precision.compute, one_segment_rows)
+    if why:
+        raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
 
 
 def _check_implementation(m, sp: int, pp: int) -> list[str]:

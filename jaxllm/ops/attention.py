@@ -7,8 +7,8 @@ queries read their K/V head, never a repeated copy) and dv free (latent attentio
 
 The mask and the scores are `ops/masking.py`'s. Implementations: `dense` (the readable reference: the
 whole [t, s] score array), `chunked` (`ops/chunked_attention.py`: blocks and an online softmax, O(t)
-memory in both passes), and JAX's fused Pallas kernels `pallas_tpu` and `pallas_gpu`
-(`ops/pallas_attention.py`, which says what each can express: `supports`).
+memory in both passes), JAX's fused Pallas kernels `pallas_tpu` and `pallas_gpu` (`ops/pallas_attention.py`)
+and cuDNN's (`ops/cudnn_attention.py`); each fused kernel's module says what it can express (`supports`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from einops import rearrange
 
 from jaxllm.ops import pallas_attention
 from jaxllm.ops.chunked_attention import chunked_attention
+from jaxllm.ops.cudnn_attention import cudnn_attention
 from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, scores_of, ungrouped, visible
 
-IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS)
-FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}  # the backend each fused kernel compiles for
+IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS, "cudnn")
+FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}  # the backend each fused kernel needs
 
 
 def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL):
@@ -40,6 +41,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, im
         return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     if impl == "chunked":
         return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+    if impl == "cudnn":
+        return cudnn_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     if impl in pallas_attention.IMPLEMENTATIONS:
         return getattr(pallas_attention, impl)(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     raise ValueError(f"attention implementation '{impl}' is not one of {', '.join(IMPLEMENTATIONS)}")
