@@ -77,19 +77,27 @@ CASES = {  # name: (t, q heads, kv heads, dk, dv, window, softcap, q scale (larg
 FAST = ("causal", "window17", "softcap50", "gqa8to2")
 
 
-def inputs(case: str, dtype=jnp.float32):
-    t, h, kv, dk, dv, window, softcap, q_scale, layout = CASES[case]
-    rng = np.random.default_rng(zlib.crc32(case.encode()))
+def random_rows(name: str, t, h, kv, dk, dv, q_scale, layout, dtype=jnp.float32):
+    """Two rows of random (q, k, v, d_out) seeded by `name`, and their (q_pos, k_pos, q_seg, k_seg): `plain`,
+    `zigzag` positions, or `packed` (row 0: three documents from 0, 5t/12 and 11t/16, positions restarting;
+    row 1: one document, padding from 37t/48)."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
     q = rng.standard_normal((2, t, h, dk)) * q_scale
     k, v = rng.standard_normal((2, t, kv, dk)), rng.standard_normal((2, t, kv, dv))
     d_out = rng.standard_normal((2, t, h, dv))
     pos = np.tile(zigzag(t) if layout == "zigzag" else np.arange(t), (2, 1)).astype(np.int32)
     seg = np.ones((2, t), np.int32)
-    if layout == "packed":  # row 0: three documents, positions restarting; row 1: one document and padding
-        seg[0, 20:], seg[0, 33:], seg[1, 37:] = 2, 3, 0
-        pos[0] = np.concatenate([np.arange(20), np.arange(13), np.arange(t - 33)])
+    if layout == "packed":
+        a, c, e = 5 * t // 12, 11 * t // 16, 37 * t // 48
+        seg[0, a:], seg[0, c:], seg[1, e:] = 2, 3, 0
+        pos[0] = np.concatenate([np.arange(a), np.arange(c - a), np.arange(t - c)])
     arrays = tuple(jnp.asarray(x, dtype) for x in (q, k, v, d_out))
-    return arrays, tuple(jnp.asarray(x) for x in (pos, pos, seg, seg)), Masking(window, softcap)
+    return arrays, tuple(jnp.asarray(x) for x in (pos, pos, seg, seg))
+
+
+def inputs(case: str, dtype=jnp.float32):
+    t, h, kv, dk, dv, window, softcap, q_scale, layout = CASES[case]
+    return (*random_rows(case, t, h, kv, dk, dv, q_scale, layout, dtype), Masking(window, softcap))
 
 
 @functools.partial(jax.jit, static_argnames=("masking", "impl"))
@@ -102,6 +110,13 @@ def out_and_grads(q, k, v, d_out, q_pos, k_pos, q_seg, k_seg, masking, impl):
     return (out, *vjp(d_out))
 
 
+def assert_near_reference(got, want, what: str):
+    """(out, dq, dk, dv) each within 1e-5 of its largest value from the float64 reference's."""
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        error = np.abs(np.asarray(g, np.float64) - w).max() / (np.abs(w).max() or 1.0)  # dq is 0 at window 1
+        assert error <= 1e-5, f"{what}: {name} is {error:.2e} of its largest value off the float64 reference"
+
+
 def relative_errors(got, want):
     return [float(np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)) for g, w in zip(got, want)]
 
@@ -112,9 +127,7 @@ def test_fp32_matches_float64_reference(case, impl):
     (q, k, v, d_out), ints, masking = inputs(case)
     want = reference(q, k, v, *map(np.asarray, ints), d_out, masking.window, masking.softcap)
     got = out_and_grads(q, k, v, d_out, *ints, masking=masking, impl=impl)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        error = np.abs(np.asarray(g, np.float64) - w).max() / (np.abs(w).max() or 1.0)  # dq is 0 at window 1
-        assert error <= 1e-5, f"{impl} {case}: {name} is {error:.2e} of its largest value off the float64 reference"
+    assert_near_reference(got, want, f"{impl} {case}")
 
 
 @pytest.mark.parametrize("case", ("causal", pytest.param("softcap50", marks=pytest.mark.slow),
