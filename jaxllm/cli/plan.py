@@ -143,6 +143,13 @@ def _sum_by_kind(entries: list[dict]) -> dict:
     return out
 
 
+def microbatch_rows(t, mesh_shape: dict) -> int:
+    """Rows one device holds of one microbatch: global_batch / microbatches / (dp·fsdp·ep)."""
+    from jaxllm.mesh import batch_shards
+
+    return t.global_batch // t.microbatches // batch_shards(mesh_shape)
+
+
 def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
     """Tensor-parallel collectives and saved activations of one layer, per device: pure arithmetic.
 
@@ -196,13 +203,12 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
                                             "terms": {name: {"without_sp", "with_sp"}}},
              "activation_bytes": {"without_sp", "with_sp", "sp_saving"} (× n_layers)}.
     """
-    from jaxllm.mesh import batch_shards
     from jaxllm.models.attention import head_dim, kv_heads
 
     m, t = model_cfg, train_cfg
     n = int(mesh_shape.get("tp", 1))
     E = _dtype_bytes(compute_dtype)
-    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    b = microbatch_rows(t, mesh_shape)
     s = m.seq_len // mesh_shape.get("sp", 1)
     d, H, F = m.d_model, m.n_heads, m.d_ff
     dh = head_dim(m)
@@ -406,14 +412,13 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
              "strategies": {strategy: {"terms", "bytes_per_layer", "ratio"} or None where it cannot run},
              "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
     """
-    from jaxllm.mesh import batch_shards
     from jaxllm.models.attention import head_dim, kv_heads
 
     m, t = model_cfg, train_cfg
     tp = int(mesh_shape.get("tp", 1))
     sp = int(mesh_shape.get("sp", 1))
     E = _dtype_bytes(compute_dtype)
-    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    b = microbatch_rows(t, mesh_shape)
     S = m.seq_len
     H, dh = m.n_heads // tp, head_dim(m)
     KV = max(kv_heads(m), tp) // tp
@@ -484,13 +489,12 @@ def attention_compiled(cfg, shape: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.mesh import batch_shards
     from jaxllm.models.attention import head_dim, implementation, kv_heads, masking
     from jaxllm.ops.attention import IMPLEMENTATIONS
 
     m, t = cfg.model, cfg.train
     tp, sp = int(shape.get("tp", 1)), int(shape.get("sp", 1))
-    b = max(1, t.global_batch // t.microbatches // batch_shards(shape))
+    b = max(1, microbatch_rows(t, shape))
     heads, kv = max(1, m.n_heads // tp), max(1, kv_heads(m) // tp)
     dtype = jnp.dtype(cfg.precision.compute).name
     s, notes = m.seq_len, []
@@ -560,7 +564,6 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
     "collective_permute": {"count", "bytes_per_call", "bytes"}.
     """
-    from jaxllm.mesh import batch_shards
     from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
 
     m, t = model_cfg, train_cfg
@@ -571,7 +574,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
         return out
     sch = make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
     split = mesh_shape.get("sp", 1) * (mesh_shape.get("tp", 1) if t.sequence_parallel else 1)
-    b = t.global_batch // t.microbatches // batch_shards(mesh_shape)
+    b = microbatch_rows(t, mesh_shape)
     s = m.seq_len // split if m.seq_len % split == 0 else m.seq_len  # not divisible: replicated (sharding.py)
     E = _dtype_bytes(compute_dtype)
     slot = b * s * m.d_model * E
