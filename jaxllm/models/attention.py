@@ -61,8 +61,11 @@ def implementation(m) -> str:
     (no model: `dense`)."""
     if m is None:
         return "dense"
-    if m.attention_impl != "auto":
-        return m.attention_impl
+    return _auto(m) if m.attention_impl == "auto" else m.attention_impl
+
+
+def _auto(m) -> str:
+    """`auto`'s choice: `chunked` from CHUNKED_FROM tokens on or under a window shorter than seq_len, else `dense`."""
     windowed = any(0 < w < m.seq_len for w in layer_windows(m))
     return "chunked" if m.seq_len >= CHUNKED_FROM or windowed else "dense"
 
@@ -71,7 +74,7 @@ def cache_implementation(m) -> str:
     """What generation attends over the KV cache with: the run's implementation, except that the fused kernels
     mask by index and a decode step's queries are not at their keys' indices, so there it is `auto`'s choice."""
     impl = implementation(m)
-    return implementation(type(m)(**{**vars(m), "attention_impl": "auto"})) if impl in FUSED_PLATFORM else impl
+    return _auto(m) if impl in FUSED_PLATFORM else impl
 
 
 def kv_heads(m) -> int:
