@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import equivalence_config, step_fns
+from harness import equivalence_config, leaf_errors, step_fns
 from jaxllm.ops.attention import attention
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.chunked_attention import chunked_attention
@@ -118,7 +118,8 @@ def assert_near_reference(got, want, what: str):
 
 
 def relative_errors(got, want):
-    return [float(np.linalg.norm(np.asarray(g, np.float64) - w) / np.linalg.norm(w)) for g, w in zip(got, want)]
+    """||got − want|| / ||want|| for the output and each gradient (harness.leaf_errors, in float64)."""
+    return [d / n for d, n in leaf_errors(tuple(got), tuple(want)).values()]
 
 
 @pytest.mark.parametrize("impl", ("dense", "chunked"))
