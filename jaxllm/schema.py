@@ -146,8 +146,8 @@ class ModelConfig:
     rope_original_context: int = key(8192, "`llama3` scaling: original, the context length the bands are measured "
                                            "against")
     sliding_window: int = key(0, "attention window: a query sees the keys whose positions are less than this far "
-                                 "behind it (0 = none; Mistral's `sliding_window`); with `mesh.sp > 1` only windows "
-                                 "of at least `seq_len` run, where the window changes nothing")
+                                 "behind it (0 = none; Mistral's `sliding_window`); the context-parallel islands "
+                                 "take it too")
     window_pattern: list = key([], "which layers `model.sliding_window` applies to: `local` (windowed) and `global` "
                                     "(not) entries repeated down the stack, e.g. `[\"local\", \"global\"]` as Gemma 2; "
                                     "its length must divide `n_layers`; empty: every layer. The windows are per-layer "

@@ -13,8 +13,8 @@ and without loading any data, and reports per device:
   parallelism and with collective matmuls (count, bytes per call, ring bytes sent),
   and an estimate of the activations autodiff saves per layer with and without
   sequence parallelism, beside the compiled temporaries;
-- the attention memory per layer (`attention_memory_theory`, no compiling): plain attention
-  at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
+- the attention memory per layer (`attention_memory_theory`, no compiling): one device's attention
+  (dense, or the chunked kernel) at sp=1 against this config's context-parallel strategy (and the other two) at its sp,
   their ratio, and the ratio for sp = 1, 2, 4, 8 at this seq_len;
 - beside it, the compiled attention temporaries of one layer's forward + backward per implementation
   (`attention_compiled`: `jax.grad` of one `ops.attention.attention` call at this config's per-device
@@ -287,132 +287,109 @@ ATTENTION_ASSUMES = ("estimate of one attention call's forward + backward workin
                      "free buffers differently); norms, rotary tables and the projections left out")
 
 _ATTENTION_TERMS = {
-    "exponentials": "plain: the softmax's fp32 unnormalised exponentials [b, h/tp, s, s], kept for its backward",
-    "probabilities": "plain: fp32 softmax output [b, h/tp, s, s] kept for backward (+ the compute-dtype copy "
-                     "fed to the PV matmul when that is not fp32)",
-    "score_gradients": "plain: the backward's gradients of the probabilities (from the PV matmul, in the compute "
-                       "dtype, then fp32) and of the scores (fp32), [b, h/tp, s, s] each",
-    "block_scores": "blockwise: one K/V step rematerialised in the backward keeps, for each (query piece, key "
-                    "piece) pair of the step, the fp32 masked scores (for the row max's gradient), the fp32 "
-                    "exp (+ its compute-dtype copy when that is not fp32) and the 1-byte mask",
-    "block_score_gradients": "blockwise: the backward's fp32 gradients of one pair at a time, 3 pair-sized "
-                             "buffers",
-    "running_state": "blockwise: the online softmax's running (out fp32 [b, rows, heads, d], max and sum "
-                     "[b, rows, heads] fp32) saved at each of the sp steps",
-    "kv_blocks": "blockwise: the K/V the backward re-reads, b·s·kv·d·E × 2 with the int32 positions and segment "
-                 "ids (ring: the block held at each of the sp steps; allgather: the gathered K/V; ulysses: the "
-                 "whole sequence of this rank's KV heads)",
+    "probabilities": "dense: the fp32 softmax output [b, h/tp, s, s], kept for the backward",
+    "score_gradients": "dense: the backward's fp32 gradients of the probabilities and of the scores, "
+                       "[b, h/tp, s, s] each",
+    "block_scores": "chunked: one (query block, key block) pair at a time, its fp32 scores, probabilities and "
+                    "their two gradients, b·H·Bq·Bk·16 bytes (blocks of at most 512 rows)",
+    "softmax_state": "chunked: the fp32 output [b, rows, H, d] and the rows' softmax (max, sum), kept for the "
+                     "backward (not one per K/V step)",
+    "output_gradients": "chunked: the backward's fp32 dO and dQ [b, rows, H, d] and rowsum(dO·O)",
+    "kv_held": "chunked: the keys a rank holds at once, K and V in the compute dtype and their fp32 gradients, with "
+               "the int32 positions and segment ids (one device: the sequence; ring: its block and the one in "
+               "flight; allgather: the gathered sequence; ulysses: the sequence of its KV heads)",
     "qkv_out": "q, k, v and the attention output at the island's edge (ulysses: and their head-split copies "
                "after the all-to-all)",
 }
 
 
-def _cp_shapes(strategy: str, S: int, sp: int, heads: int, kv: int) -> dict | None:
-    """Per rank: query rows, heads, KV heads and the piece lengths of the blockwise kernel
-    (`parallel/blockwise.py`), or None where `strategy` cannot run at this sp."""
-    from jaxllm.parallel.blockwise import pieces_of
+def _chunked_shapes(strategy: str, S: int, sp: int, heads: int, kv: int) -> dict | None:
+    """Per rank: query rows, heads, KV heads, key rows held at once and rows per key block of the chunked
+    kernel, or None where `strategy` cannot run at this sp."""
+    from jaxllm.ops.chunked_attention import BLOCK
 
     if S % sp:
         return None
     t = S // sp
-    nk = pieces_of(t)
-    if strategy == "ulysses":
+    if strategy == "ulysses" and sp > 1:
         if heads % sp or (kv % sp and sp % kv):
             return None
-        # the whole sequence for h/(tp·sp) heads; queries in sp pieces of t against sp K/V blocks of t
-        return {"rows": S, "heads": heads // sp, "kv": max(kv, sp) // sp, "nq": sp, "tq": t, "nk": nk, "tk": t // nk}
-    nq = pieces_of(t)
-    return {"rows": t, "heads": heads, "kv": kv, "nq": nq, "tq": t // nq, "nk": nk, "tk": t // nk}
+        return {"rows": S, "heads": heads // sp, "kv": max(kv, sp) // sp, "keys": S, "block_q": min(BLOCK, S),
+                "block_k": min(BLOCK, S)}
+    ring = strategy == "ring" and sp > 1
+    return {"rows": t, "heads": heads, "kv": kv, "keys": 2 * t if ring else S, "block_q": min(BLOCK, t),
+            "block_k": min(BLOCK, t if ring else S)}
 
 
-def _attention_terms(strategy: str, b: int, S: int, sp: int, heads: int, kv: int, dh: int, E: int) -> dict | None:
+def _attention_terms(impl: str, strategy: str, b: int, S: int, sp: int, heads: int, kv: int, dh: int,
+                     E: int) -> dict | None:
     """Bytes per device of one attention call (forward + backward) by term; see `attention_memory_theory`."""
-    copy = E if E != 4 else 0  # astype to fp32 is a no-op
-    if sp == 1:
-        probs = b * heads * S * S
-        return {"exponentials": probs * 4, "probabilities": probs * (4 + copy), "score_gradients": probs * (8 + copy),
-                "qkv_out": b * S * (2 * heads + 2 * kv) * dh * E}
-    c = _cp_shapes(strategy, S, sp, heads, kv)
-    if c is None:
-        return None
-    pair = b * c["heads"] * c["tq"] * c["tk"]
     t = S // sp
     qkv_out = b * t * (2 * heads + 2 * kv) * dh * E
-    if strategy == "ulysses":
-        qkv_out += b * S * (2 * c["heads"] + 2 * c["kv"]) * dh * E
-    # The ring's sp-1 steps run in a scan and its last step after it; at sp=2 the scan has one trip,
-    # XLA unrolls it, and both steps' recomputed blocks are live at once (seen in the compiled program).
-    steps_live = 2 if strategy == "ring" and sp == 2 else 1
+    if sp == 1 and impl == "dense":
+        probs = b * heads * S * S
+        return {"probabilities": probs * 4, "score_gradients": probs * 8, "qkv_out": qkv_out}
+    c = _chunked_shapes(strategy, S, sp, heads, kv)
+    if c is None:
+        return None
+    rows, H = c["rows"], c["heads"]
+    if strategy == "ulysses" and sp > 1:
+        qkv_out += b * S * (2 * H + 2 * c["kv"]) * dh * E
     return {
-        "block_scores": steps_live * c["nq"] * c["nk"] * pair * (8 + 1 + copy),
-        "block_score_gradients": 3 * pair * 4,
-        "running_state": sp * b * c["rows"] * c["heads"] * (dh + 2) * 4,
-        "kv_blocks": 2 * b * S * c["kv"] * dh * E + 2 * b * S * 4,
+        "block_scores": b * H * c["block_q"] * c["block_k"] * 16,
+        "softmax_state": b * rows * H * (dh + 2) * 4,
+        "output_gradients": b * rows * H * (2 * dh + 1) * 4,
+        "kv_held": b * c["keys"] * c["kv"] * dh * (2 * E + 8) + 2 * b * c["keys"] * 4,
         "qkv_out": qkv_out,
     }
 
 
 def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
-    """Attention memory of one layer per device, plain attention (sp=1) against context parallelism: pure arithmetic.
+    """Attention memory of one layer per device, one device (sp=1) against context parallelism: pure arithmetic.
 
     An estimate of the bytes one attention call needs for its forward and backward pass
-    (what autodiff keeps plus the backward's largest working buffers), per device per
-    layer, with b = batch rows per device per microbatch (as in `tensor_parallel_theory`,
-    kept the same at every sp), S = seq_len, t = S/sp, h = n_heads/tp, kv = max(n_kv_heads, tp)/tp
-    (KV heads repeated up to tp), d = head_dim, E = bytes per element of `compute_dtype`.
+    (what its backward keeps plus its largest working buffers), per device per layer, with
+    b = batch rows per device per microbatch (as in `tensor_parallel_theory`, kept the same at
+    every sp), S = seq_len, t = S/sp, h = n_heads/tp, kv = max(n_kv_heads, tp)/tp (KV heads
+    repeated up to tp), d = head_dim, E = bytes per element of `compute_dtype`.
 
-    sp = 1, plain attention (`models/attention.dot_product_attention`), the full [b, h, S, S] scores:
-    - exponentials: b·h·S·S·4, the softmax's unnormalised exp, which its backward keeps;
-    - probabilities: b·h·S·S·(4 + E), the fp32 softmax output autodiff keeps and its
-      compute-dtype copy for the PV matmul (4 bytes in fp32: no copy);
-    - score_gradients: b·h·S·S·(8 + E), the backward's gradients of the probabilities (the PV
-      matmul's transpose gives them in the compute dtype, then fp32; no copy in fp32) and of the scores;
+    sp = 1 with `dense` (`model.attention_impl`, or `auto`'s choice), the full [b, h, S, S] scores:
+    - probabilities: b·h·S·S·4, the fp32 softmax output autodiff keeps;
+    - score_gradients: b·h·S·S·8, the backward's fp32 gradients of the probabilities and of the scores
+      (12 bytes per score element in all: what the compiled programs hold, in fp32 and in bf16 alike, the
+      compute-dtype copies fused away);
     - qkv_out: q, k, v and out, b·S·(2h + 2kv)·d·E.
 
-    sp > 1, the blockwise kernel (`parallel/blockwise.py`) keeps no scores across K/V steps:
-    each step is rematerialised, so only one step's score blocks exist at a time. A step splits
-    the queries into nq pieces of tq rows and its K/V block into nk pieces of tk keys; a pair's
-    block is b·H·tq·tk elements (H the rank's heads). Per rank:
-    - ring / allgather: queries t = S/sp rows in nq = 2 pieces of t/2 (1 piece when t is odd),
-      K/V blocks of t keys in 2 pieces, H = h, KV = kv;
-    - ulysses: after the all-to-all the whole sequence for H = h/sp heads (KV = max(kv, sp)/sp,
-      the KV heads repeated first when fewer than sp), queries in nq = sp pieces of t against
-      sp K/V blocks of t keys in 2 pieces.
-    Terms:
-    - block_scores: nq·nk·b·H·tq·tk·(8 + 1 + E): the step being differentiated recomputes all
-      its pairs and keeps each one's fp32 masked scores (the row max's gradient), fp32 exp
-      (+ the compute-dtype copy) and 1-byte mask until its backward has run (read off the
-      compiled program: all pairs of the step are live at once, not one pair). Ring at sp=2
-      counts two steps: its scan of sp-1 = 1 trip is unrolled by XLA and both steps' blocks
-      are live together;
-    - block_score_gradients: 3·b·H·tq·tk·4, the gradients of one pair at a time;
-    - running_state: sp·b·rows·H·(d + 2)·4, the online softmax's (out fp32 [b, rows, H, d],
-      max and sum [b, rows, H]) saved at each of the sp steps (rows = t, or S for ulysses);
-    - kv_blocks: 2·b·S·KV·d·E + 2·b·S·4: the K/V (and the int32 positions and segment ids) the
-      backward re-reads: the ring's block of each of its sp steps, i.e. the whole K/V; the
-      all-gather's gathered K/V; Ulysses' whole sequence of its KV heads;
+    sp = 1 with any other implementation, and every context-parallel island (each runs the chunked
+    kernel, `ops/chunked_attention.py`): O(rows) memory, no [s, s] array, no state per K/V step. A rank
+    has R query rows and H heads and holds K key rows of KV heads at once: one device R = K = S;
+    ring R = t, K = 2t (its block and the one in flight); allgather R = t, K = S; ulysses (after the
+    all-to-all) R = S, H = h/sp, KV = max(kv, sp)/sp, K = S. Blocks have Bq = min(512, R) query
+    rows and Bk = min(512, K) keys (ring: min(512, t)). Terms:
+    - block_scores: b·H·Bq·Bk·16: one pair's fp32 scores, probabilities and their gradients;
+    - softmax_state: b·R·H·(d + 2)·4: the fp32 output and the rows' (max, sum) the backward reads;
+    - output_gradients: b·R·H·(2d + 1)·4: the backward's fp32 dO, dQ and rowsum(dO·O);
+    - kv_held: b·K·KV·d·(2E + 8) + 2·b·K·4: K and V, their fp32 gradients, positions and segment ids;
     - qkv_out: the local q, k, v and out, b·t·(2h + 2kv)·d·E (ulysses: plus their head-split
       copies, b·S·(2H + 2KV)·d·E).
 
-    The scores of plain attention grow as S², the blockwise blocks as t² = (S/sp)², the rest
-    as S (running state, K/V) or t (q, k, v, out): at long sequences the ratio this config /
-    sp=1 falls faster than 1/sp (about as 1/sp² while the score blocks dominate). Left out:
-    plain attention's mask (XLA fuses it) and what XLA's scheduler overlaps or frees otherwise.
+    The fused kernels (cudnn, pallas_*) are estimated as chunked (both O(rows), blocks on chip).
+    At short sequences the [512, 512] blocks dominate and memory barely falls with sp; at long ones
+    the rows do and it falls as 1/sp (ring, ulysses), or less for allgather, which holds the whole K/V.
+    Left out: dense attention's mask (XLA fuses it) and what XLA's scheduler overlaps or frees otherwise.
 
     Checked against compiled attention (`jax.grad` of sum(attend(q, k, v) · ct), b=1, 8 heads / 2 KV
-    heads, head_dim 8, seq 4096, sp=8, fp32): tests/test_context_parallel.py holds the compiled
-    ratio this / sp=1 within 0.8 to 1.2 of this one for each strategy (1.05 for the ring, plain
-    attention 2.15 GB against 2.15 GB estimated; in bf16 plain attention compiles to the 20 bytes per
-    score element the terms add up to).
+    heads, head_dim 8, seq 4096, fp32): tests/test_context_parallel.py holds the compiled bytes within
+    0.8 to 1.2 of these for dense and chunked on one device and each strategy at sp=8.
 
-    Returns {"enabled" (sp > 1), "sp", "strategy" (this config's; "plain" at sp=1), "b", "seq_len", "heads",
-             "kv_heads", "head_dim", "dtype_bytes", "n_layers", "assumes", "terms" (name -> description),
-             "sp1": {"terms": {name: bytes}, "bytes_per_layer"},
+    Returns {"enabled" (sp > 1), "sp", "strategy" (this config's; "dense" or "chunked" at sp=1), "baseline"
+             (sp=1's implementation), "b", "seq_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "n_layers",
+             "assumes", "terms" (name -> description), "sp1": {"terms": {name: bytes}, "bytes_per_layer"},
              "this": same for this config, "ratio" (this / sp1),
              "strategies": {strategy: {"terms", "bytes_per_layer", "ratio"} or None where it cannot run},
              "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
     """
-    from jaxllm.models.attention import head_dim, kv_heads
+    from jaxllm.models.attention import head_dim, implementation, kv_heads
 
     m, t = model_cfg, train_cfg
     tp = int(mesh_shape.get("tp", 1))
@@ -422,12 +399,13 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     S = m.seq_len
     H, dh = m.n_heads // tp, head_dim(m)
     KV = max(kv_heads(m), tp) // tp
+    baseline = "dense" if implementation(m) == "dense" else "chunked"
 
     def total(strategy: str, n: int) -> dict | None:
-        terms = _attention_terms(strategy, b, S, n, H, KV, dh, E)
+        terms = _attention_terms(baseline, strategy, b, S, n, H, KV, dh, E)
         return None if terms is None else {"terms": terms, "bytes_per_layer": sum(terms.values())}
 
-    sp1 = total("plain", 1)
+    sp1 = total(baseline, 1)
     ratio = lambda x: None if x is None else x["bytes_per_layer"] / sp1["bytes_per_layer"]
     strategies = {}
     for name in CP_STRATEGIES:
@@ -437,7 +415,8 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     return {
         "enabled": sp > 1,
         "sp": sp,
-        "strategy": m.cp_strategy if sp > 1 else "plain",
+        "strategy": m.cp_strategy if sp > 1 else baseline,
+        "baseline": baseline,
         "b": b, "seq_len": S, "heads": H, "kv_heads": KV, "head_dim": dh, "dtype_bytes": E, "n_layers": m.n_layers,
         "assumes": ATTENTION_ASSUMES,
         "terms": dict(_ATTENTION_TERMS),
@@ -478,9 +457,9 @@ def attention_compiled(cfg, shape: dict) -> dict:
     For each implementation in `ops.attention.IMPLEMENTATIONS`, `jax.jit(jax.grad(sum(attention(q, k, v) · ct)))`
     compiled on one device from `jax.ShapeDtypeStruct` inputs at this config's per-device shapes: b = batch rows
     per device per microbatch (global_batch / microbatches / (dp·fsdp·ep), as the theory, at least 1),
-    s = seq_len / sp, heads = n_heads / tp, kv = n_kv_heads / tp (at least 1), head_dim, the compute dtype
-    and the model's masking (window). With sp > 1 the context-parallel islands run their own blockwise kernel,
-    not these: they are compiled at sp = 1 shapes for comparison, with a note. Dense is skipped (None, with a
+    s = seq_len, heads = n_heads / tp, kv = n_kv_heads / tp (at least 1), head_dim, the compute dtype
+    and the model's masking (window). With sp > 1 the context-parallel islands run the chunked kernel inside
+    a shard_map, not these: they are compiled at sp = 1 shapes for comparison, with a note. Dense is skipped (None, with a
     note) beyond seq_len 32768; an implementation that does not compile on this platform is None with a note.
 
     Returns {impl: temp bytes or None, ..., "chosen": `implementation(model)`, "setting" (model.attention_impl),
@@ -499,7 +478,7 @@ def attention_compiled(cfg, shape: dict) -> dict:
     dtype = jnp.dtype(cfg.precision.compute).name
     s, notes = m.seq_len, []
     if sp > 1:
-        notes.append(f"sp={sp}: this run's attention is the {m.cp_strategy} island's blockwise kernel, not these; "
+        notes.append(f"sp={sp}: this run's attention is the {m.cp_strategy} island (the chunked kernel per rank), not these; "
                      f"plain implementations at sp=1 shapes for comparison")
     out: dict = {}
     start = time.perf_counter()
@@ -897,8 +876,8 @@ def _format_tensor_parallel(tp: dict, temp_bytes: int) -> list[str]:
 
 
 _ATTENTION_LABELS = {"probabilities": "probabilities", "score_gradients": "score gradients",
-                     "block_scores": "block scores", "block_score_gradients": "block gradients",
-                     "running_state": "running state", "kv_blocks": "K/V", "qkv_out": "q/k/v/out"}
+                     "block_scores": "block scores", "softmax_state": "softmax state",
+                     "output_gradients": "output gradients", "kv_held": "K/V held", "qkv_out": "q/k/v/out"}
 
 
 def _format_attention(at: dict) -> list[str]:
@@ -908,7 +887,7 @@ def _format_attention(at: dict) -> list[str]:
     lines = ["", f"attention memory per layer (sp={sp}, {strategy})",
              f"  per device, estimate: b={at['b']} rows, seq_len={at['seq_len']}, {at['heads']} heads / "
              f"{at['kv_heads']} KV heads per tp rank, head_dim={at['head_dim']}, {at['dtype_bytes']} bytes per element",
-             f"  {'sp=1 plain attention':<24}{format_bytes(at['sp1']['bytes_per_layer']):>12}   {terms(at['sp1'])}"]
+             f"  {'sp=1 ' + at['baseline']:<24}{format_bytes(at['sp1']['bytes_per_layer']):>12}   {terms(at['sp1'])}"]
     if at["enabled"]:
         lines.append(f"  {f'sp={sp} {strategy}':<24}{format_bytes(at['this']['bytes_per_layer']):>12}   "
                      f"{terms(at['this'])}")

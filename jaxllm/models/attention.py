@@ -104,7 +104,8 @@ def attend(q, k, v, positions, segment_ids, m=None, window=None):
     """
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
-        return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout)
+        return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
+                                                                  masking(m, window))
     return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, window), implementation(m))
 
 
@@ -232,16 +233,13 @@ def _check_implementation(m, sp: int, pp: int) -> list[str]:
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
         raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, "
                           f"{', '.join(IMPLEMENTATIONS)}")
-    if sp > 1 and any(0 < w < m.seq_len for w in layer_windows(m)):
-        raise ConfigError(f"model.sliding_window={m.sliding_window} with mesh.sp={sp}: the context-parallel islands "
-                          "take no window yet; use mesh.sp=1 or a window of at least model.seq_len")
     if m.attention_impl in FUSED_PLATFORM and sp == 1:
         _check_fused(m)
     if pp > 1 and windows_differ(m):
         raise ConfigError(f"model.window_pattern={m.window_pattern} with mesh.pp={pp}: windows that differ by layer do "
                           "not travel with the pipeline's stages yet; use mesh.pp=1 or one window for every layer")
     if sp > 1:
-        return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (its own blockwise kernel)"]
+        return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the chunked kernel in each island)"]
     return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
 
 

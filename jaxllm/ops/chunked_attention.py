@@ -13,6 +13,10 @@ positions' min and max and holds for any order (zig-zag included). Causal masks 
 blocks; a window leaves O(t·window) work. Sequences that are not a multiple of the block are padded
 with keys no query sees (segment −1) and queries that see nothing (their rows give 0 and are cut).
 
+The steps are public for the ring island (`parallel/ring_attention.py`), which folds each K/V block
+that reaches it into the same running state (`fold`) and sums each block's gradients the same way
+(`gradients`): `queries` and `keys` put the arrays in blocks, `empty` starts the state, `finish` ends it.
+
 `count` (tests) returns, beside the output, how many key blocks the forward visited, counted in the
 branch that runs.
 """
@@ -20,6 +24,7 @@ branch that runs.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +35,49 @@ from jaxllm.ops.masking import NEG_INF, Masking, grouped, scores_of, ungrouped, 
 BLOCK = 512  # rows of q and of k per block: [512, 512] fp32 scores per (kv head, group) at a time
 
 
-def _blocks(x, n: int):
-    """[b, n·B, ...] -> [n, b, B, ...]."""
-    return jnp.moveaxis(x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]), 1, 0)
+class Queries(NamedTuple):
+    """Grouped queries in blocks: q [nq, b, B, kv, g, dk]; positions and segment ids [nq, b, B]."""
+    q: jax.Array
+    pos: jax.Array
+    seg: jax.Array
 
 
-def _unblocks(x):
-    """[n, b, B, ...] -> [b, n·B, ...]."""
+class Keys(NamedTuple):
+    """Keys and values in blocks: k [nk, b, B, kv, dk], v [nk, b, B, kv, dv]; positions, segment ids [nk, b, B]."""
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    seg: jax.Array
+
+
+def blocked(x, block: int, pad=0):
+    """[b, t, ...] -> [n, b, block, ...], padded with `pad` to a multiple of the block."""
+    n = -(-x.shape[1] // block)
+    x = jnp.pad(x, [(0, 0), (0, n * block - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=pad)
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+
+def unblocked(x, length: int):
+    """[n, b, block, ...] -> [b, length, ...]: the rows put back in order, the padding cut."""
     x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])[:, :length]
 
 
-def _pad(x, to: int, value):
-    return jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+def queries(q, q_pos, q_seg, kv_heads: int, block: int) -> Queries:
+    """q [b, t, h, dk] grouped by K/V head and blocked; padded rows get segment −2 (they see no key)."""
+    return Queries(blocked(grouped(q, kv_heads), block), blocked(q_pos, block), blocked(q_seg, block, -2))
+
+
+def keys(k, v, k_pos, k_seg, block: int) -> Keys:
+    """k, v [b, s, kv, d] blocked; padded keys get segment −1 (no query sees them)."""
+    return Keys(blocked(k, block), blocked(v, block), blocked(k_pos, block), blocked(k_seg, block, -1))
+
+
+def empty(qs: Queries, dv: int):
+    """The online softmax's state before any key: (out [nq, b, kv, g, B, dv], max and sum [nq, b, kv, g, B])."""
+    nq, b, B, kv, g, _ = qs.q.shape
+    rows = (nq, b, kv, g, B)
+    return jnp.zeros((*rows, dv), jnp.float32), jnp.full(rows, NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32)
 
 
 def _reachable(qp, kp, window):
@@ -56,102 +91,109 @@ def _scores(qg, kj, qp, kp, qs, ks, masking):
     return jnp.where(mask, scores_of(qg, kj, masking), NEG_INF), mask
 
 
-def _forward_block(qg, qp, qs, kb, vb, kpb, ksb, masking, count):
-    """One query block against every key block: (out [b, B, kv, g, dv], the rows' (max, sum) [b, kv, g, B],
-    count). The backward takes exp(score − max) / sum from them, as the softmax does: a log-sum-exp would
-    round the large scores a soft cap allows (an ulp at 40 is 4e-6)."""
-    b, B, kv, g, _ = qg.shape
-    start = (jnp.zeros((b, kv, g, B, vb.shape[-1]), jnp.float32), jnp.full((b, kv, g, B), NEG_INF, jnp.float32),
-             jnp.zeros((b, kv, g, B), jnp.float32), count)
+def _fold_block(acc, qg, qp, qs, ks: Keys, masking, count):
+    """One query block's running (out, max, sum) with every key block of `ks` folded in, and the count."""
 
     def step(carry, blk):
-        kj, vj, kp, ks = blk
+        kj, vj, kp, ksg = blk
 
-        def fold(carry):
+        def fold_in(carry):
             o, m, l, c = carry
-            s, mask = _scores(qg, kj, qp, kp, qs, ks, masking)
+            s, mask = _scores(qg, kj, qp, kp, qs, ksg, masking)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             fade = jnp.exp(m - m_new)
             pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
             return o * fade[..., None] + pv, m_new, l * fade + p.sum(-1), c + 1
 
-        return jax.lax.cond(_reachable(qp, kp, masking.window), fold, lambda c: c, carry), None
+        return jax.lax.cond(_reachable(qp, kp, masking.window), fold_in, lambda c: c, carry), None
 
-    (o, m, l, count), _ = jax.lax.scan(step, start, (kb, vb, kpb, ksb))
-    l = jnp.where(l > 0, l, 1.0)  # a row that sees nothing (padding) gives 0, not NaN
-    return jnp.moveaxis(o / l[..., None], 3, 1), (m, l), count
+    (o, m, l, count), _ = jax.lax.scan(step, (*acc, count), ks)
+    return (o, m, l), count
 
 
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k):
-    """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited)."""
-    t, s = q.shape[1], k.shape[1]
-    nq, nk = -(-t // block_q), -(-s // block_k)
-    qg = grouped(_pad(q, nq * block_q, 0), k.shape[2])
-    q_pos, q_seg = _pad(q_pos, nq * block_q, 0), _pad(q_seg, nq * block_q, -2)
-    k, v = _pad(k, nk * block_k, 0), _pad(v, nk * block_k, 0)
-    k_pos, k_seg = _pad(k_pos, nk * block_k, 0), _pad(k_seg, nk * block_k, -1)
-    keys = (_blocks(k, nk), _blocks(v, nk), _blocks(k_pos, nk), _blocks(k_seg, nk))
+def fold(state, qs: Queries, ks: Keys, masking: Masking, count=None):
+    """The state with the key blocks `ks` folded into every query block's softmax; and the key blocks visited
+    (added to `count`)."""
 
     def per_query_block(count, blk):
-        out, stats, count = _forward_block(*blk, *keys, masking, count)
-        return count, (out, stats)
+        (qg, qp, qsg), acc = blk
+        acc, count = _fold_block(acc, qg, qp, qsg, ks, masking, count)
+        return count, acc
 
-    count, (out, stats) = jax.lax.scan(per_query_block, jnp.int32(0),
-                                     (_blocks(qg, nq), _blocks(q_pos, nq), _blocks(q_seg, nq)))
-    out = _unblocks(out)  # [b, T, kv, g, dv]
-    residuals = (qg, k, v, q_pos, k_pos, q_seg, k_seg, out, stats)
-    return ungrouped(out[:, :t]).astype(q.dtype), residuals, count
+    count, state = jax.lax.scan(per_query_block, jnp.int32(0) if count is None else count, (qs, state))
+    return state, count
 
 
-def _backward(masking, block_q, block_k, t, s, residuals, d_out):
-    """dq, dk, dv (fp32) from the rows' saved softmax statistics: one key block at a time."""
-    qg, k, v, q_pos, k_pos, q_seg, k_seg, out, (peak, total) = residuals
-    nq, nk = qg.shape[1] // block_q, k.shape[1] // block_k
-    d_out = grouped(_pad(d_out, nq * block_q, 0), k.shape[2]).astype(jnp.float32)
-    delta = jnp.einsum("btkgd,btkgd->bkgt", d_out, out)  # rowsum(dO · O)
-    scale = masking.score_scale(qg.shape[-1])
-    queries = (_blocks(qg, nq), _blocks(q_pos, nq), _blocks(q_seg, nq), _blocks(d_out, nq), peak, total,
-               jnp.moveaxis(delta.reshape(*delta.shape[:3], nq, block_q), 3, 0), jnp.arange(nq))
+def finish(state):
+    """(out [nq, b, B, kv, g, dv] fp32, the rows' (max, sum)). The backward takes exp(score − max) / sum from
+    them, as the softmax does: a log-sum-exp would round the large scores a soft cap allows (an ulp at 40
+    is 4e-6)."""
+    o, m, l = state
+    l = jnp.where(l > 0, l, 1.0)  # a row that sees nothing (padding) gives 0, not NaN
+    return jnp.moveaxis(o / l[..., None], 4, 2), (m, l)
+
+
+def output_gradient(d_out, out, kv_heads: int, block: int):
+    """The output's cotangent blocked as the output (fp32), and rowsum(dO · O) [nq, b, kv, g, B]."""
+    do = blocked(grouped(d_out, kv_heads), block).astype(jnp.float32)
+    return do, jnp.einsum("nbtkgd,nbtkgd->nbkgt", do, out)
+
+
+def gradients(qs: Queries, ks: Keys, stats, do, delta, masking: Masking, dq):
+    """dq (blocked as qs.q, fp32) plus the share of the key blocks `ks`, and their dk, dv (blocked, fp32), from
+    the rows' saved softmax statistics and output gradient (`output_gradient`): one key block at a time."""
+    scale = masking.score_scale(qs.q.shape[-1])
+    per_query = (qs, do, *stats, delta, jnp.arange(qs.q.shape[0]))
 
     def per_key_block(dq, blk):
-        kj, vj, kp, ks = blk
+        kj, vj, kp, ksg = blk
 
         def step(carry, qblk):
-            qi, qp, qs, do, mi, li, di, i = qblk
+            (qi, qp, qsg), doi, mi, li, di, i = qblk
 
             def add(carry):
                 dk, dv, dq = carry
-                s, mask = _scores(qi, kj, qp, kp, qs, ks, masking)
+                s, mask = _scores(qi, kj, qp, kp, qsg, ksg, masking)
                 p = jnp.where(mask, jnp.exp(s - mi[..., None]) / li[..., None], 0.0)
-                dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, do)
-                ds = p * (jnp.einsum("btkgd,bskd->bkgts", do, vj.astype(jnp.float32)) - di[..., None])
+                dv = dv + jnp.einsum("bkgts,btkgd->bskd", p, doi)
+                ds = p * (jnp.einsum("btkgd,bskd->bkgts", doi, vj.astype(jnp.float32)) - di[..., None])
                 if masking.softcap:  # d(cap·tanh(x/cap))/dx = 1 − (capped/cap)², where the mask lets it through
                     ds = ds * jnp.where(mask, 1 - (s / masking.softcap) ** 2, 0.0)
-                dqi = jnp.einsum("bkgts,bskd->btkgd", ds, kj.astype(jnp.float32)) * scale
+                dq = dq.at[i].add(jnp.einsum("bkgts,bskd->btkgd", ds, kj.astype(jnp.float32)) * scale)
                 dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qi.astype(jnp.float32)) * scale
-                dq = jax.lax.dynamic_update_slice_in_dim(dq, jax.lax.dynamic_slice_in_dim(dq, i * block_q, block_q, 1)
-                                                         + dqi, i * block_q, 1)
                 return dk, dv, dq
 
             return jax.lax.cond(_reachable(qp, kp, masking.window), add, lambda c: c, carry), None
 
         start = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq)
-        (dk, dv, dq), _ = jax.lax.scan(step, start, queries)
+        (dk, dv, dq), _ = jax.lax.scan(step, start, per_query)
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(per_key_block, jnp.zeros(qg.shape, jnp.float32),
-                                (_blocks(k, nk), _blocks(v, nk), _blocks(k_pos, nk), _blocks(k_seg, nk)))
-    return ungrouped(dq[:, :t]), _unblocks(dk)[:, :s], _unblocks(dv)[:, :s]
+    dq, (dk, dv) = jax.lax.scan(per_key_block, dq, ks)
+    return dq, dk, dv
 
 
-def _tied(q, *ints):
+def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k):
+    """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited)."""
+    qs, ks = queries(q, q_pos, q_seg, k.shape[2], block_q), keys(k, v, k_pos, k_seg, block_k)
+    state, count = fold(empty(qs, v.shape[-1]), qs, ks, masking)
+    out, stats = finish(state)
+    return ungrouped(unblocked(out, q.shape[1])).astype(q.dtype), (qs, ks, out, stats), count
+
+
+def tied(q, *ints):
     """The integer inputs made to depend on q (by adding 0 computed from it). Positions and segment ids are
     the same in every layer, and when a differentiated scan over the layers closes over them, JAX's scan
     partial evaluation hoists what depends on them alone out of the loop: here every block pair's mask,
     stacked, a [t, s] array. Tied to q they are computed per layer, in the loop, one block at a time."""
     zero = q[(0,) * q.ndim].astype(jnp.int32) * 0  # 0 whatever q holds (an int times 0; XLA folds it later)
     return tuple(x + zero for x in ints)
+
+
+def no_cotangents(*ints):
+    """The cotangents of integer inputs (positions, segment ids, a traced window): float0 zeros."""
+    return tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ints)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
@@ -167,12 +209,13 @@ def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, window, softcap, scale, 
 
 
 def _attention_bwd(softcap, scale, block_q, block_k, saved, d_out):
-    residuals, ints = saved
-    qg, k, v = residuals[:3]
-    t, s, window = ints[0].shape[1], ints[1].shape[1], ints[-1]
-    dq, dk, dv = _backward(Masking(window, softcap, scale), block_q, block_k, t, s, residuals, d_out)
-    no_cotangent = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ints)  # the integer inputs
-    return (dq.astype(qg.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_cotangent)
+    (qs, ks, out, stats), ints = saved
+    masking = Masking(ints[-1], softcap, scale)
+    do, delta = output_gradient(d_out, out, ks.k.shape[3], block_q)
+    dq, dk, dv = gradients(qs, ks, stats, do, delta, masking, jnp.zeros(qs.q.shape, jnp.float32))
+    t, s = ints[0].shape[1], ints[1].shape[1]
+    return (ungrouped(unblocked(dq, t)).astype(d_out.dtype), unblocked(dk, s).astype(ks.k.dtype),
+            unblocked(dv, s).astype(ks.v.dtype), *no_cotangents(*ints))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -183,7 +226,7 @@ def chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = Ma
     """Attention of q [b, t, h, dk] against k [b, s, kv, dk], v [b, s, kv, dv] in blocks of `block` rows (fewer
     when the sequence is shorter). With `count`, also the number of key blocks the forward visited."""
     block_q, block_k = min(block, q.shape[1]), min(block, k.shape[1])
-    q_pos, k_pos, q_seg, k_seg = _tied(q, q_pos, k_pos, q_seg, k_seg)
+    q_pos, k_pos, q_seg, k_seg = tied(q, q_pos, k_pos, q_seg, k_seg)
     if count:
         out, _, visited = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k)
         return out, visited

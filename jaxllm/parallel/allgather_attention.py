@@ -3,8 +3,8 @@
 
 Axes: manual over `sp` and `tp`, shapes as in `ring_attention`. Each rank gathers the
 whole sequence's K, V, positions and segment ids, then runs its own queries against them
-block by block with an online softmax (`parallel/blockwise.py`: masked piece pairs are
-skipped, and backward keeps no block's scores).
+with the chunked kernel (`ops/chunked_attention.py`: query blocks × key blocks, pairs the
+mask leaves empty skipped by position, the model's window and soft cap, an O(t) backward).
 
 Collectives per call (per device, s = sequence, E = bytes per element): all-gathers of K
 and V, each with a result of b·s·(kv/tp)·d·E bytes ((sp-1)/sp of it received), and of the
@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jaxllm.parallel import blockwise
+from jaxllm.ops.chunked_attention import BLOCK, chunked_attention
+from jaxllm.ops.masking import CAUSAL, Masking
 from jaxllm.parallel.ring_attention import manual_axes, specs
 from jaxllm.sharding import Layout, island_mesh
 
 
-def attend(q, k, v, positions, segment_ids, layout: Layout):
-    n = layout.mesh.shape["sp"]
+def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, block: int = BLOCK):
+    """Attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows."""
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
 
-    def local(q, k, v, pos, seg):
+    def local(q, k, v, pos, seg, window):
         gather = lambda x: jax.lax.all_gather(x, "sp", axis=1, tiled=True)
         if jax.default_backend() == "cpu" and k.dtype == jnp.bfloat16:
             # XLA:CPU aborts on the bf16 reduce-scatter that transposes this gather
@@ -35,9 +37,9 @@ def attend(q, k, v, positions, segment_ids, layout: Layout):
             k, v = (gather(x.astype(jnp.float32)).astype(x.dtype) for x in (k, v))
         else:
             k, v = gather(k), gather(v)
-        blocks = tuple(blockwise.blocks_of(x, n) for x in (k, v, gather(pos), gather(seg)))
-        return blockwise.over_blocks(q, pos, seg, blocks, blockwise.pieces_of(q.shape[1]))
+        here = Masking(window, masking.softcap, masking.scale)
+        return chunked_attention(q, k, v, pos, gather(pos), seg, gather(seg), here, block)
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
-                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
-                         out_specs=q_spec)(q, k, v, positions, segment_ids)
+                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P()),
+                         out_specs=q_spec)(q, k, v, positions, segment_ids, jnp.asarray(masking.window, jnp.int32))

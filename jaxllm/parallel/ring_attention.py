@@ -5,26 +5,38 @@ Axes: manual over `sp` and `tp` (heads are split over tp and never mix); batch a
 with the compiler. q [b, s/sp, h/tp, d], k and v [b, s/sp, kv/tp, d] (KV heads repeated up
 to tp where fewer), positions and segment ids [b, s/sp].
 
-Each of sp steps folds the K/V block a rank holds into an online softmax
-(`parallel/blockwise.py`), skipping query/key piece pairs whose keys all come after their
-queries, then passes the block on with one `ppermute` (K, V, their positions and segment
-ids together; the last step sends nothing). The mask is by position, so any order of the
-sequence over ranks works (zig-zag load balancing included). Each step is
-rematerialised: backward keeps the running (out, max, sum) per step, not the scores.
+Forward: each of sp steps folds the K/V block a rank holds into the chunked kernel's online
+softmax (`ops/chunked_attention.fold`: query blocks × key blocks, pairs the mask leaves empty
+skipped by position, so zig-zag order and windows skip too), then passes the block on with one
+`ppermute` (K, V, their positions and segment ids together; the last step sends nothing). Only
+the output and the rows' softmax (max, sum) are kept. Backward (a custom VJP): the blocks go
+round again, each carrying its dK and dV; every rank adds the gradients of its queries against
+the block it holds (`chunked_attention.gradients`, the scores recomputed block by block) and
+passes block and gradients on, so after sp steps each block's gradients are home. Memory: O(t)
+per rank whatever sp is; no step's state is kept.
 
-Collectives per call (per device, t = s/sp, E = bytes per element): sp-1
-collective-permutes of K and V, 2·b·t·(kv/tp)·d·E bytes each, plus b·t int32 positions
-and segment ids; no all-gather. The backward pass sends the K/V gradients round the
-ring the other way (the transpose of each ppermute) and the blocks again.
+Which pairs a fused kernel could take: by chunk order a (query block, K/V block) pair of one
+segment is full (every key before every query: non-causal attention), diagonal (the rank's own
+block: causal by index) or empty (skipped). cuDNN and the Pallas kernels take the first two
+only for rows of one segment at their index without a window; zig-zag order, packed segments
+and windows make pairs that are neither, so every pair runs on the chunked kernel today.
+
+Collectives per call (per device, t = s/sp, E = bytes per element): forward, sp−1
+collective-permutes of K and V, 2·b·t·(kv/tp)·d·E bytes each, plus b·t int32 positions and
+segment ids; backward, sp−1 of the same and sp of the fp32 dK and dV (2·b·t·(kv/tp)·d·4 bytes).
+No all-gather.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.parallel import blockwise
+from jaxllm.ops import chunked_attention as chunked
+from jaxllm.ops.masking import CAUSAL, Masking, ungrouped
 from jaxllm.sharding import Layout, island_mesh, manual_spec
 
 
@@ -42,34 +54,79 @@ def specs(layout: Layout, q, k):
             manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], axes))
 
 
-def attend(q, k, v, positions, segment_ids, layout: Layout, count_blocks: bool = False):
-    """Ring attention of the sequence-split q, k, v. With `count_blocks` (tests only) also returns, per
-    sp rank, how many (query piece, key piece) score blocks it computed: counted inside the island, in
-    the branch that runs when a pair is not skipped."""
+def _send(x, n: int):
+    """Everything in x to the next rank of the ring."""
+    return jax.lax.ppermute(x, "sp", [(j, (j + 1) % n) for j in range(n)])
+
+
+def _forward(q, k, v, pos, seg, masking: Masking, n: int, block: int):
+    """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited on this rank)."""
+    qs = chunked.queries(q, pos, seg, k.shape[2], block)
+    ks = chunked.keys(k, v, pos, seg, block)
+
+    def body(carry, _):
+        state, count, ks = carry
+        nxt = _send(ks, n)  # independent of this step's work: it can overlap
+        return (*chunked.fold(state, qs, ks, masking, count), nxt), None
+
+    (state, count, ks), _ = jax.lax.scan(body, (chunked.empty(qs, v.shape[-1]), jnp.int32(0), ks), length=n - 1)
+    state, count = chunked.fold(state, qs, ks, masking, count)
+    out, stats = chunked.finish(state)
+    return ungrouped(chunked.unblocked(out, q.shape[1])).astype(q.dtype), (qs, out, stats), count
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _ring(q, k, v, pos, seg, window, softcap, scale, n, block):
+    return _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block)[0]
+
+
+def _ring_fwd(q, k, v, pos, seg, window, softcap, scale, n, block):
+    out, residuals, _ = _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block)
+    return out, (residuals, k, v, pos, seg, window)
+
+
+def _ring_bwd(softcap, scale, n, block, saved, d_out):
+    (qs, out, stats), k, v, pos, seg, window = saved
+    masking = Masking(window, softcap, scale)
+    do, delta = chunked.output_gradient(d_out, out, k.shape[2], block)
+    ks = chunked.keys(k, v, pos, seg, block)
+    grads = lambda dq, ks: chunked.gradients(qs, ks, stats, do, delta, masking, dq)
+
+    def body(carry, _):
+        dq, ks, dk, dv = carry
+        dq, dk_here, dv_here = grads(dq, ks)
+        return (dq, *_send((ks, dk + dk_here, dv + dv_here), n)), None
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    (dq, ks, dk, dv), _ = jax.lax.scan(body, (zeros(qs.q), ks, zeros(ks.k), zeros(ks.v)), length=n - 1)
+    dq, dk_here, dv_here = grads(dq, ks)
+    dk, dv = _send((dk + dk_here, dv + dv_here), n)  # the last step's gradients go home with the block's
+    t = pos.shape[1]
+    return (ungrouped(chunked.unblocked(dq, t)).astype(d_out.dtype), chunked.unblocked(dk, t).astype(k.dtype),
+            chunked.unblocked(dv, t).astype(v.dtype), *chunked.no_cotangents(pos, seg, window))
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, count_blocks: bool = False,
+           block: int = chunked.BLOCK):
+    """Ring attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows (fewer
+    when a rank holds fewer). With `count_blocks` (tests only, forward only) also returns, per sp rank, how many
+    (query block, key block) pairs it computed: counted inside the island, in the branch that runs when a pair
+    is not skipped."""
     n = layout.mesh.shape["sp"]
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
+    block = min(block, q.shape[1] // n)
 
-    def local(q, k, v, pos, seg):
-        pieces = blockwise.pieces_of(q.shape[1])
-        qs, ps, ss = blockwise.split(q, pieces), blockwise.split(pos, pieces), blockwise.split(seg, pieces)
-        ring = [(j, (j + 1) % n) for j in range(n)]
+    def local(q, k, v, pos, seg, window):
+        pos, seg = chunked.tied(q, pos, seg)
+        if count_blocks:
+            out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block)
+            return out, count[None]
+        return _ring(q, k, v, pos, seg, window, masking.softcap, masking.scale, n, block)
 
-        def fold(state, count, kv):  # the block step, counting its computed piece pairs only in tests
-            if count_blocks:
-                return blockwise.step(state, qs, ps, ss, kv, count)
-            return blockwise.step(state, qs, ps, ss, kv), count
-
-        def body(carry, _):
-            state, count, kv = carry
-            nxt = jax.lax.ppermute(kv, "sp", ring)  # independent of this step's work: it can overlap
-            return (*fold(state, count, kv), nxt), None
-
-        start = ([blockwise.empty(x) for x in qs], jnp.int32(0), (k, v, pos, seg))
-        (state, count, kv), _ = jax.lax.scan(body, start, length=n - 1)
-        state, count = fold(state, count, kv)
-        out = blockwise.finish(state, q.dtype)
-        return (out, count[None]) if count_blocks else out
-
+    window = jnp.asarray(masking.window, jnp.int32)
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
-                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
-                         out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids)
+                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P()),
+                         out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids, window)
