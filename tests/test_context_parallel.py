@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
 from jaxllm.config import build_config, validate
+from jaxllm.errors import ConfigError
 from jaxllm.mesh import make_mesh
 from jaxllm.models.attention import CONTEXT_ATTENTION, attend
 from jaxllm.ops.attention import attention, dot_product_attention
@@ -194,6 +195,17 @@ def test_windowed_model_matches_one_device(mesh, strategy):
     loss, grads = loss_and_grads(step_fns(equivalence_config(PRESETS["llama"], **WINDOWED)), params)
     got = loss_and_grads(step_fns(cp_config("llama", mesh, strategy, **WINDOWED)), params)
     assert_matches(*got, (params, float(loss), grads))
+
+
+@pytest.mark.parametrize("impl", ["dense", "pallas_gpu"])
+def test_an_explicit_kernel_the_islands_do_not_run_is_refused(impl):
+    """With sp > 1 every island runs the chunked kernel: another explicit `model.attention_impl` is refused in
+    one line naming the key, not replaced."""
+    with pytest.raises(ConfigError) as info:
+        validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": impl}), 4)
+    message = str(info.value)
+    assert f"model.attention_impl={impl} with mesh.sp=4" in message and "\n" not in message, message
+    validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": "chunked"}), 4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -228,16 +228,17 @@ def check_run(cfg, sp: int) -> None:
         raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
 
 
-def _check_implementation(m, sp: int, pp: int) -> list[str]:
-    """`model.attention_impl` and the windows against the mesh; the implementation `auto` chose, as a note."""
+def _check_implementation(m, sp: int) -> list[str]:
+    """`model.attention_impl` against the mesh; the implementation that runs, as a note. With sp > 1 every island
+    runs the chunked kernel, so another explicit choice is refused rather than replaced."""
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
         raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, "
                           f"{', '.join(IMPLEMENTATIONS)}")
-    if m.attention_impl in FUSED_PLATFORM and sp == 1:
+    if sp > 1 and m.attention_impl not in ("auto", "chunked"):
+        raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sp={sp}: the context-parallel islands "
+                          "run the chunked kernel; set model.attention_impl=auto or chunked, or mesh.sp=1")
+    if m.attention_impl in FUSED_PLATFORM:
         _check_fused(m)
-    if pp > 1 and windows_differ(m):
-        raise ConfigError(f"model.window_pattern={m.window_pattern} with mesh.pp={pp}: windows that differ by layer do "
-                          "not travel with the pipeline's stages yet; use mesh.pp=1 or one window for every layer")
     if sp > 1:
         return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the chunked kernel in each island)"]
     return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
@@ -247,7 +248,7 @@ def check_config(m, shape: dict) -> list[str]:
     """The attention keys against the mesh: ConfigError (one line) for what cannot run; notes to log."""
     _check_positions(m)
     sp, tp = shape["sp"], shape["tp"]
-    notes = _check_implementation(m, sp, shape["pp"])
+    notes = _check_implementation(m, sp)
     if m.cp_strategy not in CONTEXT_ATTENTION:
         raise ConfigError(f"model.cp_strategy: '{m.cp_strategy}' is not one of {', '.join(CONTEXT_ATTENTION)}")
     if m.seq_len % sp:

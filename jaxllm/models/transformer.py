@@ -265,14 +265,14 @@ def _grouped_scan(body, carry, stack: list, group: int):
     return jax.lax.scan(one_group, carry, grouped)[0]
 
 
-def scanned_windows(m: ModelConfig, repeats: int):
-    """[repeats, len(pattern)] int32: each layer's attention window, scanned with the layers when the windows
-    differ by layer; None when every layer has the same one (the model's setting, a constant)."""
+def scanned_windows(m: ModelConfig, repeats: int, first=0):
+    """[repeats, len(pattern)] int32: the attention windows of the stack's repeats first .. first + repeats − 1,
+    scanned with the layers when the windows differ by layer (`first` may be traced: a pipeline stage's chunk);
+    None when every layer has the same one (the model's setting, a constant)."""
     if not attention.windows_differ(m):
         return None
-    windows = np.asarray(attention.layer_windows(m), np.int32).reshape(-1, len(m.pattern))
-    assert windows.shape[0] == repeats, "windows that differ by layer need the whole stack (refused with pp > 1)"
-    return jnp.asarray(windows)
+    windows = jnp.asarray(np.asarray(attention.layer_windows(m), np.int32).reshape(-1, len(m.pattern)))
+    return jax.lax.dynamic_slice_in_dim(windows, first, repeats)
 
 
 def _apply_repeat(layer, windows, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
@@ -287,9 +287,9 @@ def _apply_repeat(layer, windows, x, total, positions, segment_ids, m: ModelConf
     return x, total, written
 
 
-def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype):
+def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0):
     """Run a slice of the layer stack: scan over repeats of the block pattern (with each layer's window
-    when they differ).
+    when they differ; `first` is the slice's first repeat in the whole stack, for a pipeline stage).
 
     Returns (x, stats): the MoE layers' router statistics summed over the slice (see
     `models/moe.py`; empty for a dense model)."""
@@ -303,7 +303,7 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
     repeats = jax.tree.leaves(stack)[0].shape[0]
-    xs = (stack, scanned_windows(m, repeats))
+    xs = (stack, scanned_windows(m, repeats, first))
     group = remat_group(m, repeats)
     if group:
         return _grouped_scan(body, (x, zero_aux(m)), xs, group)

@@ -70,7 +70,8 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
     `params` holds the layer stack under "blocks" (leaves [R, ...], R split over pp) and the
     embedding/head weights elsewhere; `microbatches` holds the batch's fields as [m, rows, ...]
     arrays. The model enters as its three seams: `embed_fn(shared, mb) -> x`,
-    `blocks_fn(chunk, x, mb) -> x` and `loss_fn(shared, x, mb) -> (objective sum, metric sums)`,
+    `blocks_fn(chunk, x, mb, first) -> x` (`first`: the chunk's first layer repeat in the whole stack,
+    from which per-layer data such as attention windows is read) and `loss_fn(shared, x, mb) -> (objective sum, metric sums)`,
     both divided by the global count `count` (dividing the scalar, not every gradient). Inside
     the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
@@ -101,6 +102,11 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
         def chunk_of(tree, c):
             return jax.tree.map(lambda a: a[jnp.maximum(c, 0)], tree)
 
+        repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
+
+        def run_chunk(chunk, c, x, mb):  # chunk c of this stage is global stage c·p + s
+            return blocks_fn(chunk, x, mb, (jnp.maximum(c, 0) * p + s) * repeats)
+
         x_shape = jax.eval_shape(lambda: embed_fn(used_shared, microbatch(0)))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
@@ -109,10 +115,10 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
         # ---- forward slot: the output to send downstream
         def forward(kind, c, i, x_in):
             def first():
-                return blocks_fn(chunk_of(used_stack, c), embed_fn(used_shared, microbatch(i)), microbatch(i))
+                return run_chunk(chunk_of(used_stack, c), c, embed_fn(used_shared, microbatch(i)), microbatch(i))
 
             def middle():
-                return blocks_fn(chunk_of(used_stack, c), x_in, microbatch(i))
+                return run_chunk(chunk_of(used_stack, c), c, x_in, microbatch(i))
 
             return jax.lax.switch(kind, [lambda: zeros_x, first, middle, lambda: zeros_x])
 
@@ -125,19 +131,19 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
                 return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0), no_metrics
 
             def first():
-                stage = lambda ch, sh: blocks_fn(ch, embed_fn(sh, mb), mb)
+                stage = lambda ch, sh: run_chunk(ch, c, embed_fn(sh, mb), mb)
                 _, pull = jax.vjp(stage, chunk, used_shared)
                 g_chunk, g_shared = pull(dy)
                 return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0), no_metrics
 
             def middle():
-                _, pull = jax.vjp(lambda ch, x: blocks_fn(ch, x, mb), chunk, x_in)
+                _, pull = jax.vjp(lambda ch, x: run_chunk(ch, c, x, mb), chunk, x_in)
                 g_chunk, dx = pull(dy)
                 return dx, cast(g_chunk), f32(used_shared), jnp.float32(0), no_metrics
 
             def final():
                 def stage(ch, sh, x):
-                    total, sums = loss_fn(sh, blocks_fn(ch, x, mb), mb)
+                    total, sums = loss_fn(sh, run_chunk(ch, c, x, mb), mb)
                     return total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
 
                 loss, pull, metrics = jax.vjp(stage, chunk, used_shared, x_in, has_aux=True)

@@ -184,7 +184,8 @@ def pipelined(params, batch: dict, norm, g: Paths):
     loss, metrics, grads = pipeline.loss_and_grads(
         params, mbs, count / scale, g.schedule, inner,
         embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
-        blocks_fn=lambda ch, x, mb: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype)[0],
+        blocks_fn=lambda ch, x, mb, first: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype,
+                                                              first)[0],
         loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
                                                          o.temperature),
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
