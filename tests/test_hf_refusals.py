@@ -214,7 +214,7 @@ def test_windows_that_differ_by_layer_run_with_a_pipeline_and_context_parallelis
     themselves: tests/test_pipeline.py, tests/test_context_parallel.py.)"""
     path = built("qwen2-sliding1-v5", "qwen2", config_form="v5", use_sliding_window=True, max_window_layers=1,
                  sliding_window=32)
-    for mesh in ({"mesh.pp": 2, "mesh.dp": 4}, {"mesh.sp": 2, "mesh.dp": 4}):
+    for mesh in ({"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2}, {"mesh.sp": 2, "mesh.dp": 4}):
         validate(import_config(path, **{"model.seq_len": 64, **mesh}), N_DEVICES)
 
 
