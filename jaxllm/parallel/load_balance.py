@@ -24,8 +24,8 @@ def visible_blocks(positions: np.ndarray, sp: int, pieces: int = 2) -> list[int]
     """Per sp rank: how many (query piece, key piece) score blocks have any query that may see a key.
 
     `positions` is the laid-out order of one sequence; each rank holds seq_len/sp of it,
-    cut into `pieces` query pieces, against every rank's key pieces (the blocks
-    `parallel/blockwise.py` computes rather than skips).
+    cut into `pieces` query blocks, against every rank's key blocks (the block pairs the ring's
+    chunked kernel computes rather than skips, with blocks of seq_len/(sp·pieces) rows).
     """
     per_rank = np.split(np.asarray(positions), sp)
     pieces_all = [p for block in per_rank for p in np.split(block, pieces)]
