@@ -137,10 +137,10 @@ def test_cli_json_contract(tmp_path):
     tp = out["tensor_parallel"]  # tp=1: the marker, no made-up collectives
     assert tp["enabled"] is False and tp["tp"] == 1
     assert all(c["forward"] == c["backward"] == [] for c in tp["collectives_per_layer"].values())
-    at = out["attention"]  # sp=1: plain attention against itself
-    assert at["enabled"] is False and at["sp"] == 1 and at["strategy"] == "plain" and at["ratio"] == 1
+    at = out["attention"]  # sp=1: one device's attention (dense at tiny-llama's 64 tokens) against itself
+    assert at["enabled"] is False and at["sp"] == 1 and at["strategy"] == "dense" and at["ratio"] == 1
     assert at["this"] == at["sp1"] and at["sp1"]["bytes_per_layer"] == sum(at["sp1"]["terms"].values())
-    assert "attention memory per layer (sp=1, plain)" in r.stderr
+    assert "attention memory per layer (sp=1, dense)" in r.stderr
     pl = out["pipeline"]  # pp=1: the marker; Φ is all parameters
     assert pl["enabled"] is False and pl["pp"] == 1 and pl["params"]["stage"] == out["params"]
     assert "pipeline (pp=" not in r.stderr
