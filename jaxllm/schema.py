@@ -91,13 +91,20 @@ class MoeConfig:
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
 # size. Keys the user sets explicitly win over both. Here, below config.py and interop/, which both read it.
+_PLAIN = dict(norm_offset=0.0, norm_placement="pre", qk_norm=False, embed_scale=False)  # what 2024's families leave
+_GEMMA = dict(norm="rmsnorm", mlp="geglu_tanh", positions="rope", attn_bias="none", mlp_bias=False,
+              tie_embeddings=True, norm_offset=1.0, norm_placement="sandwich", embed_scale=True)
 FAMILIES: dict[str, dict] = {
     "gpt2": dict(norm="layernorm", mlp="gelu_tanh", positions="learned", attn_bias="qkvo", mlp_bias=True,
-                 tie_embeddings=True),
+                 tie_embeddings=True, **_PLAIN),
     "llama": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="none", mlp_bias=False,
-                  tie_embeddings=False),
+                  tie_embeddings=False, **_PLAIN),
     "qwen2": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="qkv", mlp_bias=False,
-                  tie_embeddings=False),
+                  tie_embeddings=False, **_PLAIN),
+    "qwen3": dict(norm="rmsnorm", mlp="swiglu", positions="rope", attn_bias="none", mlp_bias=False,
+                  tie_embeddings=False, **dict(_PLAIN, qk_norm=True)),
+    "gemma2": dict(_GEMMA, qk_norm=False),
+    "gemma3": dict(_GEMMA, qk_norm=True),
 }
 
 
@@ -114,7 +121,9 @@ class ModelConfig:
     family: str = key("gpt2", "a shorthand that fills the features below (`FAMILIES`), as a preset does (keys you set "
                               "win; the model code reads only the features): `gpt2` (LayerNorm, `gelu_tanh`, learned "
                               "positions, `qkvo` biases, MLP biases, tied embeddings), `llama` (RMSNorm, SwiGLU, "
-                              "RoPE, no biases, untied head) or `qwen2` (as `llama` with `qkv` biases)")
+                              "RoPE, no biases, untied head), `qwen2` (as `llama` with `qkv` biases), `qwen3` (as "
+                              "`llama` with q/k norms), `gemma2` (RMSNorm as 1 + w, `geglu_tanh`, RoPE, sandwich "
+                              "norms, a scaled embedding, tied head) or `gemma3` (as `gemma2` with q/k norms)")
     n_layers: int = key(4, "transformer blocks in the stack")
     d_model: int = key(256, "the residual stream's width")
     n_heads: int = key(4, "attention (query) heads")
@@ -126,7 +135,8 @@ class ModelConfig:
     seq_len: int = key(256, "training context length")
     # The features a family is made of.
     norm: str = key("layernorm", "`layernorm` (scale and bias) or `rmsnorm` (scale only)")
-    mlp: str = key("gelu_tanh", "`gelu_tanh` (transformers' `gelu_new`) or `swiglu`")
+    mlp: str = key("gelu_tanh", "`gelu_tanh` (transformers' `gelu_new`), `swiglu` (silu(gate)·up) or `geglu_tanh` "
+                                "(gelu_tanh(gate)·up, Gemma)")
     positions: str = key("learned", "`learned` (a table of `max_positions` rows) or `rope`")
     max_positions: int = key(0, "the longest sequence the model is for (the learned table's rows); 0 = `seq_len`; "
                                 "`seq_len` may not exceed it")
@@ -134,11 +144,26 @@ class ModelConfig:
     mlp_bias: bool = key(True, "biases on the dense feed-forward's projections (experts have none)")
     tie_embeddings: bool = key(True, "the output head is the token embedding")
     norm_eps: float = key(1e-5, "the norms' epsilon (numerics)")
+    norm_offset: float = key(0.0, "every norm computes x̂·(offset + scale), q/k norms included: Gemma's 1 + w (a "
+                                  "fresh scale starts at 1 − offset, so the product starts at 1)")
+    norm_placement: str = key("pre", "`pre` (a norm before attention and before the MLP) or `sandwich` (also a norm "
+                                     "of each one's output before the residual add: Gemma 2/3)")
+    qk_norm: bool = key(False, "RMSNorm over head_dim on the queries and keys, before RoPE (Qwen3, Gemma 3)")
+    embed_scale: bool = key(False, "the token embedding multiplied by √d_model, the scale rounded to the compute "
+                                   "dtype first as transformers does (Gemma)")
+    attn_softcap: float = key(0.0, "attention logit soft cap: scores → cap·tanh(scores/cap) before the mask (Gemma "
+                                   "2); 0 = none")
+    final_softcap: float = key(0.0, "output logit soft cap: logits → cap·tanh(logits/cap) (Gemma 2); 0 = none")
+    query_pre_attn_scalar: float = key(0.0, "scores scaled by this^−½ instead of head_dim^−½ (Gemma's "
+                                            "`query_pre_attn_scalar`); 0 = head_dim")
     rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
-    rope_scaling: str = key("none", "`none` or `llama3` (Llama 3.1's frequency bands, with the four keys below: "
-                                    "wavelengths longer than original/low slowed by the factor, shorter than "
-                                    "original/high kept, smooth between)")
-    rope_factor: float = key(8.0, "`llama3` scaling: the factor long wavelengths are slowed by")
+    rope_scaling: str = key("none", "`none`, `linear` (every frequency divided by `rope_factor`) or `llama3` (Llama "
+                                    "3.1's frequency bands, with the four keys below: wavelengths longer than "
+                                    "original/low slowed by the factor, shorter than original/high kept, smooth "
+                                    "between)")
+    rope_local_theta: float = key(0.0, "RoPE base of the `local` layers of `window_pattern`, unscaled (Gemma 3's "
+                                       "local layers); 0 = every layer's RoPE is the one above")
+    rope_factor: float = key(8.0, "`linear` and `llama3` scaling: the factor (long) wavelengths are slowed by")
     rope_low_freq_factor: float = key(1.0, "`llama3` scaling: low; wavelengths longer than `rope_original_context` / "
                                            "low are slowed by `rope_factor`")
     rope_high_freq_factor: float = key(4.0, "`llama3` scaling: high; wavelengths shorter than "
@@ -150,8 +175,8 @@ class ModelConfig:
                                  "take it too")
     window_pattern: list = key([], "which layers `model.sliding_window` applies to: `local` (windowed) and `global` "
                                     "(not) entries repeated down the stack, e.g. `[\"local\", \"global\"]` as Gemma 2; "
-                                    "its length must divide `n_layers`; empty: every layer. The windows are per-layer "
-                                    "data scanned with the layers")
+                                    "its length must divide `n_layers` (a list of `n_layers` entries fits any stack); "
+                                    "empty: every layer. The windows are per-layer data scanned with the layers")
     attention_impl: str = key("auto", "how attention is computed: `dense` (the whole [t, t] score array: the readable "
                                       "reference), `chunked` (query and key blocks with an online softmax and a "
                                       "recomputing backward: O(t) memory, masked-out blocks skipped), `pallas_tpu` "

@@ -29,7 +29,8 @@ import os
 
 import numpy as np
 
-FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral")
+FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
+                              "gemma2", "gemma3")
 
 VOCAB_SIZE = 301
 HIDDEN = 64
@@ -56,6 +57,18 @@ LLAMA31_ROPE = {
     "original_max_position_embeddings": LLAMA31_ORIGINAL_CONTEXT,
 }
 MISTRAL_SLIDING_WINDOW = 4096
+# Gemma: more layers than the rest, local and global ones mixed (Gemma 3's pattern of 3 does not divide its 5
+# layers), windows shorter than a 64-token test sequence, soft caps that some scores and logits pass (the
+# caps are small because the tiny model's scores are), a query scalar other than head_dim, and Gemma 3's
+# global RoPE linearly scaled with its local layers at their own base.
+GEMMA_LAYERS = {"gemma2": 4, "gemma3": 5}
+GEMMA_WINDOW = 12
+GEMMA_QUERY_SCALAR = 24
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0}
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                      "sliding_attention"]
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 
 # Perturbation scales (see _perturb).
 WEIGHT_STD = 0.1
@@ -165,6 +178,21 @@ def _family_kwargs(family: str) -> tuple[str, dict]:
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             tie_word_embeddings=False,
         )
+    if family == "qwen3":
+        return "Qwen3Config", dict(
+            llama_like, head_dim=HEAD_DIM, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if family in GEMMA_LAYERS:
+        gemma = dict(llama_like, num_hidden_layers=GEMMA_LAYERS[family], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+                     hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=GEMMA_QUERY_SCALAR,
+                     sliding_window=GEMMA_WINDOW, tie_word_embeddings=True, pad_token_id=0)
+        gemma.pop("hidden_act")
+        if family == "gemma2":
+            return "Gemma2Config", dict(gemma, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                        **GEMMA2_SOFTCAPS)
+        return "Gemma3TextConfig", dict(gemma, layer_types=list(GEMMA3_LAYER_TYPES),
+                                        rope_parameters={k: dict(v) for k, v in GEMMA3_ROPE.items()})
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -372,21 +400,32 @@ def _to_v4_config(family: str, cfg: dict) -> dict:
       integer `sliding_window` next to `use_sliding_window: false`, as hub Qwen2.5 configs have.
     - GPT-2: `n_ctx` = n_positions, as the original GPT-2 configs have (5 keeps it as an extra
       attribute and ignores it).
+    - Qwen3 as Qwen2. Gemma 2: no `layer_types` (4.x slid every even layer). Gemma 3: `rope_theta` and
+      `rope_scaling` for the global layers, `rope_local_base_freq` for the local ones, and
+      `sliding_window_pattern` (every n-th layer global) instead of `layer_types`.
     """
     cfg = dict(cfg)
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
     cfg["transformers_version"] = V4_TRANSFORMERS_VERSION
     rope = cfg.pop("rope_parameters", None)
+    if family == "gemma3":  # 4.x: the global RoPE as rope_theta + rope_scaling, the local base on its own
+        full, sliding = dict(rope["full_attention"]), rope["sliding_attention"]
+        cfg["rope_theta"], cfg["rope_local_base_freq"] = full.pop("rope_theta"), sliding["rope_theta"]
+        cfg["rope_scaling"] = None if full.get("rope_type", "default") == "default" else full
+        cfg["sliding_window_pattern"] = cfg.pop("layer_types").index("full_attention") + 1
+        rope = None
+    if family == "gemma2":
+        cfg.pop("layer_types")  # 4.x: every even layer slides
     if rope is not None:
         rope = dict(rope)
         cfg["rope_theta"] = rope.pop("rope_theta")
-        if family.startswith("llama") or family == "qwen2":
+        if family.startswith("llama") or family in ("qwen2", "qwen3"):
             cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
-    if family != "gpt2":
+    if family not in ("gpt2", "qwen3", "gemma2", "gemma3"):  # whose 4.x config classes always wrote head_dim
         if "head_dim" in cfg and cfg["head_dim"] in (None, cfg["hidden_size"] // cfg["num_attention_heads"]):
             cfg.pop("head_dim")
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         cfg.pop("layer_types", None)
         if cfg.get("sliding_window") is None:
             cfg["sliding_window"] = MISTRAL_SLIDING_WINDOW

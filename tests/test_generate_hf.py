@@ -23,6 +23,11 @@ positions, and on other prompts llama2 and mistral reached a step with a top-2 m
 every row produces at least 8 distinct tokens (asserted) and the smallest margin over the families is
 9e-4 (qwen2), 40 times the largest logit difference from transformers (2e-5).
 
+Qwen3, Gemma 2 and Gemma 3 generate from checkpoints with an untied head (`UNTIED`): tied, their rows fall
+into repeating one to five tokens (the last token's own embedding wins; Gemma's scaled embedding and sandwich
+norms make it worse), for every seed tried; untied, every row has at least 17 distinct tokens and the
+smallest top-2 margin is 4e-4. The tied forms are what test_hf_interop.py's logits tests import.
+
 GPT-2 is the fast-tier case: its learned absolute positions are what a wrong position for a padded row
 changes; RoPE sees only position differences, so a row's positions all off by the same amount (e.g.
 counted from the slot, padding included) give RoPE models the same result.
@@ -120,9 +125,12 @@ def assert_same_tokens(family: str, what: str, tokens, logits, ref_tokens, ref_l
                         f"{top2(logits[r, s])}{theirs_at}")
 
 
+UNTIED = {"qwen3", "gemma2", "gemma3"}  # see the module's docstring
+
+
 @pytest.mark.parametrize("family", tiers(H.FAMILIES, {"gpt2"}))
 def test_greedy_generation_equals_transformers(family, checkpoint):
-    path = checkpoint(family)
+    path = checkpoint(family, **({"tie_word_embeddings": False} if family in UNTIED else {}))
     tokens, logits = ours(path)
     margin = margins(logits)
     r, s = np.unravel_index(np.argmin(margin), margin.shape)

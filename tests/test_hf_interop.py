@@ -58,7 +58,7 @@ def test_import_equals_transformers_and_export_round_trips(family, models, tmp_p
     ref = H.reference_logits(path, TOKENS)
     assert np.abs(our_logits(path) - ref).max() <= 1e-4
     cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
-    hf.save_pretrained(params, cfg.model, str(tmp_path / "out"), source=path)
+    hf.save_pretrained(params, cfg, str(tmp_path / "out"), source=path)  # the Config load_pretrained returned
     assert_bitwise(file_tensors(path), file_tensors(str(tmp_path / "out")))
     assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ref).max() <= 1e-4
 

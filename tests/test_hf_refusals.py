@@ -112,7 +112,6 @@ def validate_refused(key: str, path: str, **overrides) -> str:
 
 # Parameters each rope_type needs (transformers 5 validates them when it reads the config).
 ROPE_PARAMETERS = {
-    "linear": {"factor": 2.0},
     "dynamic": {"factor": 2.0},
     "yarn": {"factor": 2.0, "original_max_position_embeddings": 128},
     "longrope": {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 128},
@@ -133,10 +132,10 @@ def test_unsupported_rope_type_is_refused(built, tmp_path, rope_type):
 def test_unsupported_rope_scaling_in_the_v4_form_is_refused(built, tmp_path):
     """transformers 4.x wrote `rope_scaling` ({"type": ...} before 4.43) next to a top-level `rope_theta`."""
     path = edited(built("llama3-v4", "llama3", config_form="v4"), tmp_path / "model",
-                  lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}))
+                  lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}))
     assert "rope_parameters" not in config_json(path)
     msg = config_refused(ModelFileError, "rope", path)
-    assert "'linear'" in msg, msg
+    assert "'dynamic'" in msg, msg
 
 
 @pytest.mark.parametrize("form", ["v5", "v4"])
@@ -146,6 +145,31 @@ def test_default_and_llama3_rope_are_accepted(built, form):
     assert (plain.rope_scaling, plain.rope_theta) == ("none", 500000.0)
     assert (scaled.rope_scaling, scaled.rope_factor) == ("llama3", 8.0)
     assert scaled.rope_original_context == families.LLAMA31_ORIGINAL_CONTEXT
+
+
+def test_linear_rope_is_read(built):
+    """Linear scaling (every frequency divided by the factor) is read, not refused; its numbers against
+    transformers are the Gemma 3 checkpoint's (global layers linear), tests/test_hf_interop.py."""
+    path = built("llama3-linear", "llama3", rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+    m = import_config(path).model
+    assert (m.rope_scaling, m.rope_factor, m.rope_theta) == ("linear", 2.0, 1e4)
+
+
+GEMMA_EDITS = {  # config.json key -> (edit, what the refusal names)
+    "hidden_activation": (lambda c: c.update(hidden_activation="gelu"), "hidden_activation"),
+    "use_bidirectional_attention": (lambda c: c.update(use_bidirectional_attention=True),
+                                    "use_bidirectional_attention"),
+    "scaled local RoPE": (lambda c: c["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+                          "sliding_attention.rope_type"),
+}
+
+
+@pytest.mark.parametrize("edit", GEMMA_EDITS)
+def test_gemma_features_jaxllm_lacks_are_refused(built, tmp_path, edit):
+    change, named = GEMMA_EDITS[edit]
+    path = edited(built("gemma3"), tmp_path / "model", change)
+    msg = config_refused(ModelFileError, named, path)
+    assert named in msg, msg
 
 
 # ---------------------------------------------------------------- 2. partial rotary embeddings
@@ -432,3 +456,17 @@ def test_windows_a_config_json_cannot_hold_are_refused_at_export():
     qwen2 = hf_config(model("tiny-llama", **{"model.family": "qwen2", "model.window_pattern": ["global", "local"]}),
                       "float32")
     assert qwen2["layer_types"] == ["full_attention", "sliding_attention"] and qwen2["max_window_layers"] == 1
+
+
+@pytest.mark.parametrize("over, named", [
+    ({"model.norm_placement": "sandwich"}, "model.norm_placement"),  # LLaMA's layout with Gemma's norms
+    ({"model.attn_softcap": 30.0}, "model.attn_softcap"),  # a soft cap outside Gemma
+    ({"model.family": "gemma2", "model.rope_local_theta": 1e4}, "model.rope_local_theta"),  # Gemma 2: one RoPE
+    ({"model.family": "qwen3", "model.attn_bias": "qkv"}, "model.attn_bias"),
+])
+def test_feature_mixes_no_transformers_type_computes_are_refused_at_export(over, named):
+    """A model whose features no transformers model type computes is refused in one line naming the feature."""
+    from jaxllm.interop.hf_config import exportable
+
+    m = build_config(None, {"model.preset": "tiny-llama", "model.vocab_size": 257, **over}).model
+    refused(ModelFileError, named, exportable, m)

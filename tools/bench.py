@@ -52,12 +52,13 @@ def plain_model(m):
     jaxllm model config `m`: the same shapes and numerics (llama: every layer dense or every layer MoE).
     Each covers one family's features exactly (`schema.FAMILIES`); ValueError for any other setting."""
     from jaxllm.schema import FAMILIES
-    from jaxllm.models.attention import head_dim, kv_heads
+    from jaxllm.models.attention import head_dim, kv_heads, layer_windows
     from jaxllm.models.transformer import padded_vocab
     from tools import plain_gpt, plain_llama
 
     features = {k: getattr(m, k) for k in FAMILIES["gpt2"]}
-    extras = m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none"
+    extras = (m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none" or m.attn_softcap or m.final_softcap
+              or m.query_pre_attn_scalar or m.rope_local_theta or any(0 < w < m.seq_len for w in layer_windows(m)))
     if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
         raise ValueError(f"no plain reference for the features {features}")
     if features == FAMILIES["gpt2"]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,7 +32,9 @@ from jaxllm.errors import ModelFileError
 from jaxllm.interop import hf_config
 from jaxllm.interop.hf_tables import Entry, entries
 from jaxllm.models import transformer
+from jaxllm.schema import Config
 
+log = logging.getLogger("jaxllm")
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -72,8 +75,13 @@ class Files:
         return self._open[file, framework]
 
     def full_key(self, key: str) -> str:
-        bare = key.removeprefix("transformer.")  # GPT-2 as first published: no prefix
-        full = key if key in self.where or bare not in self.where else bare
+        """The file's name for a table key: as written, or GPT-2's without its `transformer.` prefix (as first
+        published), or a multimodal Gemma 3's text tower (`model.language_model.*`, or `language_model.model.*`
+        as transformers 5 saves it)."""
+        rest = key.removeprefix("model.")
+        aliases = [key, key.removeprefix("transformer."), "model.language_model." + rest, "language_model.model." + rest,
+                   "language_model." + key]
+        full = next((k for k in aliases if k in self.where), key)
         if full not in self.where:
             raise ModelFileError(f"{self.path}: no tensor '{full}', which this model's config.json needs; the files "
                                  "do not match the config")
@@ -212,8 +220,11 @@ def load_params(path: str, m, shardings=None) -> dict:
 
 def load_pretrained(path: str, shardings=None, overrides: dict | None = None):
     """(Config, fp32 params) of a Hugging Face model directory; `shardings` places the parameters (a tree like
-    them, e.g. a run's `StepFns.state_shardings.params`), `overrides` sets run keys such as model.seq_len."""
+    them, e.g. a run's `StepFns.state_shardings.params`), `overrides` sets run keys such as model.seq_len.
+    A multimodal Gemma 3 gives its text tower (exported as gemma3_text); the rest is not read."""
     cfg = config_for(path, overrides)
+    if hf_config.read(path).get("model_type") == "gemma3":
+        log.info("%s: a multimodal Gemma 3; reading its text tower, the vision tower and projector skipped", path)
     return cfg, load_params(path, cfg.model, shardings)
 
 
@@ -302,12 +313,14 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}[unit])
 
 
-def save_pretrained(params: dict, m, path: str, *, dtype: str = "float32", max_shard_size: str | int = "5GB",
+def save_pretrained(params: dict, config, path: str, *, dtype: str = "float32", max_shard_size: str | int = "5GB",
                     source: str | None = None, tokenizer: str | None = None) -> None:
-    """Write `params` (model config `m`) as a Hugging Face model directory `path` that transformers'
-    from_pretrained loads: safetensors in `dtype`, config.json, generation_config.json; `source` (a Hugging
-    Face directory the run started from) lends its token ids and generation config, `tokenizer` (a
-    directory) its tokenizer files. Written to `path`.partial and renamed, so `path` is whole or absent."""
+    """Write `params` as a Hugging Face model directory `path` that transformers' from_pretrained loads:
+    safetensors in `dtype`, config.json, generation_config.json. `config` is the `Config` `load_pretrained`
+    returns (or its model section); `source` (a Hugging Face directory the run started from) lends its token
+    ids and generation config, `tokenizer` (a directory) its tokenizer files. Written to `path`.partial and
+    renamed, so `path` is whole or absent."""
+    m = config.model if isinstance(config, Config) else config
     hf_config.exportable(m)
     if dtype not in DTYPES:
         raise ModelFileError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

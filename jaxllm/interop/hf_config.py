@@ -15,7 +15,7 @@ from jaxllm.errors import ModelFileError
 from jaxllm.models import attention
 from jaxllm.schema import FAMILIES, ModelConfig
 
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "mixtral")
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3_text")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {
     "llama": dict(num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
@@ -26,13 +26,25 @@ ABSENT = {
                   max_position_embeddings=32768),
     "mixtral": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
                     max_position_embeddings=131072),
+    "qwen3": dict(num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                  max_position_embeddings=32768, head_dim=128),
+    "gemma2": dict(num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                   max_position_embeddings=8192, head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=4096,
+                        max_position_embeddings=131072, head_dim=256, query_pre_attn_scalar=256,
+                        attn_logit_softcapping=None, final_logit_softcapping=None, rope_local_base_freq=10000.0,
+                        sliding_window_pattern=6),
 }
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")  # Gemma's tanh GELU, under either name
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh form of GELU
 # The model.* keys a checkpoint fixes (everything else a run may set: seq_len, remat, cp_*, ...).
 ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size",
                      "norm", "mlp", "positions", "max_positions", "attn_bias", "mlp_bias", "tie_embeddings",
                      "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                      "rope_high_freq_factor", "rope_original_context", "sliding_window", "window_pattern", "pattern",
+                     "norm_offset", "norm_placement", "qk_norm", "embed_scale", "attn_softcap", "final_softcap",
+                     "query_pre_attn_scalar", "rope_local_theta",
                      "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.shared_expert")
 
 
@@ -73,23 +85,38 @@ def _gpt2(hf: dict) -> dict:
 
 
 def _rope(hf: dict) -> dict:
-    """RoPE keys from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before)."""
+    """RoPE keys from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before); Gemma 3's
+    per-layer-type parameters (`full_attention`, `sliding_attention`) or `rope_local_base_freq`."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    local = {}
+    if "full_attention" in params:  # transformers 5, one entry per layer type
+        sliding = dict(params.get("sliding_attention") or {})
+        if sliding.get("rope_type", "default") != "default":
+            raise ModelFileError(f"config.json {where}.sliding_attention.rope_type={sliding['rope_type']!r}: jaxllm's "
+                                 "local layers take unscaled RoPE; jaxllm refuses what it would not compute exactly as "
+                                 "transformers does")
+        local = {"rope_local_theta": float(sliding.get("rope_theta", ABSENT["gemma3_text"]["rope_local_base_freq"]))}
+        params, where = dict(params["full_attention"]), f"{where}.full_attention"
+    elif hf["model_type"] == "gemma3_text":
+        local = {"rope_local_theta": float(hf.get("rope_local_base_freq") or
+                                           ABSENT["gemma3_text"]["rope_local_base_freq"])}
     theta = params.get("rope_theta", hf.get("rope_theta", ABSENT[hf["model_type"]]["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
-    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     for key, value in (("partial_rotary_factor", hf.get("partial_rotary_factor")),
                        (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):
         if value not in (None, 1.0):
             raise ModelFileError(f"config.json {key}={value!r}: RoPE on part of each head is not implemented; jaxllm "
                                  "refuses what it would not compute exactly as transformers does")
     if kind == "default":
-        return dict(rope_theta=float(theta), rope_scaling="none")
+        return dict(rope_theta=float(theta), rope_scaling="none", **local)
+    if kind == "linear":
+        return dict(rope_theta=float(theta), rope_scaling="linear", rope_factor=float(params["factor"]), **local)
     if kind != "llama3":
-        raise ModelFileError(f"config.json {where}.rope_type={kind!r}: not supported (jaxllm has default and llama3 RoPE, "
-                             "not linear, dynamic, yarn or longrope); jaxllm refuses what it would not compute "
+        raise ModelFileError(f"config.json {where}.rope_type={kind!r}: not supported (jaxllm has default, linear and "
+                             "llama3 RoPE, not dynamic, yarn or longrope); jaxllm refuses what it would not compute "
                              "exactly as transformers does")
-    return dict(rope_theta=float(theta), rope_scaling="llama3", rope_factor=float(params["factor"]),
+    return dict(rope_theta=float(theta), rope_scaling="llama3", rope_factor=float(params["factor"]), **local,
                 rope_low_freq_factor=float(params["low_freq_factor"]),
                 rope_high_freq_factor=float(params["high_freq_factor"]),
                 rope_original_context=int(params["original_max_position_embeddings"]))
@@ -97,13 +124,18 @@ def _rope(hf: dict) -> dict:
 
 def _windows(hf: dict) -> dict:
     """`model.sliding_window` and `model.window_pattern` (which layers slide; empty: all) from config.json."""
-    window = hf.get("sliding_window", ABSENT[hf["model_type"]]["sliding_window"]) or 0
-    if hf.get("model_type") != "qwen2" or not window:
+    kind, n = hf.get("model_type"), hf["num_hidden_layers"]
+    window = hf.get("sliding_window", ABSENT[kind]["sliding_window"]) or 0
+    if kind not in ("qwen2", "qwen3", "gemma2", "gemma3_text") or not window:
         return {"sliding_window": window, "window_pattern": []}
     if hf.get("layer_types") is not None:
-        sliding = [kind == "sliding_attention" for kind in hf["layer_types"]]
-    else:  # transformers 4.x: layers from max_window_layers on slide, when use_sliding_window
-        n = hf["num_hidden_layers"]
+        sliding = [t == "sliding_attention" for t in hf["layer_types"]]
+    elif kind == "gemma2":  # transformers 4.x: every even layer slides
+        sliding = [i % 2 == 0 for i in range(n)]
+    elif kind == "gemma3_text":  # 4.x: all but every sliding_window_pattern-th layer
+        every = hf.get("sliding_window_pattern") or ABSENT[kind]["sliding_window_pattern"]
+        sliding = [(i + 1) % every != 0 for i in range(n)]
+    else:  # Qwen, transformers 4.x: layers from max_window_layers on slide, when use_sliding_window
         sliding = [hf.get("use_sliding_window", False) and i >= hf.get("max_window_layers", 0) for i in range(n)]
     if not any(sliding):
         return {"sliding_window": 0, "window_pattern": []}
@@ -125,12 +157,12 @@ def _llama_like(hf: dict) -> dict:
     kind = hf["model_type"]
     attn_bias = "qkv" if kind == "qwen2" else "qkvo" if hf.get("attention_bias", False) else "none"
     absent = ABSENT[kind]
-    family = "qwen2" if kind == "qwen2" else "llama"
+    family = kind if kind in ("qwen2", "qwen3") else "llama"
     keys = dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"],
                 d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                 n_kv_heads=hf.get("num_key_value_heads", absent["num_key_value_heads"]) or hf["num_attention_heads"],
-                head_dim=_head_dim(hf), d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-                attn_bias=attn_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
+                head_dim=_head_dim({**hf, "head_dim": hf.get("head_dim", absent.get("head_dim"))}),
+                d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], attn_bias=attn_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
                 tie_embeddings=hf.get("tie_word_embeddings", False),
                 max_positions=hf.get("max_position_embeddings", absent["max_position_embeddings"]),
                 norm_eps=hf.get("rms_norm_eps", absent["rms_norm_eps"]),
@@ -148,13 +180,44 @@ def _llama_like(hf: dict) -> dict:
     return keys
 
 
+def _gemma(hf: dict) -> dict:
+    """Gemma 2 and Gemma 3 (text): the llama-like shape with Gemma's features."""
+    kind, absent = hf["model_type"], ABSENT[hf["model_type"]]
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in GEMMA_ACTIVATIONS:
+        _refuse(hf, "hidden_activation", "Gemma models here use the tanh GELU (gelu_pytorch_tanh)")
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if hf.get(key):
+            _refuse(hf, key, "not implemented")
+    family = "gemma3" if kind == "gemma3_text" else "gemma2"
+    value = lambda key: hf.get(key, absent[key])
+    return dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+                n_heads=hf["num_attention_heads"], n_kv_heads=value("num_key_value_heads"),
+                head_dim=_head_dim({**hf, "head_dim": value("head_dim")}), d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], tie_embeddings=hf.get("tie_word_embeddings", True),
+                max_positions=value("max_position_embeddings"), norm_eps=value("rms_norm_eps"),
+                query_pre_attn_scalar=float(value("query_pre_attn_scalar")),
+                attn_softcap=float(value("attn_logit_softcapping") or 0.0),
+                final_softcap=float(value("final_logit_softcapping") or 0.0),
+                pattern=["dense"], **_windows(hf), **_rope(hf))
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config.json keys: a multimodal Gemma 3's `text_config`, or `hf` itself."""
+    if hf.get("model_type") != "gemma3":
+        return hf
+    return {"model_type": "gemma3_text", **hf.get("text_config", {})}
+
+
 def model_keys(hf: dict) -> dict:
-    """The `model.*` keys (dotted below `model`) of a Hugging Face config."""
+    """The `model.*` keys (dotted below `model`) of a Hugging Face config (a multimodal Gemma 3: its text tower)."""
+    hf = text_config(hf)
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
         raise ModelFileError(f"config.json model_type={kind!r}: not supported; jaxllm reads "
-                             f"{', '.join(MODEL_TYPES)}")
-    return _gpt2(hf) if kind == "gpt2" else _llama_like(hf)
+                             f"{', '.join(MODEL_TYPES)} and gemma3's text tower")
+    if kind == "gpt2":
+        return _gpt2(hf)
+    return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
 def source_dtype(hf: dict) -> str | None:
@@ -166,8 +229,12 @@ def model_type(m: ModelConfig) -> str:
     """The transformers model type that computes what `m` describes."""
     if m.mlp == "gelu_tanh":
         return "gpt2"
+    if m.mlp == "geglu_tanh":
+        return "gemma3_text" if m.qk_norm else "gemma2"
     if "moe" in m.pattern:
         return "mixtral"
+    if m.qk_norm:
+        return "qwen3"
     if m.attn_bias == "qkv":
         return "qwen2"
     return "mistral" if any(attention.layer_windows(m)) else "llama"
@@ -175,21 +242,28 @@ def model_type(m: ModelConfig) -> str:
 
 def _rope_out(m: ModelConfig) -> dict:
     if m.rope_scaling == "none":
-        return {"rope_theta": m.rope_theta, "rope_scaling": None}
-    return {"rope_theta": m.rope_theta, "rope_scaling": {
-        "rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
-        "high_freq_factor": m.rope_high_freq_factor, "original_max_position_embeddings": m.rope_original_context}}
+        scaling = None
+    elif m.rope_scaling == "linear":
+        scaling = {"rope_type": "linear", "factor": m.rope_factor}
+    else:
+        scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+                   "high_freq_factor": m.rope_high_freq_factor,
+                   "original_max_position_embeddings": m.rope_original_context}
+    return {"rope_theta": m.rope_theta, "rope_scaling": scaling}
+
+
+def _layer_types(m: ModelConfig) -> list[str]:
+    return ["sliding_attention" if w else "full_attention" for w in attention.layer_windows(m)]
 
 
 def _qwen2_windows(m: ModelConfig) -> dict:
-    """Qwen2's window keys: which layers slide as `layer_types` (transformers 5) and, where the sliding layers are
-    the last ones, `max_window_layers` (4.x)."""
+    """Qwen2's (and Qwen3's) window keys: which layers slide as `layer_types` (transformers 5) and, where the sliding
+    layers are the last ones, `max_window_layers` (4.x)."""
     windows = attention.layer_windows(m)
     if not m.sliding_window:
         return {"use_sliding_window": False, "sliding_window": None}
     sliding = [w > 0 for w in windows]
-    out = {"use_sliding_window": True, "sliding_window": m.sliding_window,
-           "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+    out = {"use_sliding_window": True, "sliding_window": m.sliding_window, "layer_types": _layer_types(m)}
     first = sliding.index(True)
     if all(sliding[first:]):
         out["max_window_layers"] = first
@@ -212,16 +286,20 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
         return out
     out.update(num_hidden_layers=m.n_layers, hidden_size=m.d_model, num_attention_heads=m.n_heads,
                num_key_value_heads=m.n_kv_heads or m.n_heads, head_dim=m.head_dim or m.d_model // m.n_heads,
-               intermediate_size=m.d_ff, rms_norm_eps=m.norm_eps, hidden_act="silu",
-               max_position_embeddings=m.max_positions or m.seq_len, **_rope_out(m))
-    if kind == "llama":
+               intermediate_size=m.d_ff, rms_norm_eps=m.norm_eps, max_position_embeddings=m.max_positions or m.seq_len,
+               **_rope_out(m))
+    if kind.startswith("gemma"):
+        out.update(_gemma_out(m))
+        return out
+    out["hidden_act"] = "silu"
+    if kind in ("llama", "qwen3"):
         out.update(attention_bias=m.attn_bias == "qkvo", mlp_bias=m.mlp_bias)
     if kind in ("mistral", "mixtral"):
         if attention.windows_differ(m):
             raise ModelFileError(f"model.window_pattern={m.window_pattern}: a {kind} config.json has one window for "
                                  "every layer; export a model whose layers share one window")
         out["sliding_window"] = attention.layer_windows(m)[0] or None
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen3"):
         out.update(_qwen2_windows(m))
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k, router_jitter_noise=0.0,
@@ -229,18 +307,45 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     return out
 
 
+def _gemma_out(m: ModelConfig) -> dict:
+    """Gemma 2's and Gemma 3's own keys: activation, score scale, soft caps, which layers slide, local RoPE."""
+    scalar = m.query_pre_attn_scalar or m.head_dim or m.d_model // m.n_heads
+    out = {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+           "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,  # transformers: an int
+           "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None,
+           "sliding_window": m.sliding_window or None, "layer_types": _layer_types(m)}
+    if m.qk_norm:  # gemma3_text: its local layers' RoPE, and the 4.x form of which layers slide where it has one
+        out["rope_local_base_freq"] = m.rope_local_theta or m.rope_theta
+        every = len(m.window_pattern)
+        if m.window_pattern == ["local"] * (every - 1) + ["global"]:
+            out["sliding_window_pattern"] = every
+    return out
+
+
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def exportable(m: ModelConfig) -> None:
     """ModelFileError unless some transformers model computes exactly what `m` describes."""
     kind = model_type(m)
-    fixed = ("norm", "mlp", "positions") + (("attn_bias", "mlp_bias") if kind == "gpt2" else ())  # the rest vary
-    want = FAMILIES["gpt2" if kind == "gpt2" else "llama"]
+    family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3"}.get(kind, "llama")
+    want = FAMILIES[family]
+    fixed = ("norm", "mlp", "positions", "norm_offset", "norm_placement", "qk_norm", "embed_scale")
+    fixed += ("attn_bias", "mlp_bias") if kind in ("gpt2", "gemma2", "gemma3_text") else ()
     wrong = [f"model.{k}={getattr(m, k)!r}" for k in fixed if getattr(m, k) != want[k]]
-    if kind == "qwen2" and m.mlp_bias:
+    if kind in ("qwen2", "qwen3") and m.mlp_bias:
         wrong.append("model.mlp_bias=true")
+    if kind == "qwen3" and m.attn_bias == "qkv":
+        wrong.append("model.attn_bias='qkv'")
+    if not kind.startswith("gemma"):
+        wrong += [f"model.{k}={getattr(m, k)!r}" for k in ("attn_softcap", "final_softcap", "query_pre_attn_scalar",
+                                                           "rope_local_theta") if getattr(m, k)]
+    elif kind == "gemma2" and m.rope_local_theta:
+        wrong.append(f"model.rope_local_theta={m.rope_local_theta!r}")
+    elif m.rope_scaling != "none" and not m.rope_local_theta and any(attention.layer_windows(m)):
+        wrong.append(f"model.rope_scaling={m.rope_scaling!r} on local layers (set model.rope_local_theta)")
     if m.pattern not in (["dense"], ["moe"]) or m.moe.shared_expert and "moe" in m.pattern:
         wrong.append(f"model.pattern={m.pattern}")
     if kind == "gpt2" and (m.n_kv_heads not in (0, m.n_heads) or m.head_dim not in (0, m.d_model // m.n_heads)):

@@ -41,9 +41,12 @@ def _gpt2() -> list[Entry]:
     return top + layer
 
 
-def _llama_attention(biases: str) -> list[Entry]:
+def _llama_attention(biases: str, qk_norm: bool) -> list[Entry]:
     attn = [Entry(f"model.layers.{{i}}.self_attn.{n}_proj.weight", ("attn", f"w{n}"), "(h d) e -> e h d")
             for n in "qkv"]
+    if qk_norm:  # Qwen3, Gemma 3: RMSNorm over head_dim
+        attn += [Entry(f"model.layers.{{i}}.self_attn.{n}_norm.weight", ("attn", f"{n}_norm", "scale"), "d -> d")
+                 for n in "qk"]
     attn.append(Entry("model.layers.{i}.self_attn.o_proj.weight", ("attn", "wo"), "e (h d) -> h d e"))
     attn += [Entry(f"model.layers.{{i}}.self_attn.{n}_proj.bias", ("attn", f"b{n}"), "(h d) -> h d") for n in "qkv"
              if n in biases]
@@ -52,14 +55,23 @@ def _llama_attention(biases: str) -> list[Entry]:
     return attn
 
 
-def _llama(biases: str, mlp_bias: bool, tied: bool, moe: bool) -> list[Entry]:
+# The layer norms by placement: Gemma's post_attention_layernorm is the attention output's own norm, where
+# LLaMA's is the norm before the MLP.
+_NORMS = {"pre": {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"},
+          "sandwich": {"input_layernorm": "ln1", "post_attention_layernorm": "post_attn_norm",
+                       "pre_feedforward_layernorm": "ln2", "post_feedforward_layernorm": "post_mlp_norm"}}
+
+
+def _llama(biases: str, mlp_bias: bool, tied: bool, moe: bool, placement: str = "pre",
+           qk_norm: bool = False) -> list[Entry]:
+    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Gemma 2/3."""
     top = [Entry("model.embed_tokens.weight", ("embed", "tok"), "v e -> v e"),
            Entry("model.norm.weight", ("final_norm", "scale"), "e -> e")]
     if not tied:
         top.append(Entry("lm_head.weight", ("head", "w"), "v e -> e v"))
-    layer = [Entry("model.layers.{i}.input_layernorm.weight", ("ln1", "scale"), "e -> e"),
-             Entry("model.layers.{i}.post_attention_layernorm.weight", ("ln2", "scale"), "e -> e")]
-    layer += _llama_attention(biases)
+    layer = [Entry(f"model.layers.{{i}}.{name}.weight", (ours, "scale"), "e -> e")
+             for name, ours in _NORMS[placement].items()]
+    layer += _llama_attention(biases, qk_norm)
     if moe:
         moe_key = "model.layers.{i}.block_sparse_moe"
         layer += [Entry(f"{moe_key}.gate.weight", ("moe", "router"), "x e -> e x"),
@@ -81,4 +93,4 @@ def entries(m) -> list[Entry]:
     if m.mlp == "gelu_tanh":
         return _gpt2()
     return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
-                  "moe" in m.pattern)
+                  "moe" in m.pattern, m.norm_placement, m.qk_norm)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models.layers import add_bias, column_parallel, row_parallel
+from jaxllm.models.layers import add_bias, column_parallel, norm, row_parallel
 from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
 from jaxllm.ops import cudnn_attention
 from jaxllm.ops.pallas_attention import supports
@@ -29,18 +30,22 @@ from jaxllm.sharding import constrain, current_layout
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 
 
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 CHUNKED_FROM = 4096  # `auto` takes `chunked` from this seq_len on; below it every shipped config runs `dense`
 
 
 WINDOW_KINDS = ("local", "global")
 
 
-def layer_windows(m) -> list[int]:
-    """Each layer's attention window (0: none): `model.sliding_window` on the layers `model.window_pattern`
-    marks `local` (every layer when it is empty)."""
+def local_layers(m) -> list[bool]:
+    """Which layers `model.window_pattern` marks `local` (every layer when it is empty)."""
     pattern = m.window_pattern or ["local"]
-    return [m.sliding_window if pattern[i % len(pattern)] == "local" else 0 for i in range(m.n_layers)]
+    return [pattern[i % len(pattern)] == "local" for i in range(m.n_layers)]
+
+
+def layer_windows(m) -> list[int]:
+    """Each layer's attention window (0: none): `model.sliding_window` on the `local` layers."""
+    return [m.sliding_window if local else 0 for local in local_layers(m)]
 
 
 def windows_differ(m) -> bool:
@@ -48,12 +53,30 @@ def windows_differ(m) -> bool:
     return len(set(layer_windows(m))) > 1
 
 
-def masking(m, window=None) -> Masking:
-    """The model's mask features beyond causal-by-position within a segment (no model: none); `window` is the
-    layer's, a traced int32 scalar, when the layers' windows differ."""
+def local_rope(m) -> list[bool]:
+    """Each layer: whether its RoPE is the local one (`model.rope_local_theta` on the `local` layers)."""
+    return [bool(m.rope_local_theta) and local for local in local_layers(m)]
+
+
+def layer_data(m) -> dict | None:
+    """What differs by layer, one row per layer, for the layer scan to carry: "window" [n_layers] int32 when the
+    windows differ, "rope" [n_layers, head_dim/2] fp32 frequencies when the RoPE does; None when nothing does."""
+    data = {}
+    if windows_differ(m):
+        data["window"] = jnp.asarray(layer_windows(m), jnp.int32)
+    if len(set(local_rope(m))) > 1:
+        data["rope"] = jnp.stack([rope_frequencies(m, local) for local in local_rope(m)])
+    return data or None
+
+
+def masking(m, layer=None) -> Masking:
+    """The model's mask features beyond causal-by-position within a segment (no model: none): the window (the
+    layer's own, a traced int32 scalar in `layer`, when the windows differ), the soft cap and the scale."""
     if m is None:
         return Masking()
-    return Masking(window=layer_windows(m)[0] if window is None else window)  # None: every layer's is the same
+    window = layer["window"] if layer and "window" in layer else layer_windows(m)[0]
+    scale = m.query_pre_attn_scalar ** -0.5 if m.query_pre_attn_scalar else None
+    return Masking(window=window, softcap=m.attn_softcap, scale=scale)
 
 
 def implementation(m) -> str:
@@ -87,15 +110,19 @@ def head_dim(m) -> int:
     return m.head_dim or m.d_model // m.n_heads
 
 
-def rope_frequencies(m):
-    """The model's RoPE frequencies ([head_dim / 2] fp32), with `model.rope_scaling` applied."""
+def rope_frequencies(m, local: bool = False):
+    """The model's RoPE frequencies ([head_dim / 2] fp32), with `model.rope_scaling` applied; `local`: the local
+    layers' (`model.rope_local_theta`, unscaled)."""
+    if local:
+        return frequencies(head_dim(m), m.rope_local_theta)
     llama3 = None
     if m.rope_scaling == "llama3":
         llama3 = (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_context)
-    return frequencies(head_dim(m), m.rope_theta, llama3)
+    freqs = frequencies(head_dim(m), m.rope_theta, llama3)
+    return freqs / m.rope_factor if m.rope_scaling == "linear" else freqs
 
 
-def attend(q, k, v, positions, segment_ids, m=None, window=None):
+def attend(q, k, v, positions, segment_ids, m=None, layer=None):
     """The attention kernel for this run: the dispatch point for context parallelism and the implementation.
 
     With the sequence split over `sp`, the layout's `context_attention` strategy
@@ -105,20 +132,23 @@ def attend(q, k, v, positions, segment_ids, m=None, window=None):
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
-                                                                  masking(m, window))
-    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, window), implementation(m))
+                                                                  masking(m, layer))
+    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), implementation(m))
 
 
-def _project(p: dict, x, positions, m, dtype):
-    """Column-parallel Q/K/V (heads split over tp), with their biases and RoPE at `positions`."""
+def _project(p: dict, x, positions, m, dtype, layer=None):
+    """Column-parallel Q/K/V (heads split over tp), with their biases, q/k norms and RoPE at `positions` (the
+    layer's own frequencies in `layer` when the RoPE differs by layer)."""
     q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
                                   (p["wk"], ("embed", "kv_heads", "head_dim")),
                                   (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype, "attention")
     q = add_bias(q, p, "bq", ("heads", "head_dim"), dtype)
     k = add_bias(k, p, "bk", ("kv_heads", "head_dim"), dtype)
     v = add_bias(v, p, "bv", ("kv_heads", "head_dim"), dtype)
+    if m.qk_norm:  # over head_dim, before RoPE
+        q, k = (norm("rmsnorm", p[name], x, m.norm_eps, m.norm_offset) for name, x in (("q_norm", q), ("k_norm", k)))
     if m.positions == "rope":
-        freqs = rope_frequencies(m)
+        freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
         q, k = rope(q, positions, freqs), rope(k, positions, freqs)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
@@ -133,11 +163,11 @@ def _project_out(p: dict, out, dtype):
     return add_bias(out, p, "bo", None, dtype)
 
 
-def attention_layer(p: dict, x, positions, segment_ids, m, dtype, window=None):
-    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output. `window`: this layer's,
-    when the layers' windows differ (`windows_differ`)."""
-    q, k, v = _project(p, x, positions, m, dtype)
-    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, window), "attention")
+def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
+    """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output. `layer`: this layer's row of
+    `layer_data` (its window, its RoPE), where those differ by layer."""
+    q, k, v = _project(p, x, positions, m, dtype, layer)
+    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, layer), "attention")
     return _project_out(p, out, dtype)
 
 
@@ -159,18 +189,18 @@ class CacheView(NamedTuple):
     segment_ids: jax.Array
 
 
-def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, window=None):
+def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
     """`attention_layer` for generation: this call's keys and values are written into the cache at
     `cache.start`, then its queries attend to every slot of the cache (the same mask as training: causal by
     position within a segment, and the model's window). A windowed layer keeps every slot, masked: one cache
     layout for every layer and no positions to remap, at the cost of slots past the window.
     Returns (output, the cache with this layer's slots written)."""
-    q, k, v = _project(p, x, positions, m, dtype)
+    q, k, v = _project(p, x, positions, m, dtype, layer)
     at = (cache.layer, 0, cache.start, 0, 0)
     keys = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at), CACHE)
     values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
     out = attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
-                    cache.segment_ids, masking(m, window), cache_implementation(m))
+                    cache.segment_ids, masking(m, layer), cache_implementation(m))
     return _project_out(p, out, dtype), cache._replace(k=keys, v=values)
 
 
@@ -187,6 +217,11 @@ def _check_positions(m) -> None:
                           "rope_high_freq_factor and rope_original_context > 0")
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window}: give a window of at least 1 token, or 0 for none")
+    for key in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)}: must be positive, or 0 for none")
+    if m.rope_scaling == "linear" and m.rope_factor < 1:
+        raise ConfigError(f"model.rope_scaling=linear needs rope_factor ≥ 1, got {m.rope_factor}")
     if any(kind not in WINDOW_KINDS for kind in m.window_pattern) or (m.window_pattern and
                                                                        m.n_layers % len(m.window_pattern)):
         raise ConfigError(f"model.window_pattern={m.window_pattern}: entries are local or global, and its length must "

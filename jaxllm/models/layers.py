@@ -13,12 +13,14 @@ island, the one place where that choice is made.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.ops import fp8
+from jaxllm.ops.activations import GATES, gelu_tanh
 from jaxllm.parallel import collective_matmul
 from jaxllm.sharding import constrain, current_layout, weight
 
@@ -33,26 +35,31 @@ def matmul_precision(dtype, fp8_groups: frozenset = frozenset()):
         yield
 
 
-def layer_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+def _scale(p: dict, offset: float):
+    """The norm's multiplier: its scale, plus `model.norm_offset` where there is one (Gemma's 1 + w)."""
+    return p["scale"] + offset if offset else p["scale"]
+
+
+def layer_norm(p: dict, x: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * _scale(p, offset) + p["bias"]
     return y.astype(x.dtype)
 
 
-def rms_norm(p: dict, x: jax.Array, eps: float) -> jax.Array:
+def rms_norm(p: dict, x: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * p["scale"]
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * _scale(p, offset)
     return y.astype(x.dtype)
 
 
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
 
 
-def norm(kind: str, p: dict, x: jax.Array, eps: float) -> jax.Array:
-    """`model.norm`: layernorm (scale and bias) or rmsnorm (scale only)."""
-    return NORMS[kind](p, x, eps)
+def norm(kind: str, p: dict, x: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """`model.norm`: layernorm (scale and bias) or rmsnorm (scale only), computing x̂·(offset + scale)."""
+    return NORMS[kind](p, x, eps, offset)
 
 
 def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]]], dtype,
@@ -95,17 +102,18 @@ def gelu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     """GPT-2 feed-forward (`model.mlp = "gelu_tanh"`): column-parallel in, GELU (tanh form), row-parallel out."""
     (h,) = column_parallel(x, [(p["w_in"], ("embed", "mlp"))], dtype, "mlp")
     h = add_bias(h, p, "b_in", ("mlp",), dtype)
-    h = checkpoint_name(constrain(jax.nn.gelu(h, approximate=True), ("batch", "seq", "mlp")), "mlp_hidden")
+    h = checkpoint_name(constrain(gelu_tanh(h), ("batch", "seq", "mlp")), "mlp_hidden")
     return add_bias(row_parallel(h, p["w_out"], ("mlp", "embed"), dtype, "mlp"), p, "b_out", None, dtype)
 
 
-def swiglu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
-    """LLaMA feed-forward (`model.mlp = "swiglu"`): silu(x W_gate + b) * (x W_up + b), then W_down."""
+def gated_mlp(p: dict, x: jax.Array, dtype, activation) -> jax.Array:
+    """A gated feed-forward: activation(x W_gate + b) * (x W_up + b), then W_down. LLaMA's SwiGLU (silu) and
+    Gemma's GeGLU (tanh GELU), `ops/activations.GATES`."""
     gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype,
                                "mlp")
     gate, up = add_bias(gate, p, "b_gate", ("mlp",), dtype), add_bias(up, p, "b_up", ("mlp",), dtype)
-    h = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
+    h = checkpoint_name(constrain(activation(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
     return add_bias(row_parallel(h, p["w_down"], ("mlp", "embed"), dtype, "mlp"), p, "b_down", None, dtype)
 
 
-MLPS = {"gelu_tanh": gelu_mlp, "swiglu": swiglu_mlp}
+MLPS = {"gelu_tanh": gelu_mlp, **{name: functools.partial(gated_mlp, activation=act) for name, act in GATES.items()}}

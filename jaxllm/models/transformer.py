@@ -1,6 +1,7 @@
 """Decoder-only transformer as three pure pieces, its shape and parts described by features
-(`model.norm`, `model.mlp`, `model.positions`, biases, tied embeddings, head_dim, RoPE scaling)
-rather than by a family name: GPT-2, LLaMA 2/3, Mistral, Qwen2 and Mixtral are settings of them.
+(`model.norm`, `model.mlp`, `model.positions`, biases, tied embeddings, head_dim, RoPE scaling, q/k norms,
+norm placement and offset, the embedding scale, soft caps, per-layer windows and RoPE) rather than by a
+family name: GPT-2, LLaMA 2/3, Mistral, Qwen2/3, Mixtral and Gemma 2/3 are settings of them.
 
 - `embed(params, tokens, positions)` -> residual stream [batch, seq, embed]
 - `blocks(stack, x, positions, segment_ids)` over a slice of the layer stack
@@ -42,6 +43,7 @@ from jaxllm.sharding import constrain, weight
 
 ACT = ("batch", "residual_seq", "embed")  # the residual stream
 POSITIONS = ("learned", "rope")
+NORM_PLACEMENTS = ("pre", "sandwich")
 ATTN_BIASES = {"none": "", "qkv": "qkv", "qkvo": "qkvo"}  # which projections have a bias
 
 
@@ -56,11 +58,11 @@ class Leaf:
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    init: str  # normal | normal_out (scaled residual output) | zeros | ones
+    init: str  # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset)
 
 
 def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
-    d = {"scale": Leaf(lead + (m.d_model,), lead_names + ("embed",), "ones")}
+    d = {"scale": Leaf(lead + (m.d_model,), lead_names + ("embed",), "norm_scale")}
     if m.norm == "layernorm":
         d["bias"] = Leaf(lead + (m.d_model,), lead_names + ("embed",), "zeros")
     return d
@@ -79,6 +81,8 @@ def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
               "v": Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
               "o": Leaf(R + (D,), L + ("embed",), "zeros")}
     attn.update({f"b{x}": biases[x] for x in ATTN_BIASES[m.attn_bias]})
+    if m.qk_norm:  # RMSNorm over head_dim, one scale shared by the heads
+        attn.update({name: {"scale": Leaf(R + (Dh,), L + ("head_dim",), "norm_scale")} for name in ("q_norm", "k_norm")})
     return attn
 
 
@@ -95,7 +99,10 @@ def _mlp(m: ModelConfig, R: tuple, L: tuple) -> dict:
 
 def _dense_block(m: ModelConfig, repeats: int) -> dict:
     R, L = (repeats,), ("layers",)
-    return {"ln1": _norm(m, R, L), "attn": _attention(m, R, L), "ln2": _norm(m, R, L), "mlp": _mlp(m, R, L)}
+    block = {"ln1": _norm(m, R, L), "attn": _attention(m, R, L), "ln2": _norm(m, R, L), "mlp": _mlp(m, R, L)}
+    if m.norm_placement == "sandwich":  # a norm of each half's output, before the residual add
+        block.update(post_attn_norm=_norm(m, R, L), post_mlp_norm=_norm(m, R, L))
+    return block
 
 
 def _moe_block(m: ModelConfig, repeats: int) -> dict:
@@ -111,7 +118,7 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
     moe = {"router": Leaf(R + (D, E), L + ("embed", "router"), "normal"), "experts": experts}
     if m.moe.shared_expert:
         moe["shared"] = block["mlp"]
-    return {"ln1": block["ln1"], "attn": block["attn"], "ln2": block["ln2"], "moe": moe}
+    return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
 
 BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block}
@@ -176,8 +183,8 @@ def init_params(m: ModelConfig, key: jax.Array):
     def make(i: int, leaf: Leaf):
         if leaf.init == "zeros":
             return jnp.zeros(leaf.shape, jnp.float32)
-        if leaf.init == "ones":
-            return jnp.ones(leaf.shape, jnp.float32)
+        if leaf.init == "norm_scale":
+            return jnp.full(leaf.shape, 1.0 - m.norm_offset, jnp.float32)
         std = out_std if leaf.init == "normal_out" else m.init_std
         return std * jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
 
@@ -190,6 +197,8 @@ def init_params(m: ModelConfig, key: jax.Array):
 def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     table = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
     x = jnp.take(table, tokens, axis=0)
+    if m.embed_scale:  # √d_model rounded to the compute dtype first, as transformers does
+        x = x * jnp.asarray(m.d_model ** 0.5, x.dtype)
     if m.positions == "learned":
         x = x + jnp.take(weight(params["embed"]["pos"], ("pos", "embed"), dtype), positions, axis=0)
     # The vocabulary is split over tp: each rank looks up its own rows and the lookup is summed
@@ -199,30 +208,39 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
-def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
+def _norm_of(m: ModelConfig, p: dict, x):
+    return norm(m.norm, p, x, m.norm_eps, m.norm_offset)
+
+
+def _residual(m: ModelConfig, p: dict, x, y, post: str):
+    """x + y, y normed first (`post`) under `model.norm_placement = "sandwich"`."""
+    return constrain(x + (_norm_of(m, p[post], y) if post in p else y), ACT)
+
+
+def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
     """The first half of every block: (residual stream after attention, its normed copy for the
-    feed-forward, the KV cache with this layer written when generating with one). `window`: the
-    layer's attention window, when the layers' windows differ."""
-    h = norm(m.norm, p["ln1"], x, m.norm_eps)
+    feed-forward, the KV cache with this layer written when generating with one). `layer`: the
+    layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
+    h = _norm_of(m, p["ln1"], x)
     if cache is None:
-        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype, window)
+        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
     else:
-        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, window)
-    x = constrain(x + y, ACT)
-    return x, norm(m.norm, p["ln2"], x, m.norm_eps), cache
+        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
+    x = _residual(m, p, x, y, "post_attn_norm")
+    return x, _norm_of(m, p["ln2"], x), cache
 
 
-def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
-    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, window)
-    return constrain(x + MLPS[m.mlp](p["mlp"], h, dtype), ACT), {}, cache
+def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
+    return _residual(m, p, x, MLPS[m.mlp](p["mlp"], h, dtype), "post_mlp_norm"), {}, cache
 
 
-def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, window=None):
-    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, window)
+def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
+    x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
         y = y + MLPS[m.mlp](p["moe"]["shared"], h, dtype)
-    return constrain(x + y, ACT), stats, cache
+    return _residual(m, p, x, y, "post_mlp_norm"), stats, cache
 
 
 BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply}
@@ -265,45 +283,45 @@ def _grouped_scan(body, carry, stack: list, group: int):
     return jax.lax.scan(one_group, carry, grouped)[0]
 
 
-def scanned_windows(m: ModelConfig, repeats: int, first=0):
-    """[repeats, len(pattern)] int32: the attention windows of the stack's repeats first .. first + repeats − 1,
-    scanned with the layers when the windows differ by layer (`first` may be traced: a pipeline stage's chunk);
-    None when every layer has the same one (the model's setting, a constant)."""
-    if not attention.windows_differ(m):
+def scanned_layer_data(m: ModelConfig, repeats: int, first=0):
+    """`attention.layer_data` as [repeats, len(pattern), ...] rows for the repeats first .. first + repeats − 1,
+    scanned with the layers (`first` may be traced: a pipeline stage's chunk); None when no layer differs."""
+    data = attention.layer_data(m)
+    if data is None:
         return None
-    windows = jnp.asarray(np.asarray(attention.layer_windows(m), np.int32).reshape(-1, len(m.pattern)))
-    return jax.lax.dynamic_slice_in_dim(windows, first, repeats)
+    rows = lambda a: jax.lax.dynamic_slice_in_dim(a.reshape(-1, len(m.pattern), *a.shape[1:]), first, repeats)
+    return {k: rows(a) for k, a in data.items()}
 
 
-def _apply_repeat(layer, windows, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
+def _apply_repeat(layer, data, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
     """One repeat of the block pattern: (x, `total` plus the router statistics, the caches written)."""
     written = []
     for i, (kind, p) in enumerate(zip(m.pattern, layer)):
-        window = None if windows is None else windows[i]
+        own = None if data is None else {k: a[i] for k, a in data.items()}
         cache = None if caches is None else caches[i]
-        x, stats, cache = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, cache, window)
+        x, stats, cache = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, cache, own)
         total = jax.tree.map(jnp.add, total, stats) if stats else total
         written.append(cache)
     return x, total, written
 
 
 def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0):
-    """Run a slice of the layer stack: scan over repeats of the block pattern (with each layer's window
-    when they differ; `first` is the slice's first repeat in the whole stack, for a pipeline stage).
+    """Run a slice of the layer stack: scan over repeats of the block pattern (with each layer's window and
+    RoPE where they differ; `first` is the slice's first repeat in the whole stack, for a pipeline stage).
 
     Returns (x, stats): the MoE layers' router statistics summed over the slice (see
     `models/moe.py`; empty for a dense model)."""
 
     def body(carry, xs):
         x, total = carry
-        layer, windows = xs
-        x, total, _ = _apply_repeat(layer, windows, x, total, positions, segment_ids, m, dtype)
+        layer, data = xs
+        x, total, _ = _apply_repeat(layer, data, x, total, positions, segment_ids, m, dtype)
         return (x, total), None
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
     repeats = jax.tree.leaves(stack)[0].shape[0]
-    xs = (stack, scanned_windows(m, repeats, first))
+    xs = (stack, scanned_layer_data(m, repeats, first))
     group = remat_group(m, repeats)
     if group:
         return _grouped_scan(body, (x, zero_aux(m)), xs, group)
@@ -320,12 +338,12 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
 
     def body(carry, xs):
         x, cache = carry
-        layer, r, windows = xs
+        layer, r, data = xs
         views = [slots._replace(k=kv["k"], v=kv["v"], layer=r) for kv in cache]
-        x, _, views = _apply_repeat(layer, windows, x, zero_aux(m), positions, segment_ids, m, dtype, views)
+        x, _, views = _apply_repeat(layer, data, x, zero_aux(m), positions, segment_ids, m, dtype, views)
         return (x, [{"k": view.k, "v": view.v} for view in views]), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(repeats), scanned_windows(m, repeats)))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(repeats), scanned_layer_data(m, repeats)))
     return x, cache
 
 
@@ -338,6 +356,8 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
         w = weight(params["head"]["w"], ("embed", "vocab"), dtype)
         logits = fp8.einsum("head", "bsd,dv->bsv", x, w, jnp.float32)
     logits = constrain(logits, ("batch", "seq", "vocab"))
+    if m.final_softcap:  # Gemma 2's, before the padding
+        logits = m.final_softcap * jnp.tanh(logits / m.final_softcap)
     # An additive constant rather than a select: its gradient is the identity, so the backward
     # pass makes no second pass over [tokens, vocab] (BENCHMARKS.md measured the difference).
     padding = jnp.where(jnp.arange(logits.shape[-1]) < m.vocab_size, 0.0, -1e30).astype(jnp.float32)
@@ -346,7 +366,7 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
 
 def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary for the residual stream x."""
-    return _logits(params, norm(m.norm, params["final_norm"], x, m.norm_eps), m, dtype)
+    return _logits(params, _norm_of(m, params["final_norm"], x), m, dtype)
 
 
 def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: float = 1.0):
@@ -381,7 +401,7 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks) of every
     batch field: strided, so a sequence split in contiguous blocks over a mesh axis stays split.
     """
-    x = constrain(norm(m.norm, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+    x = constrain(_norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
 
     def evaluate(x, batch):
         return terms(*head_logp(params, x, batch["targets"], m, dtype, temperature), batch)
@@ -420,7 +440,7 @@ def target_logp(params: dict, batch: dict, m: ModelConfig, dtype, temperature: f
     """Each target's log-probability [batch, seq], fp32, with the logits divided by `temperature`."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
     x, _ = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    x = constrain(norm(m.norm, params["final_norm"], x, m.norm_eps), ("batch", "seq", "embed"))
+    x = constrain(_norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
     return head_logp(params, x, batch["targets"], m, dtype, temperature)[0]
 
 
@@ -441,7 +461,7 @@ def aux_metrics(aux: dict) -> dict:
 
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
 # fp32 statistics) and the router (routing is fp32). Every other leaf is cast to the compute dtype at use.
-READ_IN_FP32 = ("ln1", "ln2", "final_norm", "router")
+READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm", "router")
 
 
 def compute_weights(params: dict, dtype) -> dict:
@@ -480,7 +500,8 @@ def _check_choice(key: str, value, choices) -> None:
 
 
 def _check_features(m: ModelConfig) -> None:
-    for key, choices in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS), ("attn_bias", ATTN_BIASES)):
+    for key, choices in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS), ("attn_bias", ATTN_BIASES),
+                         ("norm_placement", NORM_PLACEMENTS)):
         _check_choice(key, getattr(m, key), tuple(choices))
     if m.max_positions < 0 or m.head_dim < 0:
         raise ConfigError("model.max_positions and model.head_dim must be 0 (derived) or more")

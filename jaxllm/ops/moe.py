@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.ops import fp8
+from jaxllm.ops.activations import GATES, gelu_tanh
 
 
 def route(router_w: jax.Array, x: jax.Array, top_k: int):
@@ -79,17 +80,17 @@ def combine(out: jax.Array, experts: jax.Array, positions: jax.Array, gates: jax
 
 
 def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
-    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh or swiglu; no biases)."""
+    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh, or a gated one; no biases)."""
     h = buffer.astype(dtype)
 
     def expert_matmul(spec, x, name):  # the "experts" group of precision.matmul
         return fp8.einsum("experts", spec, x, p[name].astype(dtype))
 
     if mlp == "gelu_tanh":
-        hidden = jax.nn.gelu(expert_matmul("ecd,edf->ecf", h, "w_in"), approximate=True)
+        hidden = gelu_tanh(expert_matmul("ecd,edf->ecf", h, "w_in"))
         return expert_matmul("ecf,efd->ecd", hidden, "w_out")
     gate, up = expert_matmul("ecd,edf->ecf", h, "w_gate"), expert_matmul("ecd,edf->ecf", h, "w_up")
-    return expert_matmul("ecf,efd->ecd", jax.nn.silu(gate) * up, "w_down")
+    return expert_matmul("ecf,efd->ecd", GATES[mlp](gate) * up, "w_down")
 
 
 def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:

@@ -1,0 +1,166 @@
+"""Qwen3, Gemma 2 and Gemma 3, read as features (`model.qk_norm`, `norm_placement`, `mlp = "geglu_tanh"`,
+`norm_offset`, `embed_scale`, the soft caps, `query_pre_attn_scalar`, per-layer windows and RoPE, linear RoPE
+scaling) on tiny random transformers checkpoints (`hf_families.py`). test_hf_interop.py's import/export test and
+test_generate_hf.py's greedy generation run these families with the others; here: the features are active
+(soft caps that scores pass), the older config.json forms read alike, a run's first loss is transformers',
+bf16 sources round-trip bitwise, a multimodal Gemma 3's text tower is transformers' Gemma3ForCausalLM, and a
+Gemma-3-shaped model on dp2×fsdp2×tp2 (ZeRO-3) and on sp=4 (ring) equals one device."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_families as H
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
+from jaxllm.config import build_config
+from jaxllm.interop import hf
+from jaxllm.models import attention, transformer
+
+NEW = ("qwen3", "gemma2", "gemma3")
+SEQ = 64
+TOKENS = H.sample_tokens(H.VOCAB_SIZE, 2, SEQ, 0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dense_families")
+    return {f: H.build(f, str(root / f)) for f in NEW}
+
+
+def logits_of(cfg, params, m=None) -> np.ndarray:
+    m = m or cfg.model
+    return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, m))(params, jnp.asarray(TOKENS)))
+
+
+def test_gemma2_soft_caps_are_passed_by_its_scores_and_logits(models):
+    """Without its final cap some logits pass the cap, and some of the first layer's attention scores pass the
+    attention cap: the caps change the numbers the logits tests compare."""
+    cfg, params = hf.load_pretrained(models["gemma2"], overrides={"model.seq_len": SEQ})
+    m = cfg.model
+    assert m.attn_softcap == H.GEMMA2_SOFTCAPS["attn_logit_softcapping"] and m.final_softcap > 0
+    assert np.abs(logits_of(cfg, params, dataclasses.replace(m, final_softcap=0.0))).max() > m.final_softcap
+    first = jax.tree.map(lambda a: a[0], params["blocks"][0])
+    pos = jnp.broadcast_to(jnp.arange(SEQ), TOKENS.shape)
+    with jax.default_matmul_precision("float32"):
+        x = transformer.embed(params, jnp.asarray(TOKENS), pos, m, jnp.float32)
+        h = transformer._norm_of(m, first["ln1"], x)
+        q, k, _ = attention._project(first["attn"], h, pos, m, jnp.float32)
+    groups = m.n_heads // attention.kv_heads(m)
+    scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, groups, axis=2)) * m.query_pre_attn_scalar ** -0.5
+    assert float((jnp.abs(scores) > m.attn_softcap).mean()) > 0.01
+
+
+@pytest.mark.parametrize("family", NEW)
+def test_the_older_config_form_reads_alike(family, models, tmp_path):
+    """transformers 4.x's config.json (Gemma 3: rope_local_base_freq, rope_scaling and sliding_window_pattern;
+    Gemma 2: no layer_types) gives the same model keys, and transformers itself computes the same logits."""
+    v4 = H.build(family, str(tmp_path / "v4"), config_form="v4")
+    assert "layer_types" not in json.load(open(os.path.join(v4, "config.json")))
+    assert hf.config_for(v4, {"model.seq_len": SEQ}).model == hf.config_for(models[family], {"model.seq_len": SEQ}).model
+    np.testing.assert_array_equal(H.reference_logits(v4, TOKENS), H.reference_logits(models[family], TOKENS))
+
+
+@pytest.mark.parametrize("family", tiers(NEW, {"gemma3"}))
+def test_bf16_import_export_is_bitwise(family, tmp_path):
+    from test_hf_interop import assert_bitwise, file_tensors
+
+    path = H.build(family, str(tmp_path / "src"), dtype="bfloat16")
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    hf.save_pretrained(params, cfg.model, str(tmp_path / "out"), dtype="bfloat16", source=path)  # a model config
+    assert_bitwise(file_tensors(path), file_tensors(str(tmp_path / "out")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW)
+def test_a_run_starts_at_transformers_loss(family, models, tmp_path):
+    """jaxllm train from the checkpoint (data parallel over this machine's 8 devices, which changes no number:
+    test_equivalence.py): the first step's loss is transformers' on the same batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.data.loader import window_starts
+    from jaxllm.train.loop import prepare, train
+
+    over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
+            "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32",
+            "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib"}
+    train(build_config(None, over))
+    cfg = build_config(None, over)
+    corpus = prepare(cfg)[3].corpus
+    starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)
+    windows = torch.as_tensor(np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts]))
+    model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = float(model(input_ids=windows, labels=windows).loss)
+    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
+
+
+def multimodal_gemma3(out: str) -> str:
+    """A tiny Gemma3ForConditionalGeneration (a one-layer vision tower beside hf_families' Gemma 3 text model),
+    perturbed as hf_families perturbs, saved."""
+    import torch
+    import transformers
+
+    _, text = H._family_kwargs("gemma3")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text).to_dict(),
+                                       vision_config=vision, mm_tokens_per_image=4, image_token_index=300,
+                                       boi_token_index=298, eoi_token_index=299)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    H._perturb(model, torch.Generator().manual_seed(0))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_a_multimodal_gemma3_gives_its_text_tower(tmp_path):
+    """Its text tower's logits are transformers' Gemma3ForCausalLM's on the same weights; exported, it is a
+    gemma3_text checkpoint transformers loads with those logits."""
+    import torch
+    import transformers
+
+    path = multimodal_gemma3(str(tmp_path / "mm"))
+    assert json.load(open(os.path.join(path, "config.json")))["model_type"] == "gemma3"
+    full = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                         attn_implementation="eager")
+    causal = transformers.Gemma3ForCausalLM(full.config.text_config).eval()
+    causal.model.load_state_dict(full.model.language_model.state_dict())
+    causal.lm_head.weight = causal.model.embed_tokens.weight
+    with torch.no_grad():
+        ref = causal(input_ids=torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    assert np.abs(logits_of(cfg, params) - ref).max() <= 1e-4
+    hf.save_pretrained(params, cfg, str(tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "gemma3_text"
+    assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ref).max() <= 1e-4
+
+
+GEMMA3_SHAPED = {"model.family": "gemma3", "model.n_layers": 4, "model.sliding_window": 8,
+                 "model.window_pattern": ["local", "local", "global", "local"], "model.rope_theta": 1e6,
+                 "model.rope_scaling": "linear", "model.rope_factor": 4.0, "model.rope_local_theta": 1e4,
+                 "model.query_pre_attn_scalar": 12.0, "model.attn_softcap": 5.0, "model.final_softcap": 10.0}
+MESHES = {"dp2_fsdp2_tp2_zero3": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3},
+          "sp4_ring": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_strategy": "ring"}}
+
+
+@pytest.mark.parametrize("mesh", tiers(list(MESHES), {"sp4_ring"}))
+def test_a_gemma3_shaped_model_on_meshes_equals_one_device(mesh):
+    """Every Gemma 3 feature at once (sandwich norms offset by 1, q/k norms, GeGLU, the scaled embedding, local
+    and global layers with their own windows and RoPE, soft caps): one step's loss and gradients on the mesh
+    equal one device's (the plain reference has none of these features)."""
+    one = equivalence_config("tiny-llama", **GEMMA3_SHAPED)
+    params = transformer.init_params(one.model, jax.random.key(0))
+    params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(1), a.shape), params)  # norms off 0
+    loss, grads = loss_and_grads(step_fns(one), params)
+    got = loss_and_grads(step_fns(equivalence_config("tiny-llama", **GEMMA3_SHAPED, **MESHES[mesh])), params)
+    assert_matches(*got, (params, float(loss), grads))
