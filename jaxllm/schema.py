@@ -157,10 +157,11 @@ class ModelConfig:
     query_pre_attn_scalar: float = key(0.0, "scores scaled by this^−½ instead of head_dim^−½ (Gemma's "
                                             "`query_pre_attn_scalar`); 0 = head_dim")
     rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
-    rope_scaling: str = key("none", "`none`, `linear` (every frequency divided by `rope_factor`) or `llama3` (Llama "
+    rope_scaling: str = key("none", "`none`, `linear` (every frequency divided by `rope_factor`), `llama3` (Llama "
                                     "3.1's frequency bands, with the four keys below: wavelengths longer than "
                                     "original/low slowed by the factor, shorter than original/high kept, smooth "
-                                    "between)")
+                                    "between) or `yarn` (YaRN: frequencies between interpolated and kept by a ramp "
+                                    "over the dimensions, `rope_beta_*`, and cos/sin × `rope_attention_factor`)")
     rope_local_theta: float = key(0.0, "RoPE base of the `local` layers of `window_pattern`, unscaled (Gemma 3's "
                                        "local layers); 0 = every layer's RoPE is the one above")
     rope_factor: float = key(8.0, "`linear` and `llama3` scaling: the factor (long) wavelengths are slowed by")
@@ -168,8 +169,15 @@ class ModelConfig:
                                            "low are slowed by `rope_factor`")
     rope_high_freq_factor: float = key(4.0, "`llama3` scaling: high; wavelengths shorter than "
                                             "`rope_original_context` / high are kept")
-    rope_original_context: int = key(8192, "`llama3` scaling: original, the context length the bands are measured "
-                                           "against")
+    rope_original_context: int = key(8192, "`llama3` and `yarn` scaling: original, the context length the bands "
+                                           "are measured against")
+    rope_beta_fast: float = key(32.0, "`yarn` scaling: rotations over the original context above which a dimension "
+                                      "is kept (extrapolated)")
+    rope_beta_slow: float = key(1.0, "`yarn` scaling: rotations below which a dimension is interpolated")
+    rope_attention_factor: float = key(0.0, "`yarn` scaling: cos and sin multiplied by it (0 = YaRN's "
+                                            "0.1·ln(rope_factor) + 1)")
+    rope_truncate: bool = key(True, "`yarn` scaling: the ramp's ends rounded to whole dimensions (transformers' "
+                                    "`truncate`)")
     sliding_window: int = key(0, "attention window: a query sees the keys whose positions are less than this far "
                                  "behind it (0 = none; Mistral's `sliding_window`); the context-parallel islands "
                                  "take it too")

@@ -57,6 +57,27 @@ def test_gemma2_soft_caps_are_passed_by_its_scores_and_logits(models):
     assert float((jnp.abs(scores) > m.attn_softcap).mean()) > 0.01
 
 
+YARN = {  # an original context of 16 under a 64-token test sequence; the ramp's ends land between dimensions
+    "default": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16},
+    "mscale_untruncated": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0,
+                           "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 0.5,
+                           "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("variant", tiers(list(YARN), {"mscale_untruncated"}))
+def test_yarn_rope_equals_transformers(variant, tmp_path):
+    """YaRN (transformers' `_compute_yarn_parameters`: the ramp, `truncate`, the attention factor from the factor or
+    from mscale / mscale_all_dim) on a Qwen3 checkpoint: logits within 1e-4, and export → transformers the same."""
+    path = H.build("qwen3", str(tmp_path / "src"), rope_parameters=dict(YARN[variant]))
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    assert cfg.model.rope_scaling == "yarn" and attention.rope_scale(cfg.model) > 1
+    ref = H.reference_logits(path, TOKENS)
+    assert np.abs(logits_of(cfg, params) - ref).max() <= 1e-4
+    hf.save_pretrained(params, cfg, str(tmp_path / "out"))
+    assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ref).max() <= 1e-4
+
+
 @pytest.mark.parametrize("family", NEW)
 def test_the_older_config_form_reads_alike(family, models, tmp_path):
     """transformers 4.x's config.json (Gemma 3: rope_local_base_freq, rope_scaling and sliding_window_pattern;

@@ -113,7 +113,6 @@ def validate_refused(key: str, path: str, **overrides) -> str:
 # Parameters each rope_type needs (transformers 5 validates them when it reads the config).
 ROPE_PARAMETERS = {
     "dynamic": {"factor": 2.0},
-    "yarn": {"factor": 2.0, "original_max_position_embeddings": 128},
     "longrope": {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 128},
 }
 

@@ -147,7 +147,8 @@ model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_ex
 model.moe.top_k model.moe.z_weight
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.attn_softcap model.embed_scale model.final_softcap model.norm_offset model.norm_placement model.qk_norm
-model.query_pre_attn_scalar model.rope_local_theta
+model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast
+model.rope_beta_slow model.rope_truncate
 model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size model.window_pattern

@@ -13,6 +13,7 @@ import os
 
 from jaxllm.errors import ModelFileError
 from jaxllm.models import attention
+from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3_text")
@@ -44,7 +45,8 @@ ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "
                      "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                      "rope_high_freq_factor", "rope_original_context", "sliding_window", "window_pattern", "pattern",
                      "norm_offset", "norm_placement", "qk_norm", "embed_scale", "attn_softcap", "final_softcap",
-                     "query_pre_attn_scalar", "rope_local_theta",
+                     "query_pre_attn_scalar", "rope_local_theta", "rope_beta_fast", "rope_beta_slow",
+                     "rope_attention_factor", "rope_truncate",
                      "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.shared_expert")
 
 
@@ -112,14 +114,34 @@ def _rope(hf: dict) -> dict:
         return dict(rope_theta=float(theta), rope_scaling="none", **local)
     if kind == "linear":
         return dict(rope_theta=float(theta), rope_scaling="linear", rope_factor=float(params["factor"]), **local)
+    if kind == "yarn":
+        return dict(rope_theta=float(theta), **_yarn(hf, params, where), **local)
     if kind != "llama3":
-        raise ModelFileError(f"config.json {where}.rope_type={kind!r}: not supported (jaxllm has default, linear and "
-                             "llama3 RoPE, not dynamic, yarn or longrope); jaxllm refuses what it would not compute "
+        raise ModelFileError(f"config.json {where}.rope_type={kind!r}: not supported (jaxllm has default, linear, "
+                             "llama3 and yarn RoPE, not dynamic or longrope); jaxllm refuses what it would not compute "
                              "exactly as transformers does")
     return dict(rope_theta=float(theta), rope_scaling="llama3", rope_factor=float(params["factor"]), **local,
                 rope_low_freq_factor=float(params["low_freq_factor"]),
                 rope_high_freq_factor=float(params["high_freq_factor"]),
                 rope_original_context=int(params["original_max_position_embeddings"]))
+
+
+def _yarn(hf: dict, params: dict, where: str) -> dict:
+    """YaRN's keys as transformers' `_compute_yarn_parameters` reads them: the factor (or max / original
+    positions), the attention factor (given, or from mscale and mscale_all_dim, or from the factor), the betas
+    and `truncate`."""
+    original = params.get("original_max_position_embeddings")
+    if not original:
+        raise ModelFileError(f"config.json {where}.original_max_position_embeddings: yarn needs it; jaxllm refuses "
+                             "what it would not compute exactly as transformers does")
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all_dim:
+        attention = yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
+    return dict(rope_scaling="yarn", rope_factor=float(factor), rope_original_context=int(original),
+                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_attention_factor=float(attention or 0.0), rope_truncate=bool(params.get("truncate", True)))
 
 
 def _windows(hf: dict) -> dict:
@@ -245,6 +267,12 @@ def _rope_out(m: ModelConfig) -> dict:
         scaling = None
     elif m.rope_scaling == "linear":
         scaling = {"rope_type": "linear", "factor": m.rope_factor}
+    elif m.rope_scaling == "yarn":
+        scaling = {"rope_type": "yarn", "factor": m.rope_factor, "original_max_position_embeddings":
+                   m.rope_original_context, "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow,
+                   "truncate": m.rope_truncate}
+        if m.rope_attention_factor:  # 0: YaRN's own, from the factor
+            scaling["attention_factor"] = m.rope_attention_factor
     else:
         scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
                    "high_freq_factor": m.rope_high_freq_factor,

@@ -22,7 +22,7 @@ from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
 from jaxllm.ops import cudnn_attention
 from jaxllm.ops.pallas_attention import supports
 from jaxllm.ops.masking import Masking
-from jaxllm.ops.rope import frequencies, rope
+from jaxllm.ops.rope import frequencies, rope, yarn, yarn_attention_factor
 from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
 from jaxllm.errors import ConfigError
 from jaxllm.sharding import constrain, current_layout
@@ -30,7 +30,7 @@ from jaxllm.sharding import constrain, current_layout
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 
 
-ROPE_SCALINGS = ("none", "linear", "llama3")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 CHUNKED_FROM = 4096  # `auto` takes `chunked` from this seq_len on; below it every shipped config runs `dense`
 
 
@@ -119,7 +119,17 @@ def rope_frequencies(m, local: bool = False):
     if m.rope_scaling == "llama3":
         llama3 = (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_context)
     freqs = frequencies(head_dim(m), m.rope_theta, llama3)
+    if m.rope_scaling == "yarn":
+        return yarn(freqs, head_dim(m), m.rope_theta, m.rope_factor, m.rope_original_context, m.rope_beta_fast,
+                    m.rope_beta_slow, m.rope_truncate)
     return freqs / m.rope_factor if m.rope_scaling == "linear" else freqs
+
+
+def rope_scale(m) -> float:
+    """What RoPE multiplies cos and sin by: YaRN's attention factor, else 1."""
+    if m.rope_scaling != "yarn":
+        return 1.0
+    return m.rope_attention_factor or yarn_attention_factor(m.rope_factor)
 
 
 def attend(q, k, v, positions, segment_ids, m=None, layer=None):
@@ -149,7 +159,7 @@ def _project(p: dict, x, positions, m, dtype, layer=None):
         q, k = (norm("rmsnorm", p[name], x, m.norm_eps, m.norm_offset) for name, x in (("q_norm", q), ("k_norm", k)))
     if m.positions == "rope":
         freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
-        q, k = rope(q, positions, freqs), rope(k, positions, freqs)
+        q, k = rope(q, positions, freqs, rope_scale(m)), rope(k, positions, freqs, rope_scale(m))
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
@@ -220,8 +230,12 @@ def _check_positions(m) -> None:
     for key in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "rope_local_theta"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}={getattr(m, key)}: must be positive, or 0 for none")
-    if m.rope_scaling == "linear" and m.rope_factor < 1:
-        raise ConfigError(f"model.rope_scaling=linear needs rope_factor ≥ 1, got {m.rope_factor}")
+    if m.rope_scaling in ("linear", "yarn") and m.rope_factor < 1:
+        raise ConfigError(f"model.rope_scaling={m.rope_scaling} needs rope_factor ≥ 1, got {m.rope_factor}")
+    if m.rope_scaling == "yarn" and (m.rope_original_context < 1 or not 0 < m.rope_beta_slow < m.rope_beta_fast
+                                     or m.rope_local_theta):
+        raise ConfigError("model.rope_scaling=yarn needs rope_original_context ≥ 1 and 0 < rope_beta_slow < "
+                          "rope_beta_fast, and no rope_local_theta")
     if any(kind not in WINDOW_KINDS for kind in m.window_pattern) or (m.window_pattern and
                                                                        m.n_layers % len(m.window_pattern)):
         raise ConfigError(f"model.window_pattern={m.window_pattern}: entries are local or global, and its length must "

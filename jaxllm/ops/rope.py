@@ -24,9 +24,34 @@ def frequencies(head_dim: int, theta: float, llama3: tuple[float, float, float, 
                      jnp.where(wavelength < original / high, freqs, between))
 
 
-def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] at explicit positions (half-split form)."""
+def yarn(freqs: jax.Array, head_dim: int, theta: float, factor: float, original: int, beta_fast: float,
+         beta_slow: float, truncate: bool) -> jax.Array:
+    """YaRN's frequencies from the plain ones, as transformers' `_compute_yarn_parameters`: dimensions that turn
+    more than `beta_fast` times over the original context are kept, fewer than `beta_slow` times divided by
+    `factor`, and a linear ramp over the dimensions between (its ends rounded outward with `truncate`)."""
+    def dim_of(rotations):  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # as transformers: no zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    return freqs / factor * ramp + freqs * (1 - ramp)
+
+
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's cos/sin multiplier: 0.1·mscale·ln(factor) + 1 (1 for factor ≤ 1); transformers' `get_mscale`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array, scale: float = 1.0) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] at explicit positions (half-split form); cos
+    and sin multiplied by `scale` (YaRN's attention factor)."""
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch, seq, half]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    if scale != 1.0:
+        sin, cos = sin * scale, cos * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
