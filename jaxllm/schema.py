@@ -355,6 +355,9 @@ class DataConfig:
     completion_key: str = key("completion", "`prompt_completion`: the key of a line's completion")
     chat_template: str = key("", '`""`: the `hf:DIR` tokenizer\'s own template, or the built-in one for `byte` and '
                                  "`gpt2`; `builtin`; or a `.jinja` file")
+    chat_template_kwargs: dict = key({}, "variables the chat template sees besides the messages, as transformers' "
+                                         "`apply_chat_template(..., **kwargs)` passes them: e.g. `{enable_thinking = "
+                                         "false}` for Qwen3")
     loss_on: str = key("assistant", "`assistant` (the replies, through their end-of-turn token) or `all` (every "
                                     "token of the example)")
     pack: bool = key(False, "`true`: several examples per row (first-fit-decreasing); `false`: one example per row, "

@@ -42,7 +42,8 @@ def data_config(**over):
 
 def examples_of(path: str, tokenizer=BYTE, **over) -> list[Example]:
     d = data_config(**over)
-    return read_examples(path, d, tokenizer, lambda: chat.load_template(d.chat_template, tokenizer))
+    return read_examples(path, d, tokenizer, lambda: chat.load_template(d.chat_template, tokenizer,
+                                                                                 d.chat_template_kwargs))
 
 
 # ---------------------------------------------------------------- the built-in template and its mask
@@ -119,6 +120,79 @@ def test_templates_render_and_mask_as_transformers(family, chatml_tokenizer, tmp
         assert a.ids.tolist() == list(out["input_ids"]) == b.ids.tolist()
         mask = np.asarray(out["assistant_masks"], bool)
         assert mask.sum() > 0 and np.array_equal(a.learn, mask) and np.array_equal(b.learn, mask)
+
+
+# Gemma's and Qwen3's templates, written here to render what those families' published templates render (there is
+# no downloading here): Gemma's turns (`model` for the assistant, the system text put before the first user
+# message, replies trimmed), Qwen3's empty think block on the last reply and none on earlier ones, and its
+# `enable_thinking = false` generation prompt.
+def with_tokens(src: Path, folder: Path, tokens: list[str], template: str) -> Path:
+    """A copy of tokenizer folder `src` with `tokens` added as special tokens and `template` as its own."""
+    from tokenizers import AddedToken, Tokenizer
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / f, folder / f)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text((TEMPLATES / template).read_text())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_tokenizers(tmp_path_factory, chatml_tokenizer):
+    return {"gemma": with_tokens(FIXTURES / "hf_tokenizer", tmp_path_factory.mktemp("gemma"),
+                                 ["<start_of_turn>", "<end_of_turn>"], "gemma.jinja"),
+            "qwen3": with_tokens(chatml_tokenizer, tmp_path_factory.mktemp("qwen3"), ["<think>", "</think>"],
+                                 "qwen3.jinja")}
+
+
+ONE_TURN = [c for c in CONVERSATIONS if sum(m["role"] == "assistant" for m in c) == 1]
+
+
+@pytest.mark.parametrize("family", ["gemma", "qwen3"])
+def test_gemma_and_qwen3_templates_render_and_mask_as_transformers(family, family_tokenizers, tmp_path):
+    """Byte for byte what transformers renders, with the generation prompt or without and (Qwen3) with
+    enable_thinking unset, true or false passed to both; the difference method's mask on the template and the
+    tags' on its tagged twin equal transformers' return_assistant_tokens_mask (Qwen3: one-turn chats, see
+    the next test)."""
+    from transformers import AutoTokenizer
+
+    folder = family_tokenizers[family]
+    theirs, ours = AutoTokenizer.from_pretrained(str(folder)), get_tokenizer(f"hf:{folder}")
+    chats = CONVERSATIONS if family == "gemma" else ONE_TURN
+    kwargs_cases = [{}] if family == "gemma" else [{}, {"enable_thinking": True}, {"enable_thinking": False}]
+    for conv in chats:
+        for kwargs in kwargs_cases:
+            for gen in (False, True):
+                want = theirs.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen, **kwargs)
+                assert chat.render(chat.load_template("", ours, kwargs), conv, gen)[0] == want
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in chats])
+    tagged_name = str(TEMPLATES / f"{family}_tagged.jinja")
+    for a, b, conv in zip(examples_of(path, ours), examples_of(path, ours, chat_template=tagged_name), chats):
+        out = theirs.apply_chat_template(conv, chat_template=(TEMPLATES / f"{family}_tagged.jinja").read_text(),
+                                         tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        mask = np.asarray(out["assistant_masks"], bool)
+        assert a.ids.tolist() == list(out["input_ids"]) == b.ids.tolist()
+        assert mask.sum() > 0 and np.array_equal(a.learn, mask) and np.array_equal(b.learn, mask)
+
+
+def test_qwen3_two_turns_are_refused_untagged_and_enable_thinking_false_learns_the_reply(family_tokenizers, tmp_path):
+    """Qwen3 renders an earlier reply without the think block it gives the last one, so the conversation through
+    turn 1 is not a prefix of the whole: the difference method refuses it in one line (its tagged twin takes
+    it). With enable_thinking = false the generation prompt holds the empty think block, so the learned tokens
+    are the reply and its <|im_end|> alone."""
+    ours = get_tokenizer(f"hf:{family_tokenizers['qwen3']}")
+    two = write_jsonl(tmp_path / "two.jsonl", [{"messages": CONVERSATIONS[2]}])
+    with pytest.raises(DataError, match="reply cannot be found") as e:
+        examples_of(two, ours)
+    assert "\n" not in str(e.value)
+    assert len(examples_of(two, ours, chat_template=str(TEMPLATES / "qwen3_tagged.jinja"))) == 1
+    [ex] = examples_of(write_jsonl(tmp_path / "one.jsonl", [{"messages": CONVERSATIONS[0]}]), ours,
+                       chat_template_kwargs={"enable_thinking": False})
+    assert ours.decode(ex.ids[ex.learn]) == "4<|im_end|>"
+    [thinking] = examples_of(write_jsonl(tmp_path / "t.jsonl", [{"messages": CONVERSATIONS[0]}]), ours)
+    assert ours.decode(thinking.ids[thinking.learn]) == "<think>\n\n</think>\n\n4<|im_end|>"
 
 
 def test_a_template_neither_tagged_nor_extendable_is_refused(tmp_path, chatml_tokenizer):

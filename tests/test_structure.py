@@ -134,7 +134,7 @@ def test_building_an_fp32_step_leaves_the_global_matmul_precision_alone():
 
 # Every config key. Adding or removing one is a change to this list, seen in review.
 CONFIG_KEYS = """
-data.chat_template data.completion_key data.format data.loss_on data.messages_key data.pack data.prompt_key
+data.chat_template data.chat_template_kwargs data.completion_key data.format data.loss_on data.messages_key data.pack data.prompt_key
 data.source data.tokenizer data.truncation data.val_percent
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
 init.from_

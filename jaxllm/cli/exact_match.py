@@ -41,7 +41,8 @@ def requests(cfg, tokenizer, path: str, limit: int) -> tuple[list, list]:
     from jaxllm.data import chat
     from jaxllm.data.examples import prompt_and_reply, read_lines
 
-    template = functools.cache(lambda: chat.load_template(cfg.data.chat_template, tokenizer))
+    d = cfg.data
+    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
     prompts, replies = [], []
     for where, _, _, obj in read_lines(path):
         ids, reply = prompt_and_reply(obj, where, cfg.data, template, tokenizer)

@@ -52,14 +52,19 @@ class ChatTemplate:
         return bool(_TAG.search(self.text))
 
 
-def load_template(spec: str, tokenizer) -> ChatTemplate:
+def load_template(spec: str, tokenizer, kwargs: dict | None = None) -> ChatTemplate:
     """`data.chat_template`: "" (the tokenizer's own, or the built-in one for byte and GPT-2), "builtin",
-    or the path of a .jinja file."""
+    or the path of a .jinja file; `kwargs` (`data.chat_template_kwargs`) are variables it sees besides the
+    tokenizer's special tokens, as transformers passes them (they win over a special token of the same name)."""
     own = getattr(tokenizer, "chat_template", None)  # only an hf:DIR tokenizer has one
     hf = hasattr(tokenizer, "special_texts")
     # byte and GPT-2: the end-of-text token is written as tiktoken writes it, and read back as its id
     specials = tuple(sorted(tokenizer.special_texts.items())) if hf else (("bos_token", EOT_TEXT),
                                                                             ("eos_token", EOT_TEXT))
+    taken = {"messages", "add_generation_prompt"} & set(kwargs or {})
+    if taken:
+        raise DataError(f"data.chat_template_kwargs: '{sorted(taken)[0]}' is the template's own variable; remove it")
+    specials += tuple((kwargs or {}).items())
     if spec == "builtin" or (spec == "" and not hf):
         return ChatTemplate(BUILTIN_TEMPLATE, "the built-in template", specials)
     if spec == "":

@@ -122,7 +122,8 @@ def load(cfg, tokenizer):
                 raise ConfigError(f"data.source {d.source!r}: the {name} split has {len(stream)} tokens, fewer than "
                                   f"model.seq_len+1={seq + 1}; use more data or a shorter model.seq_len")
         return TextData(corpus, t.seed, t.global_batch, seq, t.eval_batches)
-    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer))  # read when a line needs it
+    # read when a line needs it
+    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
     every = examples_lib.read_examples(d.source, d, tokenizer, template)
     kept, truncated, dropped = examples_lib.fit(every, seq, d.truncation, d.source)
     if not kept:

@@ -59,7 +59,7 @@ def _lines(source: str, prompt_key: str) -> list[tuple[str, dict]]:
 def load(cfg, tokenizer) -> Prompts:
     """Every prompt of `data.source`, tokenized; DataError (one line) for a line that is not one."""
     d = cfg.data
-    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer))
+    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
     lines = _lines(d.source, d.prompt_key)
     if not lines:
         raise DataError(f"data.source: '{d.source}' holds no prompts; give a JSONL file with one prompt per line")
