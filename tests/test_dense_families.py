@@ -98,21 +98,35 @@ def test_bf16_import_export_is_bitwise(family, tmp_path):
     assert_bitwise(file_tensors(path), file_tensors(str(tmp_path / "out")))
 
 
+RUN_CASES = [(f, "dp8") for f in NEW] + [("gemma3", "one device, the command line")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", NEW)
-def test_a_run_starts_at_transformers_loss(family, models, tmp_path):
-    """jaxllm train from the checkpoint (data parallel over this machine's 8 devices, which changes no number:
-    test_equivalence.py): the first step's loss is transformers' on the same batch."""
+@pytest.mark.parametrize("family,where", RUN_CASES)
+def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
+    """jaxllm train from the checkpoint, in this process over 8 devices (data parallel, which changes no number:
+    test_equivalence.py) and, for Gemma 3, as a user runs it on one device: the first step's loss is
+    transformers' on the same batch."""
+    import subprocess
+    import sys
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    from harness import REPO, subprocess_env
     from jaxllm.data.loader import window_starts
     from jaxllm.train.loop import prepare, train
 
     over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
             "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32",
             "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib"}
-    train(build_config(None, over))
+    if where == "dp8":
+        train(build_config(None, over))
+    else:
+        args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in over.items()]
+        done = subprocess.run([sys.executable, "-m", "jaxllm", "train", *args],
+                              cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
     cfg = build_config(None, over)
     corpus = prepare(cfg)[3].corpus
     starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)
