@@ -156,7 +156,8 @@ def _project(p: dict, x, positions, m, dtype, layer=None):
     k = add_bias(k, p, "bk", ("kv_heads", "head_dim"), dtype)
     v = add_bias(v, p, "bv", ("kv_heads", "head_dim"), dtype)
     if m.qk_norm:  # over head_dim, before RoPE
-        q, k = (norm("rmsnorm", p[name], x, m.norm_eps, m.norm_offset) for name, x in (("q_norm", q), ("k_norm", k)))
+        q = norm("rmsnorm", p["q_norm"], q, m.norm_eps, m.norm_offset)
+        k = norm("rmsnorm", p["k_norm"], k, m.norm_eps, m.norm_offset)
     if m.positions == "rope":
         freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
         q, k = rope(q, positions, freqs, rope_scale(m)), rope(k, positions, freqs, rope_scale(m))

@@ -82,7 +82,8 @@ def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
               "o": Leaf(R + (D,), L + ("embed",), "zeros")}
     attn.update({f"b{x}": biases[x] for x in ATTN_BIASES[m.attn_bias]})
     if m.qk_norm:  # RMSNorm over head_dim, one scale shared by the heads
-        attn.update({name: {"scale": Leaf(R + (Dh,), L + ("head_dim",), "norm_scale")} for name in ("q_norm", "k_norm")})
+        scale = Leaf(R + (Dh,), L + ("head_dim",), "norm_scale")
+        attn.update(q_norm={"scale": scale}, k_norm={"scale": scale})
     return attn
 
 
