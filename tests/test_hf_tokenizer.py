@@ -1,8 +1,9 @@
 """`data.tokenizer = "hf:DIR"`: a Hugging Face tokenizer folder read with the `tokenizers` library.
 
 - encode and decode equal transformers' AutoTokenizer (the reference, a test dependency only) on the
-  committed fixtures (tools/make_hf_tokenizer.py): a LLaMA-3 style one whose post-processor adds BOS and
-  a GPT-2 style one without BOS; also with variants of tokenizer_config.json, and a WordPiece tokenizer
+  committed fixtures (tools/make_hf_tokenizer.py): a LLaMA-3 style one whose post-processor adds BOS,
+  a GPT-2 style one without BOS, and a Gemma style one (SentencePiece-style BPE with byte fallback, which
+  transformers' GemmaTokenizer rebuilds its pipeline for); also with variants of tokenizer_config.json, and a WordPiece tokenizer
   whose decode cleans up spaces.
 - The BOS rule: never doubled, neither by encode nor in the corpus streams.
 - Stop ids: tokenizer_config.json's eos, then generation_config.json's (one only there).
@@ -30,7 +31,8 @@ from jaxllm.train.loop import resolve
 
 LLAMA = REPO / "tests" / "fixtures" / "hf_tokenizer"
 GPT2 = REPO / "tests" / "fixtures" / "hf_tokenizer_gpt2"
-FIXTURES = {"llama3": LLAMA, "gpt2": GPT2}
+GEMMA = REPO / "tests" / "fixtures" / "hf_tokenizer_gemma"
+FIXTURES = {"llama3": LLAMA, "gpt2": GPT2, "gemma": GEMMA}
 BOS, EOS, EOT_ID = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 SPECIAL = [BOS, EOS, EOT_ID, "<|start_header_id|>", "<|end_header_id|>", "<|endoftext|>"]
 PIECES = SPECIAL + [

@@ -10,11 +10,17 @@
   id that tokenizer_config.json does not name (as LLaMA 3 Instruct's files do).
 - `hf_tokenizer_gpt2/`: GPT-2 style. Byte-level BPE with GPT-2's pre-tokenizer and one special
   token, <|endoftext|>, which is both bos and eos; no BOS is added to an encoding.
+- `hf_tokenizer_gemma/`: Gemma style. A SentencePiece-style BPE: spaces normalised to "▁", byte
+  fallback (<0x00>..<0xFF> in the vocabulary after the special tokens, as Gemma's), Gemma's special
+  tokens (<pad>, <eos>, <bos>, <unk>, <mask>, <start_of_turn>, <end_of_turn>), a post-processor that
+  prepends <bos>, tokenizer_config.json naming GemmaTokenizer (which transformers 5 rebuilds its
+  pipeline for) with the Gemma chat template of tests/fixtures/chat_templates/gemma.jinja, and
+  generation_config.json stopping at <eos> and <end_of_turn>, as Gemma 3's instruct models do.
 
 Both are trained with the `tokenizers` library on the text below (in this file, so the output does
 not depend on the machine, the Python version or the network) and are deterministic: running the
-script again writes byte-identical files. The vocabularies (605 and 401 ids) are not multiples of
-128, so the model's padded vocabulary differs from the tokenizer's.
+script again writes byte-identical files. The vocabularies (605, 401 and 522 ids) are not multiples
+of 128, so the model's padded vocabulary differs from the tokenizer's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import json
 import sys
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
+                        trainers)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,15 +168,52 @@ def make_gpt2(out: Path) -> None:
     _write_json(out / "generation_config.json", {"bos_token_id": eot_id, "eos_token_id": eot_id})
 
 
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def make_gemma(out: Path) -> None:
+    """Pieces trained on TEXT with spaces as "▁"; then the vocabulary laid out as Gemma's: special tokens,
+    the 256 byte-fallback tokens, the pieces."""
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    trained.train_from_iterator([TEXT] * 3 + TEXT.split("\n\n"), trainers.BpeTrainer(
+        vocab_size=256, min_frequency=1, show_progress=False, special_tokens=GEMMA_SPECIAL))
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIAL + [f"<0x{b:02X}>" for b in range(256)])}
+    for piece, _ in sorted(trained.get_vocab().items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in json.loads(trained.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in GEMMA_SPECIAL])
+    bos = vocab["<bos>"]
+    tok.post_processor = processors.TemplateProcessing(single="<bos>:0 $A:0", pair="<bos>:0 $A:0 <bos>:1 $B:1",
+                                                       special_tokens=[("<bos>", bos)])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    template = (REPO / "tests" / "fixtures" / "chat_templates" / "gemma.jinja").read_text(encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", {
+        "added_tokens_decoder": _added_tokens_decoder(tok, GEMMA_SPECIAL), "add_bos_token": True,
+        "add_eos_token": False, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "mask_token": "<mask>", "chat_template": template, "model_max_length": 1024,
+        "tokenizer_class": "GemmaTokenizer"})
+    _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": [vocab["<eos>"],
+                                                                                       vocab["<end_of_turn>"]]})
+
+
+FOLDERS = {"hf_tokenizer": make_llama3, "hf_tokenizer_gpt2": make_gpt2, "hf_tokenizer_gemma": make_gemma}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.make_hf_tokenizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_root", nargs="?", default=str(REPO / "tests" / "fixtures"),
-                        help="folder to write hf_tokenizer/ and hf_tokenizer_gpt2/ into")
+                        help=f"folder to write {', '.join(FOLDERS)} into")
     args = parser.parse_args(argv)
     root = Path(args.out_root)
-    make_llama3(root / "hf_tokenizer")
-    make_gpt2(root / "hf_tokenizer_gpt2")
-    for folder in ("hf_tokenizer", "hf_tokenizer_gpt2"):
+    for folder, make in FOLDERS.items():
+        make(root / folder)
         size = sum(p.stat().st_size for p in (root / folder).iterdir())
         print(f"wrote {root / folder} ({size:,} bytes)")
     return 0
