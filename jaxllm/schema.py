@@ -158,13 +158,14 @@ class ModelConfig:
                                             "`query_pre_attn_scalar`); 0 = head_dim")
     rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
     rope_scaling: str = key("none", "`none`, `linear` (every frequency divided by `rope_factor`), `llama3` (Llama "
-                                    "3.1's frequency bands, with the four keys below: wavelengths longer than "
+                                    "3.1's frequency bands, with `rope_factor` and the `rope_*_freq_factor` and "
+                                    "`rope_original_context` keys: wavelengths longer than "
                                     "original/low slowed by the factor, shorter than original/high kept, smooth "
                                     "between) or `yarn` (YaRN: frequencies between interpolated and kept by a ramp "
                                     "over the dimensions, `rope_beta_*`, and cos/sin × `rope_attention_factor`)")
     rope_local_theta: float = key(0.0, "RoPE base of the `local` layers of `window_pattern`, unscaled (Gemma 3's "
                                        "local layers); 0 = every layer's RoPE is the one above")
-    rope_factor: float = key(8.0, "`linear` and `llama3` scaling: the factor (long) wavelengths are slowed by")
+    rope_factor: float = key(8.0, "`linear`, `llama3` and `yarn` scaling: the factor (long) wavelengths are slowed by")
     rope_low_freq_factor: float = key(1.0, "`llama3` scaling: low; wavelengths longer than `rope_original_context` / "
                                            "low are slowed by `rope_factor`")
     rope_high_freq_factor: float = key(4.0, "`llama3` scaling: high; wavelengths shorter than "
