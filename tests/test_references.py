@@ -48,9 +48,9 @@ def fresh_one_device(preset: str, **over):
 
 
 def rope_halves_swapped(rope):
-    def mutant(x, positions, freqs):
+    def mutant(x, positions, freqs, scale=1.0):
         first, second = jnp.split(x, 2, axis=-1)
-        return rope(jnp.concatenate([second, first], axis=-1), positions, freqs)
+        return rope(jnp.concatenate([second, first], axis=-1), positions, freqs, scale)
 
     return mutant
 
@@ -74,8 +74,8 @@ def gates_not_renormalised(route):
 
 
 def rms_norm_subtracting_the_mean(rms_norm):
-    def mutant(p, x, eps):
-        return rms_norm(p, x - jnp.mean(x, axis=-1, keepdims=True), eps)
+    def mutant(p, x, eps, offset=0.0):
+        return rms_norm(p, x - jnp.mean(x, axis=-1, keepdims=True), eps, offset)
 
     return mutant
 
