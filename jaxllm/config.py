@@ -25,7 +25,7 @@ from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.rl import prompts
-from jaxllm.schema import FAMILIES, Config, TrainConfig
+from jaxllm.schema import FAMILIES, Config, TrainConfig, table_keys
 from jaxllm.train import optimizer, step
 
 
@@ -72,19 +72,21 @@ def _coerce(key: str, value, typ):
     origin = typing.get_origin(typ) or typ
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if origin is list and isinstance(value, list):
+    if origin in (list, dict) and isinstance(value, origin):
         return value
     if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
+             dict: "a table, e.g. {name = value}"}
     raise ConfigError(f"{key}: expected {names.get(origin, origin.__name__)}, got {value!r}; fix the value")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, typing.Any]:
+    """Nested TOML tables as dotted keys; a key whose value is a table (`schema.table_keys`) is kept whole."""
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and key not in TABLE_KEYS:
             out.update(flatten(v, key + "."))
         else:
             out[key] = v
@@ -114,6 +116,7 @@ def _set(cfg: Config, key: str, value) -> None:
 
 # Keys spelled as Python keywords are fields with a trailing underscore (init.from -> InitConfig.from_).
 KEYWORD_FIELDS = {"from": "from_"}
+TABLE_KEYS = table_keys()
 
 
 def parse_overrides(args: list[str]) -> dict[str, typing.Any]:
@@ -232,18 +235,19 @@ def to_toml(cfg: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # a table key's value, inline
+            return "{" + ", ".join(f"{value(str(k))} = {value(x)}" for k, x in v.items()) + "}"
         return repr(v)
 
     lines: list[str] = []
 
     def section(name: str, d: dict):
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
+        nested = {k: v for k, v in d.items() if isinstance(v, dict) and f"{name}.{k}" not in TABLE_KEYS}
         lines.append(f"[{name}]")
-        lines.extend(f"{k.rstrip('_')} = {value(v)}" for k, v in scalars.items())
+        lines.extend(f"{k.rstrip('_')} = {value(v)}" for k, v in d.items() if k not in nested)
         lines.append("")
-        for k, v in d.items():
-            if isinstance(v, dict):
-                section(f"{name}.{k}", v)
+        for k, v in nested.items():
+            section(f"{name}.{k}", v)
 
     for name, d in to_dict(cfg).items():
         section(name, d)

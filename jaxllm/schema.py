@@ -470,6 +470,12 @@ def keys() -> list[str]:
     return [k for k, _ in _fields()]
 
 
+def table_keys() -> frozenset[str]:
+    """The keys whose value is a table (a dict of names to values, e.g. `data.chat_template_kwargs`), not a
+    section of keys: TOML and the config files hold it whole."""
+    return frozenset(k for k, f in _fields() if f.type in (dict, "dict"))
+
+
 def _field(dotted: str) -> dataclasses.Field:
     cls, parts = Config, dotted.split(".")
     for i, part in enumerate(parts):

@@ -403,3 +403,19 @@ def test_the_template_file_wins_and_a_list_of_templates_uses_default(chatml_toke
     (folder / "chat_template.jinja").unlink()
     with pytest.raises(DataError, match="no 'default'"):
         get_tokenizer(f"hf:{folder}")
+
+
+def test_chat_template_kwargs_is_a_table_in_files_and_on_the_command_line(tmp_path):
+    """A TOML file, a command-line override and a run's written config.toml hold the table whole (it is a
+    key's value, not a section of keys)."""
+    from jaxllm.config import load_toml, parse_overrides, to_toml
+
+    (tmp_path / "c.toml").write_text('[data]\nformat = "chat"\nchat_template_kwargs = {enable_thinking = false}\n')
+    from_file = build_config(str(tmp_path / "c.toml"), [])
+    from_cli = build_config(None, parse_overrides(["data.chat_template_kwargs={enable_thinking=false, n=2}"]))
+    assert from_file.data.chat_template_kwargs == {"enable_thinking": False}
+    assert from_cli.data.chat_template_kwargs == {"enable_thinking": False, "n": 2}
+    (tmp_path / "run.toml").write_text(to_toml(from_cli))
+    assert load_toml(str(tmp_path / "run.toml"))["data.chat_template_kwargs"] == {"enable_thinking": False, "n": 2}
+    with pytest.raises(UserError, match="chat_template_kwargs: expected a table"):
+        build_config(None, parse_overrides(["data.chat_template_kwargs=3"]))

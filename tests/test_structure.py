@@ -11,7 +11,7 @@ import jax
 
 from harness import equivalence_config
 from jaxllm.config import to_dict
-from jaxllm.schema import Config
+from jaxllm.schema import Config, table_keys
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxllm"
 # Each layer may import only from the layers after it in this list (and its own).
@@ -170,7 +170,8 @@ train.zeropp.weights
 def _keys(tree: dict, prefix: str = "") -> list[str]:
     out = []
     for k, v in tree.items():
-        out += _keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+        nested = isinstance(v, dict) and f"{prefix}{k}" not in table_keys()
+        out += _keys(v, f"{prefix}{k}.") if nested else [f"{prefix}{k}"]
     return out
 
 
