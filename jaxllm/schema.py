@@ -87,6 +87,14 @@ class MoeConfig:
                                        "residual); 0 = dropless")
     balance_weight: float = key(0.01, "weight of the Switch load-balancing loss (a mean over MoE layers)")
     z_weight: float = key(0.001, "weight of the router z-loss (a mean over MoE layers)")
+    score: str = key("softmax", "the router's scores: `softmax` over the experts (Mixtral, Qwen) or `sigmoid` per "
+                                "expert (DeepSeek-V3)")
+    norm_topk: bool = key(True, "for top_k > 1, the chosen experts' scores renormalised to sum to 1 (transformers' "
+                                "`norm_topk_prob`; Mixtral always)")
+    routed_scale: float = key(1.0, "the gates multiplied by this (DeepSeek-V3's `routed_scaling_factor`)")
+    n_group: int = key(1, "experts in this many equal groups; top_k is chosen within the `topk_group` best groups, "
+                          "a group scored by the sum of its two highest scores (DeepSeek-V3); 1 = no groups")
+    topk_group: int = key(1, "how many of the `n_group` groups a token's experts come from")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a

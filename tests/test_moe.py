@@ -182,13 +182,17 @@ def reference_for(model_keys: dict):
     """(params, LM loss, gradients of the whole objective) on one device: the independent reference
     (tools/plain_llama.py) where it has the model, else jaxllm on one device."""
     cfg = model_config(model_keys)
-    if cfg.model.family == "llama" and cfg.model.pattern == ["moe"]:
+    if cfg.model.family == "llama" and cfg.model.pattern == ["moe"] and not any(k in ROUTING for k in model_keys):
         return reference(cfg.model)
     params = jax.device_get(step_fns(cfg).init(0).params)
     loss, grads = loss_and_grads(step_fns(cfg), params)
     return params, float(loss), jax.device_get(grads)
 
 
+# DeepSeek-V3's routing (sigmoid scores, 4 groups of 2 experts, the best 2 groups, scaled gates), which the plain
+# reference does not have: against jaxllm on one device
+ROUTING = {"model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
+           "model.moe.routed_scale": 2.5}
 MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
     "ep4_fsdp2": ({"mesh.ep": 4, "mesh.fsdp": 2}, {}),
     "ep2_tp2_fsdp2": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2}, {}),
@@ -200,6 +204,8 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     # per-microbatch routing statistics: the balance loss (not linear in them) is left out here
     "ep4_fsdp2_zero2_microbatches": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 2, "train.microbatches": 2},
                                      {"model.moe.balance_weight": 0.0}),
+    "ep4_fsdp2_zero3_grouped_sigmoid": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}, ROUTING),
+    "dp2_tp2_ep2_grouped_sigmoid": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, ROUTING),
 }
 
 
@@ -299,3 +305,59 @@ def test_trainer_step_moves_tokens_not_expert_weights():
     shapes = {",".join(map(str, (n,) + a.shape[2:])) for a in experts.values() for n in (8, 2)}
     gathered = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", hlo)
     assert not shapes & set(gathered), gathered
+
+
+# ---------------------------------------------------------------- routing options, by hand
+
+def test_group_limited_topk_chooses_within_the_best_groups():
+    """16 experts in 4 groups of 4, the best 2 groups, top 4 experts. Group scores (sum of each group's two
+    highest): g0 = .9 + .1 = 1.0, g1 = .8 + .7 = 1.5, g2 = .6 + .55 = 1.15, g3 = .5 + .45 = .95: groups 1 and 2.
+    Expert 0 (.9, the best score of all) is left out with its group; the top 4 of groups 1 and 2 are experts
+    4 (.8), 5 (.7), 8 (.6) and 9 (.55)."""
+    scores = jnp.array([[.9, .1, .05, .0, .8, .7, .2, .1, .6, .55, .3, .2, .5, .45, .4, .35]])
+    routing = moe.Routing(score="sigmoid", norm_topk=False, n_group=4, topk_group=2)
+    gates, experts = moe.select(scores, 4, routing)
+    assert sorted(experts[0].tolist()) == [4, 5, 8, 9]
+    np.testing.assert_allclose(np.sort(np.asarray(gates[0])), [.55, .6, .7, .8], rtol=1e-6)
+    _, ungrouped = moe.select(scores, 4, moe.Routing(score="sigmoid", norm_topk=False))
+    assert sorted(ungrouped[0].tolist()) == [0, 4, 5, 8]  # without groups expert 0 is in
+
+
+def test_the_bias_decides_the_choice_and_the_gates_stay_unbiased():
+    """Sigmoid scores [.7, .6, .5, .4], top 2: experts 0 and 1. A bias of +.4 on expert 3 (.4 + .4 = .8, first)
+    brings it in with its own score .4 as the gate, not .8; normalised: .4 / 1.1 and .7 / 1.1, then ×2.5."""
+    scores = jnp.array([[.7, .6, .5, .4]])
+    assert moe.select(scores, 2, moe.Routing(score="sigmoid"))[1][0].tolist() == [0, 1]
+    bias = jnp.array([0.0, 0.0, 0.0, 0.4])
+    gates, experts = moe.select(scores, 2, moe.Routing(score="sigmoid", norm_topk=False), bias)
+    assert experts[0].tolist() == [3, 0]
+    np.testing.assert_allclose(np.asarray(gates[0]), [.4, .7], rtol=1e-6)
+    gates, _ = moe.select(scores, 2, moe.Routing(score="sigmoid", norm_topk=True, routed_scale=2.5), bias)
+    np.testing.assert_allclose(np.asarray(gates[0]), [2.5 * .4 / 1.1, 2.5 * .7 / 1.1], rtol=1e-6)
+
+
+def test_sigmoid_scores_and_unnormalised_softmax_gates():
+    """`score = sigmoid` scores each expert on its own (they need not sum to 1); softmax without `norm_topk` keeps
+    the chosen probabilities as they are (Qwen2-MoE's norm_topk_prob = false)."""
+    x, router = jnp.eye(4)[:1], jnp.zeros((4, 4)).at[0].set(jnp.array([2.0, 0.0, -1.0, 1.0]))  # x·router: the logits
+    _, scores, gates, experts = moe.route(router, x, 2, moe.Routing(score="sigmoid", norm_topk=False))
+    np.testing.assert_allclose(np.asarray(scores[0]), 1 / (1 + np.exp(-np.array([2.0, 0.0, -1.0, 1.0]))), rtol=1e-6)
+    assert experts[0].tolist() == [0, 3]
+    _, probs, gates, _ = moe.route(router, x, 2, moe.Routing(norm_topk=False))
+    np.testing.assert_allclose(np.asarray(gates[0]), np.asarray(probs[0])[[0, 3]], rtol=1e-6)
+    assert float(gates.sum()) < 1
+
+
+@pytest.mark.parametrize("over, named", [
+    ({"model.moe.score": "relu"}, "model.moe.score"),
+    ({"model.moe.n_group": 3}, "model.moe.n_group"),  # 8 experts do not split into 3 groups
+    ({"model.moe.n_group": 4, "model.moe.topk_group": 5}, "model.moe.topk_group"),
+    ({"model.moe.n_group": 4, "model.moe.topk_group": 1, "model.moe.top_k": 3}, "model.moe.topk_group"),
+])
+def test_routing_keys_that_cannot_run_are_one_line_errors(over, named):
+    from jaxllm.config import build_config, validate
+
+    cfg = build_config(None, {"model.preset": "tiny-moe", "model.vocab_size": 257, "mesh.dp": 1, **over})
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, 1)
+    assert named in str(info.value) and "\n" not in str(info.value)

@@ -66,8 +66,8 @@ def heads_grouped_wrongly(attend):
 
 
 def gates_not_renormalised(route):
-    def mutant(router_w, x, top_k):
-        logits, probs, _, experts = route(router_w, x, top_k)
+    def mutant(router_w, x, top_k, *routing):
+        logits, probs, _, experts = route(router_w, x, top_k, *routing)
         return logits, probs, jnp.take_along_axis(probs, experts, axis=-1), experts
 
     return mutant

@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.moe import aux_losses, local_moe, route
+from jaxllm.ops.moe import SCORES, Routing, aux_losses, local_moe, route
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.errors import ConfigError
 from jaxllm.sharding import BATCH_AXES, current_layout, weight
@@ -36,7 +36,8 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     rows one device holds), so tokens drop alike on every mesh with as many batch shards.
     """
     e = m.moe
-    logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k)
+    logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k,
+                                          routing(m))
     layout = current_layout()
     island = layout is not None and layout.mesh.shape["ep"] > 1
     if island and layout.manual:  # validation keeps MoE out of the pipeline and ZeRO-0/1 accumulation
@@ -62,6 +63,13 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     return y.astype(h.dtype), stats
 
 
+def routing(m) -> Routing:
+    """`model.moe`'s routing keys."""
+    e = m.moe
+    return Routing(score=e.score, norm_topk=e.norm_topk, routed_scale=e.routed_scale, n_group=e.n_group,
+                   topk_group=e.topk_group)
+
+
 def objective(stats: dict, m) -> jax.Array:
     """The auxiliary losses added to the language-model loss: weighted means over the MoE layers."""
     if not stats:
@@ -82,6 +90,20 @@ def metrics(stats: dict) -> dict:
             "moe_load": load, "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}
 
 
+def _check_routing(e) -> None:
+    if e.score not in SCORES:
+        raise ConfigError(f"model.moe.score: '{e.score}' is not one of {', '.join(SCORES)}")
+    if e.routed_scale <= 0:
+        raise ConfigError(f"model.moe.routed_scale={e.routed_scale}: must be positive")
+    if e.n_group < 1 or e.n_experts % e.n_group or (e.n_group > 1 and e.n_experts // e.n_group < 2):
+        raise ConfigError(f"model.moe.n_group={e.n_group}: must divide n_experts={e.n_experts} into groups of at least "
+                          "2 experts (a group is scored by its two best), or be 1")
+    per_group = e.n_experts // e.n_group
+    if not 1 <= e.topk_group <= e.n_group or (e.n_group > 1 and e.top_k > e.topk_group * per_group):
+        raise ConfigError(f"model.moe.topk_group={e.topk_group}: need 1 ≤ topk_group ≤ n_group={e.n_group} and "
+                          f"top_k={e.top_k} ≤ topk_group × {per_group} experts per group")
+
+
 def check_config(m, t, shape: dict[str, int]) -> list[str]:
     """The MoE keys against the mesh and the training set-up: ConfigError (one line) for what cannot run."""
     e = m.moe
@@ -90,6 +112,7 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
                           f"top_k={e.top_k}")
     if e.capacity_factor < 0 or e.d_ff < 0 or e.balance_weight < 0 or e.z_weight < 0:
         raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight and z_weight must be 0 or more")
+    _check_routing(e)
     ep = shape["ep"]
     if e.n_experts % ep:
         raise ConfigError(f"model.moe.n_experts={e.n_experts} is not divisible by mesh.ep={ep}; each ep rank owns "

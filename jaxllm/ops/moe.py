@@ -3,9 +3,13 @@ buffers, the experts, combine. Below both `models/moe.py` and `parallel/expert_d
 
 The pieces, each a small pure function over flattened tokens x [T, D]:
 
-- `route`: router logits in fp32, softmax, top-k; for k > 1 the k gates are
-  renormalised to sum to 1 (for k = 1 the gate stays the softmax probability: a single
-  gate renormalised to 1 would leave the router no gradient);
+- `route`: router logits in fp32, scores (`Routing.score`: softmax as Mixtral and Qwen, or sigmoid as
+  DeepSeek-V3), `select` the top k — within the `topk_group` best of `n_group` expert groups when
+  grouped, a group scored by the sum of its two highest scores, and by the scores plus a per-expert
+  `bias` that decides the choice only (DeepSeek-V3's auxiliary-loss-free balancing) — then the gates
+  are the chosen experts' unbiased scores: for k > 1 renormalised to sum to 1 (`norm_topk`; for k = 1
+  the gate stays the score: a single gate renormalised to 1 would leave the router no gradient), times
+  `routed_scale`;
 - `queue_positions`: each (token, choice) pair's place in its expert's queue. All first
   choices come before all second choices, then token order (the Switch/GShard
   priority), so when an expert is full it is the later and lower-ranked pairs that drop;
@@ -27,6 +31,7 @@ device's own tokens (`parallel/expert_dispatch.py`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +40,44 @@ from jaxllm.ops import fp8
 from jaxllm.ops.activations import GATES, gelu_tanh
 
 
-def route(router_w: jax.Array, x: jax.Array, top_k: int):
-    """(logits [..., E], probs [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
-    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router_w.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    gates, experts = jax.lax.top_k(probs, top_k)
-    if top_k > 1:
+@dataclass(frozen=True)
+class Routing:
+    """How a router turns logits into (gates, experts), beyond top-k (`model.moe`'s routing keys; the default
+    is Mixtral's)."""
+
+    score: str = "softmax"  # softmax | sigmoid
+    norm_topk: bool = True  # for k > 1, the k gates renormalised to sum to 1
+    routed_scale: float = 1.0  # the gates times this
+    n_group: int = 1  # experts in n_group equal groups; the top k chosen within the topk_group best groups
+    topk_group: int = 1
+
+
+SCORES = {"softmax": lambda logits: jax.nn.softmax(logits, axis=-1), "sigmoid": jax.nn.sigmoid}
+
+
+def select(scores: jax.Array, top_k: int, routing: Routing = Routing(), bias: jax.Array | None = None):
+    """(gates [..., k], experts [..., k] int32) from scores [..., E]: the experts by scores + `bias` (the bias only
+    decides the choice), within the best `topk_group` of `n_group` groups (a group's score: the sum of its two
+    highest biased scores, as DeepSeek-V3); the gates the chosen experts' unbiased scores, renormalised and
+    scaled as `routing` says."""
+    choice = scores if bias is None else scores + bias
+    if routing.n_group > 1:
+        grouped = choice.reshape(*choice.shape[:-1], routing.n_group, -1)
+        best_groups = jax.lax.top_k(jax.lax.top_k(grouped, 2)[0].sum(-1), routing.topk_group)[1]
+        keep = jnp.any(jax.nn.one_hot(best_groups, routing.n_group, dtype=bool), axis=-2)  # [..., n_group]
+        choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    experts = jax.lax.top_k(choice, top_k)[1]
+    gates = jnp.take_along_axis(scores, experts, axis=-1)
+    if routing.norm_topk and top_k > 1:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    return logits, probs, gates, experts.astype(jnp.int32)
+    return gates * routing.routed_scale, experts.astype(jnp.int32)
+
+
+def route(router_w: jax.Array, x: jax.Array, top_k: int, routing: Routing = Routing(), bias: jax.Array | None = None):
+    """(logits [..., E], scores [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router_w.astype(jnp.float32))
+    scores = SCORES[routing.score](logits)
+    return logits, scores, *select(scores, top_k, routing, bias)
 
 
 def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
