@@ -171,6 +171,20 @@ def _head_dim(hf: dict) -> int:
     return 0 if named == hf["hidden_size"] // hf["num_attention_heads"] else named
 
 
+def _decoder(hf: dict, family: str, tied: bool) -> dict:
+    """The keys every llama-shaped config.json gives alike: the family's features, the sizes, the head, norms,
+    windows and RoPE; a key the file lacks takes the family's transformers default (`ABSENT`; `tied` for the
+    head)."""
+    absent = ABSENT[hf["model_type"]]
+    value = lambda key: hf.get(key, absent.get(key))
+    return dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
+                n_heads=hf["num_attention_heads"], n_kv_heads=value("num_key_value_heads") or hf["num_attention_heads"],
+                head_dim=_head_dim({**hf, "head_dim": value("head_dim")}), d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], tie_embeddings=hf.get("tie_word_embeddings", tied),
+                max_positions=value("max_position_embeddings"), norm_eps=value("rms_norm_eps"), pattern=["dense"],
+                **_windows(hf), **_rope(hf))
+
+
 def _llama_like(hf: dict) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(hf, "hidden_act", f"{hf['model_type']} models here use silu (SwiGLU)")
@@ -178,17 +192,8 @@ def _llama_like(hf: dict) -> dict:
         _refuse(hf, "pretraining_tp", "only 1 is supported")
     kind = hf["model_type"]
     attn_bias = "qkv" if kind == "qwen2" else "qkvo" if hf.get("attention_bias", False) else "none"
-    absent = ABSENT[kind]
-    family = kind if kind in ("qwen2", "qwen3") else "llama"
-    keys = dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"],
-                d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads", absent["num_key_value_heads"]) or hf["num_attention_heads"],
-                head_dim=_head_dim({**hf, "head_dim": hf.get("head_dim", absent.get("head_dim"))}),
-                d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], attn_bias=attn_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
-                tie_embeddings=hf.get("tie_word_embeddings", False),
-                max_positions=hf.get("max_position_embeddings", absent["max_position_embeddings"]),
-                norm_eps=hf.get("rms_norm_eps", absent["rms_norm_eps"]),
-                pattern=["dense"], **_windows(hf), **_rope(hf))
+    keys = dict(_decoder(hf, kind if kind in ("qwen2", "qwen3") else "llama", tied=False), attn_bias=attn_bias,
+                mlp_bias=bool(hf.get("mlp_bias", False)))
     if kind == "mixtral":
         if (hf.get("router_jitter_noise") or 0.0) > 0:
             _refuse(hf, "router_jitter_noise", "routing with noise is not deterministic; set it to 0")
@@ -210,17 +215,11 @@ def _gemma(hf: dict) -> dict:
     for key in ("attention_bias", "use_bidirectional_attention"):
         if hf.get(key):
             _refuse(hf, key, "not implemented")
-    family = "gemma3" if kind == "gemma3_text" else "gemma2"
     value = lambda key: hf.get(key, absent[key])
-    return dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
-                n_heads=hf["num_attention_heads"], n_kv_heads=value("num_key_value_heads"),
-                head_dim=_head_dim({**hf, "head_dim": value("head_dim")}), d_ff=hf["intermediate_size"],
-                vocab_size=hf["vocab_size"], tie_embeddings=hf.get("tie_word_embeddings", True),
-                max_positions=value("max_position_embeddings"), norm_eps=value("rms_norm_eps"),
+    return dict(_decoder(hf, "gemma3" if kind == "gemma3_text" else "gemma2", tied=True),
                 query_pre_attn_scalar=float(value("query_pre_attn_scalar")),
                 attn_softcap=float(value("attn_logit_softcapping") or 0.0),
-                final_softcap=float(value("final_logit_softcapping") or 0.0),
-                pattern=["dense"], **_windows(hf), **_rope(hf))
+                final_softcap=float(value("final_logit_softcapping") or 0.0))
 
 
 def text_config(hf: dict) -> dict:

@@ -243,11 +243,15 @@ def _check_positions(m) -> None:
                           f"divide model.n_layers={m.n_layers}")
 
 
+def _call_shapes(m) -> tuple:
+    """The q, k and v shapes of one row's attention call, as a fused kernel's `supports` takes them."""
+    d = head_dim(m)
+    return (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d), (1, m.seq_len, kv_heads(m), d)
+
+
 def _check_fused(m) -> None:
     """A fused kernel runs on its own backend and must express the run's masks exactly (`supports`), or the run
     is refused: never another implementation in its place."""
-    import jax
-
     platform, backend = FUSED_PLATFORM[m.attention_impl], jax.default_backend()
     if backend != platform and not (platform == "gpu" and backend in ("cuda", "rocm")):
         raise ConfigError(f"model.attention_impl={m.attention_impl} runs on {platform}, and this run's backend is "
@@ -257,9 +261,7 @@ def _check_fused(m) -> None:
                           f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
     if m.attention_impl == "cudnn":
         return  # what cuDNN can express depends on the data and the dtype: `check_run`
-    d = head_dim(m)
-    why = supports(m.attention_impl, masking(m), (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d),
-                   (1, m.seq_len, kv_heads(m), d), positions_are_index=True)
+    why = supports(m.attention_impl, masking(m), *_call_shapes(m), positions_are_index=True)
     if why:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
 
@@ -270,10 +272,8 @@ def check_run(cfg, sp: int) -> None:
     m = cfg.model
     if m.attention_impl != "cudnn" or sp > 1:
         return
-    d = head_dim(m)
     one_segment_rows = cfg.train.objective == "lm" and cfg.data.format == "text"
-    why = cudnn_attention.supports(masking(m), (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d),
-                                   (1, m.seq_len, kv_heads(m), d), cfg.precision.compute, one_segment_rows)
+    why = cudnn_attention.supports(masking(m), *_call_shapes(m), cfg.precision.compute, one_segment_rows)
     if why:
         raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
 
