@@ -140,9 +140,20 @@ def load_toml(path: str) -> dict[str, typing.Any]:
         raise ConfigError(f"--config {path}: not valid TOML ({e}); fix the file") from None
 
 
+# Keys earlier versions wrote, as what they mean now, so their run directories' config.toml keep loading.
+RETIRED = {"model.moe.shared_expert": lambda on: {"model.moe.n_shared_experts": int(on)}}
+
+
+def _current(keys: dict) -> dict:
+    out = {}
+    for k, v in keys.items():
+        out.update(RETIRED[k](v) if k in RETIRED else {k: v})
+    return out
+
+
 def build_config(config_file: str | None = None, overrides: list[str] | dict | None = None) -> Config:
     """Defaults, then the preset, then the file, then the overrides (explicit keys beat the preset)."""
-    explicit: dict[str, typing.Any] = load_toml(config_file) if config_file else {}
+    explicit: dict[str, typing.Any] = _current(load_toml(config_file)) if config_file else {}
     given = dict(overrides) if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
     if "init.from" in given and "model.preset" not in given:
         explicit.pop("model.preset", None)  # the checkpoint's model replaces the file's preset
@@ -191,7 +202,7 @@ def source_model_keys(source: str) -> dict:
         return hf_config.model_keys(hf_config.read(source[3:]))
     if source.startswith("run:"):
         run_dir, _ = split_run_source(source)
-        saved = load_toml(os.path.join(run_dir, "config.toml"))
+        saved = _current(load_toml(os.path.join(run_dir, "config.toml")))
         return {k: saved[f"model.{k}"] for k in hf_config.ARCHITECTURE_KEYS if f"model.{k}" in saved}
     raise ConfigError(f"init.from: '{source}' is not \"\", \"hf:DIR\" or \"run:DIR[@STEP]\"")
 

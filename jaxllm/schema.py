@@ -76,12 +76,16 @@ class DistributedConfig:
 
 @dataclass
 class MoeConfig:
-    """Mixture-of-experts feed-forward, used by the "moe" blocks of `model.pattern`."""
+    """Mixture-of-experts feed-forward, used by the "moe" blocks of `model.pattern` or `model.segments`."""
 
     n_experts: int = key(8, "experts per MoE layer")
     top_k: int = key(2, "how many experts each token goes to (1 as in Switch, 2 as in Mixtral)")
     d_ff: int = key(0, "each expert's hidden size; 0 = `model.d_ff`")
-    shared_expert: bool = key(False, "also a dense feed-forward every token goes through")
+    n_shared_experts: int = key(0, "shared experts every token goes through, run as one dense feed-forward beside "
+                                   "the routed ones (DeepSeek, Qwen2-MoE)")
+    shared_d_ff: int = key(0, "that feed-forward's hidden size; 0 = `n_shared_experts × model.d_ff`")
+    shared_gate: bool = key(False, "the shared experts' output times sigmoid(x·w) of a learned vector w "
+                                   "(Qwen2-MoE's `shared_expert_gate`)")
     capacity_factor: float = key(1.25, "buffer slots per expert = factor × tokens × top_k / n_experts per batch "
                                        "shard; pairs past it are dropped (the token passes on through the "
                                        "residual); 0 = dropless")
@@ -205,6 +209,10 @@ class ModelConfig:
     init_std: float = key(0.02, "standard deviation of the random initialisation")
     pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
                                    "puts an MoE feed-forward in every second layer); the stack is scanned")
+    segments: list = key([], "the stack as segments run in turn, each a table `{layers = N, pattern = [...]}` (its "
+                             "pattern repeated over its N layers, scanned): `[{layers = 3, pattern = [\"dense\"]}, "
+                             "{layers = 58, pattern = [\"moe\"]}]` puts three dense layers first; the layers add up "
+                             "to `n_layers`; empty: one segment, `pattern` over `n_layers`")
     remat: str = key("none", "activation recomputation per layer: `none`, `full`, `selective` (= `save-dots`: keep "
                              "the weight matmuls' outputs, recompute the attention core), `save-dots`, `save-named` "
                              "(keep q, k, v, attention output, MLP hidden), `offload-dots` and `offload-named` "

@@ -48,6 +48,7 @@ TENSOR_RULES: Rules = (
     ("vocab", ("tp",)),
     ("experts", ("ep",)),  # expert parallelism: each ep rank owns a share of the experts
     ("router", ()),  # the router's expert dimension: every rank routes to all experts
+    ("gate", ()),  # a scalar gate's single output (Qwen2-MoE's shared-expert gate)
 )
 
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES

@@ -30,7 +30,8 @@ import os
 import numpy as np
 
 FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
-                              "gemma2", "gemma3")
+                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 VOCAB_SIZE = 301
 HIDDEN = 64
@@ -62,6 +63,8 @@ MISTRAL_SLIDING_WINDOW = 4096
 # caps are small because the tiny model's scores are), a query scalar other than head_dim, and Gemma 3's
 # global RoPE linearly scaled with its local layers at their own base.
 GEMMA_LAYERS = {"gemma2": 4, "gemma3": 5}
+# Qwen MoE: which of 3 layers is dense (`mlp_only_layers`): the stack becomes segments
+QWEN_MOE_DENSE_LAYERS = {"qwen2_moe": (0,), "qwen3_moe": (1,)}
 GEMMA_WINDOW = 12
 GEMMA_QUERY_SCALAR = 24
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0}
@@ -183,6 +186,14 @@ def _family_kwargs(family: str) -> tuple[str, dict]:
             llama_like, head_dim=HEAD_DIM, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         )
+    if family in QWEN_MOE_DENSE_LAYERS:  # 3 layers, one dense (first or middle) among MoE layers
+        qwen_moe = dict(llama_like, num_hidden_layers=3, mlp_only_layers=list(QWEN_MOE_DENSE_LAYERS[family]),
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, use_sliding_window=False,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
+                        rms_norm_eps=1e-6)
+        if family == "qwen2_moe":  # Qwen1.5-MoE's unnormalised top-k weights and a gated shared expert
+            return "Qwen2MoeConfig", dict(qwen_moe, norm_topk_prob=False, shared_expert_intermediate_size=80)
+        return "Qwen3MoeConfig", dict(qwen_moe, norm_topk_prob=True, head_dim=HEAD_DIM)
     if family in GEMMA_LAYERS:
         gemma = dict(llama_like, num_hidden_layers=GEMMA_LAYERS[family], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=GEMMA_QUERY_SCALAR,
@@ -368,7 +379,7 @@ def build(
     _perturb(model, generator)
     _round_to(model, dtype)
 
-    if family == "mixtral":
+    if family in MOE_FAMILIES:
         _reseed_routers(model, sample_tokens(config.vocab_size, 2, 64, seed), dtype, seed)
 
     model = model.to(tdt)

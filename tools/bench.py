@@ -53,7 +53,7 @@ def plain_model(m):
     Each covers one family's features exactly (`schema.FAMILIES`); ValueError for any other setting."""
     from jaxllm.schema import FAMILIES
     from jaxllm.models.attention import head_dim, kv_heads, layer_windows
-    from jaxllm.models.transformer import padded_vocab
+    from jaxllm.models.transformer import padded_vocab, shared_d_ff
     from tools import plain_gpt, plain_llama
 
     features = {k: getattr(m, k) for k in FAMILIES["gpt2"]}
@@ -63,19 +63,20 @@ def plain_model(m):
     if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
         raise ValueError(f"no plain reference for the features {features}")
     if features == FAMILIES["gpt2"]:
-        if m.pattern != ["dense"] or kv_heads(m) != m.n_heads or m.head_dim not in (0, m.d_model // m.n_heads):
+        if m.segments or m.pattern != ["dense"] or kv_heads(m) != m.n_heads or m.head_dim not in (0, m.d_model // m.n_heads):
             raise ValueError("plain_gpt has no mixture of experts, grouped-query attention or free head_dim")
         return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
                                         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
                                         eps=m.norm_eps, init_std=m.init_std)
-    if m.pattern not in (["dense"], ["moe"]):
+    if m.segments or m.pattern not in (["dense"], ["moe"]):
         raise ValueError("plain_llama has every layer dense or every layer MoE")
     e = m.moe
     return plain_llama, plain_llama.Llama(
         vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len, n_layers=m.n_layers,
         d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=kv_heads(m), d_ff=m.d_ff, eps=m.norm_eps,
         rope_theta=m.rope_theta, head_dim=head_dim(m), init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
-        top_k=e.top_k, expert_d_ff=e.d_ff, shared_expert=e.shared_expert, balance_weight=e.balance_weight,
+        top_k=e.top_k, expert_d_ff=e.d_ff, shared_d_ff=shared_d_ff(m), shared_gate=e.shared_gate,
+        balance_weight=e.balance_weight,
         z_weight=e.z_weight)
 
 
@@ -84,8 +85,8 @@ def baseline_unavailable(cfg, n_devices: int) -> str | None:
     m, t = cfg.model, cfg.train
     if n_devices != 1:
         return f"mesh has {n_devices} devices (plain baseline is one device)"
-    if m.pattern != ["dense"]:
-        return f"model.pattern={m.pattern} (the plain MoE runs every expert on every token: not a peer)"
+    if m.segments or m.pattern != ["dense"]:
+        return f"model.pattern={m.pattern}, segments={m.segments} (the plain MoE runs every expert on every token: not a peer)"
     if m.remat != "none":
         return f"model.remat={m.remat} (plain baseline has no remat)"
     if t.microbatches != 1:

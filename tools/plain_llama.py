@@ -53,7 +53,8 @@ class Llama:
     n_experts: int = 0  # 0: dense feed-forward
     top_k: int = 2
     expert_d_ff: int = 0  # 0: d_ff
-    shared_expert: bool = False
+    shared_d_ff: int = 0  # with experts: a shared SwiGLU of this width beside them (0: none)
+    shared_gate: bool = False  # that shared output times sigmoid(h @ w)
     balance_weight: float = 0.01
     z_weight: float = 0.001
 
@@ -74,8 +75,11 @@ def init_params(c: Llama, key: jax.Array) -> dict:
         Fe = c.expert_d_ff or F
         layers.update(router=normal((L, D, E)), expert_gate=normal((L, E, D, Fe)), expert_up=normal((L, E, D, Fe)),
                       expert_down=normal((L, E, Fe, D), out_std))
-    if not E or c.shared_expert:
-        layers.update(w_gate=normal((L, D, F)), w_up=normal((L, D, F)), w_down=normal((L, F, D), out_std))
+    if not E or c.shared_d_ff:
+        Fs = c.shared_d_ff if E else F
+        layers.update(w_gate=normal((L, D, Fs)), w_up=normal((L, D, Fs)), w_down=normal((L, Fs, D), out_std))
+    if E and c.shared_gate:
+        layers.update(shared_gate=normal((L, D, 1)))
     return {"wte": normal((V, D)), "layers": layers, "norm": jnp.ones((D,)), "lm_head": normal((D, V))}
 
 
@@ -96,6 +100,8 @@ def from_jaxllm(p: dict) -> dict:
         ex = b["moe"]["experts"]
         layers.update(router=b["moe"]["router"], expert_gate=ex["w_gate"], expert_up=ex["w_up"],
                       expert_down=ex["w_down"])
+        if "shared_gate" in b["moe"]:
+            layers.update(shared_gate=b["moe"]["shared_gate"])
     return {"wte": p["embed"]["tok"], "layers": layers, "norm": p["final_norm"]["scale"], "lm_head": p["head"]["w"]}
 
 
@@ -154,8 +160,9 @@ def moe(c: Llama, dtype, h, p):
     up = jnp.einsum("btd,edf->ebtf", h, w("expert_up"))
     every = jnp.einsum("ebtf,efd->ebtd", jax.nn.silu(gate) * up, w("expert_down"))  # every expert, every token
     out = jnp.einsum("ebtd,bte->btd", every, weight.astype(dtype))
-    if c.shared_expert:
-        out = out + swiglu(h, w("w_gate"), w("w_up"), w("w_down"))
+    if c.shared_d_ff:
+        shared = swiglu(h, w("w_gate"), w("w_up"), w("w_down"))
+        out = out + (shared * jax.nn.sigmoid(h @ w("shared_gate")) if c.shared_gate else shared)
     f = onehot.reshape(-1, c.n_experts).mean(0)  # share of the (token, choice) pairs each expert got
     importance = probs.reshape(-1, c.n_experts).mean(0)
     balance = c.n_experts * jnp.sum(f * importance)

@@ -679,10 +679,11 @@ def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
     """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table; with
     groups, the temporaries of the same step compiled without them (the groups' effect)."""
     from jaxllm.models.transformer import remat_group
+    from jaxllm.stack import segments
 
     m, t = cfg.model, cfg.train
     chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
-    repeats = m.n_layers // len(m.pattern) // chunks
+    repeats = max(seg.repeats for seg in segments(m)) // chunks  # the longest segment's, where the memory is
     out = {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
     if out["group"]:
         plain = copy.deepcopy(cfg)

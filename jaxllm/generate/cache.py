@@ -1,7 +1,7 @@
 """The KV cache generation writes and reads, laid out by the same logical rules as everything else.
 
-Per block kind of `model.pattern`, keys and values [repeats, batch, slots, kv_heads, head_dim] in the
-compute dtype, stacked over the repeats like that kind's weights (`attention.CACHE` names the
+Per block of the stack (`params["blocks"]`: each segment's kinds), keys and values [repeats, batch, slots,
+kv_heads, head_dim] in the compute dtype, stacked over its segment's repeats like that block's weights (`attention.CACHE` names the
 dimensions). Under `generation_layout` the batch is split over the data axes (dp, fsdp, ep) and the
 KV heads over tp; layers and slots stay whole. Beside them, per slot, its position and segment id
 ([batch, slots] int32, shared by all layers): segment 0 marks left padding and slots not yet
@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from jaxllm.mesh import batch_shards
 from jaxllm.models.attention import CACHE, head_dim, kv_heads
+from jaxllm.stack import segments
 from jaxllm.sharding import ACTIVATION_RULES, WEIGHT_RULES, Layout, constrain, heads_as_used, with_rule
 
 
@@ -50,21 +51,21 @@ def padded_rows(rows: int, layout: Layout | None) -> int:
     return -(-rows // shards) * shards
 
 
-def _shape(m, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
+def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
     tp = 1 if layout is None else layout.mesh.shape["tp"]
-    return (m.n_layers // len(m.pattern), rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
+    return (repeats, rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
 
 
 def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None) -> list[dict]:
-    """An empty cache: one {"k", "v"} per block kind, zeros laid out as `CACHE` says."""
-    shape = _shape(m, rows, slots, layout)
-    return [{n: constrain(jnp.zeros(shape, dtype), CACHE) for n in ("k", "v")} for _ in m.pattern]
+    """An empty cache: one {"k", "v"} per block of the stack, zeros laid out as `CACHE` says."""
+    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout), dtype), CACHE) for n in ("k", "v")}
+            for seg in segments(m) for _ in seg.pattern]
 
 
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
     """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh."""
     layout = layout_for(on)
-    shape = _shape(m, padded_rows(rows, layout), slots, layout)
+    shape = _shape(m, m.n_layers, padded_rows(rows, layout), slots, layout)  # every layer's, as one stack
     if layout is not None:
         shape = layout.sharding(CACHE, layout.activations, shape).shard_shape(shape)
-    return 2 * len(m.pattern) * math.prod(shape) * jnp.dtype(dtype).itemsize
+    return 2 * math.prod(shape) * jnp.dtype(dtype).itemsize

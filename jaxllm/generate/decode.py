@@ -37,6 +37,7 @@ from jaxllm.generate.cache import init_cache, layout_for, padded_rows
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView
+from jaxllm.stack import has_moe
 from jaxllm.sharding import BATCH_AXES, Layout, current_layout, tree_shardings, use_layout
 from jaxllm.models.layers import matmul_precision
 
@@ -156,7 +157,7 @@ def _compiled(m, dtype, layout: Layout | None, new: int, keep_logits: bool):
 
 def _dropless(m):
     """The model as generation runs it: MoE layers dropless (see the module docstring)."""
-    if "moe" not in m.pattern:
+    if not has_moe(m):
         return m
     return dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
 

@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxllm import stack
 from jaxllm.config import build_config
 from jaxllm.errors import ModelFileError
 from jaxllm.interop import hf_config
@@ -119,7 +120,7 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
     src, dst = (s.strip() for s in entry.pattern.split("->"))
     names = dst.split()
     fused = entry.select is not None  # one part p of a fused tensor ('p e h d' with p fixed)
-    sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": 3} if fused else {})
+    sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": entry.parts} if fused else {})
     want = dict(zip(names[1:] if fused else names, index))
     want |= {"p": slice(entry.select, entry.select + 1)} if fused else {}
     groups, file_index, got, rest = _groups(src), [], {}, {}
@@ -146,14 +147,15 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
 # ---------------------------------------------------------------- which file tensor is which leaf
 
 
-def leaf_entries(m) -> dict[tuple, Entry]:
-    """Every parameter leaf's path in `params` (blocks: ("blocks", kind index, ...)) -> its table entry."""
-    table, out = entries(m), {}
+def leaf_entries(m, fused: bool = False) -> dict[tuple, Entry]:
+    """Every parameter leaf's path in `params` (blocks: ("blocks", block index, ...)) -> its table entry (`fused`:
+    the checkpoint's experts are fused tensors)."""
+    table, out = entries(m, fused), {}
     for e in table:
         if "{i}" not in e.key:
             out[e.path] = e
             continue
-        for k, kind in enumerate(m.pattern):
+        for k, kind in enumerate(stack.kinds(m)):
             out[("blocks", k, *e.path)] = e
     leaves = {tuple(_key_name(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(
         transformer.param_shapes(m))}
@@ -168,10 +170,16 @@ def _key_name(k):
     return getattr(k, "key", getattr(k, "idx", None))
 
 
+def _segment_of(m, k: int) -> stack.Segment:
+    return next(seg for seg in stack.segments(m) if seg.blocks.start <= k < seg.blocks.stop)
+
+
 def _keys(e: Entry, m, k: int, repeats) -> list[list[str]]:
-    """The file keys of a per-layer leaf, [repeat][expert] (one expert for a leaf without {x})."""
+    """The file keys of a per-layer leaf of block `k`, [repeat][expert] (one expert for a leaf without {x})."""
     experts = range(m.moe.n_experts) if "{x}" in e.key else [None]
-    return [[e.key.format(i=r * len(m.pattern) + k, x=x) for x in experts] for r in repeats]
+    seg = _segment_of(m, k)
+    layer = lambda r: seg.first_layer + r * len(seg.pattern) + k - seg.first_block
+    return [[e.key.format(i=layer(r), x=x) for x in experts] for r in repeats]
 
 
 def read_leaf(files: Files, m, path: tuple, e: Entry, shape: tuple, index: tuple) -> np.ndarray:
@@ -204,7 +212,7 @@ def load_params(path: str, m, shardings=None) -> dict:
     (a tree like the parameters; default: the first device). Each device's block is read from the files."""
     files = Files(path)
     shapes = transformer.param_shapes(m)
-    by_path = leaf_entries(m)
+    by_path = leaf_entries(m, fused=any(k.endswith(".experts.gate_up_proj") for k in files.where))
     if shardings is None:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
 
@@ -258,7 +266,7 @@ def _file_tensors(params: dict, m):
         if k is None:
             yield key, _to_file(leaves, [_fetch(_at(params, path)) for path, _ in leaves], m)
             continue
-        for r, keys in enumerate(_keys(leaves[0][1], m, k, range(m.n_layers // len(m.pattern)))):
+        for r, keys in enumerate(_keys(leaves[0][1], m, k, range(_segment_of(m, k).repeats))):
             values = [_fetch(take(_at(params, path), r)) for path, _ in leaves]
             for x, file_key in enumerate(keys):
                 yield file_key, _to_file(leaves, [v[x] if "{x}" in key else v for v in values], m)

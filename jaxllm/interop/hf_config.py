@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import os
 
+from jaxllm import stack
 from jaxllm.errors import ModelFileError
 from jaxllm.models import attention
+from jaxllm.models.transformer import shared_d_ff
 from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma2", "gemma3_text")
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text")
+QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {
     "llama": dict(num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
@@ -29,6 +32,12 @@ ABSENT = {
                     max_position_embeddings=131072),
     "qwen3": dict(num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
                   max_position_embeddings=32768, head_dim=128),
+    "qwen2_moe": dict(num_key_value_heads=16, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                      max_position_embeddings=32768, decoder_sparse_step=1, shared_expert_intermediate_size=5632,
+                      norm_topk_prob=False, router_aux_loss_coef=0.001, qkv_bias=True),
+    "qwen3_moe": dict(num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
+                      max_position_embeddings=32768, head_dim=None, decoder_sparse_step=1, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001),
     "gemma2": dict(num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=4096,
                    max_position_embeddings=8192, head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
                    final_logit_softcapping=30.0),
@@ -47,7 +56,9 @@ ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "
                      "norm_offset", "norm_placement", "qk_norm", "embed_scale", "attn_softcap", "final_softcap",
                      "query_pre_attn_scalar", "rope_local_theta", "rope_beta_fast", "rope_beta_slow",
                      "rope_attention_factor", "rope_truncate",
-                     "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.shared_expert")
+                     "segments", "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.n_shared_experts", "moe.shared_d_ff",
+                     "moe.shared_gate", "moe.score", "moe.norm_topk", "moe.routed_scale", "moe.n_group",
+                     "moe.topk_group")
 
 
 def read(path: str) -> dict:
@@ -147,6 +158,8 @@ def _yarn(hf: dict, params: dict, where: str) -> dict:
 def _windows(hf: dict) -> dict:
     """`model.sliding_window` and `model.window_pattern` (which layers slide; empty: all) from config.json."""
     kind, n = hf.get("model_type"), hf["num_hidden_layers"]
+    if kind in QWEN_MOE:  # no windows (`_qwen_moe` refuses use_sliding_window)
+        return {"sliding_window": 0, "window_pattern": []}
     window = hf.get("sliding_window", ABSENT[kind]["sliding_window"]) or 0
     if kind not in ("qwen2", "qwen3", "gemma2", "gemma3_text") or not window:
         return {"sliding_window": window, "window_pattern": []}
@@ -191,20 +204,50 @@ def _llama_like(hf: dict) -> dict:
     if hf.get("pretraining_tp", 1) != 1:
         _refuse(hf, "pretraining_tp", "only 1 is supported")
     kind = hf["model_type"]
-    attn_bias = "qkv" if kind == "qwen2" else "qkvo" if hf.get("attention_bias", False) else "none"
-    keys = dict(_decoder(hf, kind if kind in ("qwen2", "qwen3") else "llama", tied=False), attn_bias=attn_bias,
+    family = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}.get(kind, "llama")
+    attn_bias = "qkv" if family == "qwen2" else "qkvo" if hf.get("attention_bias", False) else "none"
+    keys = dict(_decoder(hf, family, tied=False), attn_bias=attn_bias,
                 mlp_bias=bool(hf.get("mlp_bias", False)))
     if kind == "mixtral":
         if (hf.get("router_jitter_noise") or 0.0) > 0:
             _refuse(hf, "router_jitter_noise", "routing with noise is not deterministic; set it to 0")
-        keys.update({"pattern": ["moe"], "moe.n_experts": hf["num_local_experts"],
-                     "moe.top_k": hf["num_experts_per_tok"], "moe.d_ff": hf["intermediate_size"],
-                     "moe.shared_expert": False,
-                     # a run may change these three: dropless computes what transformers does; Mixtral trains
-                     # with its load-balancing loss only
-                     "moe.capacity_factor": 0.0, "moe.balance_weight": hf.get("router_aux_loss_coef", 0.02),
-                     "moe.z_weight": 0.0})
+        keys.update(_experts(hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], True,
+                             hf.get("router_aux_loss_coef", 0.02)), pattern=["moe"])
+    if kind in QWEN_MOE:
+        keys.update(_qwen_moe(hf))
     return keys
+
+
+def _experts(n: int, k: int, d_ff: int, norm_topk: bool, balance_weight: float, shared: int = 0,
+             gate: bool = False) -> dict:
+    """An MoE checkpoint's expert keys: softmax top-k routing (transformers' Mixtral and Qwen MoE routers), `shared`
+    the hidden size of a shared expert (0: none), maybe gated."""
+    return {"moe.n_experts": n, "moe.top_k": k, "moe.d_ff": d_ff, "moe.n_shared_experts": int(shared > 0),
+            "moe.shared_d_ff": shared, "moe.shared_gate": gate and shared > 0, "moe.score": "softmax",
+            "moe.norm_topk": norm_topk, "moe.routed_scale": 1.0, "moe.n_group": 1, "moe.topk_group": 1,
+            # a run may change these three: dropless computes what transformers does; it trains with its
+            # load-balancing loss only
+            "moe.capacity_factor": 0.0, "moe.balance_weight": balance_weight, "moe.z_weight": 0.0}
+
+
+def _qwen_moe(hf: dict) -> dict:
+    """Qwen2-MoE and Qwen3-MoE: which layers are MoE (`mlp_only_layers`, `decoder_sparse_step`) as the stack's
+    segments, the experts and Qwen2-MoE's gated shared expert."""
+    kind, absent = hf["model_type"], ABSENT[hf["model_type"]]
+    value = lambda key: hf.get(key, absent.get(key))
+    if hf.get("use_sliding_window"):
+        _refuse(hf, "use_sliding_window", f"windows in {kind} are not implemented")
+    if kind == "qwen2_moe" and not value("qkv_bias"):
+        _refuse(hf, "qkv_bias", "Qwen2-MoE here has q, k and v biases")
+    n = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]  # Qwen3-MoE in transformers 5: the latter
+    step, dense = value("decoder_sparse_step"), set(hf.get("mlp_only_layers") or [])
+    kinds = ["moe" if i not in dense and n > 0 and (i + 1) % step == 0 else "dense"
+             for i in range(hf["num_hidden_layers"])]
+    segments = stack.from_layer_kinds(kinds)
+    layout = {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
+    shared = value("shared_expert_intermediate_size") if kind == "qwen2_moe" else 0
+    return {**layout, **_experts(n, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                                 bool(value("norm_topk_prob")), value("router_aux_loss_coef"), shared, gate=True)}
 
 
 def _gemma(hf: dict) -> dict:
@@ -252,8 +295,8 @@ def model_type(m: ModelConfig) -> str:
         return "gpt2"
     if m.mlp == "geglu_tanh":
         return "gemma3_text" if m.qk_norm else "gemma2"
-    if "moe" in m.pattern:
-        return "mixtral"
+    if stack.has_moe(m):
+        return "qwen3_moe" if m.qk_norm else "qwen2_moe" if m.attn_bias == "qkv" else "mixtral"
     if m.qk_norm:
         return "qwen3"
     if m.attn_bias == "qkv":
@@ -331,6 +374,21 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     if kind == "mixtral":
         out.update(num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k, router_jitter_noise=0.0,
                    intermediate_size=m.moe.d_ff or m.d_ff)
+    if kind in QWEN_MOE:
+        out.update(_qwen_moe_out(m))
+    return out
+
+
+def _qwen_moe_out(m: ModelConfig) -> dict:
+    """Qwen MoE's expert keys; which layers are dense as `mlp_only_layers`."""
+    out = {"num_experts": m.moe.n_experts, "num_experts_per_tok": m.moe.top_k, "moe_intermediate_size":
+           m.moe.d_ff or m.d_ff, "norm_topk_prob": m.moe.norm_topk, "router_aux_loss_coef": m.moe.balance_weight,
+           "decoder_sparse_step": 1, "mlp_only_layers": [i for i, k in enumerate(stack.layer_kinds(m)) if k == "dense"],
+           "use_sliding_window": False}
+    if m.qk_norm:
+        out["attention_bias"] = m.attn_bias == "qkvo"
+    else:
+        out.update(qkv_bias=True, shared_expert_intermediate_size=shared_d_ff(m))
     return out
 
 
@@ -351,20 +409,39 @@ def _gemma_out(m: ModelConfig) -> dict:
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
+    """What of the layer stack and the experts `kind`'s config.json cannot say."""
+    e, wrong = m.moe, []
+    if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):
+        wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
+    if kind not in ("mixtral", *QWEN_MOE):
+        return wrong
+    if (e.score, e.routed_scale, e.n_group) != ("softmax", 1.0, 1):
+        wrong.append(f"model.moe routing (score={e.score!r}, routed_scale={e.routed_scale}, n_group={e.n_group})")
+    gated_shared = bool(shared_d_ff(m)) and e.shared_gate
+    if (kind == "qwen2_moe") != gated_shared or (kind == "mixtral" and not e.norm_topk) or (
+            kind != "qwen2_moe" and (shared_d_ff(m) or e.shared_gate)):
+        wrong.append(f"model.moe shared experts (n_shared_experts={e.n_shared_experts}, shared_gate={e.shared_gate}) "
+                     f"or norm_topk={e.norm_topk} for {kind}")
+    return wrong
 
 
 def exportable(m: ModelConfig) -> None:
     """ModelFileError unless some transformers model computes exactly what `m` describes."""
     kind = model_type(m)
-    family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3"}.get(kind, "llama")
+    family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}.get(
+        kind, "llama")
     want = FAMILIES[family]
     fixed = ("norm", "mlp", "positions", "norm_offset", "norm_placement", "qk_norm", "embed_scale")
     fixed += ("attn_bias", "mlp_bias") if kind in ("gpt2", "gemma2", "gemma3_text") else ()
     wrong = [f"model.{k}={getattr(m, k)!r}" for k in fixed if getattr(m, k) != want[k]]
-    if kind in ("qwen2", "qwen3") and m.mlp_bias:
+    if kind in ("qwen2", "qwen3", *QWEN_MOE) and m.mlp_bias:
         wrong.append("model.mlp_bias=true")
-    if kind == "qwen3" and m.attn_bias == "qkv":
+    if kind in ("qwen3", "qwen3_moe") and m.attn_bias == "qkv":
         wrong.append("model.attn_bias='qkv'")
     if not kind.startswith("gemma"):
         wrong += [f"model.{k}={getattr(m, k)!r}" for k in ("attn_softcap", "final_softcap", "query_pre_attn_scalar",
@@ -373,8 +450,7 @@ def exportable(m: ModelConfig) -> None:
         wrong.append(f"model.rope_local_theta={m.rope_local_theta!r}")
     elif m.rope_scaling != "none" and not m.rope_local_theta and any(attention.layer_windows(m)):
         wrong.append(f"model.rope_scaling={m.rope_scaling!r} on local layers (set model.rope_local_theta)")
-    if m.pattern not in (["dense"], ["moe"]) or m.moe.shared_expert and "moe" in m.pattern:
-        wrong.append(f"model.pattern={m.pattern}")
+    wrong += _stack_wrong(m, kind)
     if kind == "gpt2" and (m.n_kv_heads not in (0, m.n_heads) or m.head_dim not in (0, m.d_model // m.n_heads)):
         wrong.append("grouped-query attention or a free head_dim")
     if wrong:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxllm.interop.hf_config import model_type
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -18,6 +20,7 @@ class Entry:
     path: tuple[str, ...]  # jaxllm leaf: from the top of params, or (for keys with {i}) inside a block
     pattern: str  # einops, file layout -> jaxllm layout (one layer, one expert)
     select: int | None = None  # the part p of a fused tensor this leaf is
+    parts: int = 3  # how many parts p that tensor has
 
 
 def _gpt2() -> list[Entry]:
@@ -62,9 +65,44 @@ _NORMS = {"pre": {"input_layernorm": "ln1", "post_attention_layernorm": "ln2"},
                        "pre_feedforward_layernorm": "ln2", "post_feedforward_layernorm": "post_mlp_norm"}}
 
 
-def _llama(biases: str, mlp_bias: bool, tied: bool, moe: bool, placement: str = "pre",
-           qk_norm: bool = False) -> list[Entry]:
-    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Gemma 2/3."""
+def _mlp(prefix: str, ours: tuple, bias: bool = False) -> list[Entry]:
+    """A SwiGLU feed-forward's gate, up and down projections (and their biases)."""
+    out = []
+    for n, leaf, pattern in (("gate", "w_gate", "f e -> e f"), ("up", "w_up", "f e -> e f"),
+                             ("down", "w_down", "e f -> f e")):
+        out.append(Entry(f"{prefix}.{n}_proj.weight", (*ours, leaf), pattern))
+        if bias:
+            out.append(Entry(f"{prefix}.{n}_proj.bias", (*ours, "b_" + n), "f -> f" if n != "down" else "e -> e"))
+    return out
+
+
+def _mixtral_experts() -> list[Entry]:
+    moe_key = "model.layers.{i}.block_sparse_moe"
+    return [Entry(f"{moe_key}.gate.weight", ("moe", "router"), "x e -> e x"),
+            Entry(f"{moe_key}.experts.{{x}}.w1.weight", ("moe", "experts", "w_gate"), "f e -> e f"),
+            Entry(f"{moe_key}.experts.{{x}}.w3.weight", ("moe", "experts", "w_up"), "f e -> e f"),
+            Entry(f"{moe_key}.experts.{{x}}.w2.weight", ("moe", "experts", "w_down"), "e f -> f e")]
+
+
+def _qwen_experts(fused: bool) -> list[Entry]:
+    """Qwen2-MoE's and Qwen3-MoE's router, experts (per expert as published, or fused as transformers 5 holds them
+    in memory: gate|up [x, 2f, e] and down [x, e, f]) and shared expert with its gate (Qwen2-MoE)."""
+    key, ours = "model.layers.{i}.mlp", ("moe", "experts")
+    out = [Entry(f"{key}.gate.weight", ("moe", "router"), "x e -> e x")]
+    if fused:
+        out += [Entry(f"{key}.experts.gate_up_proj", (*ours, leaf), "x (p f) e -> p x e f", part, parts=2)
+                for part, leaf in enumerate(("w_gate", "w_up"))]
+        out.append(Entry(f"{key}.experts.down_proj", (*ours, "w_down"), "x e f -> x f e"))
+    else:
+        out += _mlp(f"{key}.experts.{{x}}", ours)
+    return out + _mlp(f"{key}.shared_expert", ("moe", "shared")) + [
+        Entry(f"{key}.shared_expert_gate.weight", ("moe", "shared_gate"), "g e -> e g")]
+
+
+def _llama(biases: str, mlp_bias: bool, tied: bool, experts: str = "", placement: str = "pre",
+           qk_norm: bool = False, fused: bool = False) -> list[Entry]:
+    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3 (`experts`:
+    whose MoE layers, "mixtral" or "qwen"; `fused`: Qwen's experts as fused tensors)."""
     top = [Entry("model.embed_tokens.weight", ("embed", "tok"), "v e -> v e"),
            Entry("model.norm.weight", ("final_norm", "scale"), "e -> e")]
     if not tied:
@@ -72,25 +110,17 @@ def _llama(biases: str, mlp_bias: bool, tied: bool, moe: bool, placement: str = 
     layer = [Entry(f"model.layers.{{i}}.{name}.weight", (ours, "scale"), "e -> e")
              for name, ours in _NORMS[placement].items()]
     layer += _llama_attention(biases, qk_norm)
-    if moe:
-        moe_key = "model.layers.{i}.block_sparse_moe"
-        layer += [Entry(f"{moe_key}.gate.weight", ("moe", "router"), "x e -> e x"),
-                  Entry(f"{moe_key}.experts.{{x}}.w1.weight", ("moe", "experts", "w_gate"), "f e -> e f"),
-                  Entry(f"{moe_key}.experts.{{x}}.w3.weight", ("moe", "experts", "w_up"), "f e -> e f"),
-                  Entry(f"{moe_key}.experts.{{x}}.w2.weight", ("moe", "experts", "w_down"), "e f -> f e")]
-        return top + layer
-    for n, ours, pattern in (("gate", "w_gate", "f e -> e f"), ("up", "w_up", "f e -> e f"),
-                             ("down", "w_down", "e f -> f e")):
-        layer.append(Entry(f"model.layers.{{i}}.mlp.{n}_proj.weight", ("mlp", ours), pattern))
-        if mlp_bias:
-            layer.append(Entry(f"model.layers.{{i}}.mlp.{n}_proj.bias", ("mlp", "b_" + n),
-                               "f -> f" if n != "down" else "e -> e"))
-    return top + layer
+    if experts:  # the MoE layers' entries; the dense layers' (Qwen MoE's dense layers) stay beside them
+        layer += _mixtral_experts() if experts == "mixtral" else _qwen_experts(fused)
+    return top + layer + _mlp("model.layers.{i}.mlp", ("mlp",), mlp_bias)
 
 
-def entries(m) -> list[Entry]:
-    """The table for model config `m` (whose features `hf_config.exportable` accepts)."""
+def entries(m, fused: bool = False) -> list[Entry]:
+    """The table for model config `m` (whose features `hf_config.exportable` accepts); `fused`: a Qwen MoE
+    checkpoint's experts are fused tensors."""
     if m.mlp == "gelu_tanh":
         return _gpt2()
+    kind = model_type(m)
+    experts = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}.get(kind, "")
     return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
-                  "moe" in m.pattern, m.norm_placement, m.qk_norm)
+                  experts, m.norm_placement, m.qk_norm, fused)

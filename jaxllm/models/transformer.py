@@ -16,9 +16,9 @@ SFT feeds a loss mask, packing feeds segment ids (all as batch fields, `jaxllm/b
 `param_table` gives every leaf's shape, logical dimension names and initialiser, so
 sharding, weight decay and Muon's matrix dimensions all read the same table.
 
-The layer stack is `model.pattern` (a list of block kinds) repeated
-n_layers / len(pattern) times: `params["blocks"][i]` holds the i-th kind's weights
-stacked over repeats, and `blocks` scans over the repeats.
+The layer stack is a list of segments (`jaxllm/stack.py`), each a pattern of block kinds repeated:
+`params["blocks"]` holds every segment's kinds in turn, each kind's weights stacked over its
+segment's repeats, and `blocks` scans each segment's repeats in turn.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
+from jaxllm import stack as stack_lib
 from jaxllm.models.attention import CacheView, attention_layer, cached_attention_layer, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.ops import fp8
@@ -87,8 +88,8 @@ def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
     return attn
 
 
-def _mlp(m: ModelConfig, R: tuple, L: tuple) -> dict:
-    D, F = m.d_model, m.d_ff
+def _mlp(m: ModelConfig, R: tuple, L: tuple, width: int = 0) -> dict:
+    D, F = m.d_model, width or m.d_ff
     into, out = Leaf(R + (D, F), L + ("embed", "mlp"), "normal"), Leaf(R + (F, D), L + ("mlp", "embed"), "normal_out")
     b_into, b_out = Leaf(R + (F,), L + ("mlp",), "zeros"), Leaf(R + (D,), L + ("embed",), "zeros")
     if m.mlp == "gelu_tanh":
@@ -106,9 +107,14 @@ def _dense_block(m: ModelConfig, repeats: int) -> dict:
     return block
 
 
+def shared_d_ff(m: ModelConfig) -> int:
+    """The hidden size of the MoE blocks' shared feed-forward (0: none)."""
+    return m.moe.shared_d_ff or m.moe.n_shared_experts * m.d_ff if m.moe.n_shared_experts else 0
+
+
 def _moe_block(m: ModelConfig, repeats: int) -> dict:
     """Attention as in a dense block; the feed-forward is a router and `n_experts` experts stacked on
-    an `experts` dimension (and optionally a shared dense feed-forward)."""
+    an `experts` dimension (and optionally shared experts as one dense feed-forward, maybe gated)."""
     block = _dense_block(m, repeats)
     R, L = (repeats,), ("layers",)
     D, E, F = m.d_model, m.moe.n_experts, m.moe.d_ff or m.d_ff
@@ -117,8 +123,10 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
                        L + (("experts", "mlp", "embed") if n in ("w_out", "w_down") else ("experts", "embed", "mlp")),
                        "normal_out" if n in ("w_out", "w_down") else "normal") for n in names}
     moe = {"router": Leaf(R + (D, E), L + ("embed", "router"), "normal"), "experts": experts}
-    if m.moe.shared_expert:
-        moe["shared"] = block["mlp"]
+    if shared_d_ff(m):
+        moe["shared"] = _mlp(m, R, L, shared_d_ff(m))
+    if m.moe.shared_gate:
+        moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
 
@@ -128,10 +136,9 @@ BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block}
 def param_table(m: ModelConfig) -> dict:
     """The tree of `Leaf`s describing every parameter."""
     V, D = padded_vocab(m), m.d_model
-    repeats = m.n_layers // len(m.pattern)
     table = {
         "embed": {"tok": Leaf((V, D), ("vocab", "embed"), "normal")},
-        "blocks": [BLOCK_KINDS[kind](m, repeats) for kind in m.pattern],
+        "blocks": [BLOCK_KINDS[kind](m, seg.repeats) for seg in stack_lib.segments(m) for kind in seg.pattern],
         "final_norm": _norm(m),
     }
     if m.positions == "learned":
@@ -240,7 +247,11 @@ def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=
     x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
     y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
     if "shared" in p["moe"]:
-        y = y + MLPS[m.mlp](p["moe"]["shared"], h, dtype)
+        shared = MLPS[m.mlp](p["moe"]["shared"], h, dtype)
+        if "shared_gate" in p["moe"]:
+            w = weight(p["moe"]["shared_gate"], ("embed", "gate"), dtype)
+            shared = shared * jax.nn.sigmoid(jnp.einsum("bsd,dg->bsg", h, w))
+        y = y + shared
     return _residual(m, p, x, y, "post_mlp_norm"), stats, cache
 
 
@@ -284,20 +295,22 @@ def _grouped_scan(body, carry, stack: list, group: int):
     return jax.lax.scan(one_group, carry, grouped)[0]
 
 
-def scanned_layer_data(m: ModelConfig, repeats: int, first=0):
-    """`attention.layer_data` as [repeats, len(pattern), ...] rows for the repeats first .. first + repeats − 1,
-    scanned with the layers (`first` may be traced: a pipeline stage's chunk); None when no layer differs."""
+def scanned_layer_data(m: ModelConfig, seg: stack_lib.Segment, repeats: int, first=0):
+    """`attention.layer_data` of segment `seg` as [repeats, len(pattern), ...] rows for its repeats first ..
+    first + repeats − 1, scanned with the layers (`first` may be traced: a pipeline stage's chunk); None when no
+    layer differs."""
     data = attention.layer_data(m)
     if data is None:
         return None
-    rows = lambda a: jax.lax.dynamic_slice_in_dim(a.reshape(-1, len(m.pattern), *a.shape[1:]), first, repeats)
+    layers = slice(seg.first_layer, seg.first_layer + seg.repeats * len(seg.pattern))
+    rows = lambda a: jax.lax.dynamic_slice_in_dim(a[layers].reshape(-1, len(seg.pattern), *a.shape[1:]), first, repeats)
     return {k: rows(a) for k, a in data.items()}
 
 
-def _apply_repeat(layer, data, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
-    """One repeat of the block pattern: (x, `total` plus the router statistics, the caches written)."""
+def _apply_repeat(pattern, layer, data, x, total, positions, segment_ids, m: ModelConfig, dtype, caches=None):
+    """One repeat of a block pattern: (x, `total` plus the router statistics, the caches written)."""
     written = []
-    for i, (kind, p) in enumerate(zip(m.pattern, layer)):
+    for i, (kind, p) in enumerate(zip(pattern, layer)):
         own = None if data is None else {k: a[i] for k, a in data.items()}
         cache = None if caches is None else caches[i]
         x, stats, cache = BLOCK_APPLY[kind](p, x, positions, segment_ids, m, dtype, cache, own)
@@ -306,46 +319,58 @@ def _apply_repeat(layer, data, x, total, positions, segment_ids, m: ModelConfig,
     return x, total, written
 
 
-def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0):
-    """Run a slice of the layer stack: scan over repeats of the block pattern (with each layer's window and
-    RoPE where they differ; `first` is the slice's first repeat in the whole stack, for a pipeline stage).
-
-    Returns (x, stats): the MoE layers' router statistics summed over the slice (see
-    `models/moe.py`; empty for a dense model)."""
+def _segment(seg: stack_lib.Segment, layers: list, x, total, positions, segment_ids, m: ModelConfig, dtype, first):
+    """Scan one segment's repeats (or a pipeline chunk of them, from repeat `first`): (x, total)."""
 
     def body(carry, xs):
         x, total = carry
         layer, data = xs
-        x, total, _ = _apply_repeat(layer, data, x, total, positions, segment_ids, m, dtype)
+        x, total, _ = _apply_repeat(seg.pattern, layer, data, x, total, positions, segment_ids, m, dtype)
         return (x, total), None
 
     if m.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[m.remat], prevent_cse=False)
-    repeats = jax.tree.leaves(stack)[0].shape[0]
-    xs = (stack, scanned_layer_data(m, repeats, first))
+    repeats = jax.tree.leaves(layers)[0].shape[0]
+    xs = (layers, scanned_layer_data(m, seg, repeats, first))
     group = remat_group(m, repeats)
     if group:
-        return _grouped_scan(body, (x, zero_aux(m)), xs, group)
-    (x, stats), _ = jax.lax.scan(body, (x, zero_aux(m)), xs)
-    return x, stats
+        return _grouped_scan(body, (x, total), xs, group)
+    return jax.lax.scan(body, (x, total), xs)[0]
+
+
+def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0):
+    """Run the layer stack, its segments in turn, each a scan over repeats of its block pattern (with each
+    layer's window and RoPE where they differ). A pipeline stage passes a chunk of a one-segment stack and
+    `first`, the chunk's first repeat in the whole stack.
+
+    Returns (x, stats): the MoE layers' router statistics summed over the layers run (see
+    `models/moe.py`; empty for a dense model)."""
+    total = zero_aux(m)
+    for seg in stack_lib.segments(m):
+        x, total = _segment(seg, stack[seg.blocks], x, total, positions, segment_ids, m, dtype, first)
+    return x, total
 
 
 def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids, slots: CacheView,
                   m: ModelConfig, dtype):
     """`blocks` over the whole stack for generation: each layer writes its keys and values into the
-    KV cache (`cache[i]` the i-th block kind's {"k", "v"}, stacked over repeats) at `slots.start`
+    KV cache (`cache[i]` the i-th block's {"k", "v"}, stacked over its segment's repeats) at `slots.start`
     and attends to every slot `slots` describes. Returns (x, the cache with x's slots written)."""
-    repeats = m.n_layers // len(m.pattern)
+    written = []
+    for seg in stack_lib.segments(m):
 
-    def body(carry, xs):
-        x, cache = carry
-        layer, r, data = xs
-        views = [slots._replace(k=kv["k"], v=kv["v"], layer=r) for kv in cache]
-        x, _, views = _apply_repeat(layer, data, x, zero_aux(m), positions, segment_ids, m, dtype, views)
-        return (x, [{"k": view.k, "v": view.v} for view in views]), None
+        def body(carry, xs, seg=seg):
+            x, cache = carry
+            layer, r, data = xs
+            views = [slots._replace(k=kv["k"], v=kv["v"], layer=r) for kv in cache]
+            x, _, views = _apply_repeat(seg.pattern, layer, data, x, zero_aux(m), positions, segment_ids, m, dtype,
+                                        views)
+            return (x, [{"k": view.k, "v": view.v} for view in views]), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (stack, jnp.arange(repeats), scanned_layer_data(m, repeats)))
-    return x, cache
+        xs = (stack[seg.blocks], jnp.arange(seg.repeats), scanned_layer_data(m, seg, seg.repeats))
+        (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
+        written += seg_cache
+    return x, written
 
 
 def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
@@ -447,7 +472,7 @@ def target_logp(params: dict, batch: dict, m: ModelConfig, dtype, temperature: f
 
 def zero_aux(m: ModelConfig) -> dict:
     """The blocks' auxiliary terms of no layer: the start of a sum over layers and microbatches."""
-    return moe_lib.zero_stats(m) if "moe" in m.pattern else {}
+    return moe_lib.zero_stats(m) if stack_lib.has_moe(m) else {}
 
 
 def aux_loss(aux: dict, m: ModelConfig) -> jax.Array:
@@ -524,20 +549,18 @@ def _check_shape(m: ModelConfig) -> None:
     kv = kv_heads(m)
     if m.n_heads % kv:
         raise ConfigError(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads}; pick a divisor of n_heads")
-    if not m.pattern or any(k not in BLOCK_KINDS for k in m.pattern):
-        raise ConfigError(f"model.pattern: {m.pattern} — block kinds are {' and '.join(map(repr, BLOCK_KINDS))}, "
-                          "e.g. [\"dense\", \"moe\"] for an MoE feed-forward every second layer")
-    if m.n_layers % len(m.pattern):
-        raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
+    stack_lib.check(m)
 
 
 def _check_remat_group(m: ModelConfig, t, pp: int) -> None:
-    """Groups are cut from each stage chunk's repeats, R / (pp · pp_virtual)."""
+    """Groups are cut from each segment's repeats, or each stage chunk's, R / (pp · pp_virtual)."""
     chunks = pp * (t.pp_virtual if pp > 1 else 1)
-    repeats = m.n_layers // len(m.pattern) // chunks
-    if m.remat_group < -1 or (m.remat_group > 0 and repeats % m.remat_group):
-        raise ConfigError(f"model.remat_group={m.remat_group} does not divide the {repeats} pattern repeats of a stage "
-                          f"chunk (n_layers / pattern / (pp·pp_virtual)); use a divisor, 0 (off) or -1 (nearest √)")
+    for seg in stack_lib.segments(m):
+        repeats = seg.repeats // chunks
+        if m.remat_group < -1 or (m.remat_group > 0 and repeats % m.remat_group):
+            raise ConfigError(f"model.remat_group={m.remat_group} does not divide the {repeats} pattern repeats of a "
+                              "segment's stage chunk (layers / pattern / (pp·pp_virtual)); use a divisor, 0 (off) or "
+                              "-1 (nearest √)")
 
 
 def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
@@ -567,6 +590,6 @@ def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
     _check_shape(m)
     _check_remat_group(m, t, shape["pp"])
     notes = _check_tensor_parallel(m, t, shape["tp"], shape["sp"])
-    if "moe" in m.pattern:
+    if stack_lib.has_moe(m):
         notes += moe_lib.check_config(m, t, shape)
     return notes + attention.check_config(m, shape)

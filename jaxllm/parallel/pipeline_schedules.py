@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxllm import stack
 from jaxllm.errors import ConfigError
 
 FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "bwd_mb", "bwd_chunk", "bwd_slot", "bwd_grad_slot",
@@ -238,7 +239,11 @@ def check_config(m, t, shape: dict) -> list[str]:
     pp, v = shape["pp"], t.pp_virtual
     if v < 1:
         raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
-    repeats = m.n_layers // len(m.pattern)
+    segments = stack.segments(m)
+    if pp > 1 and len(segments) > 1:
+        raise ConfigError(f"model.segments with {len(segments)} segments and mesh.pp={pp} is not supported yet (every "
+                          "stage runs the same program); set mesh.pp=1 or use one segment")
+    repeats = segments[0].repeats
     if repeats % (pp * v):
         raise ConfigError(f"model.n_layers={m.n_layers} ({repeats} repeats of the pattern) does not split into "
                           f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ConfigError
 from jaxllm.ops.quantize import dequantize, quantize
+from jaxllm.stack import has_moe
 from jaxllm.sharding import BATCH_AXES, Layout, manual_spec, use_layout
 
 
@@ -206,7 +207,7 @@ def check_config(cfg, shape: dict) -> list[str]:
     unsupported = ("train.zero_stage != 3 (the island is ZeRO-3's)" if t.zero_stage != 3 else
                    "mesh.pp > 1" if shape["pp"] > 1 else
                    "mesh.tp, mesh.sp or mesh.ep > 1" if max(shape["tp"], shape["sp"], shape["ep"]) > 1 else
-                   "mixture-of-experts blocks" if "moe" in m.pattern else
+                   "mixture-of-experts blocks" if has_moe(m) else
                    "model.collective_matmul" if m.collective_matmul else
                    "precision.matmul=fp8" if cfg.precision.matmul != "default" else
                    "memory offload" if cfg.memory.offload_params or cfg.memory.offload_optimizer else None)
