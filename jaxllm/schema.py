@@ -212,7 +212,7 @@ class ModelConfig:
     segments: list = key([], "the stack as segments run in turn, each a table `{layers = N, pattern = [...]}` (its "
                              "pattern repeated over its N layers, scanned): `[{layers = 3, pattern = [\"dense\"]}, "
                              "{layers = 58, pattern = [\"moe\"]}]` puts three dense layers first; the layers add up "
-                             "to `n_layers`; empty: one segment, `pattern` over `n_layers`")
+                             "to `n_layers`, and `pattern` is not read; empty: one segment, `pattern` over `n_layers`")
     remat: str = key("none", "activation recomputation per layer: `none`, `full`, `selective` (= `save-dots`: keep "
                              "the weight matmuls' outputs, recompute the attention core), `save-dots`, `save-named` "
                              "(keep q, k, v, attention output, MLP hidden), `offload-dots` and `offload-named` "

@@ -1,8 +1,8 @@
 """The layer stack as segments: each a pattern of block kinds repeated, the segments run in turn.
 
 `model.segments` lists them (`{layers = 3, pattern = ["dense"]}, {layers = 58, pattern = ["moe"]}`:
-DeepSeek-V3's three dense layers before its MoE layers); without it the stack is one segment,
-`model.pattern` over `model.n_layers`. `params["blocks"]` holds every segment's block kinds in turn,
+DeepSeek-V3's three dense layers before its MoE layers), and replace `model.pattern` (a preset's);
+without them the stack is one segment, `model.pattern` over `model.n_layers`. `params["blocks"]` holds every segment's block kinds in turn,
 each stacked over its segment's repeats, so a one-segment stack has the tree it always had.
 """
 
@@ -85,9 +85,6 @@ def check(m) -> None:
         if m.n_layers % len(m.pattern):
             raise ConfigError(f"model.n_layers={m.n_layers} is not a multiple of the pattern length {len(m.pattern)}")
         return
-    if m.pattern != ["dense"]:
-        raise ConfigError("model.pattern and model.segments are both set; give each segment its pattern and leave "
-                          "model.pattern out")
     for i, spec in enumerate(m.segments):
         where = f"model.segments[{i}]"
         if not isinstance(spec, dict) or set(spec) != {"layers", "pattern"}:

@@ -193,6 +193,11 @@ def reference_for(model_keys: dict):
 # reference does not have: against jaxllm on one device
 ROUTING = {"model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
            "model.moe.routed_scale": 2.5}
+# ... in a DeepSeek-shaped stack: a dense layer, then two MoE layers (a segment scanned over 2 repeats) with a shared
+# feed-forward of 2 experts' width, gated as Qwen2-MoE's
+SEGMENTED = {**ROUTING, "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
+                                                                 {"layers": 2, "pattern": ["moe"]}],
+             "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True}
 MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
     "ep4_fsdp2": ({"mesh.ep": 4, "mesh.fsdp": 2}, {}),
     "ep2_tp2_fsdp2": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2}, {}),
@@ -204,8 +209,8 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     # per-microbatch routing statistics: the balance loss (not linear in them) is left out here
     "ep4_fsdp2_zero2_microbatches": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 2, "train.microbatches": 2},
                                      {"model.moe.balance_weight": 0.0}),
-    "ep4_fsdp2_zero3_grouped_sigmoid": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}, ROUTING),
-    "dp2_tp2_ep2_grouped_sigmoid": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, ROUTING),
+    "ep4_fsdp2_zero3_segmented": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}, SEGMENTED),
+    "dp2_tp2_ep2_segmented": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, SEGMENTED),
 }
 
 
@@ -217,7 +222,8 @@ def test_moe_model_matches_the_reference(mesh):
     loss, grads = loss_and_grads(step_fns(cfg), ref[0])
     assert_matches(loss, grads, ref)
     if cfg.mesh.ep > 1:  # expert weights stay split over ep
-        w = grads["blocks"][0]["moe"]["experts"]["w_up" if cfg.model.family == "llama" else "w_in"]
+        block = next(b for b in grads["blocks"] if "moe" in b)
+        w = block["moe"]["experts"]["w_up" if cfg.model.family == "llama" else "w_in"]
         assert "ep" in str(w.sharding.spec)
 
 
@@ -257,6 +263,11 @@ BAD_MOE = {
     "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
     "context_parallel": ({"mesh.sp": 2}, "mesh.sp"),
+    "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),
+    "segments_form": ({"model.segments": [{"layers": 2, "kinds": ["moe"]}]}, "model.segments[0]"),
+    "segments_with_pipeline": ({"mesh.pp": 2, "train.microbatches": 2, "model.moe.n_experts": 8,
+                                "model.segments": [{"layers": 1, "pattern": ["dense"]},
+                                                   {"layers": 1, "pattern": ["dense"]}]}, "segments and mesh.pp"),
 }
 
 
