@@ -82,18 +82,18 @@ def _unrolled(params: dict, m) -> dict:
 
 
 def test_a_segmented_stack_computes_its_layers_unrolled():
-    """Three dense layers then a [dense, moe] pattern twice, with windows on some layers (per-layer data read at each
-    segment's own layers): the logits of the same layers as one pattern of seven kinds, bitwise."""
-    keys = {"model.preset": "tiny-moe", "model.n_layers": 7, "model.seq_len": 32, "model.vocab_size": 256,
+    """Two dense layers then a [moe, dense] pattern twice, with windows on some layers (per-layer data read at each
+    segment's own layers): the logits of the same layers as one pattern of six kinds, bitwise."""
+    keys = {"model.preset": "tiny-moe", "model.n_layers": 6, "model.seq_len": 16, "model.vocab_size": 256,
             "model.moe.capacity_factor": 0.0,
-            "model.sliding_window": 5, "model.window_pattern": ["local", "global", "global", "local", "global",
-                                                                "local", "local"]}
-    segments = [{"layers": 3, "pattern": ["dense"]}, {"layers": 4, "pattern": ["dense", "moe"]}]
+            "model.sliding_window": 3, "model.window_pattern": ["global", "local", "local", "global", "global",
+                                                                "local"]}
+    segments = [{"layers": 2, "pattern": ["dense"]}, {"layers": 4, "pattern": ["moe", "dense"]}]
     m = build_config(None, {**keys, "model.segments": segments}).model
     flat = build_config(None, {**keys, "model.pattern": stack.layer_kinds(m)}).model
-    assert [s.repeats for s in stack.segments(m)] == [3, 2] and len(stack.segments(flat)) == 1
+    assert [s.repeats for s in stack.segments(m)] == [2, 2] and len(stack.segments(flat)) == 1
     params = transformer.init_params(m, jax.random.key(0))
-    tokens = jnp.asarray(H.sample_tokens(m.vocab_size, 2, 32, 1))
+    tokens = jnp.asarray(H.sample_tokens(m.vocab_size, 2, 16, 1))
     ours = transformer.logits(params, tokens, m)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(transformer.logits(_unrolled(params, m), tokens, flat)))
     assert not np.array_equal(np.asarray(ours), np.asarray(transformer.logits(params, tokens, build_config(

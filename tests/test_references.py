@@ -27,10 +27,8 @@ MODELS = {
     "gpt2": ("tiny-gpt2", {}),
     "llama_gqa": ("tiny-llama", {}),
     "moe_top2": ("tiny-moe", {"model.moe.capacity_factor": 0.0}),
-    "moe_top1_shared": ("tiny-moe", {"model.moe.capacity_factor": 0.0, "model.moe.top_k": 1,
-                                     "model.moe.n_shared_experts": 1}),
-    "moe_top2_gated_shared": ("tiny-moe", {"model.moe.capacity_factor": 0.0, "model.moe.n_shared_experts": 2,
-                                           "model.moe.shared_gate": True}),
+    "moe_top1_gated_shared": ("tiny-moe", {"model.moe.capacity_factor": 0.0, "model.moe.top_k": 1,
+                                           "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True}),
 }
 
 
