@@ -133,3 +133,22 @@ def test_an_earlier_runs_shared_expert_key_reads_as_one_shared_expert(tmp_path):
                                               f"{str(on).lower()}\n")
         m = build_config(str(tmp_path / "config.toml")).model
         assert (m.moe.n_shared_experts, transformer.shared_d_ff(m)) == ((1, m.d_ff) if on else (0, 0))
+
+
+def test_what_a_qwen_moe_config_cannot_say_is_refused(models, tmp_path):
+    import dataclasses
+
+    from jaxllm.errors import ModelFileError
+    from jaxllm.interop import hf_config
+
+    m = hf.config_for(models["qwen2_moe"]).model
+    for moe in ({"shared_gate": False}, {"score": "sigmoid"}, {"n_shared_experts": 0, "shared_d_ff": 0}):
+        with pytest.raises(ModelFileError, match="model.moe"):
+            hf_config.exportable(dataclasses.replace(m, moe=dataclasses.replace(m.moe, **moe)))
+    hf_config.exportable(m)
+    windowed = tmp_path / "windowed"
+    shutil.copytree(models["qwen3_moe"], windowed)
+    config = json.load(open(windowed / "config.json"))
+    json.dump({**config, "use_sliding_window": True, "sliding_window": 16}, open(windowed / "config.json", "w"))
+    with pytest.raises(ModelFileError, match="use_sliding_window"):
+        hf.config_for(str(windowed))

@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention
 from jaxllm.models import moe as moe_lib
-from jaxllm import stack as stack_lib
 from jaxllm.models.attention import CacheView, attention_layer, cached_attention_layer, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.ops import fp8
