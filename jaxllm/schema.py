@@ -99,6 +99,12 @@ class MoeConfig:
     n_group: int = key(1, "experts in this many equal groups; top_k is chosen within the `topk_group` best groups, "
                           "a group scored by the sum of its two highest scores (DeepSeek-V3); 1 = no groups")
     topk_group: int = key(1, "how many of the `n_group` groups a token's experts come from")
+    bias_update_rate: float = key(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the "
+                                       "scores to choose experts (not to weight them), moved by this much after each "
+                                       "step, down for an expert busier than the mean over the step, up for one less "
+                                       "busy; kept in the parameters, never trained by a gradient; 0 = no bias")
+    seq_balance_weight: float = key(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (per sequence, on scores "
+                                         "normalised over the experts; a mean over MoE layers); 0 = off")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a

@@ -194,10 +194,11 @@ def reference_for(model_keys: dict):
 ROUTING = {"model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
            "model.moe.routed_scale": 2.5}
 # ... in a DeepSeek-shaped stack: a dense layer, then two MoE layers (a segment scanned over 2 repeats) with a shared
-# feed-forward of 2 experts' width, gated as Qwen2-MoE's
+# feed-forward of 2 experts' width, gated as Qwen2-MoE's, a router bias and the sequence-wise balance loss
 SEGMENTED = {**ROUTING, "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
                                                                  {"layers": 2, "pattern": ["moe"]}],
-             "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True}
+             "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True, "model.moe.seq_balance_weight": 0.01,
+             "model.moe.bias_update_rate": 0.001}  # the bias's "gradient", the layer's load, compared too
 MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
     "ep4_fsdp2": ({"mesh.ep": 4, "mesh.fsdp": 2}, {}),
     "ep2_tp2_fsdp2": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2}, {}),

@@ -23,8 +23,25 @@ from jaxllm.sharding import BATCH_AXES, current_layout, weight
 
 def zero_stats(m) -> dict:
     """Router statistics of no MoE layer (the start of a sum over layers)."""
-    return {"balance": jnp.float32(0), "z": jnp.float32(0), "dropped": jnp.float32(0),
-            "load": jnp.zeros(m.moe.n_experts, jnp.float32), "layers": jnp.float32(0)}
+    return {"balance": jnp.float32(0), "z": jnp.float32(0), "dropped": jnp.float32(0), "seq_balance": jnp.float32(0),
+            "load_probe": jnp.float32(0), "load": jnp.zeros(m.moe.n_experts, jnp.float32), "layers": jnp.float32(0)}
+
+
+def seq_balance(scores: jax.Array, experts: jax.Array) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17–20) for scores [b, s, E] and chosen experts [b, s, k]: per
+    sequence Σ_e f_e·P_e, f_e = E/(k·s) × the tokens choosing e, P_e the mean of e's score normalised over the experts;
+    the mean over sequences."""
+    b, s, n = scores.shape
+    f = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32), axis=(1, 2)) * n / (experts.shape[-1] * s)
+    p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)
+    return jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+def load_probe(bias: jax.Array, load: jax.Array) -> jax.Array:
+    """0, whose gradient with respect to the router bias is the layer's load: Σ_e (b_e − sg(b_e))·sg(load_e). Every
+    gradient path sums it over microbatches (and devices) as it sums gradients, so `train/bias_balance.py` reads the
+    step's load per layer off the bias's gradient."""
+    return jnp.sum((bias - jax.lax.stop_gradient(bias)) * jax.lax.stop_gradient(load))
 
 
 def moe_ffn(p: dict, h: jax.Array, m, dtype):
@@ -36,8 +53,9 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     rows one device holds), so tokens drop alike on every mesh with as many batch shards.
     """
     e = m.moe
+    bias = weight(p["router_bias"], ("router",), jnp.float32) if "router_bias" in p else None
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k,
-                                          routing(m))
+                                          routing(m), None if bias is None else jax.lax.stop_gradient(bias))
     layout = current_layout()
     island = layout is not None and layout.mesh.shape["ep"] > 1
     if island and layout.manual:  # validation keeps MoE out of the pipeline and ZeRO-0/1 accumulation
@@ -59,7 +77,9 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
                                e.n_experts, e.capacity_factor, m.mlp, dtype, groups if b % groups == 0 else 1)
         y = y.reshape(b, s, d)
     aux = aux_losses(logits, probs, experts)
-    stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1)}
+    stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1),
+             "seq_balance": seq_balance(probs, experts) if e.seq_balance_weight else jnp.float32(0),
+             "load_probe": jnp.float32(0) if bias is None else load_probe(bias, aux["load"])}
     return y.astype(h.dtype), stats
 
 
@@ -74,8 +94,9 @@ def objective(stats: dict, m) -> jax.Array:
     """The auxiliary losses added to the language-model loss: weighted means over the MoE layers."""
     if not stats:
         return jnp.float32(0)
-    layers = jnp.maximum(stats["layers"], 1)
-    return (m.moe.balance_weight * stats["balance"] + m.moe.z_weight * stats["z"]) / layers
+    layers, e = jnp.maximum(stats["layers"], 1), m.moe
+    weighted = e.balance_weight * stats["balance"] + e.z_weight * stats["z"] + e.seq_balance_weight * stats["seq_balance"]
+    return weighted / layers + stats["load_probe"]
 
 
 def metrics(stats: dict) -> dict:
@@ -87,7 +108,8 @@ def metrics(stats: dict) -> dict:
     n = jnp.maximum(stats["layers"], 1)
     load = stats["load"] / n
     return {"moe_balance": stats["balance"] / n, "moe_z": stats["z"] / n, "moe_dropped": stats["dropped"] / n,
-            "moe_load": load, "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}
+            "moe_seq_balance": stats["seq_balance"] / n, "moe_load": load,
+            "moe_load_max_over_mean": jnp.max(load) / jnp.mean(load)}
 
 
 def _check_routing(e) -> None:
@@ -110,9 +132,14 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
     if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
         raise ConfigError(f"model.moe: need n_experts ≥ 1 and 1 ≤ top_k ≤ n_experts, got n_experts={e.n_experts}, "
                           f"top_k={e.top_k}")
-    if e.capacity_factor < 0 or e.d_ff < 0 or e.balance_weight < 0 or e.z_weight < 0:
-        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight and z_weight must be 0 or more")
+    if min(e.capacity_factor, e.d_ff, e.balance_weight, e.z_weight, e.seq_balance_weight, e.bias_update_rate,
+           e.n_shared_experts, e.shared_d_ff) < 0:
+        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight, z_weight, seq_balance_weight, "
+                          "bias_update_rate, n_shared_experts and shared_d_ff must be 0 or more")
     _check_routing(e)
+    if e.shared_gate and not (e.n_shared_experts or e.shared_d_ff):
+        raise ConfigError("model.moe.shared_gate=true gates the shared experts, and there are none; set "
+                          "model.moe.n_shared_experts or turn the gate off")
     ep = shape["ep"]
     if e.n_experts % ep:
         raise ConfigError(f"model.moe.n_experts={e.n_experts} is not divisible by mesh.ep={ep}; each ep rank owns "

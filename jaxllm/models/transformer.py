@@ -127,6 +127,8 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
         moe["shared"] = _mlp(m, R, L, shared_d_ff(m))
     if m.moe.shared_gate:
         moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
+    if m.moe.bias_update_rate:  # moved by `train/bias_balance.py`, not by the optimizer
+        moe["router_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
 
@@ -486,8 +488,9 @@ def aux_metrics(aux: dict) -> dict:
 
 
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
-# fp32 statistics) and the router (routing is fp32). Every other leaf is cast to the compute dtype at use.
-READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm", "router")
+# fp32 statistics) and the router and its bias (routing is fp32). Every other leaf is cast to the compute dtype at use.
+READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm", "router",
+                "router_bias")
 
 
 def compute_weights(params: dict, dtype) -> dict:

@@ -41,7 +41,7 @@ from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
-from jaxllm.train import gradients, guard, offload
+from jaxllm.train import bias_balance, gradients, guard, offload
 from jaxllm.train.gradients import Paths, constrain_tree
 from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, grpo
 from jaxllm.train.optimizer import learning_rate, make_optimizer
@@ -157,6 +157,7 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
     with matmul_precision(g.dtype, g.fp8):
         loss, metrics, aux, grads = gradients.loss_and_grads(old_params, batch, g, scale)
         grads = jax.tree.map(lambda x: x / scale, grads)  # once per step, before clipping
+        with_loads, grads = grads, bias_balance.without_loads(grads)  # the router biases' "gradients" are loads
         grad_norm = optax.tree.norm(grads)
         applied, finite = guard.decide(loss, grad_norm, state.guard, cfg, g.objective.spiky)
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
@@ -164,7 +165,10 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         updates, opt_state = tx.update(grads, old_opt, old_params)
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
-        params = constrain_tree(optax.apply_updates(old_params, updates), sh.params)
+        params = optax.apply_updates(old_params, updates)
+        if cfg.model.moe.bias_update_rate:
+            params = bias_balance.update(params, old_params, with_loads, cfg.model.moe.bias_update_rate)
+        params = constrain_tree(params, sh.params)
     params, opt_state = guard.keep_if(applied, (params, opt_state), (old_params, old_opt))
     kept = guard.advance(state.guard, loss, applied, finite, cfg)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr_fn(state.applied), **metrics,
