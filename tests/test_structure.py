@@ -144,7 +144,8 @@ mesh.dp mesh.ep mesh.fsdp mesh.pp mesh.sp mesh.tp
 model.attention_impl model.attn_bias model.collective_matmul model.cp_load_balance model.cp_strategy model.d_ff model.d_model
 model.family model.head_dim model.init_std model.max_positions model.mlp model.mlp_bias
 model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_experts model.moe.n_shared_experts
-model.moe.shared_d_ff model.moe.shared_gate model.segments
+model.moe.shared_d_ff model.moe.shared_gate model.segments model.moe.bias_update_rate
+model.moe.seq_balance_weight
 model.moe.top_k model.moe.z_weight model.moe.score model.moe.norm_topk model.moe.routed_scale
 model.moe.n_group model.moe.topk_group
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
