@@ -140,7 +140,8 @@ def load_toml(path: str) -> dict[str, typing.Any]:
         raise ConfigError(f"--config {path}: not valid TOML ({e}); fix the file") from None
 
 
-# Keys earlier versions wrote, as what they mean now, so their run directories' config.toml keep loading.
+# Keys earlier versions wrote, as what they mean now, so their run directories (config.toml, a checkpoint's saved
+# config) keep loading.
 RETIRED = {"model.moe.shared_expert": lambda on: {"model.moe.n_shared_experts": int(on)}}
 
 
@@ -154,7 +155,7 @@ def _current(keys: dict) -> dict:
 def build_config(config_file: str | None = None, overrides: list[str] | dict | None = None) -> Config:
     """Defaults, then the preset, then the file, then the overrides (explicit keys beat the preset)."""
     explicit: dict[str, typing.Any] = _current(load_toml(config_file)) if config_file else {}
-    given = dict(overrides) if isinstance(overrides, dict) else parse_overrides(list(overrides or []))
+    given = _current(dict(overrides) if isinstance(overrides, dict) else parse_overrides(list(overrides or [])))
     if "init.from" in given and "model.preset" not in given:
         explicit.pop("model.preset", None)  # the checkpoint's model replaces the file's preset
     explicit.update(given)

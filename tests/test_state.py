@@ -20,6 +20,8 @@ from jaxllm.errors import ConfigError
 from jaxllm.train import state as state_lib
 
 OLD_RUN = Path(__file__).parent / "fixtures" / "run_saved_before_train_state"
+# an MoE run (pattern ["moe"], `moe.shared_expert = true`) saved by the code before the stack had segments (7816c3e)
+OLD_MOE_RUN = Path(__file__).parent / "fixtures" / "run_moe_before_segments"
 
 
 def _rows(path: Path) -> list[dict]:
@@ -27,12 +29,13 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(tmp_path):
+@pytest.mark.parametrize("old_run", [OLD_RUN, OLD_MOE_RUN], ids=["before_train_state", "moe_before_segments"])
+def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(old_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(OLD_RUN, run_dir)
-    old_rows = _rows(OLD_RUN / "metrics.jsonl")  # steps 1-4 as the old code trained them; its step-2 checkpoint
+    shutil.copytree(old_run, run_dir)
+    old_rows = _rows(old_run / "metrics.jsonl")  # steps 1-4 as the old code trained them; its step-2 checkpoint
     cmd = [sys.executable, "-m", "jaxllm", "train", "--config", str(run_dir / "config.toml"), "train.resume=true",
-           f"run.dir={run_dir}", f"data.source={OLD_RUN / 'text.txt'}", "run.progress=false"]
+           f"run.dir={run_dir}", f"data.source={old_run / 'text.txt'}", "run.progress=false"]
     done = subprocess.run(cmd, cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resumed from step 2" in done.stderr
