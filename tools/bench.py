@@ -59,7 +59,8 @@ def plain_model(m):
     features = {k: getattr(m, k) for k in FAMILIES["gpt2"]}
     extras = (m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none" or m.attn_softcap or m.final_softcap
               or m.query_pre_attn_scalar or m.rope_local_theta or any(0 < w < m.seq_len for w in layer_windows(m))
-              or (m.moe.score, m.moe.norm_topk, m.moe.routed_scale, m.moe.n_group) != ("softmax", True, 1.0, 1))
+              or (m.moe.score, m.moe.norm_topk, m.moe.routed_scale, m.moe.n_group) != ("softmax", True, 1.0, 1)
+              or m.moe.bias_update_rate or m.moe.seq_balance_weight)
     if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
         raise ValueError(f"no plain reference for the features {features}")
     if features == FAMILIES["gpt2"]:
