@@ -212,6 +212,10 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
                                      {"model.moe.balance_weight": 0.0}),
     "ep4_fsdp2_zero3_segmented": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}, SEGMENTED),
     "dp2_tp2_ep2_segmented": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, SEGMENTED),
+    # the dense segment on the first stage, the MoE segment pipelined (one layer a stage), its auxiliary losses and
+    # the bias's load through the pipeline's backward; per-microbatch routing statistics: no balance loss
+    "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2, "train.microbatches": 2},
+                              {**SEGMENTED, "model.moe.balance_weight": 0.0}),
 }
 
 
@@ -260,15 +264,16 @@ def test_mixtral_preset_has_mixtrals_size():
 BAD_MOE = {
     "experts_over_ep": ({"mesh.ep": 8, "model.moe.n_experts": 4}, "model.moe.n_experts=4"),
     "top_k": ({"model.moe.top_k": 9}, "top_k"),
-    "pipeline": ({"mesh.pp": 2, "train.microbatches": 2}, "mesh.pp"),
+    "pipeline_capacity": ({"mesh.pp": 2, "train.microbatches": 2, "model.moe.capacity_factor": 1.25},
+                          "capacity_factor=1.25 with mesh.pp>1"),
     "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
     "context_parallel": ({"mesh.sp": 2}, "mesh.sp"),
     "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),
     "segments_form": ({"model.segments": [{"layers": 2, "kinds": ["moe"]}]}, "model.segments[0]"),
-    "segments_with_pipeline": ({"mesh.pp": 2, "train.microbatches": 2, "model.moe.n_experts": 8,
-                                "model.segments": [{"layers": 1, "pattern": ["dense"]},
-                                                   {"layers": 1, "pattern": ["dense"]}]}, "segments and mesh.pp"),
+    "segments_pipeline_split": ({"mesh.pp": 2, "train.microbatches": 2, "train.zero_stage": 2, "model.n_layers": 3,
+                                 "model.segments": [{"layers": 2, "pattern": ["dense"]},
+                                                    {"layers": 1, "pattern": ["moe"]}]}, "the last of model.segments"),
 }
 
 

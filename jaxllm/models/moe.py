@@ -57,9 +57,9 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k,
                                           routing(m), None if bias is None else jax.lax.stop_gradient(bias))
     layout = current_layout()
-    island = layout is not None and layout.mesh.shape["ep"] > 1
-    if island and layout.manual:  # validation keeps MoE out of the pipeline and ZeRO-0/1 accumulation
-        raise NotImplementedError("the expert-parallel island cannot nest inside another island yet")
+    # Inside another island (a pipeline stage) the experts run here, the partitioner moving them over ep (dropless:
+    # validation refuses a capacity there); validation keeps MoE out of ZeRO-0/1 accumulation over batch shards.
+    island = layout is not None and layout.mesh.shape["ep"] > 1 and not layout.manual
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
     w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
@@ -90,11 +90,12 @@ def routing(m) -> Routing:
                    topk_group=e.topk_group)
 
 
-def objective(stats: dict, m) -> jax.Array:
-    """The auxiliary losses added to the language-model loss: weighted means over the MoE layers."""
+def objective(stats: dict, m, layers=None) -> jax.Array:
+    """The auxiliary losses added to the language-model loss: weighted means over the MoE layers (`layers` of
+    them, default those the statistics count; linear in the statistics, so a pipeline adds its stages' shares)."""
     if not stats:
         return jnp.float32(0)
-    layers, e = jnp.maximum(stats["layers"], 1), m.moe
+    layers, e = jnp.maximum(stats["layers"], 1) if layers is None else layers, m.moe
     weighted = e.balance_weight * stats["balance"] + e.z_weight * stats["z"] + e.seq_balance_weight * stats["seq_balance"]
     return weighted / layers + stats["load_probe"]
 
@@ -146,8 +147,10 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
                           "an equal share of the experts")
     if (e.d_ff or m.d_ff) % shape["tp"]:
         raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
-    if shape["pp"] > 1:
-        raise ConfigError("model.pattern with 'moe' blocks and mesh.pp>1 is not supported yet; set mesh.pp=1")
+    if shape["pp"] > 1 and e.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} with mesh.pp>1 is not supported yet (inside "
+                          "a pipeline stage the experts run without the expert-parallel island's per-shard buffers); "
+                          "set capacity_factor=0 (dropless) or mesh.pp=1")
     if shape["sp"] > 1:
         raise ConfigError(f"model.pattern with 'moe' blocks and mesh.sp={shape['sp']} is not supported yet (routing "
                           "and capacity are per batch shard, not per sequence shard); set mesh.sp=1")

@@ -340,16 +340,19 @@ def _segment(seg: stack_lib.Segment, layers: list, x, total, positions, segment_
     return jax.lax.scan(body, (x, total), xs)[0]
 
 
-def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0):
+def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dtype, first=0, segments=None):
     """Run the layer stack, its segments in turn, each a scan over repeats of its block pattern (with each
-    layer's window and RoPE where they differ). A pipeline stage passes a chunk of a one-segment stack and
-    `first`, the chunk's first repeat in the whole stack.
+    layer's window and RoPE where they differ). `segments`: the stack's segments `stack` holds the blocks of,
+    in turn (default: all); a pipeline stage passes a chunk of the last segment and `first`, the chunk's first
+    repeat in that segment.
 
     Returns (x, stats): the MoE layers' router statistics summed over the layers run (see
     `models/moe.py`; empty for a dense model)."""
-    total = zero_aux(m)
-    for seg in stack_lib.segments(m):
-        x, total = _segment(seg, stack[seg.blocks], x, total, positions, segment_ids, m, dtype, first)
+    segments = stack_lib.segments(m) if segments is None else segments
+    total, offset = zero_aux(m), segments[0].first_block
+    for seg in segments:
+        layers = stack[seg.first_block - offset:seg.first_block - offset + len(seg.pattern)]
+        x, total = _segment(seg, layers, x, total, positions, segment_ids, m, dtype, first)
     return x, total
 
 
@@ -477,9 +480,10 @@ def zero_aux(m: ModelConfig) -> dict:
     return moe_lib.zero_stats(m) if stack_lib.has_moe(m) else {}
 
 
-def aux_loss(aux: dict, m: ModelConfig) -> jax.Array:
-    """What the blocks' auxiliary terms add to the objective (MoE: load-balancing and z-losses)."""
-    return moe_lib.objective(aux, m)
+def aux_loss(aux: dict, m: ModelConfig, layers=None) -> jax.Array:
+    """What the blocks' auxiliary terms add to the objective (MoE: load-balancing and z-losses); `layers`: the
+    MoE layers to average over when `aux` holds a part of them (a pipeline stage's), else those it holds."""
+    return moe_lib.objective(aux, m, layers)
 
 
 def aux_metrics(aux: dict) -> dict:
@@ -556,10 +560,12 @@ def _check_shape(m: ModelConfig) -> None:
 
 
 def _check_remat_group(m: ModelConfig, t, pp: int) -> None:
-    """Groups are cut from each segment's repeats, or each stage chunk's, R / (pp · pp_virtual)."""
+    """Groups are cut from each segment's repeats, the last (pipelined) segment's per stage chunk,
+    R / (pp · pp_virtual)."""
     chunks = pp * (t.pp_virtual if pp > 1 else 1)
-    for seg in stack_lib.segments(m):
-        repeats = seg.repeats // chunks
+    *lead, last = stack_lib.segments(m)
+    for seg in (*lead, last):
+        repeats = seg.repeats // chunks if seg is last else seg.repeats
         if m.remat_group < -1 or (m.remat_group > 0 and repeats % m.remat_group):
             raise ConfigError(f"model.remat_group={m.remat_group} does not divide the {repeats} pattern repeats of a "
                               "segment's stage chunk (layers / pattern / (pp·pp_virtual)); use a divisor, 0 (off) or "

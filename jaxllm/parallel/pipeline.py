@@ -9,11 +9,14 @@ Every stage runs the same scan over the ticks of a `pipeline_schedules.Schedule`
 tick a stage reads its own row of the table (by `axis_index('pp')`) and:
 
 1. forward slot: runs its chunk on the input the table names (the embedding of the
-   microbatch's tokens on the first global stage, a buffer slot elsewhere; the last global
-   stage skips its forward, since its backward recomputes it);
+   microbatch's tokens, and any layers run before the pipelined ones, on the first global
+   stage, a buffer slot elsewhere; the last global stage skips its forward, since its
+   backward recomputes it);
 2. backward slot: re-runs its chunk under `jax.vjp` from the saved input (stage-level
    recompute) and pulls back the output gradient from its slot (on the last global stage:
-   the loss, the head's cotangent is 1), adding the weight gradients into an accumulator;
+   the loss, the head's cotangent is 1) and the chunk's auxiliary objective (MoE losses,
+   linear in its layers' router statistics, cotangent 1), adding the weight gradients
+   into an accumulator and the statistics into a sum;
 3. exchange: one `ppermute` sends every stage's forward output downstream and one sends
    its input gradient upstream; what arrives is stored in the slot the table names.
 
@@ -38,6 +41,7 @@ in (all-to-all over pp) and their gradients back, once per step.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -62,17 +66,18 @@ def from_chunks(stack):
     return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:]), stack)
 
 
-def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, inner: Layout,
-                   embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, pin_grads: Callable,
+def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,
+                   embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, aux_fn: Callable, pin_grads: Callable,
                    batch_manual: bool, gather_once: Callable | None = None):
-    """(loss, metric shares, gradients) of the whole batch through the pipeline.
+    """(loss, metric shares, the blocks' auxiliary terms, gradients) of the whole batch through the pipeline.
 
-    `params` holds the layer stack under "blocks" (leaves [R, ...], R split over pp) and the
-    embedding/head weights elsewhere; `microbatches` holds the batch's fields as [m, rows, ...]
-    arrays. The model enters as its three seams: `embed_fn(shared, mb) -> x`,
-    `blocks_fn(chunk, x, mb, first) -> x` (`first`: the chunk's first layer repeat in the whole stack,
-    from which per-layer data such as attention windows is read) and `loss_fn(shared, x, mb) -> (objective sum, metric sums)`,
-    both divided by the global count `count` (dividing the scalar, not every gradient). Inside
+    `params` holds the pipelined layer stack under "blocks" (leaves [R, ...], R split over pp) and the
+    embedding/head weights (and any layers run before the pipelined ones) elsewhere; `microbatches` holds the
+    batch's fields as [m, rows, ...] arrays. The model enters as its seams: `embed_fn(shared, mb) -> (x, aux)`,
+    `blocks_fn(chunk, x, mb, first) -> (x, aux)` (`first`: the chunk's first layer repeat in the stack,
+    from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb) -> (objective sum, metric
+    sums)`, both divided by the global count, and `aux_fn(aux, weight)`, what a chunk's auxiliary terms (MoE router
+    statistics) add to the objective. `norm` is (count, weight) (dividing the scalar, not every gradient). Inside
     the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
     shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared)`, if
@@ -87,11 +92,11 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
     axes = {AXIS} | (set(BATCH_AXES) if batch_manual else set())
     batch_spec = P(None, BATCH_AXES) if batch_manual else P()
 
-    def local(stack, shared, mbs, count):
+    def local(stack, shared, mbs, norm):
         with use_layout(inner):
-            return run(stack, shared, mbs, count)
+            return run(stack, shared, mbs, *norm)
 
-    def run(stack, shared, mbs, count):
+    def run(stack, shared, mbs, count, aux_weight):
         stack = jax.tree.map(lambda a: a[:, 0], stack)  # [v, Lc, ...]: this stage's chunks
         s = jax.lax.axis_index(AXIS)
         used_stack, used_shared = gather_once(stack, shared) if gather_once else (stack, shared)
@@ -104,51 +109,60 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
 
         repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
 
-        def run_chunk(chunk, c, x, mb):  # chunk c of this stage is global stage c·p + s
+        def run_chunk(chunk, c, x, mb):  # chunk c of this stage is global stage c·p + s: (y, aux)
             return blocks_fn(chunk, x, mb, (jnp.maximum(c, 0) * p + s) * repeats)
 
-        x_shape = jax.eval_shape(lambda: embed_fn(used_shared, microbatch(0)))
+        def embedded_chunk(chunk, c, sh, mb):  # the first global stage: embedding (and leading layers), chunk
+            x, aux = embed_fn(sh, mb)
+            y, more = run_chunk(chunk, c, x, mb)
+            return y, jax.tree.map(jnp.add, aux, more)
+
+        x_shape, aux_shape = jax.eval_shape(lambda: embed_fn(used_shared, microbatch(0)))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
         no_metrics = f32(jax.eval_shape(lambda: loss_fn(used_shared, zeros_x, microbatch(0))[1]))
+        no_aux = f32(aux_shape)
 
         # ---- forward slot: the output to send downstream
         def forward(kind, c, i, x_in):
             def first():
-                return run_chunk(chunk_of(used_stack, c), c, embed_fn(used_shared, microbatch(i)), microbatch(i))
+                return embedded_chunk(chunk_of(used_stack, c), c, used_shared, microbatch(i))[0]
 
             def middle():
-                return run_chunk(chunk_of(used_stack, c), c, x_in, microbatch(i))
+                return run_chunk(chunk_of(used_stack, c), c, x_in, microbatch(i))[0]
 
             return jax.lax.switch(kind, [lambda: zeros_x, first, middle, lambda: zeros_x])
 
-        # ---- backward slot: (input gradient, chunk gradients, shared gradients, loss share, metric shares)
+        # ---- backward slot: (input gradient, chunk gradients, shared gradients, loss share, metric shares, aux)
         def backward(kind, c, i, x_in, dy):
             chunk, mb = chunk_of(used_stack, c), microbatch(i)
             cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+            with_aux = lambda y, aux: ((y, aux_fn(aux, aux_weight)), aux)  # the chunk's auxiliary objective beside y
 
             def idle():
-                return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0), no_metrics
+                return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0), no_metrics, no_aux
 
             def first():
-                stage = lambda ch, sh: run_chunk(ch, c, embed_fn(sh, mb), mb)
-                _, pull = jax.vjp(stage, chunk, used_shared)
-                g_chunk, g_shared = pull(dy)
-                return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0), no_metrics
+                _, pull, aux = jax.vjp(lambda ch, sh: with_aux(*embedded_chunk(ch, c, sh, mb)), chunk, used_shared,
+                                       has_aux=True)
+                g_chunk, g_shared = pull((dy, jnp.float32(1)))
+                return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0), no_metrics, cast(aux)
 
             def middle():
-                _, pull = jax.vjp(lambda ch, x: run_chunk(ch, c, x, mb), chunk, x_in)
-                g_chunk, dx = pull(dy)
-                return dx, cast(g_chunk), f32(used_shared), jnp.float32(0), no_metrics
+                _, pull, aux = jax.vjp(lambda ch, x: with_aux(*run_chunk(ch, c, x, mb)), chunk, x_in, has_aux=True)
+                g_chunk, dx = pull((dy, jnp.float32(1)))
+                return dx, cast(g_chunk), f32(used_shared), jnp.float32(0), no_metrics, cast(aux)
 
             def final():
                 def stage(ch, sh, x):
-                    total, sums = loss_fn(sh, run_chunk(ch, c, x, mb), mb)
-                    return total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
+                    y, aux = run_chunk(ch, c, x, mb)
+                    total, sums = loss_fn(sh, y, mb)
+                    loss, shares = total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
+                    return loss + aux_fn(aux, aux_weight), (loss, shares, aux)
 
-                loss, pull, metrics = jax.vjp(stage, chunk, used_shared, x_in, has_aux=True)
-                g_chunk, g_shared, dx = pull(jnp.ones_like(loss))
-                return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics
+                objective, pull, (loss, metrics, aux) = jax.vjp(stage, chunk, used_shared, x_in, has_aux=True)
+                g_chunk, g_shared, dx = pull(jnp.ones_like(objective))
+                return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux)
 
             return jax.lax.switch(kind, [idle, first, middle, final])
 
@@ -171,11 +185,11 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
         bwd_perm = [(j, (j - 1) % p) for j in range(1 if v == 1 else 0, p)]
 
         def tick(carry, rows):
-            acts, grads_in, g_stack, g_shared, loss, metrics = carry
+            acts, grads_in, g_stack, g_shared, loss, metrics, aux = carry
             r = {f: rows[s, k] for f, k in col.items()}
             y = forward(kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
                         acts[jnp.maximum(r["fwd_slot"], 0)])
-            dx, g_chunk, g_sh, l, ms = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
+            dx, g_chunk, g_sh, l, ms, a = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
                                             acts[jnp.maximum(r["bwd_slot"], 0)],
                                             grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
             c = jnp.maximum(r["bwd_chunk"], 0)
@@ -183,21 +197,22 @@ def loss_and_grads(params: dict, microbatches: dict, count, schedule: Schedule, 
             g_stack, g_shared = pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
             acts = store(acts, r["recv_slot"], jax.lax.ppermute(y, AXIS, fwd_perm))
             grads_in = store(grads_in, r["grad_recv_slot"], jax.lax.ppermute(dx, AXIS, bwd_perm))
-            return (acts, grads_in, g_stack, g_shared, loss + l, jax.tree.map(jnp.add, metrics, ms)), None
+            add = functools.partial(jax.tree.map, jnp.add)
+            return (acts, grads_in, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
 
         acts = pin_buffer(jnp.zeros((schedule.act_depth,) + x_shape.shape, x_shape.dtype))
         grads_in = pin_buffer(jnp.zeros((schedule.grad_depth,) + x_shape.shape, x_shape.dtype))
         g_stack, g_shared = pin_grads(f32(stack), f32(shared))
-        start = (acts, grads_in, g_stack, g_shared, jnp.float32(0), no_metrics)
-        (_, _, g_stack, g_shared, loss, metrics), _ = jax.lax.scan(tick, start, table)
-        loss, metrics, g_shared = jax.lax.psum((loss, metrics, g_shared), AXIS)
-        if batch_manual:
-            loss, metrics, g_shared, g_stack = jax.lax.psum((loss, metrics, g_shared, g_stack), BATCH_AXES)
-        return loss, metrics, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
+        start = (acts, grads_in, g_stack, g_shared, jnp.float32(0), no_metrics, no_aux)
+        (_, _, g_stack, g_shared, loss, metrics, aux), _ = jax.lax.scan(tick, start, table)
+        loss, metrics, aux, g_shared = jax.lax.psum((loss, metrics, aux, g_shared), AXIS)
+        if batch_manual:  # (MoE is refused here on more than one batch shard: its statistics are not sums)
+            loss, metrics, aux, g_shared, g_stack = jax.lax.psum((loss, metrics, aux, g_shared, g_stack), BATCH_AXES)
+        return loss, metrics, aux, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
 
-    loss, metrics, g_stack, g_shared = jax.shard_map(
+    loss, metrics, aux, g_stack, g_shared = jax.shard_map(
         local, mesh=inner.mesh, axis_names=axes, check_vma=False,
         in_specs=(P(None, AXIS), P(), batch_spec, P()),
-        out_specs=(P(), P(), P(None, AXIS), P()))(stack, shared, microbatches, count)
-    return loss, metrics, {**g_shared, "blocks": from_chunks(g_stack)}
+        out_specs=(P(), P(), P(), P(None, AXIS), P()))(stack, shared, microbatches, norm)
+    return loss, metrics, aux, {**g_shared, "blocks": from_chunks(g_stack)}
 

@@ -239,13 +239,11 @@ def check_config(m, t, shape: dict) -> list[str]:
     pp, v = shape["pp"], t.pp_virtual
     if v < 1:
         raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
-    segments = stack.segments(m)
-    if pp > 1 and len(segments) > 1:
-        raise ConfigError(f"model.segments with {len(segments)} segments and mesh.pp={pp} is not supported yet (every "
-                          "stage runs the same program); set mesh.pp=1 or use one segment")
-    repeats = segments[0].repeats
+    segments = stack.segments(m)  # the last one is pipelined; those before it run on the first stage
+    repeats = segments[-1].repeats
     if repeats % (pp * v):
-        raise ConfigError(f"model.n_layers={m.n_layers} ({repeats} repeats of the pattern) does not split into "
+        what = f"model.n_layers={m.n_layers}" if len(segments) == 1 else "the last of model.segments"
+        raise ConfigError(f"{what} ({repeats} repeats of the pattern) does not split into "
                           f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")
     notes = (["train.pp_gather_once=true only matters with mesh.pp>1 and train.zero_stage=3; it has no effect"]
              if t.pp_gather_once and (pp == 1 or t.zero_stage != 3) else [])

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxllm import stack as stack_lib
 from jaxllm.models import transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
@@ -153,10 +154,12 @@ def sharded_accumulation(params, batch: dict, norm, g: Paths):
 
 def _island_specs(key: str, rules, g: Paths, names, shapes):
     """Specs of the params under `key` ("blocks" or the rest) inside the pipeline island: pp is manual
-    there, so a stack leaf [v, R/v, ...] gets two leading Nones in place of its layer dimension."""
+    there, so a stack leaf [v, R/v, ...] gets two leading Nones in place of its layer dimension, and the
+    leading segments' layers (replicated over pp there, as the embedding is) none."""
     pick = (lambda tree: tree["blocks"]) if key == "blocks" else (
         lambda tree: {k: v for k, v in tree.items() if k != "blocks"})
     lead = 1 if key == "blocks" else 0
+    rules = rules if key == "blocks" else with_rule(rules, "layers", ())
     mesh = g.layout.mesh
     return jax.tree.map(
         lambda n, a: jax.sharding.PartitionSpec(*(None,) * (2 * lead),
@@ -164,11 +167,22 @@ def _island_specs(key: str, rules, g: Paths, names, shapes):
         pick(names), pick(shapes), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
 
 
+def _pipelined_params(tree, m):
+    """The parameters (or a tree like them) as the pipeline takes them: the last segment's blocks under "blocks",
+    the blocks of the segments before it under "lead_blocks" (run on the first stage, after the embedding)."""
+    last = stack_lib.segments(m)[-1]
+    return {**{k: a for k, a in tree.items() if k != "blocks"}, "lead_blocks": tree["blocks"][:last.first_block],
+            "blocks": tree["blocks"][last.blocks]}
+
+
 def pipelined(params, batch: dict, norm, g: Paths):
-    """(loss, metric shares, no auxiliary terms, gradients) through the pipeline executor over pp. The
+    """(loss, metric shares, the blocks' auxiliary terms, gradients) through the pipeline executor over pp. The
     executor divides by the count; a loss scale S enters as count / S (exact: S is a power of two)."""
     (count, scale), m, dtype, o = norm, g.model, g.dtype, g.objective
-    names, shapes = transformer.param_names(m), transformer.param_shapes(m)
+    names = _pipelined_params(transformer.param_names(m), m)
+    shapes = _pipelined_params(transformer.param_shapes(m), m)
+    *lead, last = stack_lib.segments(m)
+    moe_layers = sum(len(seg.pattern) * seg.repeats for seg in stack_lib.segments(m) if "moe" in seg.pattern)
     batch_manual = g.zero_stage <= 1  # as in the accumulation island: reduce over the batch axes once
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
@@ -181,18 +195,27 @@ def pipelined(params, batch: dict, norm, g: Paths):
                                              tree, _island_specs(key, g.layout.weights, g, names, shapes))
         return use(stack, "blocks"), use(shared, "shared")
 
-    loss, metrics, grads = pipeline.loss_and_grads(
-        params, mbs, count / scale, g.schedule, inner,
-        embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
+    def embed_fn(sh, mb):  # the embedding, then the segments before the pipelined one
+        x = transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype)
+        if not lead:
+            return x, transformer.zero_aux(m)
+        return transformer.blocks(sh["lead_blocks"], x, mb["positions"], mb["segment_ids"], m, dtype, segments=lead)
+
+    loss, metrics, aux, grads = pipeline.loss_and_grads(
+        _pipelined_params(params, m), mbs, (count / scale, scale / g.microbatches), g.schedule, inner,
+        embed_fn=embed_fn,
         blocks_fn=lambda ch, x, mb, first: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype,
-                                                              first)[0],
+                                                              first, segments=(last,)),
         loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
                                                          o.temperature),
+        aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
         gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None)
     loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
-    return loss, metrics, transformer.zero_aux(m), constrain_tree(grads, g.grad_shardings)
+    grads = {**{k: a for k, a in grads.items() if k not in ("blocks", "lead_blocks")},
+             "blocks": [*grads["lead_blocks"], *grads["blocks"]]}
+    return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
 
 
 def uses_island(zero_stage: int, microbatches: int, allreduce: str) -> bool:
