@@ -507,15 +507,16 @@ _HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "f
 
 
 def stage_params(model_cfg, pp: int, ep: int = 1) -> dict:
-    """Parameters one device holds of the model: {"stack" (all layers), "experts" (the MoE experts in the
-    stack), "shared" (embedding, head, final norm: replicated over pp), "stage" = (stack − experts) / pp
-    + experts / (pp·ep) + shared}."""
+    """Parameters one device holds of the model: {"stack" (the pipelined layers: the last segment's), "experts"
+    (the MoE experts in them), "shared" (embedding, head, final norm and the layers of the segments before:
+    replicated over pp), "stage" = (stack − experts) / pp + experts / (pp·ep) + shared}."""
     import jax
 
     from jaxllm.models import transformer
+    from jaxllm.stack import segments
 
     leaf = lambda x: isinstance(x, transformer.Leaf)
-    blocks = transformer.param_table(model_cfg)["blocks"]
+    blocks = transformer.param_table(model_cfg)["blocks"][segments(model_cfg)[-1].blocks]
     size = lambda tree: sum(math.prod(l.shape) for l in jax.tree.leaves(tree, is_leaf=leaf))
     stack = size(blocks)
     experts = sum(size(b["moe"]["experts"]) for b in blocks if "moe" in b)
