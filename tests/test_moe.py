@@ -234,8 +234,10 @@ def test_moe_model_matches_the_reference(mesh):
 
 # The default capacity (factor 1.25) drops pairs, per batch shard: meshes with as many batch shards
 # (8) drop the same pairs, whether the experts run locally (dp) or behind the all-to-alls (ep).
+# The segmented stack drops alike too (its MoE layers, gated shared feed-forward, bias and sequence-wise loss).
 CAPACITY_MESHES = {"ep8": {"mesh.ep": 8}, "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
-                   "ep2_dp4": {"mesh.ep": 2, "mesh.dp": 4}}
+                   "ep2_dp4": {"mesh.ep": 2, "mesh.dp": 4},
+                   "ep4_fsdp2_zero3_segmented": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3, **SEGMENTED}}
 
 
 def capacity_config(over: dict):
@@ -245,13 +247,15 @@ def capacity_config(over: dict):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", CAPACITY_MESHES)
 def test_default_capacity_drops_alike_on_meshes_with_equal_batch_shards(mesh):
-    assert capacity_config({}).model.moe.capacity_factor == 1.25
-    base = step_fns(capacity_config({"mesh.dp": 8}))  # the experts run locally, one group per device
+    over = CAPACITY_MESHES[mesh]
+    model_keys = {k: v for k, v in over.items() if k.startswith("model.")}
+    assert capacity_config(model_keys).model.moe.capacity_factor == 1.25
+    base = step_fns(capacity_config({"mesh.dp": 8, **model_keys}))  # the experts run locally, one group per device
     params = jax.device_get(base.init(0).params)
     _, metrics = train_step(base, base.init(0))
     assert float(metrics["moe_dropped"]) > 0.01  # the capacity really drops pairs
     ref_loss, ref_grads = loss_and_grads(base, params)
-    loss, grads = loss_and_grads(step_fns(capacity_config(CAPACITY_MESHES[mesh])), params)
+    loss, grads = loss_and_grads(step_fns(capacity_config(over)), params)
     assert_matches(loss, grads, (params, float(ref_loss), jax.device_get(ref_grads)))
 
 

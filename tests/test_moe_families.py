@@ -101,7 +101,8 @@ def test_a_segmented_stack_computes_its_layers_unrolled():
 
 
 @pytest.mark.slow
-def test_a_qwen2_moe_run_starts_at_transformers_loss(models, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_a_qwen_moe_run_starts_at_transformers_loss(family, models, tmp_path):
     """jaxllm train from the checkpoint on ep4×dp2 (the experts behind the all-to-alls): the first step's logged loss
     is transformers' language-model loss on the same batch."""
     import torch
@@ -110,7 +111,7 @@ def test_a_qwen2_moe_run_starts_at_transformers_loss(models, tmp_path):
     from jaxllm.data.loader import window_starts
     from jaxllm.train.loop import prepare, train
 
-    over = {"init.from": f"hf:{models['qwen2_moe']}", "model.seq_len": SEQ, "mesh.ep": 4, "mesh.dp": 2,
+    over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "mesh.ep": 4, "mesh.dp": 2,
             "train.global_batch": 8, "train.steps": 1, "train.eval_every": 0, "train.checkpoint_every": 0,
             "precision.compute": "float32", "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0,
             "run.progress": False, "data.source": "stdlib"}
@@ -119,7 +120,7 @@ def test_a_qwen2_moe_run_starts_at_transformers_loss(models, tmp_path):
     corpus = prepare(cfg)[3].corpus
     starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)
     windows = torch.as_tensor(np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts]))
-    model = AutoModelForCausalLM.from_pretrained(models["qwen2_moe"], dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         ref = float(model(input_ids=windows, labels=windows).loss)
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
