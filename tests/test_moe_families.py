@@ -81,6 +81,7 @@ def _unrolled(params: dict, m) -> dict:
     return {**params, "blocks": blocks}
 
 
+@pytest.mark.slow
 def test_a_segmented_stack_computes_its_layers_unrolled():
     """Two dense layers then a [moe, dense] pattern twice, with windows on some layers (per-layer data read at each
     segment's own layers): the logits of the same layers as one pattern of six kinds, bitwise."""
