@@ -495,3 +495,20 @@ def router_margins(model_dir: str, tokens) -> float:
     """Mixtral: the smallest gap, over layers and tokens, between the k-th and (k+1)-th router
     probability (k = num_experts_per_tok), with the checkpoint loaded in float32."""
     return min(_router_layer_margins(_load(model_dir), tokens))
+
+
+def first_batch_loss(cfg) -> float:
+    """transformers' language-model loss (float32) on the first batch of the run `cfg` describes: its
+    `init.from = "hf:DIR"` checkpoint on its data's first `train.global_batch` windows of `model.seq_len` + 1."""
+    import torch
+
+    from jaxllm.data.loader import window_starts
+    from jaxllm.train.loop import prepare
+
+    seq, rows = cfg.model.seq_len, cfg.train.global_batch
+    corpus = prepare(cfg)[3].corpus
+    starts = window_starts(len(corpus.train), cfg.train.seed, 0, rows, seq)
+    windows = torch.as_tensor(np.stack([np.asarray(corpus.train[s:s + seq + 1], np.int64) for s in starts]))
+    model = _load(cfg.init.from_[len("hf:"):])
+    with torch.no_grad():
+        return float(model(input_ids=windows, labels=windows).loss)

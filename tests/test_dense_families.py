@@ -110,12 +110,8 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
     import subprocess
     import sys
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from harness import REPO, subprocess_env
-    from jaxllm.data.loader import window_starts
-    from jaxllm.train.loop import prepare, train
+    from jaxllm.train.loop import train
 
     over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
             "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32",
@@ -127,13 +123,7 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
         done = subprocess.run([sys.executable, "-m", "jaxllm", "train", *args],
                               cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-    cfg = build_config(None, over)
-    corpus = prepare(cfg)[3].corpus
-    starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)
-    windows = torch.as_tensor(np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts]))
-    model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        ref = float(model(input_ids=windows, labels=windows).loss)
+    ref = H.first_batch_loss(build_config(None, over))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 

@@ -106,24 +106,14 @@ def test_a_segmented_stack_computes_its_layers_unrolled():
 def test_a_qwen_moe_run_starts_at_transformers_loss(family, models, tmp_path):
     """jaxllm train from the checkpoint on ep4×dp2 (the experts behind the all-to-alls): the first step's logged loss
     is transformers' language-model loss on the same batch."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxllm.data.loader import window_starts
-    from jaxllm.train.loop import prepare, train
+    from jaxllm.train.loop import train
 
     over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "mesh.ep": 4, "mesh.dp": 2,
             "train.global_batch": 8, "train.steps": 1, "train.eval_every": 0, "train.checkpoint_every": 0,
             "precision.compute": "float32", "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0,
             "run.progress": False, "data.source": "stdlib"}
     train(build_config(None, over))
-    cfg = build_config(None, over)
-    corpus = prepare(cfg)[3].corpus
-    starts = window_starts(len(corpus.train), cfg.train.seed, 0, 8, SEQ)
-    windows = torch.as_tensor(np.stack([np.asarray(corpus.train[s:s + SEQ + 1], np.int64) for s in starts]))
-    model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        ref = float(model(input_ids=windows, labels=windows).loss)
+    ref = H.first_batch_loss(build_config(None, over))
     first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
