@@ -2,8 +2,9 @@
 
 `model.segments` lists them (`{layers = 3, pattern = ["dense"]}, {layers = 58, pattern = ["moe"]}`:
 DeepSeek-V3's three dense layers before its MoE layers), and replace `model.pattern` (a preset's);
-without them the stack is one segment, `model.pattern` over `model.n_layers`. `params["blocks"]` holds every segment's block kinds in turn,
-each stacked over its segment's repeats, so a one-segment stack has the tree it always had.
+without them the stack is one segment, `model.pattern` over `model.n_layers`. `params["blocks"]` holds
+every segment's block kinds in turn, each stacked over its segment's repeats, so a one-segment stack has
+the tree it always had.
 """
 
 from __future__ import annotations

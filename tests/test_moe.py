@@ -214,8 +214,8 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     "dp2_tp2_ep2_segmented": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, SEGMENTED),
     # the dense segment on the first stage, the MoE segment pipelined (one layer a stage), its auxiliary losses and
     # the bias's load through the pipeline's backward; per-microbatch routing statistics: no balance loss
-    "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2, "train.microbatches": 2},
-                              {**SEGMENTED, "model.moe.balance_weight": 0.0}),
+    "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2,
+                               "train.microbatches": 2}, {**SEGMENTED, "model.moe.balance_weight": 0.0}),
 }
 
 

@@ -1,11 +1,12 @@
 """The KV cache generation writes and reads, laid out by the same logical rules as everything else.
 
-Per block of the stack (`params["blocks"]`: each segment's kinds), keys and values [repeats, batch, slots,
-kv_heads, head_dim] in the compute dtype, stacked over its segment's repeats like that block's weights (`attention.CACHE` names the
-dimensions). Under `generation_layout` the batch is split over the data axes (dp, fsdp, ep) and the
-KV heads over tp; layers and slots stay whole. Beside them, per slot, its position and segment id
-([batch, slots] int32, shared by all layers): segment 0 marks left padding and slots not yet
-written, so `ops/attention.py`'s causal-by-position, same-segment mask serves prefill and decode.
+Per block of the stack (`params["blocks"]`: each segment's kinds), keys and values [repeats, batch,
+slots, kv_heads, head_dim] in the compute dtype, stacked over its segment's repeats like that block's
+weights (`attention.CACHE` names the dimensions). Under `generation_layout` the batch is split over the
+data axes (dp, fsdp, ep) and the KV heads over tp; layers and slots stay whole. Beside them, per slot,
+its position and segment id ([batch, slots] int32, shared by all layers): segment 0 marks left padding
+and slots not yet written, so `ops/attention.py`'s causal-by-position, same-segment mask serves prefill
+and decode.
 
 Bytes per device: 2 · n_layers · batch/(dp·fsdp·ep) · slots · kv_heads/tp · head_dim · B, B the
 compute dtype's size (`cache_bytes`, read from the layout); kv_heads fewer than tp are repeated up to tp,

@@ -18,7 +18,8 @@ from jaxllm.models.transformer import shared_d_ff
 from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
-MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text")
+MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+               "gemma3_text")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {

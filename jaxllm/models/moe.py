@@ -29,8 +29,8 @@ def zero_stats(m) -> dict:
 
 def seq_balance(scores: jax.Array, experts: jax.Array) -> jax.Array:
     """DeepSeek-V3's sequence-wise balance loss (eqs. 17–20) for scores [b, s, E] and chosen experts [b, s, k]: per
-    sequence Σ_e f_e·P_e, f_e = E/(k·s) × the tokens choosing e, P_e the mean of e's score normalised over the experts;
-    the mean over sequences."""
+    sequence Σ_e f_e·P_e, f_e = E/(k·s) × the tokens choosing e, P_e the mean of e's score normalised over the
+    experts; the mean over sequences."""
     b, s, n = scores.shape
     f = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32), axis=(1, 2)) * n / (experts.shape[-1] * s)
     p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)
@@ -96,7 +96,8 @@ def objective(stats: dict, m, layers=None) -> jax.Array:
     if not stats:
         return jnp.float32(0)
     layers, e = jnp.maximum(stats["layers"], 1) if layers is None else layers, m.moe
-    weighted = e.balance_weight * stats["balance"] + e.z_weight * stats["z"] + e.seq_balance_weight * stats["seq_balance"]
+    weighted = (e.balance_weight * stats["balance"] + e.z_weight * stats["z"]
+                + e.seq_balance_weight * stats["seq_balance"])
     return weighted / layers + stats["load_probe"]
 
 

@@ -189,9 +189,9 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
             r = {f: rows[s, k] for f, k in col.items()}
             y = forward(kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
                         acts[jnp.maximum(r["fwd_slot"], 0)])
-            dx, g_chunk, g_sh, l, ms, a = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
-                                            acts[jnp.maximum(r["bwd_slot"], 0)],
-                                            grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
+            dx, g_chunk, g_sh, l, ms, a = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"],
+                                                   r["bwd_mb"], acts[jnp.maximum(r["bwd_slot"], 0)],
+                                                   grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
             c = jnp.maximum(r["bwd_chunk"], 0)
             g_stack = jax.tree.map(lambda acc, g: acc.at[c].add(g), g_stack, g_chunk)
             g_stack, g_shared = pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
