@@ -51,10 +51,14 @@ def after_save(mngr, step: int) -> None:
         _kill()
 
 
-def before_save(step: int) -> None:
-    """For `saving:N`: make Orbax's final rename of this save wait forever."""
+def before_save(mngr, step: int) -> None:
+    """For `saving:N`: make Orbax's final rename of this save wait forever. The patch holds every save's rename,
+    so an earlier save still finishing in the background is let finish first: the manager waits for it before
+    starting this one, and would wait forever (a race a loaded machine lost: the run hung at step N)."""
     if _target() == ("saving", step):
         from orbax.checkpoint._src.path import atomicity
+
+        mngr.wait_until_finished()
 
         async def never_finalize(self):
             await asyncio.Event().wait()

@@ -311,7 +311,7 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
     """Save step `step`; `applied`: its update was not skipped, so its loss was a finite one."""
     if run.mngr is None:
         run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
-    faults.before_save(step)
+    faults.before_save(run.mngr, step)
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
     ckpt.save(run.mngr, step, state, meta)
     if applied:  # its row was checked finite first
