@@ -202,8 +202,6 @@ SEGMENTED = {**ROUTING, "model.n_layers": 3, "model.segments": [{"layers": 1, "p
 MOE_MESHES = {  # name -> (mesh and options; model keys shared with the reference)
     "ep4_fsdp2": ({"mesh.ep": 4, "mesh.fsdp": 2}, {}),
     "ep2_tp2_fsdp2": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2}, {}),
-    "ep2_tp2_fsdp2_zero3_shared_expert": ({"mesh.ep": 2, "mesh.tp": 2, "mesh.fsdp": 2, "train.zero_stage": 3},
-                                          {"model.moe.n_shared_experts": 1}),
     "ep8_top1": ({"mesh.ep": 8}, {"model.moe.top_k": 1}),
     "dp8_gpt2_every_second_layer": ({"mesh.dp": 8}, {"model.family": "gpt2", "model.n_kv_heads": 8,
                                                      "model.pattern": ["dense", "moe"]}),
