@@ -8,6 +8,7 @@ older form, which transformers 4.x and 5.x both read.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -185,12 +186,16 @@ def _head_dim(hf: dict) -> int:
     return 0 if named == hf["hidden_size"] // hf["num_attention_heads"] else named
 
 
+def _value(hf: dict, key: str):
+    """config.json's `key`, or what transformers 5 assumes for the model type when the file lacks it (`ABSENT`)."""
+    return hf.get(key, ABSENT[hf["model_type"]].get(key))
+
+
 def _decoder(hf: dict, family: str, tied: bool) -> dict:
     """The keys every llama-shaped config.json gives alike: the family's features, the sizes, the head, norms,
     windows and RoPE; a key the file lacks takes the family's transformers default (`ABSENT`; `tied` for the
     head)."""
-    absent = ABSENT[hf["model_type"]]
-    value = lambda key: hf.get(key, absent.get(key))
+    value = functools.partial(_value, hf)
     return dict(FAMILIES[family], family=family, n_layers=hf["num_hidden_layers"], d_model=hf["hidden_size"],
                 n_heads=hf["num_attention_heads"], n_kv_heads=value("num_key_value_heads") or hf["num_attention_heads"],
                 head_dim=_head_dim({**hf, "head_dim": value("head_dim")}), d_ff=hf["intermediate_size"],
@@ -234,8 +239,7 @@ def _experts(n: int, k: int, d_ff: int, norm_topk: bool, balance_weight: float, 
 def _qwen_moe(hf: dict) -> dict:
     """Qwen2-MoE and Qwen3-MoE: which layers are MoE (`mlp_only_layers`, `decoder_sparse_step`) as the stack's
     segments, the experts and Qwen2-MoE's gated shared expert."""
-    kind, absent = hf["model_type"], ABSENT[hf["model_type"]]
-    value = lambda key: hf.get(key, absent.get(key))
+    kind, value = hf["model_type"], functools.partial(_value, hf)
     if hf.get("use_sliding_window"):
         _refuse(hf, "use_sliding_window", f"windows in {kind} are not implemented")
     if kind == "qwen2_moe" and not value("qkv_bias"):
@@ -253,13 +257,13 @@ def _qwen_moe(hf: dict) -> dict:
 
 def _gemma(hf: dict) -> dict:
     """Gemma 2 and Gemma 3 (text): the llama-like shape with Gemma's features."""
-    kind, absent = hf["model_type"], ABSENT[hf["model_type"]]
+    kind = hf["model_type"]
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in GEMMA_ACTIVATIONS:
         _refuse(hf, "hidden_activation", "Gemma models here use the tanh GELU (gelu_pytorch_tanh)")
     for key in ("attention_bias", "use_bidirectional_attention"):
         if hf.get(key):
             _refuse(hf, key, "not implemented")
-    value = lambda key: hf.get(key, absent[key])
+    value = functools.partial(_value, hf)
     return dict(_decoder(hf, "gemma3" if kind == "gemma3_text" else "gemma2", tied=True),
                 query_pre_attn_scalar=float(value("query_pre_attn_scalar")),
                 attn_softcap=float(value("attn_logit_softcapping") or 0.0),
@@ -423,9 +427,8 @@ def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
         return wrong
     if (e.score, e.routed_scale, e.n_group) != ("softmax", 1.0, 1):
         wrong.append(f"model.moe routing (score={e.score!r}, routed_scale={e.routed_scale}, n_group={e.n_group})")
-    gated_shared = bool(shared_d_ff(m)) and e.shared_gate
-    if (kind == "qwen2_moe") != gated_shared or (kind == "mixtral" and not e.norm_topk) or (
-            kind != "qwen2_moe" and (shared_d_ff(m) or e.shared_gate)):
+    shared = kind == "qwen2_moe"  # its gated shared expert, always there; the others have none
+    if (bool(shared_d_ff(m)), e.shared_gate) != (shared, shared) or (kind == "mixtral" and not e.norm_topk):
         wrong.append(f"model.moe shared experts (n_shared_experts={e.n_shared_experts}, shared_gate={e.shared_gate}) "
                      f"or norm_topk={e.norm_topk} for {kind}")
     return wrong
