@@ -103,8 +103,24 @@ class MoeConfig:
                                        "scores to choose experts (not to weight them), moved by this much after each "
                                        "step, down for an expert busier than the mean over the step, up for one less "
                                        "busy; kept in the parameters, never trained by a gradient; 0 = no bias")
+    router_bias: bool = key(False, "a per-expert bias added to the scores to choose experts (not to weight them), "
+                                   "fixed unless `bias_update_rate` moves it (DeepSeek-V3's "
+                                   "`e_score_correction_bias`); on whenever `bias_update_rate` > 0")
     seq_balance_weight: float = key(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (per sequence, on scores "
                                          "normalised over the experts; a mean over MoE layers); 0 = off")
+
+
+@dataclass
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), the attention of `model.attention = "mla"`: keys and values
+    come from one compressed latent per token, and RoPE from a key part shared by all heads."""
+
+    q_lora_rank: int = key(0, "the queries' compressed width (a down-projection, an RMSNorm, an up-projection); 0 = "
+                              "no query compression")
+    kv_lora_rank: int = key(512, "the keys' and values' compressed width, the latent a KV cache holds")
+    qk_nope_head_dim: int = key(128, "each head's query/key dimensions without RoPE (from the latent)")
+    qk_rope_head_dim: int = key(64, "the query/key dimensions with RoPE (the key's shared by all heads)")
+    v_head_dim: int = key(128, "each head's value dimension")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
@@ -147,6 +163,9 @@ class ModelConfig:
     n_heads: int = key(4, "attention (query) heads")
     n_kv_heads: int = key(0, "key/value heads (grouped-query attention); 0 = `n_heads`")
     head_dim: int = key(0, "each head's dimension; 0 = `d_model / n_heads`")
+    attention: str = key("mha", "`mha` (multi-head attention, grouped-query with `n_kv_heads`) or `mla` "
+                                "(DeepSeek's multi-head latent attention, `model.mla`; `n_kv_heads` and "
+                                "`head_dim` are not read)")
     d_ff: int = key(1024, "the dense feed-forward's hidden size")
     vocab_size: int = key(0, "token ids the model has; 0 = the tokenizer's; stored padded up to a multiple of 128 "
                              "(padded logits are masked)")
@@ -195,6 +214,8 @@ class ModelConfig:
     rope_beta_slow: float = key(1.0, "`yarn` scaling: rotations below which a dimension is interpolated")
     rope_attention_factor: float = key(0.0, "`yarn` scaling: cos and sin multiplied by it (0 = YaRN's "
                                             "0.1·ln(rope_factor) + 1)")
+    rope_mscale_all_dim: float = key(0.0, "the softmax scale multiplied by (0.1·this·ln(rope_factor) + 1)² under "
+                                          "a RoPE scaling (DeepSeek's `mscale_all_dim`); 0 = not")
     rope_truncate: bool = key(True, "`yarn` scaling: the ramp's ends rounded to whole dimensions (transformers' "
                                     "`truncate`)")
     sliding_window: int = key(0, "attention window: a query sees the keys whose positions are less than this far "
@@ -234,6 +255,7 @@ class ModelConfig:
     cp_load_balance: bool = key(True, "zig-zag order of the sequence over `sp` ranks so each does the same causal "
                                       "work (`seq_len` must divide by `2 × sp`)")
     moe: MoeConfig = field(default_factory=MoeConfig)
+    mla: MlaConfig = field(default_factory=MlaConfig)
 
 
 @dataclass

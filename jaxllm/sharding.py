@@ -49,6 +49,8 @@ TENSOR_RULES: Rules = (
     ("experts", ("ep",)),  # expert parallelism: each ep rank owns a share of the experts
     ("router", ()),  # the router's expert dimension: every rank routes to all experts
     ("gate", ()),  # a scalar gate's single output (Qwen2-MoE's shared-expert gate)
+    ("q_lora", ()),  # latent attention's compressed query (`models/mla.py`): every tp rank projects all heads from it
+    ("kv_lora", ()),  # and its compressed key-value latent (with the RoPE key), likewise whole on every tp rank
 )
 
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES

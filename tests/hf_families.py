@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
-                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 VOCAB_SIZE = 301
@@ -65,6 +65,16 @@ MISTRAL_SLIDING_WINDOW = 4096
 GEMMA_LAYERS = {"gemma2": 4, "gemma3": 5}
 # Qwen MoE: which of 3 layers is dense (`mlp_only_layers`): the stack becomes segments
 QWEN_MOE_DENSE_LAYERS = {"qwen2_moe": (0,), "qwen3_moe": (1,)}
+# DeepSeek-V3: latent attention with query compression (widths unlike each other and the heads'), 8 routed experts
+# in 4 groups (top-2 groups, top-2 experts), a shared expert, the first of 3 layers dense; its RoPE interleaved as
+# published. `yarn` swaps in YaRN with DeepSeek's mscale_all_dim (the softmax scale then changes too).
+DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_heads=HEADS, q_lora_rank=32,
+                kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False,
+                rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.6}
 GEMMA_WINDOW = 12
 GEMMA_QUERY_SCALAR = 24
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0}
@@ -194,6 +204,8 @@ def _family_kwargs(family: str) -> tuple[str, dict]:
         if family == "qwen2_moe":  # Qwen1.5-MoE's unnormalised top-k weights and a gated shared expert
             return "Qwen2MoeConfig", dict(qwen_moe, norm_topk_prob=False, shared_expert_intermediate_size=80)
         return "Qwen3MoeConfig", dict(qwen_moe, norm_topk_prob=True, head_dim=HEAD_DIM)
+    if family == "deepseek_v3":
+        return "DeepseekV3Config", dict(llama_like, **DEEPSEEK)
     if family in GEMMA_LAYERS:
         gemma = dict(llama_like, num_hidden_layers=GEMMA_LAYERS[family], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=GEMMA_QUERY_SCALAR,
@@ -259,11 +271,15 @@ def _perturb(model, generator) -> None:
     """Overwrite every parameter: norm weights 1 + 0.1 N(0,1), norm and linear biases 0.1 N(0,1),
     routers ROUTER_STD N(0,1), embeddings (token and GPT-2 position) and lm_head EMBED_STD N(0,1),
     every other weight (Linear, Conv1D, fused experts) WEIGHT_STD N(0,1).
-    Tied weights are visited once (named_parameters de-duplicates)."""
+    Tied weights are visited once (named_parameters de-duplicates). DeepSeek's routing biases
+    (`e_score_correction_bias`, buffers) BIAS_STD N(0,1) too."""
     import torch
 
     seen = set()
     with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(BIAS_STD * torch.randn(buffer.shape, generator=generator, dtype=torch.float32))
         for name, module in model.named_modules():
             is_norm = "norm" in type(module).__name__.lower()
             for pname, p in module.named_parameters(recurse=False):

@@ -156,7 +156,7 @@ def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
 
     one_device = {a: 1 for a in ("pp", "dp", "fsdp", "ep", "sp", "tp")}
     assert attention_memory_theory(cfg.model, cfg.train, one_device, "float32")["head_dim"] == 24
-    with pytest.raises(Exception, match="head dimension 23 must be even for RoPE"):
+    with pytest.raises(Exception, match=r"RoPE.s dimensions \(23\) must be even"):
         from jaxllm.config import validate
 
         validate(build_config(None, {"model.family": "llama", "model.head_dim": 23, "model.vocab_size": 301}), 1)

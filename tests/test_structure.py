@@ -147,7 +147,9 @@ model.moe.balance_weight model.moe.capacity_factor model.moe.d_ff model.moe.n_ex
 model.moe.shared_d_ff model.moe.shared_gate model.segments model.moe.bias_update_rate
 model.moe.seq_balance_weight
 model.moe.top_k model.moe.z_weight model.moe.score model.moe.norm_topk model.moe.routed_scale
-model.moe.n_group model.moe.topk_group
+model.moe.n_group model.moe.topk_group model.moe.router_bias
+model.attention model.mla.q_lora_rank model.mla.kv_lora_rank model.mla.qk_nope_head_dim model.mla.qk_rope_head_dim
+model.mla.v_head_dim model.rope_mscale_all_dim
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.attn_softcap model.embed_scale model.final_softcap model.norm_offset model.norm_placement model.qk_norm
 model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast

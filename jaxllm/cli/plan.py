@@ -203,7 +203,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
                                             "terms": {name: {"without_sp", "with_sp"}}},
              "activation_bytes": {"without_sp", "with_sp", "sp_saving"} (× n_layers)}.
     """
-    from jaxllm.models.attention import head_dim, kv_heads
+    from jaxllm.models.attention import kv_heads, qk_dim
 
     m, t = model_cfg, train_cfg
     n = int(mesh_shape.get("tp", 1))
@@ -211,7 +211,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
     b = microbatch_rows(t, mesh_shape)
     s = m.seq_len // mesh_shape.get("sp", 1)
     d, H, F = m.d_model, m.n_heads, m.d_ff
-    dh = head_dim(m)
+    dh = qk_dim(m)  # MLA: its values' width v_head_dim counted as the queries' (an estimate)
     kv_eff = max(kv_heads(m), n)
     setting = "sp_cm" if t.sequence_parallel and m.collective_matmul else "sp" if t.sequence_parallel else "tp"
     full = b * s * d * E
@@ -389,7 +389,7 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
              "strategies": {strategy: {"terms", "bytes_per_layer", "ratio"} or None where it cannot run},
              "ratio_by_sp": {strategy: {"1" | "2" | "4" | "8": ratio or None}} at this seq_len}.
     """
-    from jaxllm.models.attention import head_dim, implementation, kv_heads
+    from jaxllm.models.attention import implementation, kv_heads, qk_dim
 
     m, t = model_cfg, train_cfg
     tp = int(mesh_shape.get("tp", 1))
@@ -397,7 +397,7 @@ def attention_memory_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtyp
     E = _dtype_bytes(compute_dtype)
     b = microbatch_rows(t, mesh_shape)
     S = m.seq_len
-    H, dh = m.n_heads // tp, head_dim(m)
+    H, dh = m.n_heads // tp, qk_dim(m)
     KV = max(kv_heads(m), tp) // tp
     baseline = "dense" if implementation(m) == "dense" else "chunked"
 
@@ -468,7 +468,7 @@ def attention_compiled(cfg, shape: dict) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.models.attention import head_dim, implementation, kv_heads, masking
+    from jaxllm.models.attention import implementation, kv_heads, masking, qk_dim
     from jaxllm.ops.attention import IMPLEMENTATIONS
 
     m, t = cfg.model, cfg.train
@@ -488,13 +488,13 @@ def attention_compiled(cfg, shape: dict) -> dict:
             notes.append(f"dense not compiled at seq_len {s} > {ATTENTION_COMPILED_DENSE_MAX}")
             continue
         try:  # a kernel for another platform (e.g. Pallas) may not compile on this one
-            out[impl] = _attention_temp_bytes(impl, b, s, heads, kv, head_dim(m), dtype, masking(m))
+            out[impl] = _attention_temp_bytes(impl, b, s, heads, kv, qk_dim(m), dtype, masking(m))
         except Exception as e:  # noqa: BLE001 - reported, not raised: the plan goes on
             out[impl] = None
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
             notes.append(f"{impl} not compiled on {jax.devices()[0].platform}: {reason}")
     return {**out, "chosen": implementation(m), "setting": m.attention_impl, "sp": sp,
-            "shape": {"b": b, "seq_len": s, "heads": heads, "kv_heads": kv, "head_dim": head_dim(m), "dtype": dtype},
+            "shape": {"b": b, "seq_len": s, "heads": heads, "kv_heads": kv, "head_dim": qk_dim(m), "dtype": dtype},
             "notes": notes, "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -637,9 +637,11 @@ def generation_theory(cfg, fns) -> dict:
     prompt = max(1, m.seq_len // 2)
     new = max(1, m.seq_len - prompt)
     slots = decode.bucket(prompt) + new
+    values, formula = cache.per_token(m)
     return {"rows": cfg.train.global_batch, "prompt": prompt, "new": new, "slots": slots,
             "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns),
-            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, fns)}
+            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, fns),
+            "cache_per_token": {"values": values, "formula": formula, "bytes": values * _dtype_bytes(dtype)}}
 
 
 def resolve(cfg):
@@ -958,7 +960,8 @@ def _format_generation(g: dict, compute: str) -> list[str]:
                 f"KV cache of {g['slots']} slots, {compute}",
             f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
             "fsdp/pp at the program's start, freed at its end",
-            f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}"]
+            f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}   per token per layer, before any split: "
+            f"{g['cache_per_token']['formula']} values = {format_bytes(g['cache_per_token']['bytes'])}"]
 
 
 SEEDS_REMAT = [("none", "O(L): every activation", "1"), ("full", "O(L) layer inputs", "~1.33"),

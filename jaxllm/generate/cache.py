@@ -10,7 +10,10 @@ and decode.
 
 Bytes per device: 2 · n_layers · batch/(dp·fsdp·ep) · slots · kv_heads/tp · head_dim · B, B the
 compute dtype's size (`cache_bytes`, read from the layout); kv_heads fewer than tp are repeated up to tp,
-as the weights are (`sharding.heads_as_used`). `layout_for` turns what a caller has (a StepFns, Layout
+as the weights are (`sharding.heads_as_used`). Latent attention (`model.attention = "mla"`) caches one
+[latent | RoPE key] row per token instead, [repeats, batch, slots, kv_lora_rank + qk_rope_head_dim] under
+"k" (`mla.LATENT_CACHE`, whole on every tp rank): n_layers · batch/(dp·fsdp·ep) · slots · (kv_lora_rank +
+qk_rope_head_dim) · B. `layout_for` turns what a caller has (a StepFns, Layout
 or Mesh) into generation's layout.
 """
 
@@ -24,6 +27,7 @@ from jax.sharding import Mesh
 
 from jaxllm.mesh import batch_shards
 from jaxllm.models.attention import CACHE, head_dim, kv_heads
+from jaxllm.models.mla import LATENT_CACHE
 from jaxllm.stack import segments
 from jaxllm.sharding import ACTIVATION_RULES, WEIGHT_RULES, Layout, constrain, heads_as_used, with_rule
 
@@ -52,21 +56,39 @@ def padded_rows(rows: int, layout: Layout | None) -> int:
     return -(-rows // shards) * shards
 
 
+def _entries(m) -> dict[str, tuple]:
+    """What a block's cache holds, each entry's logical dimensions: keys and values, or MLA's latent rows."""
+    return {"k": LATENT_CACHE} if m.attention == "mla" else {"k": CACHE, "v": CACHE}
+
+
 def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
+    if m.attention == "mla":
+        return (repeats, rows, slots, m.mla.kv_lora_rank + m.mla.qk_rope_head_dim)
     tp = 1 if layout is None else layout.mesh.shape["tp"]
     return (repeats, rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
 
 
+def per_token(m) -> tuple[int, str]:
+    """(values cached per token per layer, the formula that gives them), before any split over devices."""
+    if m.attention == "mla":
+        r, dr = m.mla.kv_lora_rank, m.mla.qk_rope_head_dim
+        return r + dr, f"kv_lora_rank + qk_rope_head_dim = {r} + {dr}"
+    kv, d = kv_heads(m), head_dim(m)
+    return 2 * kv * d, f"2 × kv_heads × head_dim = 2 × {kv} × {d}"
+
+
 def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None) -> list[dict]:
-    """An empty cache: one {"k", "v"} per block of the stack, zeros laid out as `CACHE` says."""
-    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout), dtype), CACHE) for n in ("k", "v")}
-            for seg in segments(m) for _ in seg.pattern]
+    """An empty cache: one {"k", "v"} ({"k"} under MLA) per block of the stack, zeros laid out by their names."""
+    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout), dtype), names)
+             for n, names in _entries(m).items()} for seg in segments(m) for _ in seg.pattern]
 
 
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
     """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh."""
     layout = layout_for(on)
     shape = _shape(m, m.n_layers, padded_rows(rows, layout), slots, layout)  # every layer's, as one stack
-    if layout is not None:
-        shape = layout.sharding(CACHE, layout.activations, shape).shard_shape(shape)
-    return 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+    total = 0
+    for names in _entries(m).values():
+        own = shape if layout is None else layout.sharding(names, layout.activations, shape).shard_shape(shape)
+        total += math.prod(own) * jnp.dtype(dtype).itemsize
+    return total

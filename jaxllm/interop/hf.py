@@ -141,16 +141,18 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
     split = {n: got[n] for g in groups if len(g) > 1 for n in g}
     block = einops.rearrange(block, f"{src} -> {dst}", **split)
     block = block[tuple(rest.get(n, slice(None)) for n in names)]
+    if entry.order:  # a dimension whose rows the file holds in another order (it is whole here)
+        block = np.take(block, entry.order[1], axis=names.index(entry.order[0]))
     return block[0] if fused else block
 
 
 # ---------------------------------------------------------------- which file tensor is which leaf
 
 
-def leaf_entries(m, fused: bool = False) -> dict[tuple, Entry]:
+def leaf_entries(m, fused: bool = False, interleaved: bool = False) -> dict[tuple, Entry]:
     """Every parameter leaf's path in `params` (blocks: ("blocks", block index, ...)) -> its table entry (`fused`:
-    the checkpoint's experts are fused tensors)."""
-    table, out = entries(m, fused), {}
+    the checkpoint's experts are fused tensors; `interleaved`: its RoPE dimensions interleaved pairs)."""
+    table, out = entries(m, fused, interleaved), {}
     for e in table:
         if "{i}" not in e.key:
             out[e.path] = e
@@ -212,7 +214,8 @@ def load_params(path: str, m, shardings=None) -> dict:
     (a tree like the parameters; default: the first device). Each device's block is read from the files."""
     files = Files(path)
     shapes = transformer.param_shapes(m)
-    by_path = leaf_entries(m, fused=any(k.endswith(".experts.gate_up_proj") for k in files.where))
+    by_path = leaf_entries(m, fused=any(k.endswith(".experts.gate_up_proj") for k in files.where),
+                           interleaved=hf_config.rope_interleaved(hf_config.read(path)))
     if shardings is None:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
 
@@ -258,7 +261,7 @@ def _fetch(x: jax.Array) -> np.ndarray:
 def _file_tensors(params: dict, m):
     """(file key, fp32 host tensor) for every tensor of the checkpoint, in the table's order, one at a time."""
     by_key: dict[tuple, list[tuple[tuple, Entry]]] = {}  # (key, block kind index) -> the leaves it holds
-    for path, e in leaf_entries(m).items():
+    for path, e in leaf_entries(m, interleaved=True).items():  # DeepSeek's RoPE rows as published
         by_key.setdefault((e.key, path[1] if path[0] == "blocks" else None), []).append((path, e))
     take = jax.jit(lambda leaf, r: leaf[r])  # one layer of a stacked leaf, where its devices are
     for (key, k), leaves in by_key.items():
@@ -283,6 +286,8 @@ def _to_file(leaves: list, values: list[np.ndarray], m) -> np.ndarray:
     e = leaves[0][1]
     src, dst = (s.strip() for s in e.pattern.split("->"))
     value = np.stack(values) if e.select is not None else values[0]
+    if e.order:  # back to the file's order of that dimension
+        value = np.take(value, np.argsort(e.order[1]), axis=dst.split().index(e.order[0]))
     if "v" in dst.split():
         value = np.take(value, np.arange(m.vocab_size), axis=dst.split().index("v"))
     return np.ascontiguousarray(einops.rearrange(value, f"{dst} -> {src}"))

@@ -20,7 +20,7 @@ from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-               "gemma3_text")
+               "gemma3_text", "deepseek_v3")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {
@@ -47,6 +47,11 @@ ABSENT = {
                         max_position_embeddings=131072, head_dim=256, query_pre_attn_scalar=256,
                         attn_logit_softcapping=None, final_logit_softcapping=None, rope_local_base_freq=10000.0,
                         sliding_window_pattern=6),
+    "deepseek_v3": dict(num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
+                        max_position_embeddings=4096, head_dim=None, first_k_dense_replace=3, n_shared_experts=1,
+                        n_routed_experts=256, num_experts_per_tok=8, norm_topk_prob=True, routed_scaling_factor=2.5,
+                        n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048, rope_interleave=True),
 }
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")  # Gemma's tanh GELU, under either name
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both the tanh form of GELU
@@ -60,7 +65,8 @@ ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "
                      "rope_attention_factor", "rope_truncate",
                      "segments", "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.n_shared_experts", "moe.shared_d_ff",
                      "moe.shared_gate", "moe.score", "moe.norm_topk", "moe.routed_scale", "moe.n_group",
-                     "moe.topk_group")
+                     "moe.topk_group", "moe.router_bias", "attention", "mla.q_lora_rank", "mla.kv_lora_rank",
+                     "mla.qk_nope_head_dim", "mla.qk_rope_head_dim", "mla.v_head_dim", "rope_mscale_all_dim")
 
 
 def read(path: str) -> dict:
@@ -255,6 +261,43 @@ def _qwen_moe(hf: dict) -> dict:
                                  bool(value("norm_topk_prob")), value("router_aux_loss_coef"), shared, gate=True)}
 
 
+def _deepseek(hf: dict) -> dict:
+    """DeepSeek-V3: latent attention; `first_k_dense_replace` dense layers, then MoE layers with sigmoid scores,
+    group-limited top-k, the routing bias (`e_score_correction_bias`, fixed unless a run moves it) and shared
+    experts; the softmax scale's `mscale_all_dim`."""
+    value = functools.partial(_value, hf)
+    if hf.get("quantization_config"):
+        raise ModelFileError(f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: "
+                             "quantized weights (block FP8) are not read; dequantize the checkpoint to bf16 first")
+    for key in ("attention_bias",):
+        if hf.get(key):
+            _refuse(hf, key, "not implemented")
+    if value("num_key_value_heads") not in (None, hf["num_attention_heads"]):
+        _refuse(hf, "num_key_value_heads", "latent attention expands the latent to every query head")
+    n, dense = hf["num_hidden_layers"], value("first_k_dense_replace")
+    segments = stack.from_layer_kinds(["dense"] * min(dense, n) + ["moe"] * max(n - dense, 0))
+    layout = {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
+    moe_d_ff = value("moe_intermediate_size")
+    experts = _experts(value("n_routed_experts"), value("num_experts_per_tok"), moe_d_ff, bool(value("norm_topk_prob")),
+                       0.0, moe_d_ff * value("n_shared_experts"))
+    experts.update({"moe.n_shared_experts": value("n_shared_experts"), "moe.score": "sigmoid",
+                    "moe.routed_scale": float(value("routed_scaling_factor")), "moe.n_group": value("n_group"),
+                    "moe.topk_group": value("topk_group"), "moe.router_bias": True})
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+    return dict(_decoder(hf, "llama", tied=False), **layout, **experts, attention="mla", n_kv_heads=0, head_dim=0,
+                **{"mla.q_lora_rank": value("q_lora_rank") or 0, "mla.kv_lora_rank": value("kv_lora_rank"),
+                   "mla.qk_nope_head_dim": value("qk_nope_head_dim"), "mla.qk_rope_head_dim": value("qk_rope_head_dim"),
+                   "mla.v_head_dim": value("v_head_dim")},
+                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if scaled else 0.0)
+
+
+def rope_interleaved(hf: dict) -> bool:
+    """Whether a checkpoint's RoPE dimensions are interleaved pairs (DeepSeek-V3's `rope_interleave`), read as
+    halves at import (`hf_tables`)."""
+    return hf.get("model_type") == "deepseek_v3" and bool(_value(hf, "rope_interleave"))
+
+
 def _gemma(hf: dict) -> dict:
     """Gemma 2 and Gemma 3 (text): the llama-like shape with Gemma's features."""
     kind = hf["model_type"]
@@ -286,6 +329,8 @@ def model_keys(hf: dict) -> dict:
                              f"{', '.join(MODEL_TYPES)} and gemma3's text tower")
     if kind == "gpt2":
         return _gpt2(hf)
+    if kind == "deepseek_v3":
+        return _deepseek(hf)
     return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
@@ -300,6 +345,8 @@ def model_type(m: ModelConfig) -> str:
         return "gpt2"
     if m.mlp == "geglu_tanh":
         return "gemma3_text" if m.qk_norm else "gemma2"
+    if m.attention == "mla":
+        return "deepseek_v3"
     if stack.has_moe(m):
         return "qwen3_moe" if m.qk_norm else "qwen2_moe" if m.attn_bias == "qkv" else "mixtral"
     if m.qk_norm:
@@ -381,6 +428,26 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
                    intermediate_size=m.moe.d_ff or m.d_ff)
     if kind in QWEN_MOE:
         out.update(_qwen_moe_out(m))
+    if kind == "deepseek_v3":
+        out.update(_deepseek_out(m))
+    return out
+
+
+def _deepseek_out(m: ModelConfig) -> dict:
+    """DeepSeek-V3's keys: the latent attention's sizes (RoPE rows written interleaved, as published), the dense
+    layers first, the experts and their routing; no multi-token prediction layers."""
+    e, a, kinds = m.moe, m.mla, stack.layer_kinds(m)
+    moe_d_ff = e.d_ff or m.d_ff
+    out = {"num_key_value_heads": m.n_heads, "head_dim": a.qk_rope_head_dim, "q_lora_rank": a.q_lora_rank or None,
+           "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+           "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "rope_interleave": True,
+           "attention_bias": False, "num_nextn_predict_layers": 0,
+           "first_k_dense_replace": kinds.index("moe") if "moe" in kinds else len(kinds),
+           "n_routed_experts": e.n_experts, "num_experts_per_tok": e.top_k, "moe_intermediate_size": moe_d_ff,
+           "n_shared_experts": shared_d_ff(m) // moe_d_ff, "norm_topk_prob": e.norm_topk,
+           "routed_scaling_factor": e.routed_scale, "n_group": e.n_group, "topk_group": e.topk_group}
+    if m.rope_mscale_all_dim and m.rope_scaling != "none":
+        out["rope_scaling"] = dict(_rope_out(m)["rope_scaling"] or {}, mscale_all_dim=m.rope_mscale_all_dim)
     return out
 
 
@@ -415,16 +482,35 @@ def _gemma_out(m: ModelConfig) -> dict:
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def _deepseek_wrong(m: ModelConfig) -> list[str]:
+    """What of the stack and the experts DeepSeek-V3's config.json cannot say: dense layers after MoE ones, softmax
+    scores, shared experts not a whole number of experts wide or gated, no routing bias."""
+    e, kinds, wrong = m.moe, stack.layer_kinds(m), []
+    moe_d_ff = e.d_ff or m.d_ff
+    if "moe" not in kinds or "dense" in kinds[kinds.index("moe"):]:
+        wrong.append(f"model.segments={m.segments} (DeepSeek-V3: dense layers, then MoE layers only)")
+    if e.score != "sigmoid" or e.shared_gate or not shared_d_ff(m) or shared_d_ff(m) % moe_d_ff:
+        wrong.append(f"model.moe (score={e.score!r}, shared_gate={e.shared_gate}, shared_d_ff={shared_d_ff(m)}: "
+                     "DeepSeek-V3 has sigmoid scores and ungated shared experts of whole experts' width)")
+    if not (e.router_bias or e.bias_update_rate):
+        wrong.append("model.moe.router_bias=false (DeepSeek-V3 has the routing bias: set it true)")
+    return wrong
 
 
 def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
     """What of the layer stack and the experts `kind`'s config.json cannot say."""
     e, wrong = m.moe, []
+    if kind == "deepseek_v3":
+        return _deepseek_wrong(m)
     if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
     if kind not in ("mixtral", *QWEN_MOE):
         return wrong
+    if e.router_bias or e.bias_update_rate:
+        wrong.append(f"model.moe.router_bias (a routing bias {kind} does not have)")
     if (e.score, e.routed_scale, e.n_group) != ("softmax", 1.0, 1):
         wrong.append(f"model.moe routing (score={e.score!r}, routed_scale={e.routed_scale}, n_group={e.n_group})")
     shared = kind == "qwen2_moe"  # its gated shared expert, always there; the others have none

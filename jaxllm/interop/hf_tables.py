@@ -3,7 +3,8 @@
 An `Entry` names a file key (with `{i}` for the layer and `{x}` for the expert), the jaxllm leaf (its path
 inside `params`, or inside one block for per-layer leaves) and an einops pattern from the file's layout to
 ours for one layer (and one expert). Letters: v vocabulary, n positions, e d_model, h heads, d head_dim,
-f feed-forward, x experts, p the parts of GPT-2's fused q|k|v projection (`select` picks one).
+f feed-forward, x experts, p the parts of GPT-2's fused q|k|v projection (`select` picks one), r a latent
+attention's compressed width, c its latent with the RoPE key.
 torch's Linear stores [out, in], so its weights read transposed; GPT-2's Conv1D stores [in, out].
 """
 
@@ -21,6 +22,9 @@ class Entry:
     pattern: str  # einops, file layout -> jaxllm layout (one layer, one expert)
     select: int | None = None  # the part p of a fused tensor this leaf is
     parts: int = 3  # how many parts p that tensor has
+    # (a letter of our layout, the file's index for each of our indices along it): DeepSeek's interleaved RoPE
+    # dimensions read as halves and written back interleaved. The dimension is never split over devices.
+    order: tuple[str, tuple[int, ...]] | None = None
 
 
 def _gpt2() -> list[Entry]:
@@ -84,43 +88,78 @@ def _mixtral_experts() -> list[Entry]:
             Entry(f"{moe_key}.experts.{{x}}.w2.weight", ("moe", "experts", "w_down"), "e f -> f e")]
 
 
-def _qwen_experts(fused: bool) -> list[Entry]:
-    """Qwen2-MoE's and Qwen3-MoE's router, experts (per expert as published, or fused as transformers 5 holds them
-    in memory: gate|up [x, 2f, e] and down [x, e, f]) and shared expert with its gate (Qwen2-MoE)."""
-    key, ours = "model.layers.{i}.mlp", ("moe", "experts")
+def _routed_experts(key: str, fused: bool) -> list[Entry]:
+    """The router and the experts of an MoE layer whose keys start `key` (Qwen MoE, DeepSeek-V3): per expert as
+    published, or fused as transformers 5 holds them in memory: gate|up [x, 2f, e] and down [x, e, f]."""
+    ours = ("moe", "experts")
     out = [Entry(f"{key}.gate.weight", ("moe", "router"), "x e -> e x")]
-    if fused:
-        out += [Entry(f"{key}.experts.gate_up_proj", (*ours, leaf), "x (p f) e -> p x e f", part, parts=2)
-                for part, leaf in enumerate(("w_gate", "w_up"))]
-        out.append(Entry(f"{key}.experts.down_proj", (*ours, "w_down"), "x e f -> x f e"))
-    else:
-        out += _mlp(f"{key}.experts.{{x}}", ours)
-    return out + _mlp(f"{key}.shared_expert", ("moe", "shared")) + [
+    if not fused:
+        return out + _mlp(f"{key}.experts.{{x}}", ours)
+    out += [Entry(f"{key}.experts.gate_up_proj", (*ours, leaf), "x (p f) e -> p x e f", part, parts=2)
+            for part, leaf in enumerate(("w_gate", "w_up"))]
+    return out + [Entry(f"{key}.experts.down_proj", (*ours, "w_down"), "x e f -> x f e")]
+
+
+def _qwen_experts(fused: bool) -> list[Entry]:
+    """Qwen2-MoE's and Qwen3-MoE's router and experts, and shared expert with its gate (Qwen2-MoE)."""
+    key = "model.layers.{i}.mlp"
+    return _routed_experts(key, fused) + _mlp(f"{key}.shared_expert", ("moe", "shared")) + [
         Entry(f"{key}.shared_expert_gate.weight", ("moe", "shared_gate"), "g e -> e g")]
 
 
+def halves(nope: int, rope: int) -> tuple[int, ...]:
+    """The file's index of each of our dimensions when its last `rope` are interleaved RoPE pairs (x0, x1), (x2, x3),
+    ...: the first `nope` stay, then the pairs' first members, then their second, as RoPE's halves."""
+    return (*range(nope), *(nope + i for i in range(0, rope, 2)), *(nope + i for i in range(1, rope, 2)))
+
+
+def _deepseek(m, fused: bool, interleaved: bool) -> list[Entry]:
+    """DeepSeek-V3: latent attention (`models/mla.py`'s weights), dense layers' MLP, MoE layers' router with its bias,
+    experts and shared experts."""
+    a, key = m.mla, "model.layers.{i}.self_attn"
+    q_order = ("d", halves(a.qk_nope_head_dim, a.qk_rope_head_dim)) if interleaved else None
+    kv_order = ("c", halves(a.kv_lora_rank, a.qk_rope_head_dim)) if interleaved else None
+    if a.q_lora_rank:
+        attn = [Entry(f"{key}.q_a_proj.weight", ("attn", "wq_a"), "r e -> e r"),
+                Entry(f"{key}.q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), "r -> r"),
+                Entry(f"{key}.q_b_proj.weight", ("attn", "wq_b"), "(h d) r -> r h d", order=q_order)]
+    else:
+        attn = [Entry(f"{key}.q_proj.weight", ("attn", "wq"), "(h d) e -> e h d", order=q_order)]
+    attn += [Entry(f"{key}.kv_a_proj_with_mqa.weight", ("attn", "wkv_a"), "c e -> e c", order=kv_order),
+             Entry(f"{key}.kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), "r -> r"),
+             Entry(f"{key}.kv_b_proj.weight", ("attn", "wkv_b"), "(h d) r -> r h d"),
+             Entry(f"{key}.o_proj.weight", ("attn", "wo"), "e (h d) -> h d e")]
+    mlp = "model.layers.{i}.mlp"
+    experts = [Entry(f"{mlp}.gate.e_score_correction_bias", ("moe", "router_bias"), "x -> x"),
+               *_routed_experts(mlp, fused), *_mlp(f"{mlp}.shared_experts", ("moe", "shared"))]
+    return _llama("", False, m.tie_embeddings, "", "pre", False, False, attn) + experts
+
+
 def _llama(biases: str, mlp_bias: bool, tied: bool, experts: str = "", placement: str = "pre",
-           qk_norm: bool = False, fused: bool = False) -> list[Entry]:
-    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3 (`experts`:
-    whose MoE layers, "mixtral" or "qwen"; `fused`: Qwen's experts as fused tensors)."""
+           qk_norm: bool = False, fused: bool = False, attention: list[Entry] | None = None) -> list[Entry]:
+    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3, DeepSeek-V3
+    (`experts`: whose MoE layers, "mixtral" or "qwen"; `fused`: Qwen's experts as fused tensors; `attention`: the
+    attention's entries where they are not LLaMA's)."""
     top = [Entry("model.embed_tokens.weight", ("embed", "tok"), "v e -> v e"),
            Entry("model.norm.weight", ("final_norm", "scale"), "e -> e")]
     if not tied:
         top.append(Entry("lm_head.weight", ("head", "w"), "v e -> e v"))
     layer = [Entry(f"model.layers.{{i}}.{name}.weight", (ours, "scale"), "e -> e")
              for name, ours in _NORMS[placement].items()]
-    layer += _llama_attention(biases, qk_norm)
+    layer += _llama_attention(biases, qk_norm) if attention is None else attention
     if experts:  # the MoE layers' entries; the dense layers' (Qwen MoE's dense layers) stay beside them
         layer += _mixtral_experts() if experts == "mixtral" else _qwen_experts(fused)
     return top + layer + _mlp("model.layers.{i}.mlp", ("mlp",), mlp_bias)
 
 
-def entries(m, fused: bool = False) -> list[Entry]:
-    """The table for model config `m` (whose features `hf_config.exportable` accepts); `fused`: a Qwen MoE
-    checkpoint's experts are fused tensors."""
+def entries(m, fused: bool = False, interleaved: bool = False) -> list[Entry]:
+    """The table for model config `m` (whose features `hf_config.exportable` accepts); `fused`: an MoE checkpoint's
+    experts are fused tensors; `interleaved`: a DeepSeek checkpoint's RoPE dimensions are interleaved pairs."""
     if m.mlp == "gelu_tanh":
         return _gpt2()
     kind = model_type(m)
+    if kind == "deepseek_v3":
+        return _deepseek(m, fused, interleaved)
     experts = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}.get(kind, "")
     return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
                   experts, m.norm_placement, m.qk_norm, fused)

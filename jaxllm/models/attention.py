@@ -75,8 +75,19 @@ def masking(m, layer=None) -> Masking:
     if m is None:
         return Masking()
     window = layer["window"] if layer and "window" in layer else layer_windows(m)[0]
+    return Masking(window=window, softcap=m.attn_softcap, scale=softmax_scale(m))
+
+
+def softmax_scale(m) -> float | None:
+    """The score scale where it is not 1/√(the queries' width) (None): Gemma's `query_pre_attn_scalar`^−½; MLA's
+    1/√(qk_nope + qk_rope) always (its cached queries are wider); times DeepSeek's (0.1·mscale_all_dim·ln(factor)
+    + 1)² under a RoPE scaling, as transformers' `yarn_apply_mscale`."""
     scale = m.query_pre_attn_scalar ** -0.5 if m.query_pre_attn_scalar else None
-    return Masking(window=window, softcap=m.attn_softcap, scale=scale)
+    if m.attention == "mla":
+        scale = qk_dim(m) ** -0.5
+    if m.rope_mscale_all_dim and m.rope_scaling != "none":
+        scale = (scale or qk_dim(m) ** -0.5) * yarn_attention_factor(m.rope_factor, m.rope_mscale_all_dim) ** 2
+    return scale
 
 
 def implementation(m) -> str:
@@ -101,8 +112,8 @@ def cache_implementation(m) -> str:
 
 
 def kv_heads(m) -> int:
-    """Key/value heads (`model.n_kv_heads`, 0 meaning as many as the query heads)."""
-    return m.n_kv_heads or m.n_heads
+    """Key/value heads (`model.n_kv_heads`, 0 meaning as many as the query heads; MLA: as many)."""
+    return m.n_heads if m.attention == "mla" else m.n_kv_heads or m.n_heads
 
 
 def head_dim(m) -> int:
@@ -110,17 +121,38 @@ def head_dim(m) -> int:
     return m.head_dim or m.d_model // m.n_heads
 
 
+def qk_dim(m) -> int:
+    """The width of a head's queries and keys (MLA: qk_nope + qk_rope)."""
+    return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim if m.attention == "mla" else head_dim(m)
+
+
+def v_dim(m) -> int:
+    """The width of a head's values (MLA: v_head_dim)."""
+    return m.mla.v_head_dim if m.attention == "mla" else head_dim(m)
+
+
+def score_width(m) -> int:
+    """What a token's scores and weighted values cost per key, over all heads: heads × (qk + v) / 2 (the heads'
+    width for MHA), the attention term of the FLOPs per token."""
+    return m.n_heads * (qk_dim(m) + v_dim(m)) // 2
+
+
+def rope_dim(m) -> int:
+    """The dimensions RoPE rotates: the whole head, or MLA's qk_rope_head_dim."""
+    return m.mla.qk_rope_head_dim if m.attention == "mla" else head_dim(m)
+
+
 def rope_frequencies(m, local: bool = False):
-    """The model's RoPE frequencies ([head_dim / 2] fp32), with `model.rope_scaling` applied; `local`: the local
+    """The model's RoPE frequencies ([rope_dim / 2] fp32), with `model.rope_scaling` applied; `local`: the local
     layers' (`model.rope_local_theta`, unscaled)."""
     if local:
-        return frequencies(head_dim(m), m.rope_local_theta)
+        return frequencies(rope_dim(m), m.rope_local_theta)
     llama3 = None
     if m.rope_scaling == "llama3":
         llama3 = (m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_context)
-    freqs = frequencies(head_dim(m), m.rope_theta, llama3)
+    freqs = frequencies(rope_dim(m), m.rope_theta, llama3)
     if m.rope_scaling == "yarn":
-        return yarn(freqs, head_dim(m), m.rope_theta, m.rope_factor, m.rope_original_context, m.rope_beta_fast,
+        return yarn(freqs, rope_dim(m), m.rope_theta, m.rope_factor, m.rope_original_context, m.rope_beta_fast,
                     m.rope_beta_slow, m.rope_truncate)
     return freqs / m.rope_factor if m.rope_scaling == "linear" else freqs
 
@@ -159,15 +191,21 @@ def _project(p: dict, x, positions, m, dtype, layer=None):
         q = norm("rmsnorm", p["q_norm"], q, m.norm_eps, m.norm_offset)
         k = norm("rmsnorm", p["k_norm"], k, m.norm_eps, m.norm_offset)
     if m.positions == "rope":
-        freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
-        q, k = rope(q, positions, freqs, rope_scale(m)), rope(k, positions, freqs, rope_scale(m))
+        q, k = apply_rope(q, positions, m, layer), apply_rope(k, positions, m, layer)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
     return q, k, v
 
 
-def _project_out(p: dict, out, dtype):
+def apply_rope(x, positions, m, layer=None):
+    """RoPE on x [batch, seq, heads, rope_dim] at `positions`: the model's, or the layer's own frequencies in
+    `layer` when the RoPE differs by layer."""
+    freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
+    return rope(x, positions, freqs, rope_scale(m))
+
+
+def project_out(p: dict, out, dtype):
     """The row-parallel output projection of the heads' outputs."""
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
     out = row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype, "attention")
@@ -179,7 +217,7 @@ def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
     `layer_data` (its window, its RoPE), where those differ by layer."""
     q, k, v = _project(p, x, positions, m, dtype, layer)
     out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, layer), "attention")
-    return _project_out(p, out, dtype)
+    return project_out(p, out, dtype)
 
 
 CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")  # a KV cache's logical dimensions
@@ -212,16 +250,16 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
     out = attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
                     cache.segment_ids, masking(m, layer), cache_implementation(m))
-    return _project_out(p, out, dtype), cache._replace(k=keys, v=values)
+    return project_out(p, out, dtype), cache._replace(k=keys, v=values)
 
 
 def _check_positions(m) -> None:
     """RoPE's keys and the attention window."""
     if m.rope_scaling not in ROPE_SCALINGS:
         raise ConfigError(f"model.rope_scaling: '{m.rope_scaling}' is not one of {', '.join(ROPE_SCALINGS)}")
-    if m.positions == "rope" and head_dim(m) % 2:
-        raise ConfigError(f"model: head dimension {head_dim(m)} must be even for RoPE; change model.head_dim (or "
-                          "d_model / n_heads)")
+    if m.positions == "rope" and rope_dim(m) % 2:
+        raise ConfigError(f"model: RoPE's dimensions ({rope_dim(m)}) must be even; change model.head_dim (or "
+                          "d_model / n_heads; model.mla.qk_rope_head_dim under MLA)")
     if m.rope_scaling == "llama3" and not (m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
                                            and m.rope_original_context > 0):
         raise ConfigError("model.rope_scaling=llama3 needs rope_factor ≥ 1, 0 < rope_low_freq_factor < "
@@ -245,8 +283,8 @@ def _check_positions(m) -> None:
 
 def _call_shapes(m) -> tuple:
     """The q, k and v shapes of one row's attention call, as a fused kernel's `supports` takes them."""
-    d = head_dim(m)
-    return (1, m.seq_len, m.n_heads, d), (1, m.seq_len, kv_heads(m), d), (1, m.seq_len, kv_heads(m), d)
+    kv = m.n_heads if m.attention == "mla" else kv_heads(m)
+    return (1, m.seq_len, m.n_heads, qk_dim(m)), (1, m.seq_len, kv, qk_dim(m)), (1, m.seq_len, kv, v_dim(m))
 
 
 def _check_fused(m) -> None:
@@ -294,8 +332,29 @@ def _check_implementation(m, sp: int) -> list[str]:
     return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
 
 
+ATTENTIONS = ("mha", "mla")
+
+
+def _check_mla(m) -> None:
+    """`model.attention` and, for MLA, the `model.mla` sizes and the features it is built without."""
+    if m.attention not in ATTENTIONS:
+        raise ConfigError(f"model.attention: '{m.attention}' is not one of {', '.join(ATTENTIONS)}")
+    if m.attention != "mla":
+        return
+    a = m.mla
+    if min(a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim) < 1 or a.q_lora_rank < 0:
+        raise ConfigError("model.mla: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be at least "
+                          "1, q_lora_rank 0 (no query compression) or more")
+    wrong = [f"model.{k}={getattr(m, k)!r}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
+                                                           ("qk_norm", False)) if getattr(m, k) != ok]
+    if wrong:
+        raise ConfigError(f"model.attention=mla is built with RoPE, no attention biases and no q/k norms; change "
+                          f"{', '.join(wrong)}")
+
+
 def check_config(m, shape: dict) -> list[str]:
     """The attention keys against the mesh: ConfigError (one line) for what cannot run; notes to log."""
+    _check_mla(m)
     _check_positions(m)
     sp, tp = shape["sp"], shape["tp"]
     notes = _check_implementation(m, sp)

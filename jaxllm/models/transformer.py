@@ -32,9 +32,9 @@ import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
-from jaxllm.models import attention
+from jaxllm.models import attention, mla
 from jaxllm.models import moe as moe_lib
-from jaxllm.models.attention import CacheView, attention_layer, cached_attention_layer, head_dim, kv_heads
+from jaxllm.models.attention import CacheView, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.ops import fp8
 from jaxllm.schema import ModelConfig
@@ -68,7 +68,26 @@ def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
     return d
 
 
+def _mla(m: ModelConfig, R: tuple, L: tuple) -> dict:
+    """Latent attention's weights (`models/mla.py`): the queries' (compressed or not), the latent's down-projection
+    [c | RoPE key] with its norm, the latent's up-projection to every head's [k_nope | v], the output."""
+    D, H, a = m.d_model, m.n_heads, m.mla
+    dqk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    attn = {"wkv_a": Leaf(R + (D, a.kv_lora_rank + a.qk_rope_head_dim), L + ("embed", "kv_lora"), "normal"),
+            "kv_a_norm": {"scale": Leaf(R + (a.kv_lora_rank,), L + ("kv_lora",), "norm_scale")},
+            "wkv_b": Leaf(R + (a.kv_lora_rank, H, a.qk_nope_head_dim + a.v_head_dim),
+                          L + ("kv_lora", "heads", "head_dim"), "normal"),
+            "wo": Leaf(R + (H, a.v_head_dim, D), L + ("heads", "head_dim", "embed"), "normal_out")}
+    if not a.q_lora_rank:
+        return {"wq": Leaf(R + (D, H, dqk), L + ("embed", "heads", "head_dim"), "normal"), **attn}
+    return {"wq_a": Leaf(R + (D, a.q_lora_rank), L + ("embed", "q_lora"), "normal"),
+            "q_a_norm": {"scale": Leaf(R + (a.q_lora_rank,), L + ("q_lora",), "norm_scale")},
+            "wq_b": Leaf(R + (a.q_lora_rank, H, dqk), L + ("q_lora", "heads", "head_dim"), "normal"), **attn}
+
+
 def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
+    if m.attention == "mla":
+        return _mla(m, R, L)
     D, H, KV, Dh = m.d_model, m.n_heads, kv_heads(m), head_dim(m)
     attn = {
         "wq": Leaf(R + (D, H, Dh), L + ("embed", "heads", "head_dim"), "normal"),
@@ -126,7 +145,7 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
         moe["shared"] = _mlp(m, R, L, shared_d_ff(m))
     if m.moe.shared_gate:
         moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
-    if m.moe.bias_update_rate:  # moved by `train/bias_balance.py`, not by the optimizer
+    if m.moe.router_bias or m.moe.bias_update_rate:  # moved by `train/bias_balance.py` only, or fixed
         moe["router_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
@@ -231,10 +250,11 @@ def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, c
     feed-forward, the KV cache with this layer written when generating with one). `layer`: the
     layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
     h = _norm_of(m, p["ln1"], x)
+    kind = mla if m.attention == "mla" else attention
     if cache is None:
-        y = attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
+        y = kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
     else:
-        y, cache = cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
+        y, cache = kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
     x = _residual(m, p, x, y, "post_attn_norm")
     return x, _norm_of(m, p["ln2"], x), cache
 
@@ -366,10 +386,10 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
         def body(carry, xs, seg=seg):
             x, cache = carry
             layer, r, data = xs
-            views = [slots._replace(k=kv["k"], v=kv["v"], layer=r) for kv in cache]
+            views = [slots._replace(k=kv["k"], v=kv.get("v"), layer=r) for kv in cache]  # MLA's: no "v"
             x, _, views = _apply_repeat(seg.pattern, layer, data, x, zero_aux(m), positions, segment_ids, m, dtype,
                                         views)
-            return (x, [{"k": view.k, "v": view.v} for view in views]), None
+            return (x, [{"k": view.k, "v": view.v} if view.v is not None else {"k": view.k} for view in views]), None
 
         xs = (stack[seg.blocks], jnp.arange(seg.repeats), scanned_layer_data(m, seg, seg.repeats))
         (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
@@ -492,8 +512,8 @@ def aux_metrics(aux: dict) -> dict:
 
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
 # fp32 statistics) and the router and its bias (routing is fp32). Every other leaf is cast to the compute dtype at use.
-READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "final_norm", "router",
-                "router_bias")
+READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
+                "final_norm", "router", "router_bias")
 
 
 def compute_weights(params: dict, dtype) -> dict:
@@ -549,7 +569,7 @@ def _check_shape(m: ModelConfig) -> None:
     for key in ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "vocab_size"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key}: must be at least 1, got {getattr(m, key)}")
-    if not m.head_dim and m.d_model % m.n_heads:
+    if not m.head_dim and m.attention == "mha" and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one of "
                           "them or set model.head_dim")
     kv = kv_heads(m)

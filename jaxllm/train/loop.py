@@ -149,7 +149,7 @@ def reference_params(cfg: Config, fns):
 def flops_per_token(cfg: Config) -> float:
     m = cfg.model
     n = transformer.count_params(m, embeddings=False, active=True) + m.d_model * m.vocab_size  # + LM head matmul
-    return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, m.n_heads * attention.head_dim(m))
+    return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, attention.score_width(m))
 
 
 def peak_flops(cfg: Config) -> float:

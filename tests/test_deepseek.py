@@ -1,0 +1,124 @@
+"""DeepSeek-V3 on tiny random transformers checkpoints (`hf_families.py`: latent attention with query compression,
+RoPE interleaved, 8 routed experts in 4 groups, a shared expert, a dense first layer, random routing biases) and
+latent attention on its own. test_hf_interop.py's import/export test (logits within 1e-4, export bitwise) and
+test_generate_hf.py's greedy generation run the family with the others (YaRN off); here: the config.json reads as
+latent attention, segments and DeepSeek's routing; YaRN with `mscale_all_dim`; the latent cache decodes what the
+whole-sequence forward computes and holds kv_lora_rank + qk_rope_head_dim values per token per layer; a quantized
+checkpoint is refused in one line; the DeepSeek-shaped model on meshes equals one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_families as H
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
+from jaxllm import stack
+from jaxllm.errors import ModelFileError
+from jaxllm.generate import cache
+from jaxllm.generate.decode import generate_arrays
+from jaxllm.interop import hf
+from jaxllm.models import attention, transformer
+
+SEQ = 64
+TOKENS = H.sample_tokens(H.VOCAB_SIZE, 2, SEQ, 0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return H.build("deepseek_v3", str(tmp_path_factory.mktemp("deepseek") / "v3"))
+
+
+def test_the_config_reads_as_latent_attention_segments_and_routing(model):
+    m = hf.config_for(model).model
+    assert (m.attention, m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim,
+            m.mla.v_head_dim) == ("mla", 32, 24, 16, 8, 12)
+    assert stack.layer_kinds(m) == ["dense", "moe", "moe"]
+    e = m.moe
+    assert (e.score, e.n_group, e.topk_group, e.routed_scale, e.router_bias, e.n_experts, e.top_k) == (
+        "sigmoid", 4, 2, 2.5, True, 8, 2)
+    assert (transformer.shared_d_ff(m), e.d_ff, e.shared_gate) == (32, 32, False)
+    _, params = hf.load_pretrained(model)
+    bias = np.asarray(params["blocks"][1]["moe"]["router_bias"])  # the routing buffers, read into the parameters
+    assert bias.shape == (2, 8) and np.abs(bias).min() > 0
+
+
+def test_yarn_with_mscale_all_dim_equals_transformers(tmp_path):
+    path = H.build("deepseek_v3", str(tmp_path / "yarn"), rope_parameters=dict(H.DEEPSEEK_YARN))
+    cfg, params = hf.load_pretrained(path, overrides={"model.seq_len": SEQ})
+    m = cfg.model
+    assert (m.rope_scaling, m.rope_mscale_all_dim) == ("yarn", 0.6) and attention.softmax_scale(m) != 24 ** -0.5
+    ours = np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, m))(params, jnp.asarray(TOKENS)))
+    assert np.abs(ours - H.reference_logits(path, TOKENS)).max() <= 1e-4
+    hf.save_pretrained(params, cfg, str(tmp_path / "out"))
+    assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ours).max() <= 1e-4
+
+
+def test_a_quantized_checkpoint_is_refused_in_one_line(model, tmp_path):
+    path = str(tmp_path / "fp8")
+    shutil.copytree(model, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ModelFileError, match="quantization_config='fp8'.*dequantize") as e:
+        hf.config_for(path)
+    assert "\n" not in str(e.value)
+
+
+def test_the_latent_cache_decodes_what_the_forward_computes(model):
+    """Greedy generation over the latent cache (absorbed up-projections) against the whole sequence through the
+    training forward (per-head keys and values): every step's logits within 1e-5 (fp32), so the tokens equal."""
+    cfg, params = hf.load_pretrained(model, overrides={"precision.compute": "float32", "model.seq_len": SEQ})
+    prompts = [TOKENS[0, :13].tolist(), TOKENS[1, :5].tolist()]
+    out = generate_arrays(params, cfg, prompts, 24, temperature=0.0, keep_logits=True)
+    for row, prompt in enumerate(prompts):
+        sequence = jnp.asarray([prompt + out["tokens"][row].tolist()])
+        full = np.asarray(transformer.logits(params, sequence, cfg.model))[0, len(prompt) - 1:-1]
+        diff = np.abs(out["logits"][row][:, :cfg.model.vocab_size] - full).max()
+        assert diff <= 1e-5, f"row {row}: cached decode off the forward by {diff:.3g}"
+
+
+def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
+    """The cache generation builds holds layers × rows × slots × (kv_lora_rank + qk_rope_head_dim) × 4 bytes (fp32),
+    what `cache_bytes` (the plan's) says; a per-head cache of the same model would hold 2 × heads × head widths."""
+    m = hf.config_for(model).model
+    rows, slots = 3, 40
+    built = jax.jit(lambda: cache.init_cache(m, rows, slots, jnp.float32, None))()
+    per_token = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * 4
+    assert sum(a.nbytes for a in jax.tree.leaves(built)) == m.n_layers * rows * slots * per_token
+    assert cache.cache_bytes(m, rows, slots, jnp.float32, None) == m.n_layers * rows * slots * per_token
+    assert [set(block) for block in built] == [{"k"}, {"k"}]  # no per-head keys or values
+
+
+# The DeepSeek-shaped model (latent attention with query compression, a dense layer then two MoE layers with
+# DeepSeek's routing, a shared expert and a routing bias moved by its load) on meshes against one device.
+DEEPSEEK = {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.mla.kv_lora_rank": 24,
+            "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 12,
+            "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
+                                                    {"layers": 2, "pattern": ["moe"]}],
+            "model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
+            "model.moe.routed_scale": 2.5, "model.moe.n_shared_experts": 1, "model.moe.bias_update_rate": 0.001,
+            "model.moe.capacity_factor": 0.0}
+MESHES = {"tp2_dp4": {"mesh.tp": 2, "mesh.dp": 4},
+          "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
+          "dp2_tp2_ep2": {"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2},
+          "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.zero_stage": 2, "train.microbatches": 2,
+                      "model.moe.balance_weight": 0.0}}
+
+
+@pytest.mark.parametrize("mesh", tiers(MESHES, {"tp2_dp4"}))
+def test_the_deepseek_shaped_model_on_a_mesh_equals_one_device(mesh):
+    keys = {k: v for k, v in MESHES[mesh].items() if k.startswith("model.")}
+    one = step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **keys))
+    params = jax.device_get(one.init(0).params)
+    loss, grads = loss_and_grads(one, params)
+    ref = (params, float(loss), jax.device_get(grads))
+    assert_matches(*loss_and_grads(step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **MESHES[mesh])), params), ref)
