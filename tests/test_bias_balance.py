@@ -52,6 +52,21 @@ def test_the_bias_moves_against_each_experts_load_over_the_whole_step():
     assert np.all(np.isin(np.round(steps, 5), (-1.0, 0.0, 1.0))) and np.any(steps != 0)
 
 
+def test_a_fixed_bias_decides_the_choice_and_never_moves():
+    """`model.moe.router_bias` without a rate (an imported DeepSeek-V3's `e_score_correction_bias`): the step keeps
+    it bitwise, and it changes the experts chosen (the loss differs from the same weights without it)."""
+    fixed = step_fns(config(**{"model.moe.bias_update_rate": 0.0, "model.moe.router_bias": True}))
+    state = fixed.init(0)
+    params = jax.device_get(state.params)
+    bias = np.random.default_rng(0).normal(0, 0.5, (1, 8)).astype(np.float32)
+    params["blocks"][1]["moe"]["router_bias"] = bias
+    new, metrics = train_step(fixed, state.replace(params=jax.device_put(params, fixed.state_shardings.params)))
+    np.testing.assert_array_equal(bias_of(new.params), bias[0])
+    zero = {**params, "blocks": [params["blocks"][0], {**params["blocks"][1], "moe": {
+        **params["blocks"][1]["moe"], "router_bias": np.zeros_like(bias)}}]}
+    assert float(loss_and_grads(fixed, zero)[0]) != float(metrics["loss"])
+
+
 @pytest.mark.slow
 def test_the_load_is_counted_over_every_microbatch_and_device():
     """2 microbatches on ep2×fsdp2 (ZeRO-2): the biases after one step are those of the step on one device."""
