@@ -254,6 +254,11 @@ class ModelConfig:
                                    "must divide by `sp × tp`)")
     cp_load_balance: bool = key(True, "zig-zag order of the sequence over `sp` ranks so each does the same causal "
                                       "work (`seq_len` must divide by `2 × sp`)")
+    mtp_depth: int = key(0, "multi-token prediction (DeepSeek-V3): this many modules after the stack, the k-th "
+                            "predicting the token k + 1 ahead from the (k−1)-th's output and the embedding of the token "
+                            "k ahead, each with its own norms, projection and block (the stack's last kind), sharing "
+                            "the embedding and the head; training adds `train.mtp_weight` × their mean loss, "
+                            "generation and evaluation ignore them; 0 = none")
     moe: MoeConfig = field(default_factory=MoeConfig)
     mla: MlaConfig = field(default_factory=MlaConfig)
 
@@ -311,6 +316,9 @@ class TrainConfig:
                                       "step instead of at every microbatch (more memory, fewer all-gathers)")
     sequence_parallel: bool = key(False, "Megatron sequence parallelism: the residual stream (norms, residual adds) "
                                          "is split along the sequence over `tp`")
+    mtp_weight: float = key(0.3, "with `model.mtp_depth` > 0: λ, the weight of the multi-token prediction modules' mean "
+                                 "loss in the objective (the logged `loss` includes it; `lm_loss` and `mtp_loss` are "
+                                 "the two parts)")
     loss_chunk: int = key(0, "compute the logits this many sequence positions at a time (0 = all at once), so "
                              "[tokens × vocab] logits never exist at once; must divide `seq_len`")
     optimizer: str = key("adamw", "`adamw`, `sgd` (with momentum), `adafactor`, `lion`, `muon` (per-layer on "

@@ -51,6 +51,8 @@ TENSOR_RULES: Rules = (
     ("gate", ()),  # a scalar gate's single output (Qwen2-MoE's shared-expert gate)
     ("q_lora", ()),  # latent attention's compressed query (`models/mla.py`): every tp rank projects all heads from it
     ("kv_lora", ()),  # and its compressed key-value latent (with the RoPE key), likewise whole on every tp rank
+    ("depth", ()),  # the multi-token prediction modules' stack (`models/mtp.py`): replicated over pp like the head
+    ("mtp_in", ()),  # their projection's input, the embedding and the hidden state joined
 )
 
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES

@@ -99,14 +99,15 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
 
 
 # The DeepSeek-shaped model (latent attention with query compression, a dense layer then two MoE layers with
-# DeepSeek's routing, a shared expert and a routing bias moved by its load) on meshes against one device.
+# DeepSeek's routing, a shared expert and a routing bias moved by its load, two multi-token prediction modules whose
+# blocks are MoE layers too) on meshes against one device; with pp the modules run on the last stage.
 DEEPSEEK = {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.mla.kv_lora_rank": 24,
             "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 12,
             "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
                                                     {"layers": 2, "pattern": ["moe"]}],
             "model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
             "model.moe.routed_scale": 2.5, "model.moe.n_shared_experts": 1, "model.moe.bias_update_rate": 0.001,
-            "model.moe.capacity_factor": 0.0}
+            "model.moe.capacity_factor": 0.0, "model.mtp_depth": 2}
 MESHES = {"tp2_dp4": {"mesh.tp": 2, "mesh.dp": 4},
           "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
           "dp2_tp2_ep2": {"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2},

@@ -149,7 +149,7 @@ model.moe.seq_balance_weight
 model.moe.top_k model.moe.z_weight model.moe.score model.moe.norm_topk model.moe.routed_scale
 model.moe.n_group model.moe.topk_group model.moe.router_bias
 model.attention model.mla.q_lora_rank model.mla.kv_lora_rank model.mla.qk_nope_head_dim model.mla.qk_rope_head_dim
-model.mla.v_head_dim model.rope_mscale_all_dim
+model.mla.v_head_dim model.rope_mscale_all_dim model.mtp_depth
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.attn_softcap model.embed_scale model.final_softcap model.norm_offset model.norm_placement model.qk_norm
 model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast
@@ -164,7 +164,7 @@ rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards
 run.dir run.progress run.sample_prompt run.sample_tokens
 train.allreduce train.beta1 train.beta2 train.bucket_mb train.checkpoint_every train.eps train.eval_batches train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.max_consecutive_skips train.skip_nonfinite
-train.spike_factor train.spike_window train.loss_chunk train.lr train.microbatches
+train.spike_factor train.spike_window train.loss_chunk train.mtp_weight train.lr train.microbatches
 train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
 train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
 train.warmup_steps train.weight_decay train.zero_stage train.zeropp.block train.zeropp.grads train.zeropp.hpz

@@ -60,12 +60,15 @@ def plain_model(m):
     extras = (m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none" or m.attn_softcap or m.final_softcap
               or m.query_pre_attn_scalar or m.rope_local_theta or any(0 < w < m.seq_len for w in layer_windows(m))
               or (m.moe.score, m.moe.norm_topk, m.moe.routed_scale, m.moe.n_group) != ("softmax", True, 1.0, 1)
-              or m.moe.bias_update_rate or m.moe.seq_balance_weight)
+              or m.moe.bias_update_rate or m.moe.router_bias or m.moe.seq_balance_weight or m.attention != "mha"
+              or m.rope_mscale_all_dim)
     if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
         raise ValueError(f"no plain reference for the features {features}")
     if features == FAMILIES["gpt2"]:
-        if m.segments or m.pattern != ["dense"] or kv_heads(m) != m.n_heads or m.head_dim not in (0, m.d_model // m.n_heads):
-            raise ValueError("plain_gpt has no mixture of experts, grouped-query attention or free head_dim")
+        if (m.segments or m.pattern != ["dense"] or kv_heads(m) != m.n_heads or m.mtp_depth
+                or m.head_dim not in (0, m.d_model // m.n_heads)):
+            raise ValueError("plain_gpt has no mixture of experts, grouped-query attention, free head_dim or "
+                             "multi-token prediction")
         return plain_gpt, plain_gpt.GPT(vocab_size=m.vocab_size, padded_vocab=padded_vocab(m), seq_len=m.seq_len,
                                         n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
                                         eps=m.norm_eps, init_std=m.init_std)
@@ -78,7 +81,7 @@ def plain_model(m):
         rope_theta=m.rope_theta, head_dim=head_dim(m), init_std=m.init_std, n_experts=e.n_experts if m.pattern == ["moe"] else 0,
         top_k=e.top_k, expert_d_ff=e.d_ff, shared_d_ff=shared_d_ff(m), shared_gate=e.shared_gate,
         balance_weight=e.balance_weight,
-        z_weight=e.z_weight)
+        z_weight=e.z_weight, mtp_depth=m.mtp_depth)
 
 
 def baseline_unavailable(cfg, n_devices: int) -> str | None:
@@ -88,6 +91,8 @@ def baseline_unavailable(cfg, n_devices: int) -> str | None:
         return f"mesh has {n_devices} devices (plain baseline is one device)"
     if m.segments or m.pattern != ["dense"]:
         return f"model.pattern={m.pattern}, segments={m.segments} (the plain MoE runs every expert on every token: not a peer)"
+    if m.mtp_depth:
+        return f"model.mtp_depth={m.mtp_depth} (the plain model's prediction modules are a reference, not timed)"
     if m.remat != "none":
         return f"model.remat={m.remat} (plain baseline has no remat)"
     if t.microbatches != 1:

@@ -21,7 +21,14 @@ meshes; `tools.bench` times it as the llama baseline. It follows Hugging Face's
   it got (0 if not chosen); optionally a shared SwiGLU every token goes through. The
   objective adds Switch's load-balancing loss E·Σ_e f_e·P_e and the router z-loss
   mean(logsumexp(logits)²), each weighted and averaged over the layers;
-- fp32 logits; the padded vocabulary columns are sliced off before the cross-entropy.
+- fp32 logits; the padded vocabulary columns are sliced off before the cross-entropy;
+- with `mtp_depth` D > 0, DeepSeek-V3's multi-token prediction: module k = 1..D joins
+  RMSNorm(embedding of token i + k) and RMSNorm(the previous hidden state) (the main model's last,
+  before its final norm), projects them back to d_model, runs one more layer (the stack's kind)
+  and predicts token i + k + 1 through its own final norm and the shared head; positions whose
+  token k + 1 ahead is past the window count zero, and each module's cross-entropy sum is divided
+  by all the window's tokens (DeepSeek-V3 eq. 24); mtp_weight times their mean joins the loss,
+  and its MoE layers join the auxiliary losses' mean.
 
 `from_jaxllm(params)` maps a jaxllm llama parameter tree onto this one (reshapes only).
 """
@@ -57,6 +64,8 @@ class Llama:
     shared_gate: bool = False  # that shared output times sigmoid(h @ w)
     balance_weight: float = 0.01
     z_weight: float = 0.001
+    mtp_depth: int = 0  # multi-token prediction modules (0: none)
+    mtp_weight: float = 0.3
 
 
 def init_params(c: Llama, key: jax.Array) -> dict:
@@ -86,6 +95,16 @@ def init_params(c: Llama, key: jax.Array) -> dict:
 def from_jaxllm(p: dict) -> dict:
     """The same weights from a jaxllm llama parameter tree (pattern ["dense"] or ["moe"])."""
     (b,) = p["blocks"]
+    out = {"wte": p["embed"]["tok"], "layers": _layers(b), "norm": p["final_norm"]["scale"], "lm_head": p["head"]["w"]}
+    if "mtp" in p:
+        mtp = p["mtp"]
+        out["mtp"] = {"enorm": mtp["enorm"]["scale"], "hnorm": mtp["hnorm"]["scale"], "eh_proj": mtp["eh_proj"],
+                      "layer": _layers(mtp["block"]), "norm": mtp["final_norm"]["scale"]}
+    return out
+
+
+def _layers(b: dict) -> dict:
+    """One jaxllm block kind's weights, stacked over its layers, as this file's layer dict."""
     a = b["attn"]
     L, D = a["wq"].shape[:2]
     flat_in = lambda w: w.reshape(L, D, -1)  # [L, D, heads, Dh] -> [L, D, heads·Dh]
@@ -102,7 +121,7 @@ def from_jaxllm(p: dict) -> dict:
                       expert_down=ex["w_down"])
         if "shared_gate" in b["moe"]:
             layers.update(shared_gate=b["moe"]["shared_gate"])
-    return {"wte": p["embed"]["tok"], "layers": layers, "norm": p["final_norm"]["scale"], "lm_head": p["head"]["w"]}
+    return layers
 
 
 def rms_norm(x, g, eps):
@@ -182,22 +201,58 @@ def block(c: Llama, dtype, cos, sin, carry, p):
     return (x + y, aux), None
 
 
-def logits(params, inputs, c: Llama, dtype=jnp.float32):
-    """(fp32 logits over the real vocabulary for [batch, seq] inputs, the MoE auxiliary losses averaged over
-    the layers (0 for a dense model))."""
+def head(params, x, norm, c: Llama, dtype):
+    """fp32 logits over the real vocabulary of x after the final norm `norm`."""
+    x = rms_norm(x, norm, c.eps)
+    out = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32)
+    return out[..., :c.vocab_size]
+
+
+def hidden(params, inputs, c: Llama, dtype=jnp.float32):
+    """(the last layer's output for [batch, seq] inputs, the MoE auxiliary losses summed over the layers)."""
     cos, sin = rope_tables(c, inputs.shape[1])
     x = params["wte"].astype(dtype)[inputs]
     (x, aux), _ = jax.lax.scan(functools.partial(block, c, dtype, cos, sin), (x, jnp.float32(0)), params["layers"])
-    x = rms_norm(x, params["norm"], c.eps)
-    out = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(dtype), preferred_element_type=jnp.float32)
-    return out[..., :c.vocab_size], aux / c.n_layers
+    return x, aux
+
+
+def logits(params, inputs, c: Llama, dtype=jnp.float32):
+    """(fp32 logits over the real vocabulary for [batch, seq] inputs, the MoE auxiliary losses averaged over
+    the layers (0 for a dense model))."""
+    x, aux = hidden(params, inputs, c, dtype)
+    return head(params, x, params["norm"], c, dtype), aux / c.n_layers
+
+
+def mtp_losses(params, tokens, x, c: Llama, dtype=jnp.float32):
+    """(the mean over the D modules of each one's cross-entropy sum / the window's tokens, their MoE auxiliary
+    losses summed) for a [batch, T + 1] window and the main model's last hidden state x [batch, T]."""
+    b, T = x.shape[:2]
+    ahead = jnp.concatenate([tokens, jnp.zeros((b, c.mtp_depth), tokens.dtype)], axis=1)  # zeros past the window
+    cos, sin = rope_tables(c, T)
+    total, aux, h = jnp.float32(0), jnp.float32(0), x
+    for k in range(1, c.mtp_depth + 1):
+        p = jax.tree.map(lambda a: a[k - 1], params["mtp"])
+        e = params["wte"].astype(dtype)[ahead[:, k:k + T]]  # token i + k
+        joined = jnp.concatenate([rms_norm(e, p["enorm"], c.eps), rms_norm(h, p["hnorm"], c.eps)], axis=-1)
+        layer = jax.tree.map(lambda a: a[None], p["layer"])  # one layer, as `block` scans them
+        (h, aux), _ = jax.lax.scan(functools.partial(block, c, dtype, cos, sin),
+                                   (joined @ p["eh_proj"].astype(dtype), aux), layer)
+        ce = optax.softmax_cross_entropy_with_integer_labels(head(params, h, p["norm"], c, dtype),
+                                                             ahead[:, k + 1:k + 1 + T])
+        total = total + jnp.sum(jnp.where(jnp.arange(T) < T - k, ce, 0.0)) / (b * T)  # token i + k + 1 in the window
+    return total / c.mtp_depth, aux
 
 
 def losses(params, tokens, c: Llama, dtype=jnp.float32):
-    """(mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens, the MoE auxiliary
-    losses averaged over the layers (0 for a dense model))."""
-    out, aux = logits(params, tokens[:, :-1], c, dtype)
-    return optax.softmax_cross_entropy_with_integer_labels(out, tokens[:, 1:]).mean(), aux
+    """(mean next-token cross-entropy over a [batch, seq_len + 1] window of tokens, plus mtp_weight times the
+    prediction modules' mean loss with `mtp_depth`; the MoE auxiliary losses averaged over the MoE layers (0 for
+    a dense model))."""
+    x, aux = hidden(params, tokens[:, :-1], c, dtype)
+    lm = optax.softmax_cross_entropy_with_integer_labels(head(params, x, params["norm"], c, dtype), tokens[:, 1:]).mean()
+    if not c.mtp_depth:
+        return lm, aux / c.n_layers
+    mtp, more = mtp_losses(params, tokens, x, c, dtype)
+    return lm + c.mtp_weight * mtp, (aux + more) / (c.n_layers + (c.mtp_depth if c.n_experts else 0))
 
 
 def loss_fn(params, tokens, c: Llama, dtype=jnp.float32):

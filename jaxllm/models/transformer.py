@@ -153,6 +153,18 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
 BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block}
 
 
+def _mtp(m: ModelConfig) -> dict:
+    """Multi-token prediction's modules (`models/mtp.py`), stacked over `model.mtp_depth` (logical "depth": never
+    split over pp): norms of the embedding and of the previous hidden state, the projection of the two joined, a
+    block of the stack's last kind and a final norm."""
+    D, R, L = m.mtp_depth, (m.mtp_depth,), ("depth",)
+    block = jax.tree.map(lambda leaf: Leaf(leaf.shape, L + leaf.names[1:], leaf.init),
+                         BLOCK_KINDS[stack_lib.kinds(m)[-1]](m, D), is_leaf=_is_leaf)
+    return {"enorm": _norm(m, R, L), "hnorm": _norm(m, R, L),
+            "eh_proj": Leaf(R + (2 * m.d_model, m.d_model), L + ("mtp_in", "embed"), "normal"), "block": block,
+            "final_norm": _norm(m, R, L)}
+
+
 def param_table(m: ModelConfig) -> dict:
     """The tree of `Leaf`s describing every parameter."""
     V, D = padded_vocab(m), m.d_model
@@ -165,6 +177,8 @@ def param_table(m: ModelConfig) -> dict:
         table["embed"]["pos"] = Leaf((max_positions(m), D), ("pos", "embed"), "normal")
     if not m.tie_embeddings:
         table["head"] = {"w": Leaf((D, V), ("embed", "vocab"), "normal")}
+    if m.mtp_depth:
+        table["mtp"] = _mtp(m)
     return table
 
 
@@ -195,7 +209,8 @@ def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) 
         outside = {k: table[k] for k in ("embed", "head") if k in table}
         total -= sum(math.prod(l.shape) for l in jax.tree.leaves(outside, is_leaf=_is_leaf))
     if active:
-        experts = [l for block in table["blocks"] if "moe" in block
+        blocks = table["blocks"] + ([table["mtp"]["block"]] if "mtp" in table else [])
+        experts = [l for block in blocks if "moe" in block
                    for l in jax.tree.leaves(block["moe"]["experts"], is_leaf=_is_leaf)]
         total -= round(sum(math.prod(l.shape) for l in experts) * (1 - m.moe.top_k / m.moe.n_experts))
     return total
@@ -236,27 +251,27 @@ def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig,
     return constrain(constrain(x, ("batch", "seq", "embed")), ACT)
 
 
-def _norm_of(m: ModelConfig, p: dict, x):
+def norm_of(m: ModelConfig, p: dict, x):
     return norm(m.norm, p, x, m.norm_eps, m.norm_offset)
 
 
 def _residual(m: ModelConfig, p: dict, x, y, post: str):
     """x + y, y normed first (`post`) under `model.norm_placement = "sandwich"`."""
-    return constrain(x + (_norm_of(m, p[post], y) if post in p else y), ACT)
+    return constrain(x + (norm_of(m, p[post], y) if post in p else y), ACT)
 
 
 def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
     """The first half of every block: (residual stream after attention, its normed copy for the
     feed-forward, the KV cache with this layer written when generating with one). `layer`: the
     layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
-    h = _norm_of(m, p["ln1"], x)
+    h = norm_of(m, p["ln1"], x)
     kind = mla if m.attention == "mla" else attention
     if cache is None:
         y = kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
     else:
         y, cache = kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
     x = _residual(m, p, x, y, "post_attn_norm")
-    return x, _norm_of(m, p["ln2"], x), cache
+    return x, norm_of(m, p["ln2"], x), cache
 
 
 def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
@@ -416,7 +431,7 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
 
 def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary for the residual stream x."""
-    return _logits(params, _norm_of(m, params["final_norm"], x), m, dtype)
+    return _logits(params, norm_of(m, params["final_norm"], x), m, dtype)
 
 
 def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: float = 1.0):
@@ -451,7 +466,7 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks) of every
     batch field: strided, so a sequence split in contiguous blocks over a mesh axis stays split.
     """
-    x = constrain(_norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
+    x = constrain(norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
 
     def evaluate(x, batch):
         return terms(*head_logp(params, x, batch["targets"], m, dtype, temperature), batch)
@@ -490,7 +505,7 @@ def target_logp(params: dict, batch: dict, m: ModelConfig, dtype, temperature: f
     """Each target's log-probability [batch, seq], fp32, with the logits divided by `temperature`."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
     x, _ = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    x = constrain(_norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
+    x = constrain(norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
     return head_logp(params, x, batch["targets"], m, dtype, temperature)[0]
 
 
@@ -513,7 +528,7 @@ def aux_metrics(aux: dict) -> dict:
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
 # fp32 statistics) and the router and its bias (routing is fp32). Every other leaf is cast to the compute dtype at use.
 READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
-                "final_norm", "router", "router_bias")
+                "final_norm", "enorm", "hnorm", "router", "router_bias")
 
 
 def compute_weights(params: dict, dtype) -> dict:
@@ -612,10 +627,27 @@ def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
     return notes
 
 
+def _check_mtp(m: ModelConfig, t) -> None:
+    """Multi-token prediction: a language-model objective, and one window and RoPE for every layer (the modules'
+    blocks take the model's)."""
+    if m.mtp_depth < 0 or t.mtp_weight < 0:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} and train.mtp_weight={t.mtp_weight} must be 0 or more")
+    if not m.mtp_depth:
+        return
+    if t.objective != "lm":
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with train.objective={t.objective}: multi-token prediction "
+                          "trains with the language-model objective; set model.mtp_depth=0 or train.objective=lm")
+    if attention.layer_data(m) is not None:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth}: the windows or RoPE differ by layer "
+                          f"(model.window_pattern={m.window_pattern}), and a prediction module has no layer of its "
+                          "own; set one window for every layer or model.mtp_depth=0")
+
+
 def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
     """The model section against the mesh (and the training keys it depends on): ConfigError (one line:
     key and fix) for what cannot run; notes to log."""
     _check_shape(m)
+    _check_mtp(m, t)
     _check_remat_group(m, t, shape["pp"])
     notes = _check_tensor_parallel(m, t, shape["tp"], shape["sp"])
     if stack_lib.has_moe(m):

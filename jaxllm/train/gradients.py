@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
-from jaxllm.models import transformer
+from jaxllm.models import mtp, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
@@ -57,6 +57,7 @@ class Paths:
     allreduce: str = "xla"  # the ZeRO-0/1 gradient all-reduce (train.allreduce, parallel/allreduce.py)
     bucket_bytes: int = 25 << 20  # train.bucket_mb
     zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp or precision.grad_reduce=float32 asks for it
+    mtp_weight: float = 0.0  # train.mtp_weight, with model.mtp_depth > 0 (models/mtp.py)
 
     @property
     def local_layout(self) -> Layout:
@@ -87,8 +88,8 @@ def loss_share(params, batch: dict, norm, g: Paths):
     auxiliary losses, times the loss scale. `norm` is (count, scale). Aux: (that objective share, metric
     shares, the blocks' auxiliary terms), unscaled."""
     (count, scale), o = norm, g.objective
-    total, sums, aux = transformer.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk,
-                                           o.temperature)
+    total, sums, aux = mtp.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk, o.temperature,
+                                   g.mtp_weight)
     # The scale enters as count / S, and the step passes S (1 when not scaling) as data, so a scaled and an
     # unscaled run compile one program and, S a power of two, every gradient is exactly S times the other's.
     denom = count / scale
@@ -120,7 +121,8 @@ def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_
 
     zeros = pin_grads(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))  # fp32 even for hpZ's copy
     (loss, metrics, aux, grads), _ = jax.lax.scan(
-        body, (jnp.float32(0), zero_metrics(g.objective, batch), transformer.zero_aux(g.model), zeros), mbs)
+        body, (jnp.float32(0), {**zero_metrics(g.objective, batch), **mtp.zero_metrics(g.model, batch)},
+               transformer.zero_aux(g.model), zeros), mbs)
     return loss, metrics, aux, grads
 
 
@@ -182,7 +184,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
     names = _pipelined_params(transformer.param_names(m), m)
     shapes = _pipelined_params(transformer.param_shapes(m), m)
     *lead, last = stack_lib.segments(m)
-    moe_layers = sum(len(seg.pattern) * seg.repeats for seg in stack_lib.segments(m) if "moe" in seg.pattern)
+    moe_layers = sum(seg.pattern.count("moe") * seg.repeats for seg in stack_lib.segments(m)) + mtp.moe_layers(m)
     batch_manual = g.zero_stage <= 1  # as in the accumulation island: reduce over the batch axes once
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
@@ -206,8 +208,8 @@ def pipelined(params, batch: dict, norm, g: Paths):
         embed_fn=embed_fn,
         blocks_fn=lambda ch, x, mb, first: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype,
                                                               first, segments=(last,)),
-        loss_fn=lambda sh, x, mb: transformer.head_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk,
-                                                         o.temperature),
+        loss_fn=lambda sh, x, mb: mtp.output_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk, o.temperature,
+                                                   g.mtp_weight),
         aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
@@ -238,7 +240,7 @@ def loss_and_grads(params, batch: dict, g: Paths, scale):
     """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
     objective times `scale`, a power of two, 1 when not scaling) over the global batch, on the step's layout."""
     with use_layout(g.layout):
-        batch = in_model_order(batch, g)
+        batch = in_model_order(mtp.with_fields(batch, g.model.mtp_depth), g)
         return path_of(g)(params, batch, (g.objective.count(batch), scale), g)
 
 

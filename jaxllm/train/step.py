@@ -144,7 +144,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
                   if mesh.shape["pp"] > 1 else None),
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
-        bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg))
+        bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight)
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
