@@ -200,7 +200,7 @@ def source_model_keys(source: str) -> dict:
     if not source:
         return {}
     if source.startswith("hf:"):
-        return hf_config.model_keys(hf_config.read(source[3:]))
+        return hf_config.model_keys(hf_config.read(source[3:]), source[3:])
     if source.startswith("run:"):
         run_dir, _ = split_run_source(source)
         saved = _current(load_toml(os.path.join(run_dir, "config.toml")))

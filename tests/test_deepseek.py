@@ -20,6 +20,7 @@ import pytest
 import hf_families as H
 from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
 from jaxllm import stack
+from jaxllm.config import build_config
 from jaxllm.errors import ModelFileError
 from jaxllm.generate import cache
 from jaxllm.generate.decode import generate_arrays
@@ -123,3 +124,25 @@ def test_the_deepseek_shaped_model_on_a_mesh_equals_one_device(mesh):
     loss, grads = loss_and_grads(one, params)
     ref = (params, float(loss), jax.device_get(grads))
     assert_matches(*loss_and_grads(step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **MESHES[mesh])), params), ref)
+
+
+def test_prediction_layers_are_written_and_read_under_deepseeks_names(model, tmp_path):
+    """A model with a multi-token prediction module exports it as layer n_layers (its norms, projection, block and
+    final norm, with copies of the embedding and head, as DeepSeek-V3's files hold them), transformers loads the
+    export to the same logits (it does not run that layer), and the export imports back bitwise, module included."""
+    cfg, params = hf.load_pretrained(model, overrides={"model.seq_len": SEQ})
+    with_mtp = build_config(None, {**{f"model.{k}": v for k, v in hf.hf_config.model_keys(
+        hf.hf_config.read(model)).items()}, "model.mtp_depth": 1, "model.seq_len": SEQ, "model.vocab_size": 301})
+    table = jax.jit(lambda k: transformer.init_params(with_mtp.model, k))(jax.random.key(1))
+    params = {**params, "mtp": table["mtp"]}
+    out = str(tmp_path / "out")
+    hf.save_pretrained(params, with_mtp, out)
+    names = hf.Files(out).where
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.enorm.weight", "model.layers.3.shared_head.head.weight",
+            "model.layers.3.embed_tokens.weight", "model.layers.3.mlp.gate.e_score_correction_bias"} <= set(names)
+    ours = np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(TOKENS)))
+    assert np.abs(H.reference_logits(out, TOKENS) - ours).max() <= 1e-4
+    back_cfg, back = hf.load_pretrained(out)
+    assert back_cfg.model.mtp_depth == 1
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

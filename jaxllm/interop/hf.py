@@ -36,8 +36,7 @@ from jaxllm.models import transformer
 from jaxllm.schema import Config
 
 log = logging.getLogger("jaxllm")
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX, SINGLE = hf_config.INDEX, hf_config.SINGLE
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 FILE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 # Buffers some files hold that are not parameters (GPT-2's causal mask, old rotary tables).
@@ -52,19 +51,8 @@ class Files:
     """The tensors of a model directory by key: which file holds each, its dtype and shape."""
 
     def __init__(self, path: str):
-        self.path, self.where = path, self._index(path)
+        self.path, self.where = path, hf_config.weight_map(path)
         self._open: dict = {}
-
-    @staticmethod
-    def _index(path: str) -> dict[str, str]:
-        if os.path.isfile(os.path.join(path, INDEX)):
-            with open(os.path.join(path, INDEX)) as f:
-                return dict(json.load(f)["weight_map"])
-        if not os.path.isfile(os.path.join(path, SINGLE)):
-            raise ModelFileError(f"{path}: neither {SINGLE} nor {INDEX}; jaxllm reads safetensors weights (convert "
-                                 ".bin files with transformers' save_pretrained(safe_serialization=True))")
-        with safe_open(os.path.join(path, SINGLE), "numpy") as f:
-            return {k: SINGLE for k in f.keys()}
 
     def handle(self, key: str, framework: str):
         file = self.where[key]
@@ -150,15 +138,17 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
 
 
 def leaf_entries(m, fused: bool = False, interleaved: bool = False) -> dict[tuple, Entry]:
-    """Every parameter leaf's path in `params` (blocks: ("blocks", block index, ...)) -> its table entry (`fused`:
-    the checkpoint's experts are fused tensors; `interleaved`: its RoPE dimensions interleaved pairs)."""
+    """Every parameter leaf's path in `params` (blocks: ("blocks", block index, ...); the prediction modules'
+    ("mtp", ...), their block's ("mtp", "block", ...)) -> its table entry (`fused`: the checkpoint's experts are
+    fused tensors; `interleaved`: its RoPE dimensions interleaved pairs)."""
     table, out = entries(m, fused, interleaved), {}
     for e in table:
-        if "{i}" not in e.key:
+        if "{i}" not in e.key or e.path[0] == "mtp":
             out[e.path] = e
             continue
         for k, kind in enumerate(stack.kinds(m)):
             out[("blocks", k, *e.path)] = e
+        out[("mtp", "block", *e.path)] = e
     leaves = {tuple(_key_name(k) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(
         transformer.param_shapes(m))}
     missing = sorted(leaves - set(out))
@@ -176,22 +166,29 @@ def _segment_of(m, k: int) -> stack.Segment:
     return next(seg for seg in stack.segments(m) if seg.blocks.start <= k < seg.blocks.stop)
 
 
-def _keys(e: Entry, m, k: int, repeats) -> list[list[str]]:
-    """The file keys of a per-layer leaf of block `k`, [repeat][expert] (one expert for a leaf without {x})."""
+def _stack(m, path: tuple) -> tuple:
+    """(which stack a per-layer leaf is in: its block index or "mtp", its repeats, repeat -> file layer)."""
+    if path[0] == "mtp":  # the prediction modules: the file's layers after the stack's
+        return "mtp", m.mtp_depth, lambda r: m.n_layers + r
+    seg, k = _segment_of(m, path[1]), path[1]
+    return k, seg.repeats, lambda r: seg.first_layer + r * len(seg.pattern) + k - seg.first_block
+
+
+def _keys(e: Entry, m, path: tuple, repeats) -> list[list[str]]:
+    """The file keys of a per-layer leaf at `path`, [repeat][expert] (one expert for a leaf without {x})."""
     experts = range(m.moe.n_experts) if "{x}" in e.key else [None]
-    seg = _segment_of(m, k)
-    layer = lambda r: seg.first_layer + r * len(seg.pattern) + k - seg.first_block
+    layer = _stack(m, path)[2]
     return [[e.key.format(i=layer(r), x=x) for x in experts] for r in repeats]
 
 
 def read_leaf(files: Files, m, path: tuple, e: Entry, shape: tuple, index: tuple) -> np.ndarray:
     """Block `index` of the leaf at `path` (of `shape`), one file tensor at a time."""
     vocab = m.vocab_size
-    if path[0] != "blocks":
+    if "{i}" not in e.key:
         return read_block(files, e, files.full_key(e.key), shape, index, vocab)
     r0, r1 = _bounds(index[0], shape[0])
     layers = []
-    for keys in _keys(e, m, path[1], range(r0, r1)):
+    for keys in _keys(e, m, path, range(r0, r1)):
         if "{x}" not in e.key:
             layers.append(read_block(files, e, files.full_key(keys[0]), shape[1:], index[1:], vocab))
             continue
@@ -260,19 +257,30 @@ def _fetch(x: jax.Array) -> np.ndarray:
 
 def _file_tensors(params: dict, m):
     """(file key, fp32 host tensor) for every tensor of the checkpoint, in the table's order, one at a time."""
-    by_key: dict[tuple, list[tuple[tuple, Entry]]] = {}  # (key, block kind index) -> the leaves it holds
+    by_key: dict[tuple, list[tuple[tuple, Entry]]] = {}  # (key, stack) -> the leaves it holds
     for path, e in leaf_entries(m, interleaved=True).items():  # DeepSeek's RoPE rows as published
-        by_key.setdefault((e.key, path[1] if path[0] == "blocks" else None), []).append((path, e))
+        by_key.setdefault((e.key, _stack(m, path)[0] if "{i}" in e.key else None), []).append((path, e))
     take = jax.jit(lambda leaf, r: leaf[r])  # one layer of a stacked leaf, where its devices are
     for (key, k), leaves in by_key.items():
         leaves.sort(key=lambda pe: pe[1].select or 0)
         if k is None:
             yield key, _to_file(leaves, [_fetch(_at(params, path)) for path, _ in leaves], m)
             continue
-        for r, keys in enumerate(_keys(leaves[0][1], m, k, range(_segment_of(m, k).repeats))):
+        path = leaves[0][0]
+        for r, keys in enumerate(_keys(leaves[0][1], m, path, range(_stack(m, path)[1]))):
             values = [_fetch(take(_at(params, path), r)) for path, _ in leaves]
             for x, file_key in enumerate(keys):
                 yield file_key, _to_file(leaves, [v[x] if "{x}" in key else v for v in values], m)
+    yield from _mtp_copies(params, m)
+
+
+def _mtp_copies(params: dict, m):
+    """Each prediction layer's copies of the shared embedding and head, as DeepSeek-V3's files hold them."""
+    head = params["embed"]["tok"].T if m.tie_embeddings else params["head"]["w"]
+    for r in range(m.mtp_depth):
+        layer = f"model.layers.{m.n_layers + r}"
+        yield f"{layer}.embed_tokens.weight", _fetch(params["embed"]["tok"])[:m.vocab_size]
+        yield f"{layer}.shared_head.head.weight", np.ascontiguousarray(_fetch(head)[:, :m.vocab_size].T)
 
 
 def _at(params: dict, path: tuple):

@@ -66,7 +66,26 @@ ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "
                      "segments", "moe.n_experts", "moe.top_k", "moe.d_ff", "moe.n_shared_experts", "moe.shared_d_ff",
                      "moe.shared_gate", "moe.score", "moe.norm_topk", "moe.routed_scale", "moe.n_group",
                      "moe.topk_group", "moe.router_bias", "attention", "mla.q_lora_rank", "mla.kv_lora_rank",
-                     "mla.qk_nope_head_dim", "mla.qk_rope_head_dim", "mla.v_head_dim", "rope_mscale_all_dim")
+                     "mla.qk_nope_head_dim", "mla.qk_rope_head_dim", "mla.v_head_dim", "rope_mscale_all_dim",
+                     "mtp_depth")
+
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def weight_map(path: str) -> dict[str, str]:
+    """Which file of the model directory `path` holds each tensor (from the index, or the single file's header)."""
+    from safetensors import safe_open
+
+    if os.path.isfile(os.path.join(path, INDEX)):
+        with open(os.path.join(path, INDEX)) as f:
+            return dict(json.load(f)["weight_map"])
+    if not os.path.isfile(os.path.join(path, SINGLE)):
+        raise ModelFileError(f"{path}: neither {SINGLE} nor {INDEX}; jaxllm reads safetensors weights (convert "
+                             ".bin files with transformers' save_pretrained(safe_serialization=True))")
+    with safe_open(os.path.join(path, SINGLE), "numpy") as f:
+        return {k: SINGLE for k in f.keys()}
 
 
 def read(path: str) -> dict:
@@ -261,10 +280,12 @@ def _qwen_moe(hf: dict) -> dict:
                                  bool(value("norm_topk_prob")), value("router_aux_loss_coef"), shared, gate=True)}
 
 
-def _deepseek(hf: dict) -> dict:
+def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
     """DeepSeek-V3: latent attention; `first_k_dense_replace` dense layers, then MoE layers with sigmoid scores,
     group-limited top-k, the routing bias (`e_score_correction_bias`, fixed unless a run moves it) and shared
-    experts; the softmax scale's `mscale_all_dim`."""
+    experts; the softmax scale's `mscale_all_dim`; the multi-token prediction layers
+    (`num_nextn_predict_layers`) where the files hold them (`tensors()`: their tensor names; transformers saves
+    none)."""
     value = functools.partial(_value, hf)
     if hf.get("quantization_config"):
         raise ModelFileError(f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: "
@@ -289,7 +310,14 @@ def _deepseek(hf: dict) -> dict:
                 **{"mla.q_lora_rank": value("q_lora_rank") or 0, "mla.kv_lora_rank": value("kv_lora_rank"),
                    "mla.qk_nope_head_dim": value("qk_nope_head_dim"), "mla.qk_rope_head_dim": value("qk_rope_head_dim"),
                    "mla.v_head_dim": value("v_head_dim")},
-                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if scaled else 0.0)
+                rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0) if scaled else 0.0,
+                mtp_depth=_mtp_layers(hf, tensors))
+
+
+def _mtp_layers(hf: dict, tensors) -> int:
+    """The multi-token prediction layers config.json names, if the files hold the first one's projection."""
+    depth = hf.get("num_nextn_predict_layers") or 0
+    return depth if depth and f"model.layers.{hf['num_hidden_layers']}.eh_proj.weight" in tensors() else 0
 
 
 def rope_interleaved(hf: dict) -> bool:
@@ -320,8 +348,9 @@ def text_config(hf: dict) -> dict:
     return {"model_type": "gemma3_text", **hf.get("text_config", {})}
 
 
-def model_keys(hf: dict) -> dict:
-    """The `model.*` keys (dotted below `model`) of a Hugging Face config (a multimodal Gemma 3: its text tower)."""
+def model_keys(hf: dict, path: str | None = None) -> dict:
+    """The `model.*` keys (dotted below `model`) of a Hugging Face config (a multimodal Gemma 3: its text tower);
+    `path`, the model directory, where the weights decide a key (DeepSeek-V3's prediction layers)."""
     hf = text_config(hf)
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
@@ -330,7 +359,7 @@ def model_keys(hf: dict) -> dict:
     if kind == "gpt2":
         return _gpt2(hf)
     if kind == "deepseek_v3":
-        return _deepseek(hf)
+        return _deepseek(hf, lambda: weight_map(path) if path else {})
     return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
@@ -435,13 +464,13 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
 
 def _deepseek_out(m: ModelConfig) -> dict:
     """DeepSeek-V3's keys: the latent attention's sizes (RoPE rows written interleaved, as published), the dense
-    layers first, the experts and their routing; no multi-token prediction layers."""
+    layers first, the experts and their routing, the multi-token prediction layers."""
     e, a, kinds = m.moe, m.mla, stack.layer_kinds(m)
     moe_d_ff = e.d_ff or m.d_ff
     out = {"num_key_value_heads": m.n_heads, "head_dim": a.qk_rope_head_dim, "q_lora_rank": a.q_lora_rank or None,
            "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
            "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim, "rope_interleave": True,
-           "attention_bias": False, "num_nextn_predict_layers": 0,
+           "attention_bias": False, "num_nextn_predict_layers": m.mtp_depth,
            "first_k_dense_replace": kinds.index("moe") if "moe" in kinds else len(kinds),
            "n_routed_experts": e.n_experts, "num_experts_per_tok": e.top_k, "moe_intermediate_size": moe_d_ff,
            "n_shared_experts": shared_d_ff(m) // moe_d_ff, "norm_topk_prob": e.norm_topk,
@@ -541,6 +570,8 @@ def exportable(m: ModelConfig) -> None:
     elif m.rope_scaling != "none" and not m.rope_local_theta and any(attention.layer_windows(m)):
         wrong.append(f"model.rope_scaling={m.rope_scaling!r} on local layers (set model.rope_local_theta)")
     wrong += _stack_wrong(m, kind)
+    if m.mtp_depth and kind != "deepseek_v3":
+        wrong.append(f"model.mtp_depth={m.mtp_depth} (only DeepSeek-V3's files hold prediction layers)")
     if kind == "gpt2" and (m.n_kv_heads not in (0, m.n_heads) or m.head_dim not in (0, m.d_model // m.n_heads)):
         wrong.append("grouped-query attention or a free head_dim")
     if wrong:

@@ -115,7 +115,8 @@ def halves(nope: int, rope: int) -> tuple[int, ...]:
 
 def _deepseek(m, fused: bool, interleaved: bool) -> list[Entry]:
     """DeepSeek-V3: latent attention (`models/mla.py`'s weights), dense layers' MLP, MoE layers' router with its bias,
-    experts and shared experts."""
+    experts and shared experts; the multi-token prediction layers' own norms and projection (their blocks'
+    entries are the stack's; their copies of the embedding and head are written, not read)."""
     a, key = m.mla, "model.layers.{i}.self_attn"
     q_order = ("d", halves(a.qk_nope_head_dim, a.qk_rope_head_dim)) if interleaved else None
     kv_order = ("c", halves(a.kv_lora_rank, a.qk_rope_head_dim)) if interleaved else None
@@ -132,7 +133,12 @@ def _deepseek(m, fused: bool, interleaved: bool) -> list[Entry]:
     mlp = "model.layers.{i}.mlp"
     experts = [Entry(f"{mlp}.gate.e_score_correction_bias", ("moe", "router_bias"), "x -> x"),
                *_routed_experts(mlp, fused), *_mlp(f"{mlp}.shared_experts", ("moe", "shared"))]
-    return _llama("", False, m.tie_embeddings, "", "pre", False, False, attn) + experts
+    prediction = "model.layers.{i}"  # the multi-token prediction layers: numbered after the stack's
+    mtp = [Entry(f"{prediction}.enorm.weight", ("mtp", "enorm", "scale"), "e -> e"),
+           Entry(f"{prediction}.hnorm.weight", ("mtp", "hnorm", "scale"), "e -> e"),
+           Entry(f"{prediction}.eh_proj.weight", ("mtp", "eh_proj"), "e c -> c e"),
+           Entry(f"{prediction}.shared_head.norm.weight", ("mtp", "final_norm", "scale"), "e -> e")]
+    return _llama("", False, m.tie_embeddings, "", "pre", False, False, attn) + experts + mtp
 
 
 def _llama(biases: str, mlp_bias: bool, tied: bool, experts: str = "", placement: str = "pre",
