@@ -52,6 +52,7 @@ def test_the_bias_moves_against_each_experts_load_over_the_whole_step():
     assert np.all(np.isin(np.round(steps, 5), (-1.0, 0.0, 1.0))) and np.any(steps != 0)
 
 
+@pytest.mark.slow
 def test_a_fixed_bias_decides_the_choice_and_never_moves():
     """`model.moe.router_bias` without a rate (an imported DeepSeek-V3's `e_score_correction_bias`): the step keeps
     it bitwise, and it changes the experts chosen (the loss differs from the same weights without it)."""

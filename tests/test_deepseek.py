@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns
 from jaxllm import stack
 from jaxllm.config import build_config
 from jaxllm.errors import ModelFileError
@@ -100,32 +100,33 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
 
 
 # The DeepSeek-shaped model (latent attention with query compression, a dense layer then two MoE layers with
-# DeepSeek's routing, a shared expert and a routing bias moved by its load, two multi-token prediction modules whose
-# blocks are MoE layers too) on meshes against one device; with pp the modules run on the last stage.
+# DeepSeek's routing, a shared expert and a routing bias moved by its load, a multi-token prediction module whose
+# block is an MoE layer too) on meshes against one device; with pp the module runs on the last stage. Balanced by the
+# bias alone, as DeepSeek-V3 (the Switch loss is not linear in per-microbatch statistics: the pipeline splits them).
 DEEPSEEK = {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.mla.kv_lora_rank": 24,
             "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 12,
             "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
                                                     {"layers": 2, "pattern": ["moe"]}],
             "model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
             "model.moe.routed_scale": 2.5, "model.moe.n_shared_experts": 1, "model.moe.bias_update_rate": 0.001,
-            "model.moe.capacity_factor": 0.0, "model.mtp_depth": 2}
+            "model.moe.capacity_factor": 0.0, "model.moe.balance_weight": 0.0, "model.mtp_depth": 1}
 MESHES = {"tp2_dp4": {"mesh.tp": 2, "mesh.dp": 4},
           "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
           "dp2_tp2_ep2": {"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2},
-          "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.zero_stage": 2, "train.microbatches": 2,
-                      "model.moe.balance_weight": 0.0}}
+          "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.zero_stage": 2, "train.microbatches": 2}}
 
 
-@pytest.mark.parametrize("mesh", tiers(MESHES, {"tp2_dp4"}))
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
 def test_the_deepseek_shaped_model_on_a_mesh_equals_one_device(mesh):
-    keys = {k: v for k, v in MESHES[mesh].items() if k.startswith("model.")}
-    one = step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **keys))
+    one = step_fns(equivalence_config("tiny-moe", **DEEPSEEK))
     params = jax.device_get(one.init(0).params)
     loss, grads = loss_and_grads(one, params)
     ref = (params, float(loss), jax.device_get(grads))
     assert_matches(*loss_and_grads(step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **MESHES[mesh])), params), ref)
 
 
+@pytest.mark.slow
 def test_prediction_layers_are_written_and_read_under_deepseeks_names(model, tmp_path):
     """A model with a multi-token prediction module exports it as layer n_layers (its norms, projection, block and
     final norm, with copies of the embedding and head, as DeepSeek-V3's files hold them), transformers loads the

@@ -47,9 +47,10 @@ def plain_reference(cfg):
 CASES = {  # name -> (preset, mesh and options, model keys)
     "dense": ("tiny-llama", {}),
     "moe": ("tiny-moe", {"model.moe.capacity_factor": 0.0}),
-    "sp2_tp2_sequence_parallel": ("tiny-llama", {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2,
-                                                 "train.sequence_parallel": True}),
-    "fsdp4_zero3_chunked_loss": ("tiny-llama", {"mesh.fsdp": 4, "train.zero_stage": 3, "train.loss_chunk": 8}),
+    # the modules' logits in loss chunks too (strided positions: the shifted fields travel with them)
+    "sp2_tp2_sequence_parallel_chunked_loss": ("tiny-llama", {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2,
+                                                              "train.sequence_parallel": True,
+                                                              "train.loss_chunk": 8}),
 }
 
 
