@@ -2,9 +2,11 @@
 RoPE interleaved, 8 routed experts in 4 groups, a shared expert, a dense first layer, random routing biases) and
 latent attention on its own. test_hf_interop.py's import/export test (logits within 1e-4, export bitwise) and
 test_generate_hf.py's greedy generation run the family with the others (YaRN off); here: the config.json reads as
-latent attention, segments and DeepSeek's routing; YaRN with `mscale_all_dim`; the latent cache decodes what the
-whole-sequence forward computes and holds kv_lora_rank + qk_rope_head_dim values per token per layer; a quantized
-checkpoint is refused in one line; the DeepSeek-shaped model on meshes equals one device."""
+latent attention, segments and DeepSeek's routing; YaRN with `mscale_all_dim`; a run's first loss is transformers';
+the latent cache decodes what the whole-sequence forward computes and holds kv_lora_rank + qk_rope_head_dim values
+per token per layer; a quantized checkpoint is refused in one line; the DeepSeek-shaped model (with a multi-token
+prediction module) on meshes, and latent attention under context parallelism, equal one device; prediction layers
+are written and read under DeepSeek-V3's names."""
 
 from __future__ import annotations
 
@@ -97,6 +99,22 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
     assert sum(a.nbytes for a in jax.tree.leaves(built)) == m.n_layers * rows * slots * per_token
     assert cache.cache_bytes(m, rows, slots, jnp.float32, None) == m.n_layers * rows * slots * per_token
     assert [set(block) for block in built] == [{"k"}, {"k"}]  # no per-head keys or values
+    assert cache.per_token(m) == (32, "kv_lora_rank + qk_rope_head_dim = 24 + 8")  # what tools.plan prints
+
+
+@pytest.mark.slow
+def test_a_run_from_the_checkpoint_starts_at_transformers_loss(model, tmp_path):
+    """jaxllm train from the checkpoint on dp8 (its routing bias fixed, no balance losses: what transformers
+    computes): the first step's logged loss is transformers' language-model loss on the same batch."""
+    from jaxllm.train.loop import train
+
+    over = {"init.from": f"hf:{model}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
+            "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32", "mesh.dp": -1,
+            "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib"}
+    train(build_config(None, over))
+    ref = H.first_batch_loss(build_config(None, over))
+    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 
 
 # The DeepSeek-shaped model (latent attention with query compression, a dense layer then two MoE layers with
@@ -104,7 +122,7 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
 # block is an MoE layer too) on meshes against one device; with pp the module runs on the last stage. Balanced by the
 # bias alone, as DeepSeek-V3 (the Switch loss is not linear in per-microbatch statistics: the pipeline splits them).
 DEEPSEEK = {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.mla.kv_lora_rank": 24,
-            "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 12,
+            "model.mla.qk_nope_head_dim": 8, "model.mla.qk_rope_head_dim": 4, "model.mla.v_head_dim": 10,
             "model.n_layers": 3, "model.segments": [{"layers": 1, "pattern": ["dense"]},
                                                     {"layers": 2, "pattern": ["moe"]}],
             "model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
@@ -124,6 +142,18 @@ def test_the_deepseek_shaped_model_on_a_mesh_equals_one_device(mesh):
     loss, grads = loss_and_grads(one, params)
     ref = (params, float(loss), jax.device_get(grads))
     assert_matches(*loss_and_grads(step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **MESHES[mesh])), params), ref)
+
+
+@pytest.mark.slow
+def test_latent_attention_with_context_parallelism_equals_one_device():
+    """A dense stack of latent attention (values narrower than keys) and a prediction module, with the sequence
+    over sp=2 (ring attention, zig-zag order) and tp=2: the islands take MLA's per-head keys and values as MHA's."""
+    keys = {k: v for k, v in DEEPSEEK.items() if k.startswith(("model.mla.", "model.attention", "model.mtp"))}
+    one = step_fns(equivalence_config("tiny-llama", **keys))
+    params = jax.device_get(one.init(0).params)
+    loss, grads = loss_and_grads(one, params)
+    mesh = step_fns(equivalence_config("tiny-llama", **keys, **{"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2}))
+    assert_matches(*loss_and_grads(mesh, params), (params, float(loss), jax.device_get(grads)))
 
 
 @pytest.mark.slow

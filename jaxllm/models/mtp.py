@@ -33,10 +33,6 @@ from jaxllm.ops import fp8
 from jaxllm.sharding import constrain, weight
 
 
-def field_names(depth: int) -> list[str]:
-    return [f"mtp_{what}_{k}" for k in range(1, depth + 1) for what in ("targets", "mask")]
-
-
 def with_fields(batch: dict, depth: int) -> dict:
     """The batch with the MTP fields, from fields in their natural order (global arrays)."""
     if not depth:
@@ -44,8 +40,7 @@ def with_fields(batch: dict, depth: int) -> dict:
     targets, segments, counts = batch["targets"], batch["segment_ids"], batch["loss_mask"]
 
     def ahead(a, k, fill):  # a[:, i + k], `fill` past the row's end
-        return jnp.concatenate([a[:, k:], jnp.full((a.shape[0], min(k, a.shape[1])), fill, a.dtype)], axis=1)[
-            :, :a.shape[1]]
+        return jnp.pad(a[:, k:], ((0, 0), (0, min(k, a.shape[1]))), constant_values=fill)
 
     out = dict(batch)
     for k in range(1, depth + 1):

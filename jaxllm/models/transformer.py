@@ -1,7 +1,8 @@
 """Decoder-only transformer as three pure pieces, its shape and parts described by features
 (`model.norm`, `model.mlp`, `model.positions`, biases, tied embeddings, head_dim, RoPE scaling, q/k norms,
-norm placement and offset, the embedding scale, soft caps, per-layer windows and RoPE) rather than by a
-family name: GPT-2, LLaMA 2/3, Mistral, Qwen2/3, Mixtral and Gemma 2/3 are settings of them.
+norm placement and offset, the embedding scale, soft caps, per-layer windows and RoPE, latent attention) rather
+than by a family name: GPT-2, LLaMA 2/3, Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3 and DeepSeek-V3 are settings
+of them (`models/mla.py` holds latent attention, `models/mtp.py` the multi-token prediction modules).
 
 - `embed(params, tokens, positions)` -> residual stream [batch, seq, embed]
 - `blocks(stack, x, positions, segment_ids)` over a slice of the layer stack

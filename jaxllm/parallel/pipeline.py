@@ -76,8 +76,8 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     batch's fields as [m, rows, ...] arrays. The model enters as its seams: `embed_fn(shared, mb) -> (x, aux)`,
     `blocks_fn(chunk, x, mb, first) -> (x, aux)` (`first`: the chunk's first layer repeat in the stack,
     from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb) -> (objective sum, metric
-    sums, auxiliary terms of any layers it runs)`, the sums divided by the global count, and `aux_fn(aux, weight)`, what a chunk's auxiliary terms (MoE router
-    statistics) add to the objective. `norm` is (count, weight) (dividing the scalar, not every gradient). Inside
+    sums, auxiliary terms of any layers it runs)`, the sums divided by the global count, and `aux_fn(aux, weight)`,
+    what a chunk's auxiliary terms (MoE router statistics) add to the objective. `norm` is (count, weight) (dividing the scalar, not every gradient). Inside
     the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
     shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared)`, if
