@@ -128,8 +128,7 @@ DEEPSEEK = {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.mla.kv
             "model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
             "model.moe.routed_scale": 2.5, "model.moe.n_shared_experts": 1, "model.moe.bias_update_rate": 0.001,
             "model.moe.capacity_factor": 0.0, "model.moe.balance_weight": 0.0, "model.mtp_depth": 1}
-MESHES = {"tp2_dp4": {"mesh.tp": 2, "mesh.dp": 4},
-          "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
+MESHES = {"ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
           "dp2_tp2_ep2": {"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2},
           "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.zero_stage": 2, "train.microbatches": 2}}
 
