@@ -176,3 +176,15 @@ def test_sliding_windows_equal_transformers(family, checkpoint):
     assert margins(ours_logits).min() > MIN_MARGIN
     ref_tokens, ref_logits = theirs(transformers_model(path), PROMPTS)
     assert_same_tokens(family, "transformers' left-padded batch", ours_tokens, ours_logits, ref_tokens, ref_logits)
+
+
+@pytest.mark.slow
+def test_deepseek_with_yarn_generates_as_transformers(checkpoint):
+    """DeepSeek-V3 with YaRN and `mscale_all_dim` (the softmax scale changes too): greedy generation over the latent
+    cache (absorbed up-projections) equals transformers' token for token, logits within 1e-4, margins asserted."""
+    path = checkpoint("deepseek_v3", rope_parameters=dict(H.DEEPSEEK_YARN))
+    tokens, logits = ours(path)
+    assert margins(logits).min() > MIN_MARGIN
+    ref_tokens, ref_logits = theirs(transformers_model(path), PROMPTS)
+    assert_same_tokens("deepseek_v3", "transformers' left-padded batch", tokens, logits, ref_tokens, ref_logits)
+    assert np.abs(logits - ref_logits).max() <= LOGIT_ATOL
