@@ -290,9 +290,8 @@ def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
     if hf.get("quantization_config"):
         raise ModelFileError(f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: "
                              "quantized weights (block FP8) are not read; dequantize the checkpoint to bf16 first")
-    for key in ("attention_bias",):
-        if hf.get(key):
-            _refuse(hf, key, "not implemented")
+    if hf.get("attention_bias"):
+        _refuse(hf, "attention_bias", "not implemented")
     if value("num_key_value_heads") not in (None, hf["num_attention_heads"]):
         _refuse(hf, "num_key_value_heads", "latent attention expands the latent to every query head")
     n, dense = hf["num_hidden_layers"], value("first_k_dense_replace")
