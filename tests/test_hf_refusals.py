@@ -304,6 +304,15 @@ def test_mixtral_router_jitter_noise_is_refused(built):
     assert import_config(built("mixtral")).model.pattern == ["moe"]
 
 
+def test_one_expert_per_token_with_normalised_weights_is_refused(built, tmp_path):
+    """transformers normalises a top-1 weight to 1 (Mixtral always, Qwen and DeepSeek with norm_topk_prob);
+    jaxllm's top-1 keeps the router's score: refused. Unnormalised top-1 (Qwen2-MoE's default) computes alike."""
+    path = edited(built("mixtral"), tmp_path / "top1", lambda c: c.update(num_experts_per_tok=1))
+    config_refused(ModelFileError, "num_experts_per_tok=1", path)
+    plain = edited(built("qwen2_moe"), tmp_path / "qwen_top1", lambda c: c.update(num_experts_per_tok=1))
+    assert import_config(plain).model.moe.top_k == 1
+
+
 # ---------------------------------------------------------------- 7. what is not a checkpoint jaxllm reads
 
 

@@ -252,7 +252,12 @@ def _llama_like(hf: dict) -> dict:
 def _experts(n: int, k: int, d_ff: int, norm_topk: bool, balance_weight: float, shared: int = 0,
              gate: bool = False) -> dict:
     """An MoE checkpoint's expert keys: softmax top-k routing (transformers' Mixtral and Qwen MoE routers), `shared`
-    the hidden size of a shared expert (0: none), maybe gated."""
+    the hidden size of a shared expert (0: none), maybe gated. One expert per token with normalised weights is
+    refused: transformers gives it the weight 1, jaxllm's top-1 the router's score (Switch's gate)."""
+    if k == 1 and norm_topk:
+        raise ModelFileError("config.json num_experts_per_tok=1 with normalised top-k weights (norm_topk_prob, or "
+                             "Mixtral's router): transformers weighs the one expert by 1, jaxllm's top-1 by the "
+                             "router's score; jaxllm refuses what it would not compute exactly as transformers does")
     return {"moe.n_experts": n, "moe.top_k": k, "moe.d_ff": d_ff, "moe.n_shared_experts": int(shared > 0),
             "moe.shared_d_ff": shared, "moe.shared_gate": gate and shared > 0, "moe.score": "softmax",
             "moe.norm_topk": norm_topk, "moe.routed_scale": 1.0, "moe.n_group": 1, "moe.topk_group": 1,
