@@ -53,6 +53,7 @@ def plain_model(m):
     Each covers one family's features exactly (`schema.FAMILIES`); ValueError for any other setting."""
     from jaxllm.schema import FAMILIES
     from jaxllm.models.attention import head_dim, kv_heads, layer_windows
+    from jaxllm.models.moe import has_router_bias
     from jaxllm.models.transformer import padded_vocab, shared_d_ff
     from tools import plain_gpt, plain_llama
 
@@ -60,7 +61,7 @@ def plain_model(m):
     extras = (m.max_positions not in (0, m.seq_len) or m.rope_scaling != "none" or m.attn_softcap or m.final_softcap
               or m.query_pre_attn_scalar or m.rope_local_theta or any(0 < w < m.seq_len for w in layer_windows(m))
               or (m.moe.score, m.moe.norm_topk, m.moe.routed_scale, m.moe.n_group) != ("softmax", True, 1.0, 1)
-              or m.moe.bias_update_rate or m.moe.router_bias or m.moe.seq_balance_weight or m.attention != "mha"
+              or has_router_bias(m) or m.moe.seq_balance_weight or m.attention != "mha"
               or m.rope_mscale_all_dim)
     if features not in (FAMILIES["gpt2"], FAMILIES["llama"]) or extras:
         raise ValueError(f"no plain reference for the features {features}")

@@ -63,7 +63,7 @@ def _entries(m) -> dict[str, tuple]:
 
 def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
     if m.attention == "mla":
-        return (repeats, rows, slots, m.mla.kv_lora_rank + m.mla.qk_rope_head_dim)
+        return (repeats, rows, slots, per_token(m)[0])
     tp = 1 if layout is None else layout.mesh.shape["tp"]
     return (repeats, rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
 

@@ -15,6 +15,7 @@ import os
 from jaxllm import stack
 from jaxllm.errors import ModelFileError
 from jaxllm.models import attention
+from jaxllm.models.moe import has_router_bias
 from jaxllm.models.transformer import shared_d_ff
 from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
@@ -266,6 +267,12 @@ def _experts(n: int, k: int, d_ff: int, norm_topk: bool, balance_weight: float, 
             "moe.capacity_factor": 0.0, "moe.balance_weight": balance_weight, "moe.z_weight": 0.0}
 
 
+def _stack_keys(kinds: list[str]) -> dict:
+    """`model.pattern` or `model.segments` for each layer's block kind (one pattern where the kinds repeat one)."""
+    segments = stack.from_layer_kinds(kinds)
+    return {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
+
+
 def _qwen_moe(hf: dict) -> dict:
     """Qwen2-MoE and Qwen3-MoE: which layers are MoE (`mlp_only_layers`, `decoder_sparse_step`) as the stack's
     segments, the experts and Qwen2-MoE's gated shared expert."""
@@ -278,8 +285,7 @@ def _qwen_moe(hf: dict) -> dict:
     step, dense = value("decoder_sparse_step"), set(hf.get("mlp_only_layers") or [])
     kinds = ["moe" if i not in dense and n > 0 and (i + 1) % step == 0 else "dense"
              for i in range(hf["num_hidden_layers"])]
-    segments = stack.from_layer_kinds(kinds)
-    layout = {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
+    layout = _stack_keys(kinds)
     shared = value("shared_expert_intermediate_size") if kind == "qwen2_moe" else 0
     return {**layout, **_experts(n, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
                                  bool(value("norm_topk_prob")), value("router_aux_loss_coef"), shared, gate=True)}
@@ -300,8 +306,7 @@ def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
     if value("num_key_value_heads") not in (None, hf["num_attention_heads"]):
         _refuse(hf, "num_key_value_heads", "latent attention expands the latent to every query head")
     n, dense = hf["num_hidden_layers"], value("first_k_dense_replace")
-    segments = stack.from_layer_kinds(["dense"] * min(dense, n) + ["moe"] * max(n - dense, 0))
-    layout = {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
+    layout = _stack_keys(["dense"] * min(dense, n) + ["moe"] * max(n - dense, 0))
     moe_d_ff = value("moe_intermediate_size")
     experts = _experts(value("n_routed_experts"), value("num_experts_per_tok"), moe_d_ff, bool(value("norm_topk_prob")),
                        0.0, moe_d_ff * value("n_shared_experts"))
@@ -528,7 +533,7 @@ def _deepseek_wrong(m: ModelConfig) -> list[str]:
     if e.score != "sigmoid" or e.shared_gate or not shared_d_ff(m) or shared_d_ff(m) % moe_d_ff:
         wrong.append(f"model.moe (score={e.score!r}, shared_gate={e.shared_gate}, shared_d_ff={shared_d_ff(m)}: "
                      "DeepSeek-V3 has sigmoid scores and ungated shared experts of whole experts' width)")
-    if not (e.router_bias or e.bias_update_rate):
+    if not has_router_bias(m):
         wrong.append("model.moe.router_bias=false (DeepSeek-V3 has the routing bias: set it true)")
     return wrong
 
@@ -542,7 +547,7 @@ def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
     if kind not in ("mixtral", *QWEN_MOE):
         return wrong
-    if e.router_bias or e.bias_update_rate:
+    if has_router_bias(m):
         wrong.append(f"model.moe.router_bias (a routing bias {kind} does not have)")
     if (e.score, e.routed_scale, e.n_group) != ("softmax", 1.0, 1):
         wrong.append(f"model.moe routing (score={e.score!r}, routed_scale={e.routed_scale}, n_group={e.n_group})")

@@ -283,7 +283,7 @@ def _check_positions(m) -> None:
 
 def _call_shapes(m) -> tuple:
     """The q, k and v shapes of one row's attention call, as a fused kernel's `supports` takes them."""
-    kv = m.n_heads if m.attention == "mla" else kv_heads(m)
+    kv = kv_heads(m)
     return (1, m.seq_len, m.n_heads, qk_dim(m)), (1, m.seq_len, kv, qk_dim(m)), (1, m.seq_len, kv, v_dim(m))
 
 

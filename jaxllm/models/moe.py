@@ -83,6 +83,11 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     return y.astype(h.dtype), stats
 
 
+def has_router_bias(m) -> bool:
+    """Whether the MoE layers hold a routing bias (`moe.router_bias`: fixed, or moved by `bias_update_rate`)."""
+    return bool(m.moe.router_bias or m.moe.bias_update_rate)
+
+
 def routing(m) -> Routing:
     """`model.moe`'s routing keys."""
     e = m.moe

@@ -50,9 +50,14 @@ def with_fields(batch: dict, depth: int) -> dict:
     return out
 
 
+def _runs(m, batch: dict) -> bool:
+    """Whether the modules run on this batch: the model has them and the batch their fields (training's)."""
+    return bool(m.mtp_depth) and "mtp_targets_1" in batch
+
+
 def zero_metrics(m, batch: dict) -> dict:
     """The metric sums `output_terms` adds for this batch, at zero (the start of a sum over microbatches)."""
-    if not m.mtp_depth or "mtp_targets_1" not in batch:
+    if not _runs(m, batch):
         return {}
     return {"lm_loss": jnp.float32(0), "mtp_loss": jnp.float32(0)}
 
@@ -95,7 +100,7 @@ def output_terms(params: dict, x, batch: dict, m, dtype, terms, loss_chunk: int 
     λ/D-weighted sum and the `lm_loss` and `mtp_loss` metrics when the model has them and the batch their fields;
     and the MTP blocks' auxiliary terms (none without MTP)."""
     total, sums = transformer.head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature)
-    if not m.mtp_depth or "mtp_targets_1" not in batch:
+    if not _runs(m, batch):
         return total, sums, transformer.zero_aux(m)
     mtp_sum, aux = _terms(params, x, batch, m, dtype, loss_chunk)
     mean = mtp_sum / m.mtp_depth

@@ -146,7 +146,7 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
         moe["shared"] = _mlp(m, R, L, shared_d_ff(m))
     if m.moe.shared_gate:
         moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
-    if m.moe.router_bias or m.moe.bias_update_rate:  # moved by `train/bias_balance.py` only, or fixed
+    if moe_lib.has_router_bias(m):  # moved by `train/bias_balance.py` only, or fixed
         moe["router_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 

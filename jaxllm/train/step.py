@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm import batch as batch_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
+from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import fp8
@@ -166,7 +167,7 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
         params = optax.apply_updates(old_params, updates)
-        if cfg.model.moe.bias_update_rate or cfg.model.moe.router_bias:  # a fixed bias moves by 0: kept as it is
+        if moe_lib.has_router_bias(cfg.model):  # a fixed bias moves by 0: kept as it is
             params = bias_balance.update(params, old_params, with_loads, cfg.model.moe.bias_update_rate)
         params = constrain_tree(params, sh.params)
     params, opt_state = guard.keep_if(applied, (params, opt_state), (old_params, old_opt))
