@@ -513,6 +513,20 @@ def router_margins(model_dir: str, tokens) -> float:
     return min(_router_layer_margins(_load(model_dir), tokens))
 
 
+def one_step_run(path: str, run_dir: str, seq: int, **keys) -> dict:
+    """The keys of a one-step fp32 run from checkpoint `path` on the standard library's text that logs its first loss
+    in `run_dir` (no evaluation, checkpoint or sample); `keys` add or replace some (a mesh)."""
+    return {"init.from": f"hf:{path}", "model.seq_len": seq, "train.global_batch": 8, "train.steps": 1,
+            "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32", "run.dir": run_dir,
+            "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib", **keys}
+
+
+def first_logged_loss(run_dir: str) -> float:
+    """The loss a run logged at its first step."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return json.loads(f.readline())["loss"]
+
+
 def first_batch_loss(cfg) -> float:
     """transformers' language-model loss (float32) on the first batch of the run `cfg` describes: its
     `init.from = "hf:DIR"` checkpoint on its data's first `train.global_batch` windows of `model.seq_len` + 1."""

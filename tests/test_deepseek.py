@@ -108,13 +108,10 @@ def test_a_run_from_the_checkpoint_starts_at_transformers_loss(model, tmp_path):
     computes): the first step's logged loss is transformers' language-model loss on the same batch."""
     from jaxllm.train.loop import train
 
-    over = {"init.from": f"hf:{model}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
-            "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32", "mesh.dp": -1,
-            "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib"}
+    over = H.one_step_run(model, str(tmp_path / "run"), SEQ)
     train(build_config(None, over))
     ref = H.first_batch_loss(build_config(None, over))
-    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
-    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
+    assert abs(H.first_logged_loss(over["run.dir"]) - ref) <= 1e-4 * abs(ref)
 
 
 # The DeepSeek-shaped model (latent attention with query compression, a dense layer then two MoE layers with
@@ -133,14 +130,19 @@ MESHES = {"ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 
           "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.zero_stage": 2, "train.microbatches": 2}}
 
 
+def assert_mesh_equals_one_device(preset: str, model_keys: dict, mesh_keys: dict) -> None:
+    """Loss and gradients of `preset` with `model_keys` on the mesh `mesh_keys` names equal one device's."""
+    one = step_fns(equivalence_config(preset, **model_keys))
+    params = jax.device_get(one.init(0).params)
+    loss, grads = loss_and_grads(one, params)
+    mesh = step_fns(equivalence_config(preset, **model_keys, **mesh_keys))
+    assert_matches(*loss_and_grads(mesh, params), (params, float(loss), jax.device_get(grads)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_the_deepseek_shaped_model_on_a_mesh_equals_one_device(mesh):
-    one = step_fns(equivalence_config("tiny-moe", **DEEPSEEK))
-    params = jax.device_get(one.init(0).params)
-    loss, grads = loss_and_grads(one, params)
-    ref = (params, float(loss), jax.device_get(grads))
-    assert_matches(*loss_and_grads(step_fns(equivalence_config("tiny-moe", **DEEPSEEK, **MESHES[mesh])), params), ref)
+    assert_mesh_equals_one_device("tiny-moe", DEEPSEEK, MESHES[mesh])
 
 
 @pytest.mark.slow
@@ -148,11 +150,7 @@ def test_latent_attention_with_context_parallelism_equals_one_device():
     """A dense stack of latent attention (values narrower than keys) and a prediction module, with the sequence
     over sp=2 (ring attention, zig-zag order) and tp=2: the islands take MLA's per-head keys and values as MHA's."""
     keys = {k: v for k, v in DEEPSEEK.items() if k.startswith(("model.mla.", "model.attention", "model.mtp"))}
-    one = step_fns(equivalence_config("tiny-llama", **keys))
-    params = jax.device_get(one.init(0).params)
-    loss, grads = loss_and_grads(one, params)
-    mesh = step_fns(equivalence_config("tiny-llama", **keys, **{"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2}))
-    assert_matches(*loss_and_grads(mesh, params), (params, float(loss), jax.device_get(grads)))
+    assert_mesh_equals_one_device("tiny-llama", keys, {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2})
 
 
 @pytest.mark.slow

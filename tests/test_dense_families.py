@@ -113,9 +113,7 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
     from harness import REPO, subprocess_env
     from jaxllm.train.loop import train
 
-    over = {"init.from": f"hf:{models[family]}", "model.seq_len": SEQ, "train.global_batch": 8, "train.steps": 1,
-            "train.eval_every": 0, "train.checkpoint_every": 0, "precision.compute": "float32",
-            "run.dir": str(tmp_path / "run"), "run.sample_tokens": 0, "run.progress": False, "data.source": "stdlib"}
+    over = H.one_step_run(models[family], str(tmp_path / "run"), SEQ)
     if where == "dp8":
         train(build_config(None, over))
     else:
@@ -124,8 +122,7 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
                               cwd=REPO, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
     ref = H.first_batch_loss(build_config(None, over))
-    first = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
-    assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
+    assert abs(H.first_logged_loss(over["run.dir"]) - ref) <= 1e-4 * abs(ref)
 
 
 def multimodal_gemma3(out: str) -> str:
