@@ -7,6 +7,9 @@
 #   fp8_llama1b            the fp8 step's matmuls by runner and operand type (jaxllm plan), and its speed
 #   offload_{none,host}    the step's argument and host bytes without and with host offload (jaxllm plan)
 #   comm_lab               the all-reduce algorithms on this machine's GPUs (tools.comm_lab)
+#   mfu_llama1b_cudnn      the LLaMA-1B step with cuDNN's fused attention (no plain peer: it has dense attention)
+#   mla_llama1b            the same stack with latent attention (DeepSeek-V3's head sizes), bf16, no plain peer
+#   mla_decode             the decode step with the latent cache beside the grouped-query one (tools.bench_decode)
 set -u
 out=${1:?usage: tools/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -32,3 +35,8 @@ check offload_none 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_bat
 check offload_host 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_batch=16 $bf16 \
   memory.offload_optimizer=true memory.offload_params=true --json
 check comm_lab 45 $py -m tools.comm_lab --max-mib 64 --repeats 3 --out "$out/comm_lab"
+mla="model.attention=mla model.mla.q_lora_rank=1536 model.mla.kv_lora_rank=512 model.mla.qk_nope_head_dim=128 \
+  model.mla.qk_rope_head_dim=64 model.mla.v_head_dim=128"
+check mfu_llama1b_cudnn 120 $py -m tools.bench $llama model.attention_impl=cudnn --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check mla_llama1b 150 $py -m tools.bench $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check mla_decode 150 $py -m tools.bench_decode --prompt 2048 --new 65 --rows 16 --json
