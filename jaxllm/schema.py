@@ -123,6 +123,23 @@ class MlaConfig:
     v_head_dim: int = key(128, "each head's value dimension")
 
 
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on a frozen base (`model.lora`, `jaxllm/models/lora.py`): each targeted weight W is used as
+    W + scale·A·B, only A and B trained; the base is held in the compute dtype (or quantized) with no optimizer state."""
+
+    rank: int = key(0, "the adapters' rank r; 0 = no adapters (every parameter trained)")
+    alpha: float = key(16.0, "the adapters' scale numerator: scale = alpha / r (alpha / √r with `rslora`)")
+    rslora: bool = key(False, "rank-stabilised scaling, alpha / √r, as PEFT's `use_rslora`")
+    targets: list = key(["q", "k", "v", "o", "gate", "up", "down"],
+                        "the weights given adapters, by name: attention's `q`, `k`, `v`, `o`, the feed-forward's "
+                        "`gate`, `up`, `down` (GPT-2's `in`, `out`), and `experts` (every expert's feed-forward "
+                        "weights of the targeted names)")
+    dropout: float = key(0.0, "dropout on an adapter's input, as PEFT's `lora_dropout`; only 0 is supported yet")
+    base_quant: str = key("none", "how the frozen base is stored: `none` (the compute dtype), `int8` or `nf4` "
+                                  "(QLoRA: blockwise, dequantized at use)")
+
+
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
 # size. Keys the user sets explicitly win over both. Here, below config.py and interop/, which both read it.
 _PLAIN = dict(norm_offset=0.0, norm_placement="pre", qk_norm=False, embed_scale=False)  # what 2024's families leave
@@ -261,6 +278,7 @@ class ModelConfig:
                             "generation and evaluation ignore them; 0 = none")
     moe: MoeConfig = field(default_factory=MoeConfig)
     mla: MlaConfig = field(default_factory=MlaConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

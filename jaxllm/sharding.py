@@ -53,6 +53,7 @@ TENSOR_RULES: Rules = (
     ("kv_lora", ()),  # and its compressed key-value latent (with the RoPE key), likewise whole on every tp rank
     ("depth", ()),  # the multi-token prediction modules' stack (`models/mtp.py`): replicated over pp like the head
     ("mtp_in", ()),  # their projection's input, the embedding and the hidden state joined
+    ("lora_rank", ()),  # a LoRA adapter's rank (`models/lora.py`): small, whole on every device
 )
 
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxllm.models import lora
 from jaxllm.ops import fp8
 from jaxllm.ops.activations import GATES, gelu_tanh
 from jaxllm.parallel import collective_matmul
@@ -70,24 +71,33 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
     The weights' output dimensions are split over tp; x enters from the residual stream
     (sequence-split over tp under sequence parallelism, so it is gathered along the sequence).
     """
-    ws = [weight(w, names, dtype) for w, names in weights]
+    ws = [weight(lora.base(w), names, dtype) for w, names in weights]
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
     # the whole sequence enters the region (under sequence parallelism: the all-gather is here)
     x = constrain(x, ("batch", "seq", "embed"))
-    return [fp8.tensordot(group, x, w, axes=1) for w in ws]
+    return [_with_adapter(fp8.tensordot(group, x, w, axes=1), x, node, names, 1, dtype)
+            for w, (node, names) in zip(ws, weights)]
+
+
+def _with_adapter(y: jax.Array, x: jax.Array, node, names: tuple[str, ...], n_in: int, dtype) -> jax.Array:
+    """y plus a LoRA node's scale·(x·A)·B (`models/lora.py`), the adapters in the compute dtype; y when the weight
+    has none."""
+    if not lora.is_node(node):
+        return y
+    return y + lora.low_rank(x, node, names, n_in, dtype, weight)
 
 
 def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, group: str) -> jax.Array:
     """h [batch, seq, *c] times w [*c, embed] -> [batch, seq, embed]: the contracted dimensions are
     split over tp, so the result is a sum over tp (all-reduced, or reduce-scattered along the
     sequence into the residual stream under sequence parallelism)."""
-    w = weight(w, names, dtype)
+    node, w = w, weight(lora.base(w), names, dtype)
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.matmul_reduce_scatter(h, w, names, layout)
-    return fp8.tensordot(group, h, w, axes=w.ndim - 1)
+    return _with_adapter(fp8.tensordot(group, h, w, axes=w.ndim - 1), h, node, names, w.ndim - 1, dtype)
 
 
 def add_bias(y: jax.Array, p: dict, name: str, names: tuple[str, ...] | None, dtype) -> jax.Array:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
-from jaxllm.models import attention, mla
+from jaxllm.models import attention, lora, mla
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
@@ -59,7 +59,7 @@ class Leaf:
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    init: str  # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset)
+    init: str  # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset) | lora_a
 
 
 def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
@@ -171,7 +171,8 @@ def param_table(m: ModelConfig) -> dict:
     V, D = padded_vocab(m), m.d_model
     table = {
         "embed": {"tok": Leaf((V, D), ("vocab", "embed"), "normal")},
-        "blocks": [BLOCK_KINDS[kind](m, seg.repeats) for seg in stack_lib.segments(m) for kind in seg.pattern],
+        "blocks": [lora.adapt_block(BLOCK_KINDS[kind](m, seg.repeats), m, Leaf)
+                   for seg in stack_lib.segments(m) for kind in seg.pattern],
         "final_norm": _norm(m),
     }
     if m.positions == "learned":
@@ -190,6 +191,11 @@ def max_positions(m: ModelConfig) -> int:
 
 def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
+
+
+def fan_in(leaf: Leaf) -> int:
+    """An adapter A's input size: its dimensions but the stacking ones and the rank."""
+    return math.prod(n for n, name in zip(leaf.shape, leaf.names) if name not in lora.LEAD + (lora.RANK,))
 
 
 def param_names(m: ModelConfig):
@@ -217,22 +223,28 @@ def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) 
     return total
 
 
+def _init_leaf(m: ModelConfig, key: jax.Array, leaf: Leaf):
+    if leaf.init == "zeros":
+        return jnp.zeros(leaf.shape, jnp.float32)
+    if leaf.init == "norm_scale":
+        return jnp.full(leaf.shape, 1.0 - m.norm_offset, jnp.float32)
+    if leaf.init == "lora_a":  # PEFT's default: Kaiming-uniform with a = √5, i.e. uniform in ±1/√fan_in
+        bound = fan_in(leaf) ** -0.5
+        return jax.random.uniform(key, leaf.shape, jnp.float32, -bound, bound)
+    std = m.init_std / (2 * m.n_layers) ** 0.5 if leaf.init == "normal_out" else m.init_std
+    return std * jax.random.normal(key, leaf.shape, jnp.float32)  # GPT-2: residual outputs scaled by 1/sqrt(2L)
+
+
 def init_params(m: ModelConfig, key: jax.Array):
     """Fresh fp32 parameters. Each leaf draws from its own key (folded from its index), so with
-    partitionable threefry the values do not depend on how the result is sharded."""
-    table = param_table(m)
-    leaves, treedef = jax.tree.flatten(table, is_leaf=_is_leaf)
-    out_std = m.init_std / (2 * m.n_layers) ** 0.5  # GPT-2: residual projections scaled by 1/sqrt(2L)
-
-    def make(i: int, leaf: Leaf):
-        if leaf.init == "zeros":
-            return jnp.zeros(leaf.shape, jnp.float32)
-        if leaf.init == "norm_scale":
-            return jnp.full(leaf.shape, 1.0 - m.norm_offset, jnp.float32)
-        std = out_std if leaf.init == "normal_out" else m.init_std
-        return std * jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32)
-
-    return jax.tree.unflatten(treedef, [make(i, l) for i, l in enumerate(leaves)])
+    partitionable threefry the values do not depend on how the result is sharded. Under LoRA the base
+    draws what it draws without adapters, and each adapter from a key of its own."""
+    if m.lora.rank:
+        adapters = jax.random.fold_in(key, lora.ADAPTER_STREAM)
+        return lora.attach(init_params(lora.base_model(m), key), param_table(m),
+                           lambda i, leaf: _init_leaf(m, jax.random.fold_in(adapters, i), leaf), _is_leaf)
+    leaves, treedef = jax.tree.flatten(param_table(m), is_leaf=_is_leaf)
+    return jax.tree.unflatten(treedef, [_init_leaf(m, jax.random.fold_in(key, i), l) for i, l in enumerate(leaves)])
 
 
 # ---------------------------------------------------------------- the three seams

@@ -68,7 +68,8 @@ def from_chunks(stack):
 
 def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,
                    embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, aux_fn: Callable, pin_grads: Callable,
-                   batch_manual: bool, gather_once: Callable | None = None):
+                   batch_manual: bool, gather_once: Callable | None = None, frozen: dict | None = None,
+                   join: Callable = lambda train, frozen: train):
     """(loss, metric shares, the blocks' auxiliary terms, gradients) of the whole batch through the pipeline.
 
     `params` holds the pipelined layer stack under "blocks" (leaves [R, ...], R split over pp) and the
@@ -81,25 +82,29 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
     shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared)`, if
-    given, returns the weights as used (cast and gathered) once for the whole loop.
+    given, returns the weights as used (cast and gathered) once for the whole loop. `frozen`, laid out as
+    `params`, holds what is not differentiated (a LoRA base, `models/lora.py`; None where `params` has a leaf),
+    `join(params, frozen)` puts the two together for the model; gradients are `params`' alone.
     """
     p, v = schedule.stages, schedule.chunks
     last = p * v - 1
     table = jnp.asarray(schedule.table)
     col = {f: i for i, f in enumerate(FIELDS)}
-    stack = to_chunks(params["blocks"], p, v)
-    shared = {k: a for k, a in params.items() if k != "blocks"}
+    frozen = jax.tree.map(lambda _: None, params) if frozen is None else frozen
+    stack, stack_f = (to_chunks(tree["blocks"], p, v) for tree in (params, frozen))
+    shared, shared_f = ({k: a for k, a in tree.items() if k != "blocks"} for tree in (params, frozen))
     axes = {AXIS} | (set(BATCH_AXES) if batch_manual else set())
     batch_spec = P(None, BATCH_AXES) if batch_manual else P()
 
-    def local(stack, shared, mbs, norm):
+    def local(stack, shared, stack_f, shared_f, mbs, norm):
         with use_layout(inner):
-            return run(stack, shared, mbs, *norm)
+            return run(stack, shared, stack_f, shared_f, mbs, *norm)
 
-    def run(stack, shared, mbs, count, aux_weight):
-        stack = jax.tree.map(lambda a: a[:, 0], stack)  # [v, Lc, ...]: this stage's chunks
+    def run(stack, shared, stack_f, shared_f, mbs, count, aux_weight):
+        stack, stack_f = (jax.tree.map(lambda a: a[:, 0], t) for t in (stack, stack_f))  # [v, Lc, ...]: this stage's
         s = jax.lax.axis_index(AXIS)
-        used_stack, used_shared = gather_once(stack, shared) if gather_once else (stack, shared)
+        used_stack, used_shared, used_stack_f, used_shared_f = (
+            gather_once(stack, shared, stack_f, shared_f) if gather_once else (stack, shared, stack_f, shared_f))
 
         def microbatch(i):  # rows stay split over the batch axes (with ZeRO-2/3 the compiler owns them)
             return jax.tree.map(lambda a: constrain(a[jnp.maximum(i, 0)], ("batch", "seq")), mbs)
@@ -110,17 +115,17 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
         repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
 
         def run_chunk(chunk, c, x, mb):  # chunk c of this stage is global stage c·p + s: (y, aux)
-            return blocks_fn(chunk, x, mb, (jnp.maximum(c, 0) * p + s) * repeats)
+            return blocks_fn(join(chunk, chunk_of(used_stack_f, c)), x, mb, (jnp.maximum(c, 0) * p + s) * repeats)
 
         def embedded_chunk(chunk, c, sh, mb):  # the first global stage: embedding (and leading layers), chunk
-            x, aux = embed_fn(sh, mb)
+            x, aux = embed_fn(join(sh, used_shared_f), mb)
             y, more = run_chunk(chunk, c, x, mb)
             return y, jax.tree.map(jnp.add, aux, more)
 
-        x_shape, aux_shape = jax.eval_shape(lambda: embed_fn(used_shared, microbatch(0)))
+        x_shape, aux_shape = jax.eval_shape(lambda: embed_fn(join(used_shared, used_shared_f), microbatch(0)))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
-        no_metrics = f32(jax.eval_shape(lambda: loss_fn(used_shared, zeros_x, microbatch(0))[1]))
+        no_metrics = f32(jax.eval_shape(lambda: loss_fn(join(used_shared, used_shared_f), zeros_x, microbatch(0))[1]))
         no_aux = f32(aux_shape)
 
         # ---- forward slot: the output to send downstream
@@ -156,7 +161,7 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
             def final():
                 def stage(ch, sh, x):
                     y, aux = run_chunk(ch, c, x, mb)
-                    total, sums, more = loss_fn(sh, y, mb)  # `more`: auxiliary terms of layers the loss runs
+                    total, sums, more = loss_fn(join(sh, used_shared_f), y, mb)  # `more`: aux. terms of its layers
                     aux = jax.tree.map(jnp.add, aux, more)
                     loss, shares = total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
                     return loss + aux_fn(aux, aux_weight), (loss, shares, aux)
@@ -213,7 +218,7 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
 
     loss, metrics, aux, g_stack, g_shared = jax.shard_map(
         local, mesh=inner.mesh, axis_names=axes, check_vma=False,
-        in_specs=(P(None, AXIS), P(), batch_spec, P()),
-        out_specs=(P(), P(), P(), P(None, AXIS), P()))(stack, shared, microbatches, norm)
+        in_specs=(P(None, AXIS), P(), P(None, AXIS), P(), batch_spec, P()),
+        out_specs=(P(), P(), P(), P(None, AXIS), P()))(stack, shared, stack_f, shared_f, microbatches, norm)
     return loss, metrics, aux, {**g_shared, "blocks": from_chunks(g_stack)}
 

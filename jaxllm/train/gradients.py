@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
-from jaxllm.models import mtp, transformer
+from jaxllm.models import lora, mtp, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
@@ -58,6 +58,7 @@ class Paths:
     bucket_bytes: int = 25 << 20  # train.bucket_mb
     zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp or precision.grad_reduce=float32 asks for it
     mtp_weight: float = 0.0  # train.mtp_weight, with model.mtp_depth > 0 (models/mtp.py)
+    trainable: Any = None  # a tree of bools like the parameters: what is differentiated (`models/lora.py`)
 
     @property
     def local_layout(self) -> Layout:
@@ -100,7 +101,10 @@ def loss_share(params, batch: dict, norm, g: Paths):
 
 
 def _value_and_grad(params, batch, norm, g: Paths):
-    (_, (loss, metrics, aux)), grads = jax.value_and_grad(loss_share, has_aux=True)(params, batch, norm, g)
+    """Gradients of the trainable part of the parameters alone (under LoRA, the adapters')."""
+    train, frozen = lora.split(params, g.trainable)
+    share = lambda t: loss_share(lora.combine(t, frozen), batch, norm, g)
+    (_, (loss, metrics, aux)), grads = jax.value_and_grad(share, has_aux=True)(train)
     return loss, metrics, aux, grads
 
 
@@ -119,7 +123,8 @@ def accumulate(params, batch: dict, norm, g: Paths, shards: int, pin_grads, pin_
         add = lambda x, y: jax.tree.map(jnp.add, x, y)
         return (loss + s, add(metrics, ms), add(aux, a), pin_grads(add(acc, grads))), None
 
-    zeros = pin_grads(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params))  # fp32 even for hpZ's copy
+    zeros = pin_grads(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),  # fp32 even for hpZ's copy
+                                   lora.split(params, g.trainable)[0]))
     (loss, metrics, aux, grads), _ = jax.lax.scan(
         body, (jnp.float32(0), {**zero_metrics(g.objective, batch), **mtp.zero_metrics(g.model, batch)},
                transformer.zero_aux(g.model), zeros), mbs)
@@ -189,13 +194,22 @@ def pipelined(params, batch: dict, norm, g: Paths):
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
         split_microbatches(x, g.microbatches, g.batch_shards), g.microbatch_sharding), batch)
-    grad_specs = [_island_specs(k, g.grad_rules, g, names, shapes) for k in ("blocks", "shared")]
+    train, frozen = (_pipelined_params(t, m) for t in lora.split(params, g.trainable))
+    masks = _pipelined_params(g.trainable, m)
+    mask = {"blocks": masks["blocks"], "shared": {k: v for k, v in masks.items() if k != "blocks"}}
+    grad_specs = [lora.split(_island_specs(k, g.grad_rules, g, names, shapes), mask[k])[0]
+                  for k in ("blocks", "shared")]
 
-    def gather_once(stack, shared):
+    def gather_once(stack, shared, stack_f, shared_f):
         """ZeRO-3: the stage's weights cast and gathered over fsdp once, before the loop."""
-        use = lambda tree, key: jax.tree.map(lambda a, sp: jax.lax.with_sharding_constraint(a.astype(dtype), sp),
-                                             tree, _island_specs(key, g.layout.weights, g, names, shapes))
-        return use(stack, "blocks"), use(shared, "shared")
+        def use(tree, tree_f, key):
+            specs = _island_specs(key, g.layout.weights, g, names, shapes)
+            used = jax.tree.map(lambda a, sp: jax.lax.with_sharding_constraint(a.astype(dtype), sp),
+                                lora.combine(tree, tree_f), specs)
+            return lora.split(used, mask[key])
+
+        (stack, stack_f), (shared, shared_f) = use(stack, stack_f, "blocks"), use(shared, shared_f, "shared")
+        return stack, shared, stack_f, shared_f
 
     def embed_fn(sh, mb):  # the embedding, then the segments before the pipelined one
         x = transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype)
@@ -204,7 +218,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         return transformer.blocks(sh["lead_blocks"], x, mb["positions"], mb["segment_ids"], m, dtype, segments=lead)
 
     loss, metrics, aux, grads = pipeline.loss_and_grads(
-        _pipelined_params(params, m), mbs, (count / scale, scale / g.microbatches), g.schedule, inner,
+        train, mbs, (count / scale, scale / g.microbatches), g.schedule, inner,
         embed_fn=embed_fn,
         blocks_fn=lambda ch, x, mb, first: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype,
                                                               first, segments=(last,)),
@@ -213,7 +227,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
-        gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None)
+        gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None, frozen=frozen, join=lora.combine)
     loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
     grads = {**{k: a for k, a in grads.items() if k not in ("blocks", "lead_blocks")},
              "blocks": [*grads["lead_blocks"], *grads["blocks"]]}

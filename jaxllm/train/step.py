@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm import batch as batch_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
+from jaxllm.models import lora
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
@@ -84,20 +85,29 @@ class Shardings:
     state: Any  # the whole TrainState as stored between steps (offloaded parts in host memory)
 
 
+def trained(m):
+    """(the trainable part of the parameter table, the mask that splits parameters into it: `models/lora.py`)."""
+    table = transformer.param_table(m)
+    mask = lora.trainable_mask(table, m)
+    return lora.split(table, mask)[0], mask
+
+
 def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
     m, stage, mesh = cfg.model, cfg.train.zero_stage, layout.mesh
     sharded = param_rules(shard_over_fsdp=True, hpz=cfg.train.zeropp.hpz)
     names, shapes = transformer.param_names(m), transformer.param_shapes(m)
+    table, mask = trained(m)
 
-    def of(rules):
-        return jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names, shapes,
+    def of(rules, part=True):
+        tree = jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names, shapes,
                             is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+        return lora.split(tree, mask)[0] if part else tree
 
     update_rules = sharded if stage >= 1 else layout.params
     grad_rules = sharded if stage >= 2 else layout.params
-    opt = optimizer_state_shardings(jax.eval_shape(tx.init, shapes), transformer.param_table(m), layout, update_rules)
+    opt = optimizer_state_shardings(jax.eval_shape(tx.init, lora.split(shapes, mask)[0]), table, layout, update_rules)
     replicated = NamedSharding(mesh, P())
-    params = of(layout.params)
+    params = of(layout.params, part=False)
     guard_sh = jax.tree.map(lambda _: replicated, guard.init(cfg))
     mem = cfg.memory
     return Shardings(params=params, update=of(update_rules), grads=of(grad_rules), grad_rules=grad_rules,
@@ -145,7 +155,8 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
                   if mesh.shape["pp"] > 1 else None),
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
-        bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight)
+        bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight,
+        trainable=trained(m)[1])
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
@@ -163,10 +174,11 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         applied, finite = guard.decide(loss, grad_norm, state.guard, cfg, g.objective.spiky)
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, sh.update)
-        updates, opt_state = tx.update(grads, old_opt, old_params)
+        train, frozen = lora.split(old_params, g.trainable)
+        updates, opt_state = tx.update(grads, old_opt, train)
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
-        params = optax.apply_updates(old_params, updates)
+        params = lora.combine(optax.apply_updates(train, updates), frozen)
         if moe_lib.has_router_bias(cfg.model):  # a fixed bias moves by 0: kept as it is
             params = bias_balance.update(params, old_params, with_loads, cfg.model.moe.bias_update_rate)
         params = constrain_tree(params, sh.params)
@@ -211,11 +223,14 @@ def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
 
 
 def start_state(params, *, cfg: Config, tx, sh: Shardings | None = None) -> TrainState:
-    """The state at step 0 from `params` (as stored: brought to the device first when offloaded)."""
+    """The state at step 0 from `params` (as stored: brought to the device first when offloaded). What the step
+    does not train (a LoRA base) is held in the compute dtype; the optimizer sees only what it trains."""
     if sh is not None:
         params = offload.fetch(params, sh.params, cfg.memory.offload_params)
-    return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=params, opt_state=tx.init(params),
-                      guard=guard.init(cfg))
+    train, frozen = lora.split(params, trained(cfg.model)[1])
+    frozen = jax.tree.map(lambda a: a.astype(cfg.precision.compute), frozen)
+    return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=lora.combine(train, frozen),
+                      opt_state=tx.init(train), guard=guard.init(cfg))
 
 
 def objective_of(cfg: Config) -> Objective:
@@ -233,7 +248,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3, hpz=t.zeropp.hpz),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
                     context_attention=m.cp_strategy)
-    tx = make_optimizer(t, transformer.param_table(m))
+    tx = make_optimizer(t, trained(m)[0])
     sh = _shardings(cfg, layout, tx)
     g = _paths(cfg, layout, sh, objective)
     replicated, batch_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P(BATCH_AXES))
@@ -289,7 +304,7 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
     notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
-              + zeropp.check_config(cfg, shape))
+              + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg)))
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")

@@ -1,0 +1,165 @@
+"""Low-rank adapters (LoRA) as parameters: a targeted weight W is used as x·W + scale·(x·A)·B.
+
+`model.lora.rank` > 0 turns each targeted weight of the parameter table into a `LoraWeight` node holding
+the frozen base W and the adapters A [..., in, r] and B [..., r, out] (the leading layer dimension as W's,
+the rank dimension `lora_rank` replicated, the others named and so sharded as W's own input and output
+dimensions). Every other parameter is frozen too. The projections (`layers.column_parallel`,
+`layers.row_parallel`) apply a node unmerged, so a bf16 base never absorbs the adapters' small product.
+
+The step trains the *trainable part* of the parameters (`split`): the adapters alone under LoRA, every
+parameter otherwise. A is initialised as PEFT does by default (Kaiming-uniform with a = √5: uniform in
+±1/√fan_in), B as zeros, so a fresh adapter leaves the base's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxllm.errors import ConfigError
+
+RANK = "lora_rank"  # the rank dimension's logical name: replicated on every mesh
+# target name -> where its weights sit in a block (a dense MLP, or an MoE block's shared experts)
+TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
+           "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
+           "in": ("mlp", "w_in"), "out": ("mlp", "w_out")}
+LEAD = ("layers", "depth")  # stacking dimensions: an adapter keeps them
+BASE_QUANTS = ("none",)
+ADAPTER_STREAM = 0x10A  # init_params folds this into its key for the adapters' draws
+
+
+@flax.struct.dataclass
+class LoraWeight:
+    """A frozen weight with its adapters; `scale` (alpha / r, or alpha / √r) is static."""
+
+    w: Any
+    a: Any
+    b: Any
+    scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+
+def is_node(x) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+def scale_of(m) -> float:
+    lc = m.lora
+    return lc.alpha / (math.sqrt(lc.rank) if lc.rslora else lc.rank)
+
+
+def _adapter_leaves(leaf, make_leaf, rank: int, output_last: bool):
+    """(A, B) Leafs for a base Leaf: input dims are the first non-stacking one (column-parallel weights,
+    [embed, ...]) or all but the last (row-parallel, [..., embed])."""
+    lead = sum(1 for n in leaf.names if n in LEAD)
+    cut = len(leaf.names) - 1 if output_last else lead + 1
+    a = make_leaf(leaf.shape[:cut] + (rank,), leaf.names[:cut] + (RANK,), "lora_a")
+    b = make_leaf(leaf.shape[:lead] + (rank,) + leaf.shape[cut:], leaf.names[:lead] + (RANK,) + leaf.names[cut:],
+                  "zeros")
+    return a, b
+
+
+def adapt_block(block: dict, m, make_leaf) -> dict:
+    """A block's table with its targeted weights as `LoraWeight` nodes (`make_leaf(shape, names, init)`)."""
+    if not m.lora.rank:
+        return block
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in block.items()}
+    for target in m.lora.targets:
+        if target not in TARGETS:
+            continue
+        part, name = TARGETS[target]
+        places = [out.get(part)] + ([out["moe"]["shared"]] if part == "mlp" and "shared" in out.get("moe", {}) else [])
+        for place in places:
+            if place is not None and name in place:
+                leaf = place[name]
+                a, b = _adapter_leaves(leaf, make_leaf, m.lora.rank, output_last=name in ("wo", "w_down", "w_out"))
+                place[name] = LoraWeight(leaf, a, b, scale_of(m))
+    return out
+
+
+def base_model(m):
+    """The model without adapters: the base's parameter table, as a checkpoint or Hugging Face holds it."""
+    return dataclasses.replace(m, lora=dataclasses.replace(m.lora, rank=0))
+
+
+def attach(base, table, make, is_leaf):
+    """The base's parameters with adapters at the table's `LoraWeight` nodes: `make(i, leaf)` gives the i-th
+    adapter array (A, then B, node by node) for its table leaf."""
+    count = [0]
+
+    def one(t, w):
+        if not is_node(t):
+            return w
+        i, count[0] = count[0], count[0] + 2
+        return LoraWeight(w, make(i, t.a), make(i + 1, t.b), t.scale)
+
+    return jax.tree.map(one, table, base, is_leaf=lambda x: is_node(x) or is_leaf(x))
+
+
+def trainable_mask(table, m):
+    """A tree of bools like the parameters: what the step trains (the adapters under LoRA, else everything)."""
+    is_leaf = lambda x: is_node(x) or type(x).__name__ == "Leaf"
+    if not m.lora.rank:
+        return jax.tree.map(lambda _: True, table, is_leaf=is_leaf)
+    return jax.tree.map(lambda x: LoraWeight(False, True, True, x.scale) if is_node(x) else False, table,
+                        is_leaf=is_leaf)
+
+
+def split(tree, mask):
+    """(trainable part, frozen part) of a parameter-like tree: each with None where the other holds a leaf."""
+    train = jax.tree.map(lambda x, k: x if k else None, tree, mask)
+    frozen = jax.tree.map(lambda x, k: None if k else x, tree, mask)
+    return train, frozen
+
+
+def combine(train, frozen):
+    """The inverse of `split`."""
+    return jax.tree.map(lambda t, f: f if t is None else t, train, frozen, is_leaf=lambda x: x is None)
+
+
+def base(w):
+    """The frozen weight of a node, or the weight itself."""
+    return w.w if is_node(w) else w
+
+
+def low_rank(x: jax.Array, node: LoraWeight, names: tuple[str, ...], n_in: int, dtype, weight) -> jax.Array:
+    """scale·(x·A)·B for a weight named `names` whose first n_in dimensions are its input: x [..., *in] ->
+    [..., *out]. `weight(w, names, dtype)` casts and lays out A and B as the base weight's use does."""
+    a = weight(node.a, names[:n_in] + (RANK,), dtype)
+    b = weight(node.b, (RANK,) + names[n_in:], dtype)
+    return (node.scale * jnp.tensordot(jnp.tensordot(x, a, axes=n_in), b, axes=1)).astype(dtype)
+
+
+def check_config(m, cfg, zeropp_plan) -> list[str]:
+    """`model.lora` against the model and the run: ConfigError for what the adapters cannot do yet."""
+    lc = m.lora
+    if not lc.rank:
+        return []
+    if lc.rank < 0:
+        raise ConfigError(f"model.lora.rank: must be 0 (off) or positive, got {lc.rank}")
+    unknown = [t for t in lc.targets if t not in TARGETS and t != "experts"]
+    if unknown or not lc.targets:
+        raise ConfigError(f"model.lora.targets: {unknown or 'empty'}; choose from {', '.join([*TARGETS, 'experts'])}")
+    refusals = [
+        (lc.dropout != 0, f"model.lora.dropout={lc.dropout} is not supported yet; set 0"),
+        (lc.base_quant not in BASE_QUANTS, f"model.lora.base_quant='{lc.base_quant}' is not one of "
+                                           f"{', '.join(BASE_QUANTS)}"),
+        ("experts" in lc.targets, "model.lora.targets: adapters on the routed experts are not supported yet; "
+                                  "remove 'experts'"),
+        (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
+        (m.collective_matmul, "model.lora with model.collective_matmul=true is not supported yet; set it false"),
+        (zeropp_plan is not None, "model.lora with train.zeropp or precision.grad_reduce=float32 is not supported "
+                                  "yet; turn them off"),
+        (m.moe.bias_update_rate, "model.lora with model.moe.bias_update_rate is not supported yet (the base, its "
+                                 "routing bias too, is frozen); set it 0"),
+        (cfg.memory.offload_params or cfg.memory.offload_optimizer,
+         "model.lora with memory offload is not supported yet; the adapters' state is small: turn offload off"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(why)
+    return [f"LoRA: rank {lc.rank}, scale {scale_of(m):g}, on {', '.join(lc.targets)}; the base is frozen"]
