@@ -100,6 +100,16 @@ def attach(base, table, make, is_leaf):
     return jax.tree.map(one, table, base, is_leaf=lambda x: is_node(x) or is_leaf(x))
 
 
+def bases(tree):
+    """A tree with `LoraWeight` nodes (parameters, shardings) as the base's: each node replaced by its `w`."""
+    return jax.tree.map(lambda x: x.w if is_node(x) else x, tree, is_leaf=is_node)
+
+
+def adapters_off(params):
+    """The parameters with every B zero: the base's function, sharing its arrays (GRPO's reference policy)."""
+    return jax.tree.map(lambda x: x.replace(b=jnp.zeros_like(x.b)) if is_node(x) else x, params, is_leaf=is_node)
+
+
 def trainable_mask(table, m):
     """A tree of bools like the parameters: what the step trains (the adapters under LoRA, else everything)."""
     is_leaf = lambda x: is_node(x) or type(x).__name__ == "Leaf"

@@ -235,14 +235,19 @@ def _init_leaf(m: ModelConfig, key: jax.Array, leaf: Leaf):
     return std * jax.random.normal(key, leaf.shape, jnp.float32)  # GPT-2: residual outputs scaled by 1/sqrt(2L)
 
 
+def with_adapters(base, m: ModelConfig, key: jax.Array):
+    """The base's parameters with fresh adapters (`model.lora`), drawn from a stream of `key` of their own."""
+    adapters = jax.random.fold_in(key, lora.ADAPTER_STREAM)
+    return lora.attach(base, param_table(m), lambda i, leaf: _init_leaf(m, jax.random.fold_in(adapters, i), leaf),
+                       _is_leaf)
+
+
 def init_params(m: ModelConfig, key: jax.Array):
     """Fresh fp32 parameters. Each leaf draws from its own key (folded from its index), so with
     partitionable threefry the values do not depend on how the result is sharded. Under LoRA the base
     draws what it draws without adapters, and each adapter from a key of its own."""
     if m.lora.rank:
-        adapters = jax.random.fold_in(key, lora.ADAPTER_STREAM)
-        return lora.attach(init_params(lora.base_model(m), key), param_table(m),
-                           lambda i, leaf: _init_leaf(m, jax.random.fold_in(adapters, i), leaf), _is_leaf)
+        return with_adapters(init_params(lora.base_model(m), key), m, key)
     leaves, treedef = jax.tree.flatten(param_table(m), is_leaf=_is_leaf)
     return jax.tree.unflatten(treedef, [_init_leaf(m, jax.random.fold_in(key, i), l) for i, l in enumerate(leaves)])
 

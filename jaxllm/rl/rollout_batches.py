@@ -10,7 +10,8 @@ new batch, which the following steps reuse:
    straddles processes and all agree on its advantages;
 4. advantages (`advantages.py`) and rows (`rollouts.py`), as global arrays over the batch axes;
 5. `old_logp` from the trainer's own forward pass at the temperature (`StepFns.token_logp`) with the
-   parameters that sampled, and `ref_logp` with the frozen reference's (β > 0; zeros otherwise).
+   parameters that sampled, and `ref_logp` with the reference policy's (β > 0; zeros otherwise), `reference(params)`
+   giving its parameters from the policy's.
 
 The generator's own log-probabilities are kept for one metric, `logp_mismatch`: the mean over completion
 tokens of |generator − trainer|, which is rounding alone when both run the same model in the same dtype.
@@ -86,7 +87,7 @@ class RolloutBatches:
         batch = batch_lib.global_arrays(host, sharding)
         contract = {k: batch[k] for k in batch_lib.FIELDS}
         batch["old_logp"] = self.fns.token_logp(params, contract)
-        batch["ref_logp"] = (self.fns.token_logp(self.reference, contract) if self.reference is not None
+        batch["ref_logp"] = (self.fns.token_logp(self.reference(params), contract) if self.reference is not None
                              else batch_lib.global_arrays({"z": np.zeros_like(host["weights"])}, sharding)["z"])
         batch_lib.check(batch, self.fns.objective.fields)
         return batch, self._metrics(total, each, completions, prompt_ids, out, host, batch["old_logp"])

@@ -27,7 +27,7 @@ from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.generate import generate
 from jaxllm.interop import hf
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
-from jaxllm.models import attention, transformer
+from jaxllm.models import attention, lora, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
@@ -36,7 +36,7 @@ from jaxllm.train import checkpoint as ckpt
 from jaxllm.train import faults, preemption
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
-from jaxllm.train.step import make_step_fns
+from jaxllm.train.step import make_step_fns, trained
 
 log = logging.getLogger("jaxllm")
 
@@ -106,18 +106,29 @@ def _restore(cfg: Config, fns):
         _check_resumable(cfg, meta)
         state_lib.check_fields(meta, f"run.dir '{cfg.run.dir}'")
 
-    target = lambda meta: state_lib.as_saved(fns.abstract_state, state_lib.saved_fields(meta))
+    target = lambda meta: state_lib.as_saved(_stored(cfg, fns.abstract_state), state_lib.saved_fields(meta))
     saved, meta = ckpt.restore_newest(cfg.run.dir, target, check)
     if state_lib.saved_fields(meta) == state_lib.PARAMS_ONLY:
         log.info("the checkpoint holds parameters only (an imported model): the optimizer starts fresh")
         state = fns.start(saved["params"])
     else:
         state = state_lib.complete(saved, {"guard": fns.fresh_guard()})
+    if cfg.model.lora.rank:  # the checkpoint holds the adapters; the frozen base is read again from its source
+        base = lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1]
+        state = state.replace(params=lora.combine(state.params, base))
     start = int(state.step)
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
                           "raise train.steps to train further")
     return state, start
+
+
+def _stored(cfg: Config, state):
+    """What a checkpoint holds of a state: under LoRA its trainable part (the adapters; the base is `init.from`'s,
+    or the seed's), else all of it."""
+    if not cfg.model.lora.rank:
+        return state
+    return state.replace(params=lora.split(state.params, trained(cfg.model)[1])[0])
 
 
 def initial_state(cfg: Config, fns):
@@ -129,21 +140,28 @@ def initial_state(cfg: Config, fns):
 
 
 def _source_params(cfg: Config, fns):
-    source = cfg.init.from_
+    """`init.from`'s parameters; under LoRA, its weights as the frozen base with fresh adapters."""
+    source, m = cfg.init.from_, cfg.model
     if source.startswith("hf:"):
-        return hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
-    run_dir, step = split_run_source(source)
-    return ckpt.read_params(run_dir, step, fns.abstract_state.params)
+        base = hf.load_params(source[3:], lora.base_model(m), lora.bases(fns.state_shardings.params))
+    else:
+        run_dir, step = split_run_source(source)
+        base = ckpt.read_params(run_dir, step, lora.bases(fns.abstract_state.params))
+    return fns.with_adapters(base)
 
 
 def reference_params(cfg: Config, fns):
-    """GRPO's frozen reference: the starting parameters (`init.from`, else the seed's random ones), read
+    """GRPO's frozen reference, a function of the policy's parameters: under LoRA the policy with its adapters off
+    (the same base arrays); else the starting parameters (`init.from`, else the seed's random ones), read
     again whether or not the run resumes, in the compute dtype and laid out like the policy's."""
+    if cfg.model.lora.rank:
+        return jax.jit(lora.adapters_off)
     params = _source_params(cfg, fns) if cfg.init.from_ else fns.init(cfg.train.seed).params
     shardings = fns.state_shardings.params
     cast = jax.jit(lambda p: transformer.compute_weights(p, jnp.dtype(cfg.precision.compute)),
                    in_shardings=(shardings,), out_shardings=shardings)
-    return cast(params)
+    fixed = cast(params)
+    return lambda _: fixed
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -313,7 +331,7 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
         run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
     faults.before_save(run.mngr, step)
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
-    ckpt.save(run.mngr, step, state, meta)
+    ckpt.save(run.mngr, step, _stored(run.cfg, state), meta)
     if applied:  # its row was checked finite first
         run.good_checkpoint = step
     faults.after_save(run.mngr, step)

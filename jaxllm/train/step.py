@@ -131,6 +131,7 @@ class StepFns:
     start: Callable  # (params) -> state at step 0 with a fresh optimizer (params from elsewhere; donated)
     device_params: Callable  # (params as stored) -> params on the device, for programs besides the step
     fresh_guard: Callable  # () -> the guard a new run starts with (for checkpoints saved before it existed)
+    with_adapters: Callable  # (base params) -> parameters with fresh adapters of the run's seed (LoRA; else as given)
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
@@ -265,6 +266,9 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
         device_params=(jax.jit(lambda p: p, in_shardings=(sh.state.params,), out_shardings=sh.params)
                        if cfg.memory.offload_params else lambda p: p),
         fresh_guard=jax.jit(functools.partial(guard.init, cfg), out_shardings=sh.state.guard),
+        with_adapters=(jax.jit(lambda base: transformer.with_adapters(base, m, jax.random.key(t.seed)),
+                               in_shardings=(lora.bases(sh.state.params),), out_shardings=sh.state.params)
+                       if m.lora.rank else lambda p: p),
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
         loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g, cfg=cfg), in_shardings=(sh.params, batch_sh),
