@@ -2,7 +2,7 @@
 
     jaxllm hf import HF_DIR RUN_DIR [key=value ...]
     jaxllm hf export RUN_DIR OUT_DIR [--step N] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
-                                     [key=value ...]   (e.g. distributed.* and mesh.* for several processes)
+                                     [--adapter] [key=value ...]   (e.g. distributed.* and mesh.* for several processes)
 
 `import` writes RUN_DIR/config.toml (init.from = "hf:HF_DIR", its tokenizer when HF_DIR has one) and a
 step-0 checkpoint holding the parameters only; `jaxllm train --config RUN_DIR/config.toml
@@ -10,6 +10,8 @@ train.resume=true` then trains it, the optimizer starting fresh. `export` writes
 STEP's) parameters as a directory transformers' `from_pretrained` loads, in the dtype of the checkpoint the
 run started from (float32 for a run that started from random weights) unless --dtype says otherwise, with
 that checkpoint's generation config and the run's tokenizer files when it used `data.tokenizer = "hf:DIR"`.
+A LoRA run (`model.lora`) exports its base with the adapters merged in, or with --adapter its adapters alone
+as a PEFT adapter directory for the base it started from.
 Any problem is one line `error: ...` and exit code 2, with nothing written.
 """
 
@@ -38,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest)")
     exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the source's)")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    exp.add_argument("--adapter", action="store_true",
+                     help="a LoRA run (model.lora): write its adapters as a PEFT adapter directory rather than the "
+                          "model with the adapters merged in")
     exp.add_argument("overrides", nargs="*", help="run keys, e.g. distributed.num_processes=2 mesh.fsdp=8")
     return p
 
@@ -83,12 +88,13 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
 
 
 def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str = "5GB", overrides: list[str] = ()) -> None:
+           max_shard_size: str = "5GB", overrides: list[str] = (), adapter: bool = False) -> None:
     from jaxllm.config import build_config, parse_overrides
     from jaxllm.errors import ConfigError
-    from jaxllm.interop import hf, hf_config
+    from jaxllm.interop import hf, hf_config, peft
     from jaxllm.mesh import initialize_distributed
-    from jaxllm.train import checkpoint as ckpt
+    from jaxllm.models import lora
+    from jaxllm.train.loop import checkpoint_params
 
     if not os.path.isfile(os.path.join(run_dir, "config.toml")):
         raise ConfigError(f"{run_dir}: no config.toml; give a jaxllm run directory")
@@ -96,13 +102,21 @@ def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | Non
                        {"run.dir": run_dir, **cli.OWN_PROCESSES, **parse_overrides(list(overrides))})
     hf_config.exportable(cfg.model)
     initialize_distributed(cfg.distributed)
+    if adapter and not cfg.model.lora.rank:
+        raise ConfigError(f"--adapter: {run_dir} trains no adapters (model.lora.rank = 0); export without --adapter")
     fns = step_fns_for(cfg)
-    params = ckpt.read_params(run_dir, step, fns.abstract_state.params)
+    params = checkpoint_params(cfg, fns, run_dir, step)
     source = cfg.init.from_[3:] if cfg.init.from_.startswith("hf:") else None
+    if adapter:
+        peft.save_adapter(params, cfg.model, out_dir, source)
+        log.info("exported %s's adapters to %s (PEFT)", run_dir, out_dir)
+        return
     tokenizer = cfg.data.tokenizer[3:] if cfg.data.tokenizer.startswith("hf:") else None
     dtype = dtype or (hf.source_dtype(source) if source else "float32")
-    hf.save_pretrained(params, cfg.model, out_dir, dtype=dtype, max_shard_size=max_shard_size, source=source,
-                       tokenizer=tokenizer)
+    if cfg.model.lora.rank:  # the adapters merged into their weights: a plain model of the base's architecture
+        params = peft.merged(params)
+    hf.save_pretrained(params, lora.base_model(cfg.model), out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                       source=source, tokenizer=tokenizer)
     log.info("exported %s to %s (%s)%s", run_dir, out_dir, dtype,
              "" if tokenizer else "; the run used no Hugging Face tokenizer, so the export has none")
 
@@ -112,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "import":
         return cli.run(lambda: import_(args.hf_dir, args.run_dir, args.overrides))
     return cli.run(lambda: export(args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_size,
-                                  args.overrides))
+                                  args.overrides, args.adapter))
 
 
 if __name__ == "__main__":

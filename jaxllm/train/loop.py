@@ -131,6 +131,15 @@ def _stored(cfg: Config, state):
     return state.replace(params=lora.split(state.params, trained(cfg.model)[1])[0])
 
 
+def checkpoint_params(cfg: Config, fns, run_dir: str, step: int | None):
+    """The parameters of `run_dir`'s checkpoint `step` (None: the newest): under LoRA its adapters on the base
+    read again from where the run's base came from."""
+    if not cfg.model.lora.rank:
+        return ckpt.read_params(run_dir, step, fns.abstract_state.params)
+    adapters = ckpt.read_params(run_dir, step, _stored(cfg, fns.abstract_state).params)
+    return lora.combine(adapters, lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1])
+
+
 def initial_state(cfg: Config, fns):
     """The state at step 0: random parameters, or those `init.from` names, with a fresh optimizer."""
     if not cfg.init.from_:
