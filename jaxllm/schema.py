@@ -136,8 +136,8 @@ class LoraConfig:
                         "`gate`, `up`, `down` (GPT-2's `in`, `out`), and `experts` (every expert's feed-forward "
                         "weights of the targeted names)")
     dropout: float = key(0.0, "dropout on an adapter's input, as PEFT's `lora_dropout`; only 0 is supported yet")
-    base_quant: str = key("none", "how the frozen base is stored: `none` (the compute dtype), `int8` or `nf4` "
-                                  "(QLoRA: blockwise, dequantized at use)")
+    base_quant: str = key("none", "how the frozen base is stored: `none` (the compute dtype); QLoRA's quantized "
+                                  "bases are not implemented yet")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a
@@ -488,6 +488,9 @@ class InitConfig:
     from_: str = key("", 'where the parameters start: `""` (random, `model.init_std`), `"hf:DIR"` (a Hugging Face '
                          'checkpoint, see "Hugging Face checkpoints") or `"run:DIR[@STEP]"` (another run\'s '
                          "parameters, its newest or STEP checkpoint, with a fresh optimizer)")
+    adapter: str = key("", "a PEFT LoRA adapter directory whose A and B the adapters start from (with `model.lora`, "
+                           "its rank, alpha and targets as the directory's adapter_config.json says); `\"\"`: fresh "
+                           "adapters")
 
 
 @dataclass

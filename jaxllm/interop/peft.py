@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxllm.errors import ModelFileError
+from jaxllm.errors import ConfigError, ModelFileError
 from jaxllm.interop import hf
 from jaxllm.models import lora, transformer
 
@@ -126,8 +126,21 @@ def read_config(path: str) -> dict:
             "model.lora.targets": list(lora.TARGETS)[:7] if modules == "all-linear" else targets_of(modules)}
 
 
+def check_matches(path: str, m) -> None:
+    """ConfigError unless `model.lora` is the adapter directory's rank, alpha, scaling and targets."""
+    want, lc = read_config(path), m.lora
+    have = {"model.lora.rank": lc.rank, "model.lora.alpha": float(lc.alpha), "model.lora.rslora": lc.rslora,
+            "model.lora.targets": list(lc.targets)}
+    for k, v in want.items():
+        if (sorted(v) if isinstance(v, list) else v) != (sorted(have[k]) if isinstance(v, list) else have[k]):
+            shown = json.dumps(v).lower() if isinstance(v, bool) else json.dumps(v)
+            raise ConfigError(f"init.adapter: {path} was trained with {k} = {shown}, this run has "
+                              f"{json.dumps(have[k])}; set {k}={shown}")
+
+
 def load_adapter(path: str, params, m):
     """`params` (with `LoraWeight` nodes of model `m`) with A and B read from the PEFT directory `path`."""
+    check_matches(path, m)
     file = os.path.join(path, WEIGHTS)
     try:
         handle = safe_open(file, "numpy")

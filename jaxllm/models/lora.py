@@ -147,6 +147,9 @@ def low_rank(x: jax.Array, node: LoraWeight, names: tuple[str, ...], n_in: int, 
 def check_config(m, cfg, zeropp_plan) -> list[str]:
     """`model.lora` against the model and the run: ConfigError for what the adapters cannot do yet."""
     lc = m.lora
+    if cfg.init.adapter and not (lc.rank and cfg.init.from_):
+        raise ConfigError("init.adapter: a LoRA adapter needs the base it was trained on (init.from) and "
+                          "model.lora.rank > 0; set both")
     if not lc.rank:
         return []
     if lc.rank < 0:

@@ -25,7 +25,7 @@ from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_t
 from jaxllm.data import dataset
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.generate import generate
-from jaxllm.interop import hf
+from jaxllm.interop import hf, peft
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import attention, lora, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
@@ -156,7 +156,8 @@ def _source_params(cfg: Config, fns):
     else:
         run_dir, step = split_run_source(source)
         base = ckpt.read_params(run_dir, step, lora.bases(fns.abstract_state.params))
-    return fns.with_adapters(base)
+    params = fns.with_adapters(base)
+    return peft.load_adapter(cfg.init.adapter, params, m) if cfg.init.adapter else params
 
 
 def reference_params(cfg: Config, fns):

@@ -1,0 +1,183 @@
+"""LoRA (`model.lora`, `jaxllm/models/lora.py`, `jaxllm/interop/peft.py`): fresh adapters leave the base's loss
+bitwise, the adapters' gradients equal torch + peft's, every mesh form equals one device, a trained adapter
+exports as a PEFT directory that peft loads onto the transformers base (and as a merged model) with the same
+logits, imports back to continue training, and checkpoints hold the adapters alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_families as H
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns
+from jaxllm.config import build_config, validate
+from jaxllm.errors import ConfigError
+from jaxllm.interop import peft as peft_io
+from jaxllm.models import lora, transformer
+
+LORA = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def with_random_b(params, seed: int = 1):
+    """The parameters with every adapter's B drawn (a fresh B is zero, so A's gradient would be too)."""
+    nodes = [x for x in jax.tree.leaves(params, is_leaf=lora.is_node) if lora.is_node(x)]
+    keys = iter(jax.random.split(jax.random.key(seed), len(nodes)))
+    return jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(next(keys), x.b.shape)) if lora.is_node(x)
+                        else x, params, is_leaf=lora.is_node)
+
+
+def test_fresh_adapters_leave_the_first_loss_bitwise_and_train_only_the_adapters():
+    base = step_fns(equivalence_config("tiny-llama"))
+    adapted = step_fns(equivalence_config("tiny-llama", **LORA))
+    state = adapted.init(0)
+    assert float(loss_and_grads(adapted, state.params)[0]) == float(loss_and_grads(base, base.init(0).params)[0])
+    trained = jax.tree.leaves(jax.tree.map(lambda x: (x.a, x.b) if lora.is_node(x) else None, state.params,
+                                           is_leaf=lora.is_node))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sum(x.size for x in moments) == 2 * sum(x.size for x in trained)  # Adam's two moments, adapters only
+    _, grads = loss_and_grads(adapted, with_random_b(state.params))
+    assert {n for n in jax.tree.leaves(jax.tree.map(lambda x: "adapter" if lora.is_node(x) else "base", grads,
+                                                    is_leaf=lora.is_node))} == {"adapter"}
+
+
+MESHES = {"fsdp8_zero3": {"mesh.fsdp": 8, "train.zero_stage": 3},
+          "dp2_tp4_sp": {"mesh.dp": 2, "mesh.tp": 4, "train.sequence_parallel": True},
+          "pp2_dp4_1f1b": {"mesh.pp": 2, "mesh.dp": 4, "train.pp_schedule": "1f1b", "train.microbatches": 2}}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_adapters_on_a_mesh_equal_one_device(mesh):
+    one = step_fns(equivalence_config("tiny-llama", **LORA))
+    params = jax.device_get(with_random_b(one.init(0).params))
+    loss, grads = loss_and_grads(one, params)
+    on_mesh = step_fns(equivalence_config("tiny-llama", **LORA, **MESHES[mesh]))
+    assert_matches(*loss_and_grads(on_mesh, params), (params, float(loss), jax.device_get(grads)))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return H.build("llama3", str(tmp_path_factory.mktemp("llama") / "base"))
+
+
+def test_adapter_gradients_equal_torch_and_peft(llama, tmp_path):
+    """B drawn non-zero, the same batch: jaxllm's gradients of every A and B equal peft's (fp32, 1e-5)."""
+    import peft
+    import torch
+
+    cfg = build_config(None, {"init.from": f"hf:{llama}", "model.seq_len": 16, "precision.compute": "float32",
+                              "train.global_batch": 2, "mesh.dp": 1, **LORA})
+    fns = step_fns(cfg, devices=1)
+    from jaxllm.interop import hf
+
+    params = with_random_b(fns.with_adapters(hf.load_params(llama, lora.base_model(cfg.model),
+                                                            lora.bases(fns.state_shardings.params))))
+    peft_io.save_adapter(params, cfg.model, str(tmp_path / "adapter"))
+    rows = H.sample_tokens(H.VOCAB_SIZE, 2, 17, 0)
+    _, grads = loss_and_grads(fns, params, rows)
+    ours = dict(peft_io.adapter_tensors(grads, cfg.model))
+
+    model = peft.PeftModel.from_pretrained(H._load(llama), str(tmp_path / "adapter"), is_trainable=True)
+    ids = torch.as_tensor(rows, dtype=torch.long)
+    model(input_ids=ids, labels=ids).loss.backward()
+    theirs = {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(theirs) == sorted(ours)
+    for name, g in theirs.items():
+        np.testing.assert_allclose(ours[name], g, rtol=1e-5, atol=1e-5 * np.abs(g).max(), err_msg=name)
+
+
+def _jaxllm(*args, check=True):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "jaxllm", *args], env=env, capture_output=True, text=True)
+    assert not check or run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+def _keys(keys: dict) -> list[str]:
+    return [f"{k}={json.dumps(v) if isinstance(v, (str, bool)) else v}" for k, v in keys.items()]
+
+
+def _logits(run_dir: str, tokens):
+    from jaxllm.cli.hf import step_fns_for
+    from jaxllm.train.loop import checkpoint_params
+
+    cfg = build_config(os.path.join(run_dir, "config.toml"), {"run.dir": run_dir})
+    params = checkpoint_params(cfg, step_fns_for(cfg), run_dir, None)
+    return np.asarray(transformer.logits_at(params, jnp.asarray(tokens), cfg.model, jnp.float32))[..., :H.VOCAB_SIZE]
+
+
+@pytest.mark.slow
+def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tmp_path):
+    """20 steps of SFT on the imported LLaMA; peft's logits (transformers base + the exported adapter) and the
+    merged export's equal jaxllm's within 1e-4; the adapter imported by a new run (init.adapter) gives the same
+    logits at its step 0; the run's checkpoints hold no base weight."""
+    import peft
+    import torch
+
+    run = str(tmp_path / "run")
+    keys = H.one_step_run(llama, run, 32, **LORA, **{"train.steps": 20, "train.checkpoint_every": 20,
+                                                     "train.lr": 1e-2, "train.warmup_steps": 0})
+    _jaxllm("train", *_keys(keys))
+    _jaxllm("hf", "export", run, str(tmp_path / "adapter"), "--adapter")
+    _jaxllm("hf", "export", run, str(tmp_path / "merged"))
+    tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 16, 0)
+    ours = _logits(run, tokens)
+    model = peft.PeftModel.from_pretrained(H._load(llama), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4
+    assert np.abs(H.reference_logits(str(tmp_path / "merged"), tokens) - theirs).max() <= 1e-4
+    assert np.abs(H.reference_logits(llama, tokens) - theirs).max() > 1e-2  # the adapters did change the model
+    stored = os.listdir(os.path.join(run, "checkpoints", "20", "state"))
+    assert not any("'w'" in name or ".w" in name for name in stored)
+
+    from jaxllm.cli.hf import step_fns_for
+    from jaxllm.train.loop import initial_state
+
+    again = build_config(os.path.join(run, "config.toml"), {"init.adapter": str(tmp_path / "adapter")})
+    params = initial_state(again, step_fns_for(again)).params
+    imported = np.asarray(transformer.logits_at(params, jnp.asarray(tokens), again.model, jnp.float32))
+    assert np.abs(imported[..., :H.VOCAB_SIZE] - ours).max() <= 1e-5
+
+
+def test_refusals(llama, tmp_path):
+    def refused(**over):
+        cfg = build_config(None, {"model.preset": "tiny-llama", "model.vocab_size": 257, **LORA, **over})
+        with pytest.raises(ConfigError) as e:
+            validate(cfg, 1)
+        return str(e.value)
+
+    assert "dropout" in refused(**{"model.lora.dropout": 0.1})
+    assert "experts" in refused(**{"model.lora.targets": ["q", "experts"]})
+    assert "targets" in refused(**{"model.lora.targets": ["qq"]})
+    assert "init.from" in refused(**{"init.adapter": "x"})
+    with pytest.raises(ConfigError, match="model.lora.rank=4"):
+        peft_io.check_matches(_adapter_dir(tmp_path, r=4), build_config(None, {"model.preset": "tiny-llama",
+                                                                              "model.lora.rank": 8}).model)
+
+
+def _adapter_dir(tmp_path, r: int) -> str:
+    path = tmp_path / "cfg_only"
+    path.mkdir()
+    (path / peft_io.CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 8,
+                                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]}))
+    return str(path)
+
+
+def test_the_reference_policy_is_the_base():
+    """GRPO's reference under LoRA: the policy's parameters with its adapters off compute the base's logits."""
+    m = equivalence_config("tiny-llama", **LORA).model
+    params = with_random_b(transformer.init_params(m, jax.random.key(0)))
+    base = transformer.init_params(lora.base_model(m), jax.random.key(0))
+    tokens = jnp.asarray(H.sample_tokens(257, 2, 16, 0))
+    off = transformer.logits_at(lora.adapters_off(params), tokens, m, jnp.float32)
+    assert np.array_equal(off, transformer.logits_at(base, tokens, lora.base_model(m), jnp.float32))
+    assert not np.allclose(transformer.logits_at(params, tokens, m, jnp.float32), off)
