@@ -136,8 +136,10 @@ class LoraConfig:
                         "`gate`, `up`, `down` (GPT-2's `in`, `out`), and `experts` (every expert's feed-forward "
                         "weights of the targeted names)")
     dropout: float = key(0.0, "dropout on an adapter's input, as PEFT's `lora_dropout`; only 0 is supported yet")
-    base_quant: str = key("none", "how the frozen base is stored: `none` (the compute dtype); QLoRA's quantized "
-                                  "bases are not implemented yet")
+    base_quant: str = key("none", "how the adapted weights of the frozen base are stored: `none` (the compute dtype), "
+                                  "`int8` or `nf4` (QLoRA: blocks of 64 along d_model, dequantized at use)")
+    double_quant: bool = key(True, "with `base_quant`, store the blocks' scales as int8 too (QLoRA's double "
+                                   "quantization)")
 
 
 # A family (`model.family`) is a shorthand for the features it is made of; a preset names a family and a

@@ -764,6 +764,57 @@ def _format_zeropp(z: dict) -> list[str]:
             f"{format_bytes(z['grad_unquantized'])}: {ratio(z['grad_all_to_all'], z['grad_unquantized'])}"]
 
 
+def _device_bytes(tree) -> int:
+    """Bytes per device of an abstract tree's leaves (each its shard; 4-bit codes at half a byte)."""
+    import jax
+    import jax.numpy as jnp
+
+    def bits(dtype) -> int:
+        kind = jnp.iinfo if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo
+        return 8 if dtype == jnp.bool_ else kind(dtype).bits
+
+    return sum(-(-math.prod(a.sharding.shard_shape(a.shape)) * bits(a.dtype) // 8) for a in jax.tree.leaves(tree))
+
+
+FINETUNE = {"full": (0, "none"), "lora": (None, "none"), "qlora_nf4": (None, "nf4")}  # (rank, base_quant)
+
+
+def finetune_state(cfg, shape: dict) -> dict:
+    """The train state's bytes per device for full fine-tuning, LoRA and QLoRA (nf4) of this model on this mesh
+    (`model.lora.rank`, else 8, on its targets), read from each one's abstract state (no compiling): the frozen
+    base, the trained parameters (fp32) and the optimizer state. A variant the model cannot run gives its reason."""
+    import jax
+
+    from jaxllm.config import validate
+    from jaxllm.errors import UserError
+    from jaxllm.mesh import make_mesh
+    from jaxllm.models import lora
+    from jaxllm.train.step import make_step_fns, trained
+
+    out = {}
+    for name, (rank, quant) in FINETUNE.items():
+        variant = copy.deepcopy(cfg)
+        variant.model.lora.rank = cfg.model.lora.rank or 8 if rank is None else rank
+        variant.model.lora.base_quant = quant
+        try:
+            validate(variant, math.prod(shape.values()))
+        except UserError as e:
+            out[name] = {"refused": str(e)}
+            continue
+        fns = make_step_fns(variant, make_mesh(shape, variant))
+        state = fns.abstract_state
+        train, frozen = lora.split(state.params, trained(variant.model)[1])
+        parts = {"base_bytes": _device_bytes(frozen), "trained_bytes": _device_bytes(train),
+                 "optimizer_bytes": _device_bytes(state.opt_state)}
+        adapted = [x.w for x in jax.tree.leaves(state.params, is_leaf=lora.is_node) if lora.is_node(x)]
+        # the step's other arguments: its counters, the guard and the batch
+        rest = _device_bytes((state.step, state.applied, state.guard,
+                              fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len)))
+        out[name] = {**parts, "total_bytes": sum(parts.values()), "argument_bytes": sum(parts.values()) + rest,
+                     "adapted_base_bytes": _device_bytes(adapted)}  # the base's weights that carry adapters
+    return out
+
+
 def plan(cfg) -> dict:
     """Compile the train step for `cfg` (not run it) and report memory, collectives and theory per device.
 
@@ -825,6 +876,7 @@ def plan(cfg) -> dict:
         "generation": generation_theory(cfg, fns),
         "allreduce": allreduce_report(cfg, shape, hlo, n_params),
         "zeropp": zeropp_report(cfg, shape, hlo),
+        "finetune": finetune_state(cfg, shape),
         "matmuls": matmul_operands(hlo),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
@@ -978,6 +1030,20 @@ def _format_remat(r: dict) -> list[str]:
     return lines + [f"  {name:<12}{memory:<34}{compute:>14}" for name, memory, compute in SEEDS_REMAT]
 
 
+def _format_finetune(f: dict) -> list[str]:
+    lines = ["", "train state per device for fine-tuning (model.lora; from each one's abstract state, not compiled)",
+             f"  {'':<12}{'frozen base':>14}{'(adapted)':>12}{'trained':>14}{'optimizer':>14}{'total':>14}"
+             f"{'step arguments':>16}"]
+    for name, v in f.items():
+        if "refused" in v:
+            lines.append(f"  {name:<12}refused: {v['refused']}")
+            continue
+        lines.append(f"  {name:<12}{format_bytes(v['base_bytes']):>14}{format_bytes(v['adapted_base_bytes']):>12}"
+                     + "".join(f"{format_bytes(v[k]):>14}" for k in ("trained_bytes", "optimizer_bytes", "total_bytes"))
+                     + f"{format_bytes(v['argument_bytes']):>16}")
+    return lines
+
+
 def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     c, mem, th = p["config"], p["memory"], p["theory"]
@@ -1050,6 +1116,8 @@ def format_table(p: dict) -> str:
         lines += _format_allreduce(p["allreduce"])
     if p.get("zeropp"):
         lines += _format_zeropp(p["zeropp"])
+    if p.get("finetune"):
+        lines += _format_finetune(p["finetune"])
     if p.get("matmuls"):
         lines += ["", "matmuls in the compiled program by runner and operand types (a loop body counted once)"]
         lines += [f"  {k:<60}{v:>6}" for k, v in p["matmuls"].items()]

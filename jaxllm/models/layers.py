@@ -71,7 +71,7 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
     The weights' output dimensions are split over tp; x enters from the residual stream
     (sequence-split over tp under sequence parallelism, so it is gathered along the sequence).
     """
-    ws = [weight(lora.base(w), names, dtype) for w, names in weights]
+    ws = [lora.base(w, names, dtype, weight) for w, names in weights]
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
@@ -93,7 +93,7 @@ def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, grou
     """h [batch, seq, *c] times w [*c, embed] -> [batch, seq, embed]: the contracted dimensions are
     split over tp, so the result is a sum over tp (all-reduced, or reduce-scattered along the
     sequence into the residual stream under sequence parallelism)."""
-    node, w = w, weight(lora.base(w), names, dtype)
+    node, w = w, lora.base(w, names, dtype, weight)
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.matmul_reduce_scatter(h, w, names, layout)

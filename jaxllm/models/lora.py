@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
+from jaxllm.models import base_quant
 
 RANK = "lora_rank"  # the rank dimension's logical name: replicated on every mesh
 # target name -> where its weights sit in a block (a dense MLP, or an MoE block's shared experts)
@@ -29,7 +30,6 @@ TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": (
            "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
            "in": ("mlp", "w_in"), "out": ("mlp", "w_out")}
 LEAD = ("layers", "depth")  # stacking dimensions: an adapter keeps them
-BASE_QUANTS = ("none",)
 ADAPTER_STREAM = 0x10A  # init_params folds this into its key for the adapters' draws
 
 
@@ -77,7 +77,9 @@ def adapt_block(block: dict, m, make_leaf) -> dict:
             if place is not None and name in place:
                 leaf = place[name]
                 a, b = _adapter_leaves(leaf, make_leaf, m.lora.rank, output_last=name in ("wo", "w_down", "w_out"))
-                place[name] = LoraWeight(leaf, a, b, scale_of(m))
+                w = leaf if m.lora.base_quant == "none" else base_quant.table_node(
+                    leaf, make_leaf, m.lora.base_quant, m.lora.double_quant)
+                place[name] = LoraWeight(w, a, b, scale_of(m))
     return out
 
 
@@ -95,13 +97,15 @@ def attach(base, table, make, is_leaf):
         if not is_node(t):
             return w
         i, count[0] = count[0], count[0] + 2
+        if base_quant.is_quantized(t.w):  # QLoRA: the base stored quantized (`models/base_quant.py`)
+            w = base_quant.quantize(w, t.w.kind, t.w.axis, double_quant=base_quant.is_quantized(t.w.scale))
         return LoraWeight(w, make(i, t.a), make(i + 1, t.b), t.scale)
 
     return jax.tree.map(one, table, base, is_leaf=lambda x: is_node(x) or is_leaf(x))
 
 
 def bases(tree):
-    """A tree with `LoraWeight` nodes (parameters, shardings) as the base's: each node replaced by its `w`."""
+    """A tree with `LoraWeight` nodes as the base's: each node replaced by its `w` (stored quantized under QLoRA)."""
     return jax.tree.map(lambda x: x.w if is_node(x) else x, tree, is_leaf=is_node)
 
 
@@ -120,9 +124,10 @@ def trainable_mask(table, m):
 
 
 def split(tree, mask):
-    """(trainable part, frozen part) of a parameter-like tree: each with None where the other holds a leaf."""
-    train = jax.tree.map(lambda x, k: x if k else None, tree, mask)
-    frozen = jax.tree.map(lambda x, k: None if k else x, tree, mask)
+    """(trainable part, frozen part) of a parameter-like tree: each with None where the other holds a leaf (or,
+    for a quantized base, a subtree)."""
+    train = jax.tree.map(lambda k, x: x if k else None, mask, tree)
+    frozen = jax.tree.map(lambda k, x: None if k else x, mask, tree)
     return train, frozen
 
 
@@ -131,9 +136,11 @@ def combine(train, frozen):
     return jax.tree.map(lambda t, f: f if t is None else t, train, frozen, is_leaf=lambda x: x is None)
 
 
-def base(w):
-    """The frozen weight of a node, or the weight itself."""
-    return w.w if is_node(w) else w
+def base(w, names: tuple[str, ...], dtype, weight) -> jax.Array:
+    """The frozen weight of a node (dequantized where QLoRA stores it quantized), or the weight itself, as
+    `weight(w, names, dtype)` lays a weight out for use."""
+    w = w.w if is_node(w) else w
+    return base_quant.used(w, names, dtype, weight) if base_quant.is_quantized(w) else weight(w, names, dtype)
 
 
 def low_rank(x: jax.Array, node: LoraWeight, names: tuple[str, ...], n_in: int, dtype, weight) -> jax.Array:
@@ -152,6 +159,7 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
                           "model.lora.rank > 0; set both")
     if not lc.rank:
         return []
+    base_quant.check_config(m)
     if lc.rank < 0:
         raise ConfigError(f"model.lora.rank: must be 0 (off) or positive, got {lc.rank}")
     unknown = [t for t in lc.targets if t not in TARGETS and t != "experts"]
@@ -159,8 +167,6 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
         raise ConfigError(f"model.lora.targets: {unknown or 'empty'}; choose from {', '.join([*TARGETS, 'experts'])}")
     refusals = [
         (lc.dropout != 0, f"model.lora.dropout={lc.dropout} is not supported yet; set 0"),
-        (lc.base_quant not in BASE_QUANTS, f"model.lora.base_quant='{lc.base_quant}' is not one of "
-                                           f"{', '.join(BASE_QUANTS)}"),
         ("experts" in lc.targets, "model.lora.targets: adapters on the routed experts are not supported yet; "
                                   "remove 'experts'"),
         (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
@@ -175,4 +181,5 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
     for refused, why in refusals:
         if refused:
             raise ConfigError(why)
-    return [f"LoRA: rank {lc.rank}, scale {scale_of(m):g}, on {', '.join(lc.targets)}; the base is frozen"]
+    stored = "" if lc.base_quant == "none" else f" and stored as {lc.base_quant}"
+    return [f"LoRA: rank {lc.rank}, scale {scale_of(m):g}, on {', '.join(lc.targets)}; the base is frozen{stored}"]

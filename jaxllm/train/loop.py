@@ -152,10 +152,12 @@ def _source_params(cfg: Config, fns):
     """`init.from`'s parameters; under LoRA, its weights as the frozen base with fresh adapters."""
     source, m = cfg.init.from_, cfg.model
     if source.startswith("hf:"):
-        base = hf.load_params(source[3:], lora.base_model(m), lora.bases(fns.state_shardings.params))
+        base = hf.load_params(source[3:], lora.base_model(m), fns.base_shardings)
     else:
         run_dir, step = split_run_source(source)
-        base = ckpt.read_params(run_dir, step, lora.bases(fns.abstract_state.params))
+        target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=sh),
+                              transformer.param_shapes(lora.base_model(m)), fns.base_shardings)  # as saved: fp32
+        base = ckpt.read_params(run_dir, step, target)
     params = fns.with_adapters(base)
     return peft.load_adapter(cfg.init.adapter, params, m) if cfg.init.adapter else params
 

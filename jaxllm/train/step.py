@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm import batch as batch_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
-from jaxllm.models import lora
+from jaxllm.models import base_quant, lora
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
@@ -132,6 +132,7 @@ class StepFns:
     device_params: Callable  # (params as stored) -> params on the device, for programs besides the step
     fresh_guard: Callable  # () -> the guard a new run starts with (for checkpoints saved before it existed)
     with_adapters: Callable  # (base params) -> parameters with fresh adapters of the run's seed (LoRA; else as given)
+    base_shardings: Any  # the base model's parameters (without adapters, unquantized) laid out as stored
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
@@ -229,7 +230,8 @@ def start_state(params, *, cfg: Config, tx, sh: Shardings | None = None) -> Trai
     if sh is not None:
         params = offload.fetch(params, sh.params, cfg.memory.offload_params)
     train, frozen = lora.split(params, trained(cfg.model)[1])
-    frozen = jax.tree.map(lambda a: a.astype(cfg.precision.compute), frozen)
+    frozen = jax.tree.map(lambda a: a if base_quant.is_quantized(a) else a.astype(cfg.precision.compute), frozen,
+                          is_leaf=base_quant.is_quantized)  # a QLoRA base stays as quantized
     return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=lora.combine(train, frozen),
                       opt_state=tx.init(train), guard=guard.init(cfg))
 
@@ -257,6 +259,10 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     abstract_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
                                   jax.eval_shape(init, 0), sh.state)
     step = functools.partial(train_step, g=g, sh=sh, tx=tx, lr_fn=learning_rate(t), cfg=cfg)
+    base = lora.base_model(m)
+    base_sh = (jax.tree.map(lambda n, s: layout.sharding(n, layout.params, s.shape), transformer.param_names(base),
+                            transformer.param_shapes(base), is_leaf=lambda x: isinstance(x, tuple))
+               if m.lora.rank else sh.state.params)
     return StepFns(
         layout=layout, tx=tx, objective=objective, state_shardings=sh.state, batch_sharding=batch_sh,
         grad_shardings=sh.grads,
@@ -267,8 +273,9 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
                        if cfg.memory.offload_params else lambda p: p),
         fresh_guard=jax.jit(functools.partial(guard.init, cfg), out_shardings=sh.state.guard),
         with_adapters=(jax.jit(lambda base: transformer.with_adapters(base, m, jax.random.key(t.seed)),
-                               in_shardings=(lora.bases(sh.state.params),), out_shardings=sh.state.params)
+                               in_shardings=(base_sh,), out_shardings=sh.state.params)
                        if m.lora.rank else lambda p: p),
+        base_shardings=base_sh,
         train_step=jax.jit(step, in_shardings=(sh.state, batch_sh), out_shardings=(sh.state, replicated),
                            donate_argnums=0),
         loss_and_grads=jax.jit(functools.partial(loss_and_grads, g=g, cfg=cfg), in_shardings=(sh.params, batch_sh),
