@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from jaxllm.errors import ConfigError, ModelFileError
 from jaxllm.interop import hf
-from jaxllm.models import lora, transformer
+from jaxllm.models import base_quant, lora, transformer
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -49,7 +49,11 @@ def _layouts(m) -> dict[tuple, tuple]:
         e = entries[path]
         src, dst = (s.strip() for s in e.pattern.split("->"))
         groups = re.findall(r"\([^)]*\)|\S+", src)
-        if e.select is not None or e.order or "{x}" in e.key or len(groups) != 2:
+        if "{x}" in e.key or "experts" in e.key:
+            raise ModelFileError(f"PEFT adapters: adapters on the routed experts ({e.key}) are not exported yet (PEFT "
+                                 "addresses transformers 5's fused expert tensors by target_parameters); export the "
+                                 "merged model instead (jaxllm hf export without --adapter)")
+        if e.select is not None or e.order or len(groups) != 2:
             raise ModelFileError(f"PEFT adapters: {e.key} is fused or reordered in this family's files "
                                  f"({m.family}); export the merged model instead (jaxllm hf export without --adapter)")
         n_in = len(node.a.shape) - 2  # A is [layers, *in, r]
@@ -187,11 +191,13 @@ def merged(params):
     def merge(x):
         if not lora.is_node(x):
             return x
-        lead, rank = x.a.shape[0], x.a.shape[-1]
-        a = x.a.reshape(lead, -1, rank).astype(np.float32)
-        b = x.b.reshape(lead, rank, -1).astype(np.float32)
+        lead = x.w.shape[:x.a.ndim + x.b.ndim - x.w.ndim - 2]  # the stacking dimensions (layers, experts)
+        rank = x.a.shape[-1]
+        a = x.a.reshape(*lead, -1, rank).astype(np.float32)
+        b = x.b.reshape(*lead, rank, -1).astype(np.float32)
         delta = (a @ b).reshape(x.w.shape)
-        return x.w.astype(np.float32) + x.scale * delta
+        w = base_quant.dequantize(x.w, np.float32) if base_quant.is_quantized(x.w) else x.w.astype(np.float32)
+        return w + x.scale * delta
 
     return jax.jit(lambda p: jax.tree.map(merge, p, is_leaf=lora.is_node))(params)
 

@@ -29,7 +29,8 @@ RANK = "lora_rank"  # the rank dimension's logical name: replicated on every mes
 TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
            "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
            "in": ("mlp", "w_in"), "out": ("mlp", "w_out")}
-LEAD = ("layers", "depth")  # stacking dimensions: an adapter keeps them
+LEAD = ("layers", "depth", "experts")  # stacking dimensions: an adapter keeps them (an expert has its own)
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "w_in", "w_out")
 ADAPTER_STREAM = 0x10A  # init_params folds this into its key for the adapters' draws
 
 
@@ -68,18 +69,24 @@ def adapt_block(block: dict, m, make_leaf) -> dict:
     if not m.lora.rank:
         return block
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in block.items()}
+    if "moe" in out:
+        out["moe"] = {k: dict(v) if isinstance(v, dict) else v for k, v in out["moe"].items()}
+    places = []
     for target in m.lora.targets:
-        if target not in TARGETS:
-            continue
-        part, name = TARGETS[target]
-        places = [out.get(part)] + ([out["moe"]["shared"]] if part == "mlp" and "shared" in out.get("moe", {}) else [])
-        for place in places:
-            if place is not None and name in place:
-                leaf = place[name]
-                a, b = _adapter_leaves(leaf, make_leaf, m.lora.rank, output_last=name in ("wo", "w_down", "w_out"))
-                w = leaf if m.lora.base_quant == "none" else base_quant.table_node(
-                    leaf, make_leaf, m.lora.base_quant, m.lora.double_quant)
-                place[name] = LoraWeight(w, a, b, scale_of(m))
+        if target == "experts" and "moe" in out:
+            places += [(out["moe"]["experts"], name) for name in EXPERT_WEIGHTS]
+        elif target in TARGETS:
+            part, name = TARGETS[target]
+            places += [(out.get(part), name)]
+            if part == "mlp" and "shared" in out.get("moe", {}):
+                places += [(out["moe"]["shared"], name)]
+    for place, name in places:
+        if place is not None and name in place:
+            leaf = place[name]
+            a, b = _adapter_leaves(leaf, make_leaf, m.lora.rank, output_last=name in ("wo", "w_down", "w_out"))
+            w = leaf if m.lora.base_quant == "none" else base_quant.table_node(
+                leaf, make_leaf, m.lora.base_quant, m.lora.double_quant)
+            place[name] = LoraWeight(w, a, b, scale_of(m))
     return out
 
 
@@ -143,6 +150,15 @@ def base(w, names: tuple[str, ...], dtype, weight) -> jax.Array:
     return base_quant.used(w, names, dtype, weight) if base_quant.is_quantized(w) else weight(w, names, dtype)
 
 
+def expert_parts(w, names: tuple[str, ...], dtype, weight):
+    """An expert weight [E, in, out] as the experts' matmuls take it (`ops/moe.expert_ffn`): the array, or for a
+    `LoraWeight` (W, scale·A, B), each laid out as the weight is."""
+    if not is_node(w):
+        return weight(w, names, dtype)
+    a = weight(w.a, names[:2] + (RANK,), dtype)
+    return base(w, names, dtype, weight), (w.scale * a).astype(dtype), weight(w.b, (names[0], RANK) + names[2:], dtype)
+
+
 def low_rank(x: jax.Array, node: LoraWeight, names: tuple[str, ...], n_in: int, dtype, weight) -> jax.Array:
     """scale·(x·A)·B for a weight named `names` whose first n_in dimensions are its input: x [..., *in] ->
     [..., *out]. `weight(w, names, dtype)` casts and lays out A and B as the base weight's use does."""
@@ -167,8 +183,6 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
         raise ConfigError(f"model.lora.targets: {unknown or 'empty'}; choose from {', '.join([*TARGETS, 'experts'])}")
     refusals = [
         (lc.dropout != 0, f"model.lora.dropout={lc.dropout} is not supported yet; set 0"),
-        ("experts" in lc.targets, "model.lora.targets: adapters on the routed experts are not supported yet; "
-                                  "remove 'experts'"),
         (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
         (m.collective_matmul, "model.lora with model.collective_matmul=true is not supported yet; set it false"),
         (zeropp_plan is not None, "model.lora with train.zeropp or precision.grad_reduce=float32 is not supported "

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxllm.models import lora
 from jaxllm.ops.moe import SCORES, Routing, aux_losses, local_moe, route
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.errors import ConfigError
@@ -63,8 +64,8 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
     w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
-    w = {n: weight(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")), w_dtype)
-         for n, a in p["experts"].items()}
+    w = {n: lora.expert_parts(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")),
+                              w_dtype, weight) for n, a in p["experts"].items()}
     if island:
         y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.mlp, dtype,
                                          layout.mesh)

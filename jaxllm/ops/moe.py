@@ -115,11 +115,18 @@ def combine(out: jax.Array, experts: jax.Array, positions: jax.Array, gates: jax
 
 
 def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
-    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh, or a gated one; no biases)."""
+    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh, or a gated one; no biases). A
+    weight given as a tuple (W, scale·A, B) carries low-rank adapters, added to W's product unmerged."""
     h = buffer.astype(dtype)
 
     def expert_matmul(spec, x, name):  # the "experts" group of precision.matmul
-        return fp8.einsum("experts", spec, x, p[name].astype(dtype))
+        if not isinstance(p[name], tuple):
+            return fp8.einsum("experts", spec, x, p[name].astype(dtype))
+        w, a, b = (t.astype(dtype) for t in p[name])  # LoRA (models/lora.py): W, scale·A, B, applied unmerged
+        ins, out = spec.split("->")
+        xs, ws = ins.split(",")
+        low = jnp.einsum(f"{xs},{ws[:2]}r->{xs[:2]}r", x, a)
+        return fp8.einsum("experts", spec, x, w) + jnp.einsum(f"{xs[:2]}r,{ws[0]}r{ws[2]}->{out}", low, b)
 
     if mlp == "gelu_tanh":
         hidden = gelu_tanh(expert_matmul("ecd,edf->ecf", h, "w_in"))
