@@ -46,8 +46,7 @@ def load(source: str, step: int | None, overrides: list[str]):
     from jaxllm.errors import ConfigError
     from jaxllm.interop import hf
     from jaxllm.mesh import initialize_distributed
-    from jaxllm.train import checkpoint as ckpt
-    from jaxllm.train.loop import initial_state, resolve
+    from jaxllm.train.loop import checkpoint_params, initial_state, resolve
     from jaxllm.cli.hf import step_fns_for
 
     # generation keeps the parameters on the device, wherever the run stored them between steps
@@ -66,8 +65,8 @@ def load(source: str, step: int | None, overrides: list[str]):
         params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
     elif step == 0:  # the run's starting parameters: its init.from, or its seed's random ones
         params = initial_state(cfg, fns).params
-    else:
-        params = ckpt.read_params(source, step, fns.abstract_state.params)
+    else:  # a LoRA run's: its adapters on its base
+        params = checkpoint_params(cfg, fns, source, step)
     log.info("model from %s on %d %s device(s), compute %s", source, jax.device_count(), jax.devices()[0].platform,
              cfg.precision.compute)
     return cfg, tokenizer, fns, params
