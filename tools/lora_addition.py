@@ -1,4 +1,4 @@
-"""`python -m tools.lora_addition [OUT_DIR] [--pretrain-epochs 6] [--finetune-steps 200] [--rank 8]`: LoRA against
+"""`python -m tools.lora_addition [OUT_DIR] [--pretrain-epochs 12] [--finetune-steps 300] [--rank 8]`: LoRA against
 full fine-tuning on the addition example, as a user runs them.
 
 1. Data (`tools/make_addition`): every two-digit sum a + b as a chat, 300 pairs held out; the pre-training set is
@@ -9,7 +9,7 @@ full fine-tuning on the addition example, as a user runs them.
    learning rate is --lora-lr (adapters start at zero and are commonly trained at a higher rate).
 4. `jaxllm exact-match` of the three checkpoints on the 300 held-out pairs, split into a < 50 and a ≥ 50.
 
-Prints a Markdown table; with --json one more line of everything. About 5 minutes on 2 CPU cores.
+Prints a Markdown table; with --json one more line of everything. About 6 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ def _score(run_dir: Path, data: Path) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default="runs/lora_addition")
-    p.add_argument("--pretrain-epochs", type=int, default=6)
-    p.add_argument("--finetune-steps", type=int, default=200)
+    p.add_argument("--pretrain-epochs", type=int, default=12)
+    p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="full fine-tuning's learning rate")
-    p.add_argument("--lora-lr", type=float, default=3e-3)
+    p.add_argument("--lora-lr", type=float, default=1e-2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -123,11 +123,10 @@ def adapters_off(params):
 
 def trainable_mask(table, m):
     """A tree of bools like the parameters: what the step trains (the adapters under LoRA, else everything)."""
-    is_leaf = lambda x: is_node(x) or type(x).__name__ == "Leaf"
     if not m.lora.rank:
-        return jax.tree.map(lambda _: True, table, is_leaf=is_leaf)
+        return jax.tree.map(lambda _: True, table, is_leaf=is_node)
     return jax.tree.map(lambda x: LoraWeight(False, True, True, x.scale) if is_node(x) else False, table,
-                        is_leaf=is_leaf)
+                        is_leaf=is_node)
 
 
 def split(tree, mask):

@@ -181,7 +181,7 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         if g.zero_stage in (1, 2):
             updates = constrain_tree(updates, sh.update)
         params = lora.combine(optax.apply_updates(train, updates), frozen)
-        if moe_lib.has_router_bias(cfg.model):  # a fixed bias moves by 0: kept as it is
+        if moe_lib.has_router_bias(cfg.model) and not cfg.model.lora.rank:  # a fixed (or frozen) bias stays
             params = bias_balance.update(params, old_params, with_loads, cfg.model.moe.bias_update_rate)
         params = constrain_tree(params, sh.params)
     params, opt_state = guard.keep_if(applied, (params, opt_state), (old_params, old_opt))
