@@ -10,6 +10,8 @@
 #   mfu_llama1b_cudnn      the LLaMA-1B step with cuDNN's fused attention (no plain peer: it has dense attention)
 #   mla_llama1b            the same stack with latent attention (DeepSeek-V3's head sizes), bf16, no plain peer
 #   mla_decode             the decode step with the latent cache beside the grouped-query one (tools.bench_decode)
+#   lora_llama1b, qlora_llama1b  the cuDNN LLaMA-1B step with LoRA r=8 adapters, on a bf16 and an nf4 base (QLoRA
+#                          needs qwix: carry its wheel where the machine has none)
 set -u
 out=${1:?usage: tools/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -40,3 +42,5 @@ mla="model.attention=mla model.mla.q_lora_rank=1536 model.mla.kv_lora_rank=512 m
 check mfu_llama1b_cudnn 120 $py -m tools.bench $llama model.attention_impl=cudnn --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check mla_llama1b 150 $py -m tools.bench $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check mla_decode 150 $py -m tools.bench_decode --prompt 2048 --new 65 --rows 16 --json
+check lora_llama1b 120 $py -m tools.bench $llama model.attention_impl=cudnn model.lora.rank=8 --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check qlora_llama1b 120 $py -m tools.bench $llama model.attention_impl=cudnn model.lora.rank=8 model.lora.base_quant=nf4 --no-baseline --steps 5 --warmup 2 --windows 3 --json

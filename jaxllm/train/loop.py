@@ -177,7 +177,9 @@ def reference_params(cfg: Config, fns):
 
 
 def flops_per_token(cfg: Config) -> float:
-    m = cfg.model
+    """The model's training FLOPs per token (`metrics.model_flops_per_token`). Under LoRA the base model's, 6N as
+    for full fine-tuning: the same model on the same tokens, though the step skips the frozen weights' gradients."""
+    m = lora.base_model(cfg.model)
     n = transformer.count_params(m, embeddings=False, active=True) + m.d_model * m.vocab_size  # + LM head matmul
     return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, attention.score_width(m))
 
