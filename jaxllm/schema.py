@@ -126,7 +126,8 @@ class MlaConfig:
 @dataclass
 class LoraConfig:
     """Low-rank adapters on a frozen base (`model.lora`, `jaxllm/models/lora.py`): each targeted weight W is used as
-    W + scale·A·B, only A and B trained; the base is held in the compute dtype (or quantized) with no optimizer state."""
+    W + scale·A·B, only A and B trained; the base is held in the compute dtype (or quantized), with no optimizer
+    state."""
 
     rank: int = key(0, "the adapters' rank r; 0 = no adapters (every parameter trained)")
     alpha: float = key(16.0, "the adapters' scale numerator: scale = alpha / r (alpha / √r with `rslora`)")

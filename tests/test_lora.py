@@ -67,8 +67,8 @@ def test_adapters_on_a_mesh_equal_one_device(mesh):
 
 
 def test_adapters_on_the_experts_with_expert_parallelism_equal_one_device():
-    """tiny-moe (dropless) with every expert's weights adapted (and attention's): ep=4 × fsdp=2 ZeRO-3 against one device,
-    the adapters of the experts split over ep with them."""
+    """tiny-moe (dropless) with every expert's weights adapted (and attention's): ep=4 × fsdp=2 ZeRO-3 against one
+    device, the adapters of the experts split over ep with them."""
     keys = {**LORA, "model.lora.targets": ["q", "v", "experts"], "model.moe.capacity_factor": 0.0,  # dropless
             "model.moe.router_bias": True}  # a fixed routing bias, frozen with the base
     one_cfg = equivalence_config("tiny-moe", **keys)

@@ -150,7 +150,8 @@ model.moe.top_k model.moe.z_weight model.moe.score model.moe.norm_topk model.moe
 model.moe.n_group model.moe.topk_group model.moe.router_bias
 model.attention model.mla.q_lora_rank model.mla.kv_lora_rank model.mla.qk_nope_head_dim model.mla.qk_rope_head_dim
 model.mla.v_head_dim model.rope_mscale_all_dim model.mtp_depth
-model.lora.rank model.lora.alpha model.lora.rslora model.lora.targets model.lora.dropout model.lora.base_quant model.lora.double_quant init.adapter
+model.lora.rank model.lora.alpha model.lora.rslora model.lora.targets model.lora.dropout model.lora.base_quant
+model.lora.double_quant init.adapter
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.attn_softcap model.embed_scale model.final_softcap model.norm_offset model.norm_placement model.qk_norm
 model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast

@@ -81,10 +81,11 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     what a chunk's auxiliary terms (MoE router statistics) add to the objective. `norm` is (count, weight) (dividing the scalar, not every gradient). Inside
     the island the model traces under the `inner` layout (manual, without batch sharding when
     `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
-    shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared)`, if
-    given, returns the weights as used (cast and gathered) once for the whole loop. `frozen`, laid out as
-    `params`, holds what is not differentiated (a LoRA base, `models/lora.py`; None where `params` has a leaf),
-    `join(params, frozen)` puts the two together for the model; gradients are `params`' alone.
+    shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared, stack_f, shared_f)`, if
+    given, returns the weights (trained and frozen) as used, cast and gathered once for the whole loop.
+    `frozen`, laid out as `params`, holds what is not differentiated (a LoRA base, `models/lora.py`; None where
+    `params` has a leaf), `join(params, frozen)` puts the two together for the model; gradients are `params`'
+    alone.
     """
     p, v = schedule.stages, schedule.chunks
     last = p * v - 1
