@@ -185,6 +185,8 @@ def test_refusals(llama, tmp_path):
     assert "dropout" in refused(**{"model.lora.dropout": 0.1})
     assert "targets" in refused(**{"model.lora.targets": ["qq"]})
     assert "init.from" in refused(**{"init.adapter": "x"})
+    assert "init.from=hf:DIR" in _jaxllm("hf", "import", llama, str(tmp_path / "imported"), "model.lora.rank=4",
+                                         check=False).stderr
     with pytest.raises(ConfigError, match="model.lora.rank=4"):
         peft_io.check_matches(_adapter_dir(tmp_path, r=4), build_config(None, {"model.preset": "tiny-llama",
                                                                               "model.lora.rank": 8}).model)

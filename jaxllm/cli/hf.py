@@ -71,6 +71,8 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
         given.setdefault("data.tokenizer", f"hf:{hf_dir}")
     cfg = hf.config_for(hf_dir, given)
+    if cfg.model.lora.rank:  # a LoRA run's checkpoints hold adapters, its base is read from init.from each time
+        raise ConfigError("model.lora: adapters need no import; train with init.from=hf:DIR and the model.lora keys")
     if os.path.exists(run_dir) and os.listdir(run_dir):
         raise ConfigError(f"{run_dir}: exists and is not empty; choose a new run directory")
     fns = step_fns_for(cfg)
