@@ -136,7 +136,8 @@ class LoraConfig:
                         "the weights given adapters, by name: attention's `q`, `k`, `v`, `o`, the feed-forward's "
                         "`gate`, `up`, `down` (GPT-2's `in`, `out`), and `experts` (every expert's feed-forward "
                         "weights of the targeted names)")
-    dropout: float = key(0.0, "dropout on an adapter's input, as PEFT's `lora_dropout`; only 0 is supported yet")
+    dropout: float = key(0.0, "the probability an adapter's input element is dropped in training, as PEFT's "
+                              "`lora_dropout` (the same masks on every mesh); not with `experts` targeted yet")
     base_quant: str = key("none", "how the adapted weights of the frozen base are stored: `none` (the compute dtype), "
                                   "`int8` or `nf4` (QLoRA: blocks of 64 along d_model, dequantized at use)")
     double_quant: bool = key(True, "with `base_quant`, store the blocks' scales as int8 too (QLoRA's double "

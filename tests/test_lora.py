@@ -191,7 +191,8 @@ def test_refusals(llama, tmp_path):
             validate(cfg, 1)
         return str(e.value)
 
-    assert "dropout" in refused(**{"model.lora.dropout": 0.1})
+    assert "[0, 1)" in refused(**{"model.lora.dropout": 1.0})
+    assert "salt" in refused(**{"model.lora.dropout": 0.1, "model.lora.targets": ["q", "experts"]})
     assert "targets" in refused(**{"model.lora.targets": ["qq"]})
     assert "init.from" in refused(**{"init.adapter": "x"})
     assert "init.from=hf:DIR" in _jaxllm("hf", "import", llama, str(tmp_path / "imported"), "model.lora.rank=4",
@@ -357,3 +358,47 @@ def test_grpo_with_adapters_resumes_bitwise_and_its_reference_is_the_base(tmp_pa
     shutil.rmtree(part / "checkpoints" / "4")
     train(build_config(None, {**over, "run.dir": str(part), "train.resume": True}))
     assert rows(part) == ref
+
+
+# ---------------------------------------------------------------- adapter dropout
+
+
+def test_dropout_keeps_each_input_with_its_probability_and_one_mask_per_token_site_and_step():
+    """The mask keeps 1 − p of an adapter's input (the kept elements scaled by 1 / (1 − p)); it is a function of the
+    token's salt, the weight's site and the element, so another site or step draws another mask."""
+    m = equivalence_config("tiny-llama", **LORA, **{"model.lora.dropout": 0.25}).model
+    batch = {"inputs": jnp.zeros((4, 64), jnp.int32)}
+    salt = lambda step: lora.salted(batch, m, 0, step, lambda a: a)[lora.SALT]
+    node = lambda site: lora.LoraWeight(None, None, None, jnp.uint32(site), 1.0, 0.25)
+    x = jnp.ones((4, 64, 8, 16))  # a row-parallel input: [b, s, heads, head_dim]
+    kept = np.asarray(lora.dropout(x, node(7), salt(0))) != 0
+    assert abs(kept.mean() - 0.75) < 0.01
+    np.testing.assert_allclose(np.asarray(lora.dropout(x, node(7), salt(0)))[kept], 1 / 0.75, rtol=1e-6)
+    assert np.array_equal(kept, np.asarray(lora.dropout(x, node(7), salt(0))) != 0)
+    for other in (np.asarray(lora.dropout(x, node(8), salt(0))) != 0, np.asarray(lora.dropout(x, node(7), salt(1))) != 0):
+        assert abs((kept == other).mean() - (0.75 ** 2 + 0.25 ** 2)) < 0.01  # independent masks agree by chance only
+    assert lora.dropout(x, node(7), None) is x  # no salt (evaluation, generation): no dropout
+
+
+DROPOUT_MESHES = {"fsdp8_zero3": MESHES["fsdp8_zero3"], "dp2_tp4_sp": MESHES["dp2_tp4_sp"],
+                  "pp2_dp4_1f1b": MESHES["pp2_dp4_1f1b"],
+                  "sp2_zigzag_tp2_dp2": {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.cp_load_balance": True}}
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(k, marks=pytest.mark.slow) if k != "fsdp8_zero3" else k
+                                  for k in DROPOUT_MESHES])
+def test_adapter_dropout_on_a_mesh_equals_one_device(mesh):
+    """With dropout 0.3 every mesh draws the one device's masks (the salt travels with the batch's rows, through
+    microbatches, pipeline stages and context parallelism's zig-zag order): loss and gradients equal; and they
+    differ from no dropout's."""
+    keys = {**LORA, "model.lora.dropout": 0.3}
+    one = step_fns(equivalence_config("tiny-llama", **keys))
+    params = jax.device_get(with_random_b(one.init(0).params))
+    loss, grads = loss_and_grads(one, params)
+    on_mesh = step_fns(equivalence_config("tiny-llama", **keys, **DROPOUT_MESHES[mesh]))
+    assert_matches(*loss_and_grads(on_mesh, params), (params, float(loss), jax.device_get(grads)))
+    if mesh == "fsdp8_zero3":
+        plain = step_fns(equivalence_config("tiny-llama", **LORA))
+        no_sites = jax.tree.map(lambda x: x.replace(site=None, rate=0.0) if lora.is_node(x) else x, params,
+                                is_leaf=lora.is_node)
+        assert abs(float(loss_and_grads(plain, no_sites)[0]) - float(loss)) > 1e-4

@@ -13,6 +13,8 @@ parameter otherwise. A is initialised as PEFT does by default (Kaiming-uniform w
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any
@@ -36,12 +38,16 @@ ADAPTER_STREAM = 0x10A  # init_params folds this into its key for the adapters' 
 
 @flax.struct.dataclass
 class LoraWeight:
-    """A frozen weight with its adapters; `scale` (alpha / r, or alpha / √r) is static."""
+    """A frozen weight with its adapters; `scale` (alpha / r, or alpha / √r) and the adapter input's dropout
+    `rate` are static. With dropout, `site` holds one frozen uint32 per layer naming this weight's dropout
+    stream (drawn once; None without dropout)."""
 
     w: Any
     a: Any
     b: Any
+    site: Any = None
     scale: float = flax.struct.field(pytree_node=False, default=1.0)
+    rate: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
 def is_node(x) -> bool:
@@ -86,7 +92,9 @@ def adapt_block(block: dict, m, make_leaf) -> dict:
             a, b = _adapter_leaves(leaf, make_leaf, m.lora.rank, output_last=name in ("wo", "w_down", "w_out"))
             w = leaf if m.lora.base_quant == "none" else base_quant.table_node(
                 leaf, make_leaf, m.lora.base_quant, m.lora.double_quant)
-            place[name] = LoraWeight(w, a, b, scale_of(m))
+            lead = sum(1 for n in leaf.names if n in LEAD)
+            site = make_leaf(leaf.shape[:lead], leaf.names[:lead], "lora_site") if m.lora.dropout else None
+            place[name] = LoraWeight(w, a, b, site, scale_of(m), m.lora.dropout)
     return out
 
 
@@ -97,16 +105,17 @@ def base_model(m):
 
 def attach(base, table, make, is_leaf):
     """The base's parameters with adapters at the table's `LoraWeight` nodes: `make(i, leaf)` gives the i-th
-    adapter array (A, then B, node by node) for its table leaf."""
+    adapter array (A, B, then the dropout site, node by node) for its table leaf."""
     count = [0]
 
     def one(t, w):
         if not is_node(t):
             return w
-        i, count[0] = count[0], count[0] + 2
+        i, count[0] = count[0], count[0] + 3
         if base_quant.is_quantized(t.w):  # QLoRA: the base stored quantized (`models/base_quant.py`)
             w = base_quant.quantize(w, t.w.kind, t.w.axis, double_quant=base_quant.is_quantized(t.w.scale))
-        return LoraWeight(w, make(i, t.a), make(i + 1, t.b), t.scale)
+        site = None if t.site is None else make(i + 2, t.site)
+        return LoraWeight(w, make(i, t.a), make(i + 1, t.b), site, t.scale, t.rate)
 
     return jax.tree.map(one, table, base, is_leaf=lambda x: is_node(x) or is_leaf(x))
 
@@ -125,8 +134,8 @@ def trainable_mask(table, m):
     """A tree of bools like the parameters: what the step trains (the adapters under LoRA, else everything)."""
     if not m.lora.rank:
         return jax.tree.map(lambda _: True, table, is_leaf=is_node)
-    return jax.tree.map(lambda x: LoraWeight(False, True, True, x.scale) if is_node(x) else False, table,
-                        is_leaf=is_node)
+    return jax.tree.map(lambda x: x.replace(w=False, a=True, b=True, site=None if x.site is None else False)
+                        if is_node(x) else False, table, is_leaf=is_node)
 
 
 def split(tree, mask):
@@ -159,11 +168,67 @@ def expert_parts(w, names: tuple[str, ...], dtype, weight):
 
 
 def low_rank(x: jax.Array, node: LoraWeight, names: tuple[str, ...], n_in: int, dtype, weight) -> jax.Array:
-    """scale·(x·A)·B for a weight named `names` whose first n_in dimensions are its input: x [..., *in] ->
-    [..., *out]. `weight(w, names, dtype)` casts and lays out A and B as the base weight's use does."""
+    """scale·(dropout(x)·A)·B for a weight named `names` whose first n_in dimensions are its input: x [b, s, *in]
+    -> [b, s, *out]. `weight(w, names, dtype)` casts and lays out A and B as the base weight's use does."""
     a = weight(node.a, names[:n_in] + (RANK,), dtype)
     b = weight(node.b, (RANK,) + names[n_in:], dtype)
+    x = dropout(x, node, _salt.get())
     return (node.scale * jnp.tensordot(jnp.tensordot(x, a, axes=n_in), b, axes=1)).astype(dtype)
+
+
+# ---------------------------------------------------------------- adapter dropout
+#
+# PEFT's lora_dropout drops an adapter's input elements with probability p (the rest scaled by 1/(1-p)). Here a
+# mask is a hash of (the token's salt, the weight's site, the element's index in the input), so it is the same on
+# every mesh, microbatching and pipeline schedule: the salt is a batch field, a function of (train.seed, step,
+# the token's index in the global batch), laid out, split and reordered with the batch; the site a frozen
+# per-layer uint32 of the weight. Only training steps carry the salt: evaluation and generation see no dropout.
+
+SALT = "lora_salt"  # the batch field
+_salt: contextvars.ContextVar = contextvars.ContextVar("jaxllm_lora_salt", default=None)
+
+
+@contextlib.contextmanager
+def dropout_salt(batch: dict):
+    """Make the adapters drop their inputs by `batch`'s salt while tracing (no salt: no dropout)."""
+    token = _salt.set(batch.get(SALT))
+    try:
+        yield
+    finally:
+        _salt.reset(token)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: every input bit moves every output bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def salted(batch: dict, m, seed: int, step, place) -> dict:
+    """The batch with its dropout salt (`model.lora.dropout` > 0; else as it is): [rows, seq] uint32 of each token's
+    index in the global batch, the step and the seed, `place`d as the batch's rows (a sharding constraint)."""
+    if not (m.lora.rank and m.lora.dropout):
+        return batch
+    rows, seq = batch["inputs"].shape
+    index = jnp.arange(rows * seq, dtype=jnp.uint32).reshape(rows, seq)
+    step = jnp.asarray(step).astype(jnp.uint32)
+    salt = _mix(index * jnp.uint32(0x9E3779B1) ^ _mix(step * jnp.uint32(0x85EBCA77) ^ jnp.uint32(seed)))
+    return {**batch, SALT: place(salt)}
+
+
+def dropout(x: jax.Array, node: LoraWeight, salt) -> jax.Array:
+    """x [b, s, *in] with each element kept with probability 1 − rate (and scaled by 1 / (1 − rate)), or x."""
+    if salt is None or node.site is None or not node.rate:
+        return x
+    width = math.prod(x.shape[2:])
+    element = jnp.arange(width, dtype=jnp.uint32).reshape(x.shape[2:])
+    site = _mix(node.site.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D))
+    h = _mix(salt.reshape(salt.shape + (1,) * (x.ndim - 2)) ^ site ^ (element * jnp.uint32(0x27D4EB2F)))
+    keep = h >= jnp.uint32(min(int(node.rate * 2**32), 2**32 - 1))
+    return jnp.where(keep, x / (1 - node.rate), jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
 def check_config(m, cfg, zeropp_plan) -> list[str]:
@@ -181,7 +246,10 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
     if unknown or not lc.targets:
         raise ConfigError(f"model.lora.targets: {unknown or 'empty'}; choose from {', '.join([*TARGETS, 'experts'])}")
     refusals = [
-        (lc.dropout != 0, f"model.lora.dropout={lc.dropout} is not supported yet; set 0"),
+        (not 0 <= lc.dropout < 1, f"model.lora.dropout={lc.dropout} must be in [0, 1)"),
+        (lc.dropout and "experts" in lc.targets, "model.lora.dropout with adapters on the routed experts is not "
+                                                 "supported yet (their tokens are dispatched without their salt); "
+                                                 "set dropout 0 or drop 'experts'"),
         (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
         (m.collective_matmul, "model.lora with model.collective_matmul=true is not supported yet; set it false"),
         (zeropp_plan is not None, "model.lora with train.zeropp or precision.grad_reduce=float32 is not supported "

@@ -59,7 +59,8 @@ class Leaf:
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    init: str  # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset) | lora_a
+    # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset) | lora_a | lora_site
+    init: str
 
 
 def _norm(m: ModelConfig, lead=(), lead_names=()) -> dict:
@@ -231,6 +232,8 @@ def _init_leaf(m: ModelConfig, key: jax.Array, leaf: Leaf):
     if leaf.init == "lora_a":  # PEFT's default: Kaiming-uniform with a = √5, i.e. uniform in ±1/√fan_in
         bound = fan_in(leaf) ** -0.5
         return jax.random.uniform(key, leaf.shape, jnp.float32, -bound, bound)
+    if leaf.init == "lora_site":  # a weight's dropout stream, one per layer (`models/lora.py`)
+        return jax.random.bits(key, leaf.shape, jnp.uint32)
     std = m.init_std / (2 * m.n_layers) ** 0.5 if leaf.init == "normal_out" else m.init_std
     return std * jax.random.normal(key, leaf.shape, jnp.float32)  # GPT-2: residual outputs scaled by 1/sqrt(2L)
 

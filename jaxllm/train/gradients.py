@@ -31,7 +31,7 @@ from jaxllm import stack as stack_lib
 from jaxllm.models import lora, mtp, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
-from jaxllm.sharding import Layout, logical_spec, use_layout, with_rule
+from jaxllm.sharding import Layout, constrain, logical_spec, use_layout, with_rule
 from jaxllm.train.objectives import Objective, zero_metrics
 
 
@@ -59,6 +59,7 @@ class Paths:
     zeropp: Any = None  # a parallel/zeropp.py Plan when train.zeropp or precision.grad_reduce=float32 asks for it
     mtp_weight: float = 0.0  # train.mtp_weight, with model.mtp_depth > 0 (models/mtp.py)
     trainable: Any = None  # a tree of bools like the parameters: what is differentiated (`models/lora.py`)
+    seed: int = 0  # train.seed: salts LoRA's adapter dropout with the step
 
     @property
     def local_layout(self) -> Layout:
@@ -89,8 +90,9 @@ def loss_share(params, batch: dict, norm, g: Paths):
     auxiliary losses, times the loss scale. `norm` is (count, scale). Aux: (that objective share, metric
     shares, the blocks' auxiliary terms), unscaled."""
     (count, scale), o = norm, g.objective
-    total, sums, aux = mtp.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk, o.temperature,
-                                   g.mtp_weight)
+    with lora.dropout_salt(batch):
+        total, sums, aux = mtp.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk, o.temperature,
+                                       g.mtp_weight)
     # The scale enters as count / S, and the step passes S (1 when not scaling) as data, so a scaled and an
     # unscaled run compile one program and, S a power of two, every gradient is exactly S times the other's.
     denom = count / scale
@@ -215,13 +217,14 @@ def pipelined(params, batch: dict, norm, g: Paths):
         x = transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype)
         if not lead:
             return x, transformer.zero_aux(m)
-        return transformer.blocks(sh["lead_blocks"], x, mb["positions"], mb["segment_ids"], m, dtype, segments=lead)
+        with lora.dropout_salt(mb):
+            return transformer.blocks(sh["lead_blocks"], x, mb["positions"], mb["segment_ids"], m, dtype,
+                                      segments=lead)
 
     loss, metrics, aux, grads = pipeline.loss_and_grads(
         train, mbs, (count / scale, scale / g.microbatches), g.schedule, inner,
         embed_fn=embed_fn,
-        blocks_fn=lambda ch, x, mb, first: transformer.blocks(ch, x, mb["positions"], mb["segment_ids"], m, dtype,
-                                                              first, segments=(last,)),
+        blocks_fn=lambda ch, x, mb, first: _salted_blocks(ch, x, mb, first, m, dtype, last),
         loss_fn=lambda sh, x, mb: mtp.output_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk, o.temperature,
                                                    g.mtp_weight),
         aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
@@ -232,6 +235,12 @@ def pipelined(params, batch: dict, norm, g: Paths):
     grads = {**{k: a for k, a in grads.items() if k not in ("blocks", "lead_blocks")},
              "blocks": [*grads["lead_blocks"], *grads["blocks"]]}
     return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
+
+
+def _salted_blocks(chunk, x, mb: dict, first, m, dtype, last):
+    """A pipeline chunk of the last segment on microbatch `mb` (its LoRA dropout salted by `mb`'s salt)."""
+    with lora.dropout_salt(mb):
+        return transformer.blocks(chunk, x, mb["positions"], mb["segment_ids"], m, dtype, first, segments=(last,))
 
 
 def uses_island(zero_stage: int, microbatches: int, allreduce: str) -> bool:
@@ -250,10 +259,12 @@ def path_of(g: Paths):
     return one_batch if g.microbatches == 1 else sharded_accumulation
 
 
-def loss_and_grads(params, batch: dict, g: Paths, scale):
+def loss_and_grads(params, batch: dict, g: Paths, scale, step=0):
     """(loss, metric shares, auxiliary terms summed over layers and microbatches, gradients of the whole
-    objective times `scale`, a power of two, 1 when not scaling) over the global batch, on the step's layout."""
+    objective times `scale`, a power of two, 1 when not scaling) over the global batch, on the step's layout;
+    `step` salts LoRA's adapter dropout."""
     with use_layout(g.layout):
+        batch = lora.salted(batch, g.model, g.seed, step, lambda a: constrain(a, ("batch", "seq")))
         batch = in_model_order(mtp.with_fields(batch, g.model.mtp_depth), g)
         return path_of(g)(params, batch, (g.objective.count(batch), scale), g)
 

@@ -158,7 +158,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
                   if mesh.shape["pp"] > 1 else None),
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
         bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight,
-        trainable=trained(m)[1])
+        trainable=trained(m)[1], seed=t.seed)
 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
@@ -169,7 +169,7 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
     old_params = offload.fetch(state.params, sh.params, mem.offload_params)
     old_opt = offload.fetch(state.opt_state, sh.opt_state, mem.offload_optimizer)
     with matmul_precision(g.dtype, g.fp8):
-        loss, metrics, aux, grads = gradients.loss_and_grads(old_params, batch, g, scale)
+        loss, metrics, aux, grads = gradients.loss_and_grads(old_params, batch, g, scale, state.step)
         grads = jax.tree.map(lambda x: x / scale, grads)  # once per step, before clipping
         with_loads, grads = grads, bias_balance.without_loads(grads)  # the router biases' "gradients" are loads
         grad_norm = optax.tree.norm(grads)
@@ -230,8 +230,9 @@ def start_state(params, *, cfg: Config, tx, sh: Shardings | None = None) -> Trai
     if sh is not None:
         params = offload.fetch(params, sh.params, cfg.memory.offload_params)
     train, frozen = lora.split(params, trained(cfg.model)[1])
-    frozen = jax.tree.map(lambda a: a if base_quant.is_quantized(a) else a.astype(cfg.precision.compute), frozen,
-                          is_leaf=base_quant.is_quantized)  # a QLoRA base stays as quantized
+    keep = lambda a: base_quant.is_quantized(a) or not jnp.issubdtype(a.dtype, jnp.floating)
+    frozen = jax.tree.map(lambda a: a if keep(a) else a.astype(cfg.precision.compute), frozen,
+                          is_leaf=base_quant.is_quantized)  # a QLoRA base stays quantized, dropout sites integers
     return TrainState(step=jnp.int32(0), applied=jnp.int32(0), params=lora.combine(train, frozen),
                       opt_state=tx.init(train), guard=guard.init(cfg))
 
