@@ -51,13 +51,10 @@ def test_fresh_adapters_leave_the_first_loss_bitwise_and_train_only_the_adapters
 
 MESHES = {"fsdp8_zero3": {"mesh.fsdp": 8, "train.zero_stage": 3},
           "dp2_tp4_sp": {"mesh.dp": 2, "mesh.tp": 4, "train.sequence_parallel": True},
-          "pp2_dp4_1f1b": {"mesh.pp": 2, "mesh.dp": 4, "train.pp_schedule": "1f1b", "train.microbatches": 2},
-          "sp2_dp2_zero1_accumulate": {"mesh.sp": 2, "mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": 1,
-                                       "train.microbatches": 2}}  # context parallelism, the accumulation island
+          "pp2_dp4_1f1b": {"mesh.pp": 2, "mesh.dp": 4, "train.pp_schedule": "1f1b", "train.microbatches": 2}}
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(k, marks=pytest.mark.slow) if k.startswith(("pp", "sp")) else k
-                                  for k in MESHES])
+@pytest.mark.parametrize("mesh", ["fsdp8_zero3", "dp2_tp4_sp"])  # pp and cp: with dropout, below
 def test_adapters_on_a_mesh_equal_one_device(mesh):
     one = step_fns(equivalence_config("tiny-llama", **LORA))
     params = jax.device_get(with_random_b(one.init(0).params))
@@ -66,6 +63,7 @@ def test_adapters_on_a_mesh_equal_one_device(mesh):
     assert_matches(*loss_and_grads(on_mesh, params), (params, float(loss), jax.device_get(grads)))
 
 
+@pytest.mark.slow
 def test_adapters_on_the_experts_with_expert_parallelism_equal_one_device():
     """tiny-moe (dropless) with every expert's weights adapted (and attention's): ep=4 × fsdp=2 ZeRO-3 against one
     device, the adapters of the experts split over ep with them."""
@@ -162,9 +160,12 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tm
     run = str(tmp_path / "run")
     keys = H.one_step_run(llama, run, 32, **LORA, **sft_keys(tmp_path), **{
         "train.steps": 20, "train.checkpoint_every": 20, "train.lr": 1e-2, "train.warmup_steps": 0})
-    _jaxllm("train", *_keys(keys))
-    _jaxllm("hf", "export", run, str(tmp_path / "adapter"), "--adapter")
-    _jaxllm("hf", "export", run, str(tmp_path / "merged"))
+    from jaxllm.cli.hf import export
+    from jaxllm.train.loop import train
+
+    train(build_config(None, keys))  # as `jaxllm train` and `jaxllm hf export [--adapter]` do, in this process
+    export(run, str(tmp_path / "adapter"), adapter=True)
+    export(run, str(tmp_path / "merged"))
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 16, 0)
     ours = _logits(run, tokens)
     model = peft.PeftModel.from_pretrained(H._load(llama), str(tmp_path / "adapter")).eval()
@@ -270,6 +271,9 @@ def test_nf4_codes_are_the_published_values_and_each_block_is_within_its_bound()
     half_gap = np.diff(nf4_values()).max() / 2
     err = np.abs(deq - np.asarray(w)).reshape(2, 4, 64, 24).max(axis=2)
     assert (err <= half_gap * absmax * (1 + 1e-6)).all()
+    int8 = base_quant.quantize(w, "int8", axis=-2, double_quant=False)  # round(x / (absmax / 127.5))
+    int8_err = np.abs(np.asarray(base_quant.dequantize(int8, jnp.float32)) - np.asarray(w)).reshape(2, 4, 64, 24)
+    assert (int8_err.max(axis=2) <= absmax / 127.5 / 2 * 1.001).all()
     double = base_quant.quantize(w, "nf4", axis=-2, double_quant=True)  # the scales as int8 around their mean
     assert double.scale.codes.dtype == jnp.int8
     scale_err = np.abs(np.asarray(base_quant.scales(double)) - absmax)
@@ -316,22 +320,29 @@ def test_lora_state_of_a_llama_1b_shape():
 
 @pytest.mark.slow
 def test_qlora_trains_as_lora_on_a_bf16_base(llama, tmp_path):
-    """50 steps of SFT on the imported LLaMA in bf16: LoRA on an nf4 base ends within 2% of LoRA on the bf16 base."""
-    final = {}
+    """50 steps of SFT on the imported LLaMA in bf16: LoRA on an nf4 base ends (its last 10 steps' mean loss, the
+    same batches for both) within 2% of LoRA on the bf16 base, having come down from the start. (The tiny random
+    model's first loss moves 5% when its weights are stored in nf4: measured 6.67 on bf16, 6.35 on nf4; after 50
+    steps 2.892 and 2.887.)"""
+    from jaxllm.train.loop import train
+
+    losses = {}
     for quant in ("none", "nf4"):
         run = str(tmp_path / quant)
         keys = H.one_step_run(llama, run, 32, **LORA, **sft_keys(tmp_path / quant), **{
-            "train.steps": 50, "train.lr": 1e-2, "precision.compute": "bfloat16", "model.lora.base_quant": quant,
-            "train.log_every": 50})
-        _jaxllm("train", *_keys(keys))
+            "train.steps": 50, "train.lr": 3e-3, "precision.compute": "bfloat16", "model.lora.base_quant": quant,
+            "train.log_every": 1})
+        train(build_config(None, keys))
         with open(os.path.join(run, "metrics.jsonl")) as f:
-            final[quant] = [json.loads(line)["loss"] for line in f][-1]
+            losses[quant] = [json.loads(line)["loss"] for line in f]
+    final = {q: float(np.mean(v[-10:])) for q, v in losses.items()}
     assert abs(final["nf4"] - final["none"]) <= 0.02 * final["none"], final
+    assert final["none"] < 0.8 * float(np.mean(losses["none"][:5])), losses["none"]
 
 
-@pytest.mark.parametrize("quant", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
-def test_a_quantized_base_on_a_mesh_equals_one_device(quant):
-    keys = {**LORA, "model.lora.base_quant": quant}
+@pytest.mark.slow
+def test_a_quantized_base_on_a_mesh_equals_one_device():
+    keys = {**LORA, "model.lora.base_quant": "nf4"}
     one = step_fns(equivalence_config("tiny-llama", **keys))
     params = jax.device_get(with_random_b(one.init(0).params))
     loss, grads = loss_and_grads(one, params)
@@ -382,11 +393,13 @@ def test_dropout_keeps_each_input_with_its_probability_and_one_mask_per_token_si
 
 DROPOUT_MESHES = {"fsdp8_zero3": MESHES["fsdp8_zero3"], "dp2_tp4_sp": MESHES["dp2_tp4_sp"],
                   "pp2_dp4_1f1b": MESHES["pp2_dp4_1f1b"],
-                  "sp2_zigzag_tp2_dp2": {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.cp_load_balance": True}}
+                  # context parallelism (zig-zag) with tp, ZeRO-1 and the accumulation island
+                  "sp2_zigzag_tp2_dp2_zero1": {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.cp_load_balance": True,
+                                               "train.zero_stage": 1, "train.microbatches": 2}}
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(k, marks=pytest.mark.slow) if k != "fsdp8_zero3" else k
-                                  for k in DROPOUT_MESHES])
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", DROPOUT_MESHES)
 def test_adapter_dropout_on_a_mesh_equals_one_device(mesh):
     """With dropout 0.3 every mesh draws the one device's masks (the salt travels with the batch's rows, through
     microbatches, pipeline stages and context parallelism's zig-zag order): loss and gradients equal; and they
