@@ -658,13 +658,11 @@ def host_state_bytes(abstract_state, compiled) -> int:
     program reports as host arguments, or, where the backend reports none (XLA:CPU), the shards of the
     state leaves whose shardings carry the host memory kind."""
     import jax
-    import numpy as np
 
     reported = int(compiled.memory_analysis().host_argument_size_in_bytes)
     if reported:
         return reported
-    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
-               for a in jax.tree.leaves(abstract_state) if a.sharding.memory_kind == "pinned_host")
+    return _device_bytes([a for a in jax.tree.leaves(abstract_state) if a.sharding.memory_kind == "pinned_host"])
 
 
 def compile_step(cfg, shape: dict):

@@ -114,8 +114,7 @@ def _restore(cfg: Config, fns):
     else:
         state = state_lib.complete(saved, {"guard": fns.fresh_guard()})
     if cfg.model.lora.rank:  # the checkpoint holds the adapters; the frozen base is read again from its source
-        base = lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1]
-        state = state.replace(params=lora.combine(state.params, base))
+        state = state.replace(params=lora.combine(state.params, _frozen_base(cfg, fns)))
     start = int(state.step)
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
@@ -137,7 +136,12 @@ def checkpoint_params(cfg: Config, fns, run_dir: str, step: int | None):
     if not cfg.model.lora.rank:
         return ckpt.read_params(run_dir, step, fns.abstract_state.params)
     adapters = ckpt.read_params(run_dir, step, _stored(cfg, fns.abstract_state).params)
-    return lora.combine(adapters, lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1])
+    return lora.combine(adapters, _frozen_base(cfg, fns))
+
+
+def _frozen_base(cfg: Config, fns):
+    """A LoRA run's frozen part of the parameters, read again from where its base came from (as at step 0)."""
+    return lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1]
 
 
 def initial_state(cfg: Config, fns):
