@@ -4,7 +4,7 @@
 - Compile time is most of the suite's time (the programs are tiny), so XLA is told to
   compile cheaply: LLVM at optimisation level 0, and the older loop emitters instead of
   the fusion emitters (`--xla_cpu_use_fusion_emitters=false` halves the compile time of a
-  train step on XLA:CPU, JAX 0.10).
+  train step on XLA:CPU, JAX 0.10; jaxlib 0.11 dropped that switch, so it is set only before).
 - JAX's persistent compilation cache for the one-device command lines the tests start
   (`harness.subprocess_env`), in a temporary folder for this session: a program one CLI run
   compiled is read back by the next (two processes of one run, a run and its resumption).

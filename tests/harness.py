@@ -32,8 +32,8 @@ if str(REPO) not in sys.path:  # tools/ is importable from the tests
 # LLVM at -O0 and XLA:CPU's older loop emitters: each about halves the compile time of a step. One LLVM
 # module per program instead of XLA's split for parallel codegen: a fifth less compile CPU on two cores,
 # and about half the memory mappings per executable (see `free_programs_near_the_map_limit`).
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
-                 "--xla_cpu_parallel_codegen_split_count=1")
+# The loop emitters' switch is gone from jaxlib 0.11's XLA, which aborts on a flag it does not know.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1")
 
 BATCH, SEQ = 16, 32  # the equivalence batch: 16 windows of 33 tokens
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-8
@@ -44,8 +44,15 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-8
 CORPUS = os.__file__
 
 
+def _jaxlib_before(major: int, minor: int) -> bool:
+    from importlib.metadata import version  # not `import jaxlib`: the flags are set before it loads
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (major, minor)
+
+
 def compile_flags(n_devices: int) -> str:
-    return " ".join((f"--xla_force_host_platform_device_count={n_devices}",) + COMPILE_FLAGS)
+    emitters = ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ()
+    return " ".join((f"--xla_force_host_platform_device_count={n_devices}",) + COMPILE_FLAGS + emitters)
 
 
 def subprocess_env(n_devices: int = 8) -> dict:
