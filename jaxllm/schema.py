@@ -307,7 +307,8 @@ class TrainConfig:
     objective: str = key("lm", "what a step minimises: `lm` (next-token cross-entropy over the loss mask: "
                                "pre-training and fine-tuning) or `grpo` (reinforcement learning with verifiable "
                                "rewards on the model's own samples, the `rl` section; see \"Reinforcement learning "
-                               '(GRPO)")')
+                               '(GRPO)") or `dpo` (preference optimisation on pairs of completions, the `dpo` section '
+                               'and `data.format = "preference"`; see "Preference optimisation")')
     steps: int = key(200, "optimizer steps to run")
     epochs: int = key(0, "fine-tuning data (`data.format` chat or prompt_completion): passes over the rows; when set "
                          "(> 0) it wins over `train.steps`, which becomes epochs × steps per epoch (logged)")
@@ -423,11 +424,21 @@ class DataConfig:
                                   "of examples for fine-tuning data; 0 = no validation split (`train.eval_every` is "
                                   "then ignored, with a log line)")
     format: str = key("text", "`text` (pre-training), `chat` or `prompt_completion` (fine-tuning examples, one per "
-                              "line); for GRPO's prompts `text` (a string continued as it is) or `chat` (a string as "
-                              "the user's message, rendered by the chat template)")
+                              "line), `preference` (a prompt with a chosen and a rejected completion per line, for "
+                              "`train.objective = \"dpo\"`); for GRPO's prompts `text` (a string continued as it is) "
+                              "or `chat` (a string as the user's message, rendered by the chat template)")
     messages_key: str = key("messages", "`chat`: the key of a line's list of {role, content} messages")
     prompt_key: str = key("prompt", "`prompt_completion`: the key of a line's prompt (strings, or lists of messages)")
     completion_key: str = key("completion", "`prompt_completion`: the key of a line's completion")
+    chosen_key: str = key("chosen", "`preference`: the key of the preferred completion (a string, or a list of "
+                                    "messages when the prompt is one)")
+    rejected_key: str = key("rejected", "`preference`: the key of the other completion")
+    max_prompt_tokens: int = key(0, "`preference`: a longer prompt is cut to this many tokens at the side "
+                                    "`data.truncation_side` names; 0 = no limit")
+    max_completion_tokens: int = key(0, "`preference`: a longer completion is cut to this many tokens at its end; "
+                                        "0 = no limit")
+    truncation_side: str = key("left", "`preference`: where `max_prompt_tokens` cuts a prompt: `left` (its start, "
+                                       "keeping the text next to the completion: TRL's `keep_end`) or `right`")
     chat_template: str = key("", '`""`: the `hf:DIR` tokenizer\'s own template, or the built-in one for `byte` and '
                                  "`gpt2`; `builtin`; or a `.jinja` file")
     chat_template_kwargs: dict = key({}, "variables the chat template sees besides the messages, as transformers' "
@@ -438,7 +449,9 @@ class DataConfig:
     pack: bool = key(False, "`true`: several examples per row (first-fit-decreasing); `false`: one example per row, "
                             "padded")
     truncation: str = key("error", "an example longer than `seq_len + 1` tokens: `error`, `drop`, or `truncate` (cut "
-                                   "its reply; dropped if nothing to learn is left)")
+                                   "its reply; dropped if nothing to learn is left); a preference pair whose two "
+                                   "sequences do not fit one row: `truncate` cuts the longer completion's end until "
+                                   "they do")
 
 
 @dataclass
@@ -472,6 +485,24 @@ class RlConfig:
                                  "`train.checkpoint_every` are multiples of it")
     mask_truncated: bool = key(False, "`true`: a completion that reached `max_new_tokens` without a stop id counts "
                                       "for nothing (DAPO's overlong filter); `false`: trained on like the others")
+
+
+@dataclass
+class DpoConfig:
+    """Preference optimisation (`train.objective = "dpo"`) on pairs from `data.format = "preference"`. With Δ the
+    chosen completion's log-ratio to the reference minus the rejected one's (log-probabilities summed over each
+    completion's tokens), a pair's loss is `sigmoid` −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ) (DPO; ε = `label_smoothing`),
+    `ipo` (Δ̄ − 1/(2β))² with Δ̄ from log-probabilities averaged over each completion's tokens (IPO as TRL computes
+    it), or `simpo` −log σ(β(l̄_c − l̄_r) − γ) with l̄ the policy's averaged log-probability (SimPO: no reference
+    model). The loss is the mean over pairs; see "Preference optimisation"."""
+
+    loss: str = key("sigmoid", "`sigmoid` (DPO), `ipo` or `simpo`")
+    beta: float = key(0.1, "β: for `sigmoid` and `ipo` the strength of the pull towards the reference (the reward is "
+                           "β × the log-ratio); for `simpo` the reward's scale")
+    label_smoothing: float = key(0.0, "ε in [0, 0.5): the share of pairs assumed mislabelled (`sigmoid`, `simpo`; "
+                                      "conservative DPO); `ipo` refuses it")
+    gamma: float = key(0.5, "γ, `simpo`'s target margin between the chosen and the rejected reward; the other "
+                            "losses have none and refuse a non-default one")
 
 
 @dataclass
@@ -511,6 +542,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rl: RlConfig = field(default_factory=RlConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 

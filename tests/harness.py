@@ -234,7 +234,7 @@ def loss_metrics_and_grads(fns, params, toks=None, fields=None):
 
 
 def eval_loss(fns, params, toks=None):
-    """(summed token loss, token count) of the evaluation program."""
+    """(summed token loss, token count, metric sums) of the evaluation program."""
     return fns.eval_loss(*_put(fns, params, toks, None))
 
 

@@ -7,8 +7,8 @@
 - `steps_per_epoch`: None for text (random windows have no epochs).
 
 `text` is pre-training on windows of a token stream (`corpus.py`, `loader.py`); `chat` and
-`prompt_completion` are fine-tuning examples (`examples.py`) in rows (`packing.py`), validated over
-the whole validation split.
+`prompt_completion` are fine-tuning examples (`examples.py`), `preference` pairs of them (`preference.py`),
+in rows (`packing.py`), validated over the whole validation split.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm import batch as batch_lib
-from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, packing
+from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, packing, preference
 from jaxllm.errors import ConfigError, DataError
 
 
@@ -32,14 +32,14 @@ def check_config(cfg) -> list[str]:
                          ("truncation", examples_lib.TRUNCATION)):
         if getattr(d, key) not in choices:
             raise ConfigError(f"data.{key}: '{getattr(d, key)}' is not one of {', '.join(choices)}")
-    notes = corpus_lib.check_config(d)
+    notes = corpus_lib.check_config(d) + preference.check_config(d)
     if d.format != "text" and not os.path.isfile(d.source):
         raise DataError(f"data.source: data.format={d.format} reads a JSONL file, and '{d.source}' is not one")
     if t.epochs < 0:
         raise ConfigError(f"train.epochs: must be 0 or more, got {t.epochs}")
     if t.epochs and d.format == "text":
         raise ConfigError("train.epochs: text is sampled as random windows, which have no epochs; set train.steps, "
-                          "or use data.format=chat or prompt_completion")
+                          "or use data.format=chat, prompt_completion or preference")
     if not 0 <= t.warmup_ratio < 1:
         raise ConfigError(f"train.warmup_ratio: must be in [0, 1), got {t.warmup_ratio}")
     if d.val_percent == 0 and t.eval_every:
@@ -93,7 +93,8 @@ class ExampleData:
         return self.val is not None
 
     def _array(self, rows: packing.Rows, which: np.ndarray, sharding) -> dict:
-        return batch_lib.from_rows(len(which), rows.seq_len, sharding, lambda r: packing.build(rows, which[r]))
+        names = tuple(batch_lib.FIELDS) + (packing.PAIR_FIELDS if rows.pairs else ())
+        return batch_lib.from_rows(len(which), rows.seq_len, sharding, lambda r: packing.build(rows, which[r]), names)
 
     def train_batch(self, step: int, sharding) -> dict:
         which = packing.step_rows(len(self.train), self.global_batch, self.seed, step)
@@ -124,15 +125,20 @@ def load(cfg, tokenizer):
         return TextData(corpus, t.seed, t.global_batch, seq, t.eval_batches)
     # read when a line needs it
     template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
-    every = examples_lib.read_examples(d.source, d, tokenizer, template)
-    kept, truncated, dropped = examples_lib.fit(every, seq, d.truncation, d.source)
+    if d.format == "preference":
+        every = preference.read_pairs(d.source, d, tokenizer, template)
+        kept, truncated, dropped = preference.fit(every, seq, d.truncation, d.source)
+    else:
+        every = examples_lib.read_examples(d.source, d, tokenizer, template)
+        kept, truncated, dropped = examples_lib.fit(every, seq, d.truncation, d.source)
+    what = "pair" if d.format == "preference" else "example"
     if not kept:
-        raise DataError(f"data.source {d.source}: no example fits model.seq_len={seq}; raise model.seq_len")
+        raise DataError(f"data.source {d.source}: no {what} fits model.seq_len={seq}; raise model.seq_len")
     train, val = examples_lib.split(kept, d.val_percent)
     train_rows = packing.make_rows(train, seq, d.pack, t.seed)
     val_rows = packing.make_rows(val, seq, d.pack, 0) if val else None
     where = template().source if template.cache_info().currsize else "no template"
-    description = (f"{d.source} ({d.format}, {where}): {len(train)} train / {len(val)} val examples in "
+    description = (f"{d.source} ({d.format}, {where}): {len(train)} train / {len(val)} val {what}s in "
                    f"{len(train_rows)} rows{' (packed)' if d.pack else ''}; {truncated} truncated, {dropped} dropped")
     return ExampleData(train_rows, val_rows, t.seed, t.global_batch, description)
 

@@ -26,7 +26,7 @@ import numpy as np
 from jaxllm.data import chat
 from jaxllm.errors import DataError
 
-FORMATS = ("text", "chat", "prompt_completion")
+FORMATS = ("text", "chat", "prompt_completion", "preference")
 LOSS_ON = ("assistant", "all")
 TRUNCATION = ("error", "drop", "truncate")
 
@@ -85,16 +85,23 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
     missing = [k for k in (d.prompt_key, d.completion_key) if k not in obj]
     if missing:
         raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} (data.prompt_key / data.completion_key)")
-    prompt, completion = obj[d.prompt_key], obj[d.completion_key]
+    return completion_example(obj[d.prompt_key], obj[d.completion_key], where, (d.prompt_key, d.completion_key),
+                              template, tokenizer)
+
+
+def completion_example(prompt, completion, where: str, keys: tuple, template, tokenizer) -> tuple:
+    """(ids, learn) of a prompt and its completion, both strings (the completion learned, then the end-of-text)
+    or both lists of messages (rendered by the chat template; the completion's assistant replies learned).
+    `keys` name the two in errors."""
     if isinstance(prompt, str) and isinstance(completion, str):
         return _text_example(prompt, completion, tokenizer)
     if isinstance(prompt, list) and isinstance(completion, list):
-        prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
-        completion = check_messages(completion, where, f"'{d.completion_key}'")
+        prompt = check_messages(prompt, where, f"'{keys[0]}'")
+        completion = check_messages(completion, where, f"'{keys[1]}'")
         start = len(chat.render(template(), prompt, add_generation_prompt=True)[0])
         return _chat_example(prompt + completion, start, template, tokenizer)
-    raise DataError(f"{where}: '{d.prompt_key}' and '{d.completion_key}' must both be strings or both lists of "
-                    "messages; fix the line")
+    raise DataError(f"{where}: '{keys[0]}' and '{keys[1]}' must both be strings or both lists of messages; fix "
+                    "the line")
 
 
 def prompt_ids(prompt, template, tokenizer) -> np.ndarray:

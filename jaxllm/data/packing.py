@@ -3,6 +3,9 @@
 An example of n tokens fills n-1 positions of a row: inputs ids[:-1], targets ids[1:], loss mask
 learn[1:], positions 0..n-2, and its own segment id (1, 2, ... along the row), so attention and targets
 never cross an example boundary. The rest of a row is padding: segment 0, token 0, nothing counted.
+A preference pair (`data/preference.py`) is one item of two sequences, chosen then rejected, each its own
+segment, side by side in one row, with the fields `pair_id` (the pair's index along the row) and `side`
+(0 chosen, 1 rejected); padding has pair 0, side 0 and counts for nothing.
 
 - `data.pack = true`: examples are packed once per run, first-fit-decreasing: in an order shuffled by the
   seed, longest first (ties keep the shuffled order), each into the first row with room.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 EMPTY = -1  # a row index that stands for an all-padding row
+PAIR_FIELDS = ("pair_id", "side")  # the int32 fields of rows of preference pairs
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,22 @@ class Rows:
 
     def used(self, which: np.ndarray) -> int:
         """Non-padding positions in the rows `which` (EMPTY rows hold none)."""
-        return sum(len(self.examples[e].ids) - 1 for r in which if r != EMPTY for e in self.members[r])
+        return sum(positions(self.examples[e]) for r in which if r != EMPTY for e in self.members[r])
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the items are preference pairs (and the rows carry `pair_id` and `side`)."""
+        return bool(self.examples) and hasattr(self.examples[0], "parts")
+
+
+def sequences(item) -> tuple:
+    """An item's sequences: an example is one, a preference pair two (chosen, rejected)."""
+    return getattr(item, "parts", (item,))
+
+
+def positions(item) -> int:
+    """The row positions an item fills: n - 1 for each sequence of n tokens."""
+    return sum(len(ex.ids) - 1 for ex in sequences(item))
 
 
 def first_fit_decreasing(sizes: list[int], capacity: int, order: np.ndarray) -> list[list[int]]:
@@ -65,27 +84,29 @@ def first_fit_decreasing(sizes: list[int], capacity: int, order: np.ndarray) -> 
 def make_rows(examples: list, seq_len: int, pack: bool, seed: int) -> Rows:
     if not pack:
         return Rows(examples, [[i] for i in range(len(examples))], seq_len)
-    sizes = [len(ex.ids) - 1 for ex in examples]
+    sizes = [positions(ex) for ex in examples]
     order = np.random.default_rng([seed]).permutation(len(examples))
     return Rows(examples, first_fit_decreasing(sizes, seq_len, order), seq_len)
 
 
 def build(rows: Rows, which: np.ndarray) -> dict[str, np.ndarray]:
-    """The batch fields of the rows `which` (EMPTY: an all-padding row), each [len(which), seq_len]."""
+    """The batch fields of the rows `which` (EMPTY: an all-padding row), each [len(which), seq_len]; with
+    `pair_id` and `side` when the rows hold preference pairs."""
     n, seq = len(which), rows.seq_len
-    out = {"inputs": np.zeros((n, seq), np.int32), "targets": np.zeros((n, seq), np.int32),
-           "positions": np.zeros((n, seq), np.int32), "segment_ids": np.zeros((n, seq), np.int32),
-           "loss_mask": np.zeros((n, seq), np.float32)}
+    names = ("inputs", "targets", "positions", "segment_ids") + (PAIR_FIELDS if rows.pairs else ())
+    out = {**{k: np.zeros((n, seq), np.int32) for k in names}, "loss_mask": np.zeros((n, seq), np.float32)}
     for i, r in enumerate(which):
-        at = 0
-        for segment, e in enumerate(rows.members[r] if r != EMPTY else [], 1):
-            ex = rows.examples[e]
-            k = len(ex.ids) - 1
-            out["inputs"][i, at:at + k], out["targets"][i, at:at + k] = ex.ids[:-1], ex.ids[1:]
-            out["positions"][i, at:at + k] = np.arange(k)
-            out["segment_ids"][i, at:at + k] = segment
-            out["loss_mask"][i, at:at + k] = ex.learn[1:]
-            at += k
+        at, segment = 0, 0
+        for index, e in enumerate(rows.members[r] if r != EMPTY else []):
+            for side, ex in enumerate(sequences(rows.examples[e])):
+                k, segment = len(ex.ids) - 1, segment + 1
+                out["inputs"][i, at:at + k], out["targets"][i, at:at + k] = ex.ids[:-1], ex.ids[1:]
+                out["positions"][i, at:at + k] = np.arange(k)
+                out["segment_ids"][i, at:at + k] = segment
+                out["loss_mask"][i, at:at + k] = ex.learn[1:]
+                if rows.pairs:
+                    out["pair_id"][i, at:at + k], out["side"][i, at:at + k] = index, side
+                at += k
     return out
 
 

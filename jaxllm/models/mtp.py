@@ -95,11 +95,12 @@ def _terms(params: dict, x, batch: dict, m, dtype, loss_chunk: int):
 
 
 def output_terms(params: dict, x, batch: dict, m, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0,
-                 mtp_weight: float = 0.0):
-    """The objective's (token sum, metric sums) from the main model's residual stream x, with the MTP modules'
-    λ/D-weighted sum and the `lm_loss` and `mtp_loss` metrics when the model has them and the batch their fields;
-    and the MTP blocks' auxiliary terms (none without MTP)."""
-    total, sums = transformer.head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature)
+                 mtp_weight: float = 0.0, finish=None):
+    """The objective's (token sum, metric sums) from the main model's residual stream x (`finish`: a sequence
+    objective's stage, `transformer.head_terms`), with the MTP modules' λ/D-weighted sum and the `lm_loss` and
+    `mtp_loss` metrics when the model has them and the batch their fields; and the MTP blocks' auxiliary terms
+    (none without MTP)."""
+    total, sums = transformer.head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature, finish)
     if not _runs(m, batch):
         return total, sums, transformer.zero_aux(m)
     mtp_sum, aux = _terms(params, x, batch, m, dtype, loss_chunk)
@@ -108,9 +109,9 @@ def output_terms(params: dict, x, batch: dict, m, dtype, terms, loss_chunk: int 
 
 
 def forward(params: dict, batch: dict, m, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0,
-            mtp_weight: float = 0.0):
+            mtp_weight: float = 0.0, finish=None):
     """`transformer.forward` with the MTP modules: (objective sum, metric sums, auxiliary terms of every block)."""
     x = transformer.embed(params, batch["inputs"], batch["positions"], m, dtype)
     x, aux = transformer.blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    total, sums, more = output_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature, mtp_weight)
+    total, sums, more = output_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature, mtp_weight, finish)
     return total, sums, jax.tree.map(jnp.add, aux, more)

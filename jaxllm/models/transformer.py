@@ -478,9 +478,10 @@ def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: floa
 
 
 def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, terms, chunk: int = 0,
-               temperature: float = 1.0):
+               temperature: float = 1.0, finish=None):
     """An objective's token terms over the whole batch: `terms(logp, lse, batch) -> (sum, metric sums)`
-    (`train/objectives.py`), summed over loss chunks, in fp32.
+    (`train/objectives.py`), summed over loss chunks, in fp32; then `finish(sum, metric sums)` where given (a
+    sequence objective's stage, once its per-sequence sums are whole).
 
     `chunk` > 0 (`train.loss_chunk`) computes the logits `chunk` sequence positions at a
     time in a rematerialised scan, so only [batch, chunk, vocab] logits exist at once,
@@ -492,8 +493,9 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     def evaluate(x, batch):
         return terms(*head_logp(params, x, batch["targets"], m, dtype, temperature), batch)
 
+    finish = finish or (lambda *terms: terms)
     if not chunk or chunk >= x.shape[1]:
-        return evaluate(x, batch)
+        return finish(*evaluate(x, batch))
     b, s = batch["targets"].shape
     n = s // chunk
 
@@ -508,17 +510,18 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     start = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                          jax.eval_shape(evaluate, *jax.tree.map(lambda a: a[0], pieces)))
     total, _ = jax.lax.scan(body, start, pieces)
-    return total
+    return finish(*total)
 
 
 # ---------------------------------------------------------------- whole model
 
 
-def forward(params: dict, batch: dict, m: ModelConfig, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0):
+def forward(params: dict, batch: dict, m: ModelConfig, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0,
+            finish=None):
     """The whole model on one batch: (objective sum, its metric sums, the blocks' auxiliary terms)."""
     x = embed(params, batch["inputs"], batch["positions"], m, dtype)
     x, aux = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
-    total, sums = head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature)
+    total, sums = head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature, finish)
     return total, sums, aux
 
 

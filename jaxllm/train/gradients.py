@@ -21,6 +21,7 @@ shares and the blocks' auxiliary terms like the loss. The batch is a dict of fie
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from jaxllm.models import lora, mtp, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, constrain, logical_spec, use_layout, with_rule
-from jaxllm.train.objectives import Objective, zero_metrics
+from jaxllm.train.objectives import Objective, finish, zero_metrics
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def loss_share(params, batch: dict, norm, g: Paths):
     (count, scale), o = norm, g.objective
     with lora.dropout_salt(batch):
         total, sums, aux = mtp.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk, o.temperature,
-                                       g.mtp_weight)
+                                       g.mtp_weight, functools.partial(finish, o))
     # The scale enters as count / S, and the step passes S (1 when not scaling) as data, so a scaled and an
     # unscaled run compile one program and, S a power of two, every gradient is exactly S times the other's.
     denom = count / scale
@@ -226,7 +227,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         embed_fn=embed_fn,
         blocks_fn=lambda ch, x, mb, first: _salted_blocks(ch, x, mb, first, m, dtype, last),
         loss_fn=lambda sh, x, mb: mtp.output_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk, o.temperature,
-                                                   g.mtp_weight),
+                                                   g.mtp_weight, functools.partial(finish, o)),
         aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,

@@ -33,7 +33,7 @@ from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
-from jaxllm.train import faults, preemption
+from jaxllm.train import faults, preemption, preference
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
 from jaxllm.train.step import make_step_fns, trained
@@ -167,7 +167,7 @@ def _source_params(cfg: Config, fns):
 
 
 def reference_params(cfg: Config, fns):
-    """GRPO's frozen reference, a function of the policy's parameters: under LoRA the policy with its adapters off
+    """GRPO's and DPO's frozen reference, a function of the policy's parameters: under LoRA the policy with its adapters off
     (the same base arrays); else the starting parameters (`init.from`, else the seed's random ones), read
     again whether or not the run resumes, in the compute dtype and laid out like the policy's."""
     if cfg.model.lora.rank:
@@ -299,10 +299,19 @@ def _write_row(run: _Run, row: dict) -> None:
     if "reward_mean" in row:
         msg += (f" | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | clip {row['clip_frac'] * 100:.1f}%"
                 + (f" | kl {row['kl']:.4f}" if "kl" in row else "") + f" | len {row['completion_len']:.1f}")
+    msg += _preference_text(row)
     if "moe_balance" in row:
         msg += (f" | moe balance {row['moe_balance']:.3f} z {row['moe_z']:.2f} load max/mean "
                 f"{row['moe_load_max_over_mean']:.2f} dropped {row['moe_dropped'] * 100:.1f}%")
     _show(run, msg)
+
+
+def _preference_text(row: dict, prefix: str = "") -> str:
+    """DPO's reward accuracy and margin for the console (every metric is in metrics.jsonl)."""
+    if f"{prefix}rewards/accuracies" not in row:
+        return ""
+    return (f" | {prefix}accuracy {row[f'{prefix}rewards/accuracies']:.3f} | {prefix}margin "
+            f"{row[f'{prefix}rewards/margins']:.3f}")
 
 
 def _resume_point(run: _Run) -> str:
@@ -334,13 +343,17 @@ def _watch_skips(run: _Run, step: int, metrics, wait: bool) -> None:
                                    f"warmup_steps, or check the data; {_resume_point(run)}")
 
 
-def _evaluate(run: _Run, params) -> float:
-    """The objective over the validation batches: their summed terms over their summed count."""
-    total, count = 0.0, 0.0
-    for vb in run.data.eval_batches(run.fns.batch_sharding):
-        s, c = run.eval_fn(params, vb)
-        total, count = total + float(s), count + float(c)
-    return total / count
+def _evaluate(run: _Run, params) -> dict:
+    """The validation row: the loss over the validation batches (their summed terms over their summed count) and
+    a sequence objective's metrics likewise (DPO's rewards), each named `val_` + its name."""
+    sums, count = {}, 0.0
+    scored = (params,) if run.cfg.train.objective == "dpo" else ()  # the reference scores each batch
+    for vb in run.data.eval_batches(run.fns.batch_sharding, *scored):
+        s, c, ms = jax.device_get(run.eval_fn(params, vb))
+        for k, v in {"loss": s, **ms}.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        count += float(c)
+    return {f"val_{k}": v / count for k, v in sums.items()}
 
 
 def _save(run: _Run, step: int, state, applied: bool = True) -> None:
@@ -356,8 +369,9 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
 
 
 def _batch(run: _Run, step: int, state):
-    """The batch of step `step` (0-based); a GRPO run's is sampled from the current parameters."""
-    if run.cfg.train.objective == "grpo":
+    """The batch of step `step` (0-based); a GRPO run's is sampled from the current parameters, a DPO run's scored
+    by the reference (under LoRA, the current parameters with their adapters off)."""
+    if run.cfg.train.objective in ("grpo", "dpo"):
         return run.data.train_batch(step, run.fns.batch_sharding, state.params)
     return run.data.train_batch(step, run.fns.batch_sharding)
 
@@ -390,10 +404,11 @@ def _train_steps(run: _Run, state, start: int, should_stop):
             _check_finite(run, row)
         _watch_skips(run, step, metrics, wait=logging_now or saving)
         if run.eval_fn is not None and (step % t.eval_every == 0 or step == t.steps):
-            run.last["val_loss"] = _evaluate(run, run.fns.device_params(state.params))
+            val = _evaluate(run, run.fns.device_params(state.params))
+            run.last["val_loss"] = val["val_loss"]
             if run.writer:
-                run.writer.write({"step": step, "val_loss": run.last["val_loss"]})
-                _show(run, f"step {step:>6} | val_loss {run.last['val_loss']:.4f}")
+                run.writer.write({"step": step, **val})
+                _show(run, f"step {step:>6} | val_loss {val['val_loss']:.4f}" + _preference_text(val, "val_"))
             mark_time = time.time()  # evaluation is not training time
         if saving:
             _save(run, step, state, applied=not row.get("skipped"))
@@ -411,8 +426,9 @@ def _compile(cfg: Config, fns, state, data, start: int):
     """The train (and evaluation) step, compiled for the loader's first batch; a GRPO run's first batch is
     sampled from the parameters (and checked when made), so its step is compiled for the batch's shapes."""
     grpo = cfg.train.objective == "grpo"
+    scored = (state.params,) if cfg.train.objective == "dpo" else ()
     batch = (fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len) if grpo
-             else data.train_batch(start, fns.batch_sharding))
+             else data.train_batch(start, fns.batch_sharding, *scored))
     batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
     with faults.compiling():
@@ -439,6 +455,8 @@ def train(cfg: Config) -> dict:
     state, start = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0)
     if t.objective == "grpo":  # the batches come from the policy's own samples
         data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
+    if t.objective == "dpo":  # each batch scored by the reference before the step
+        data = preference.Scored(data, fns, reference_params(cfg, fns) if preference.reference_needed(cfg) else None)
 
     # From here on the run directory is written.
     os.makedirs(cfg.run.dir, exist_ok=True)

@@ -11,9 +11,16 @@ An objective declares
   the log-sum-exp of its logits, both `[rows, chunk]` fp32 at `temperature`; `batch` holds
   the same positions of every field. Each metric sum is reported divided by the count,
   like the loss.
+- `sequence_loss` (None for a token objective): the sequence stage. Its token terms return, in
+  place of the sum, per-sequence sums (a tree of `[rows, pairs, 2]` arrays keyed by the batch fields
+  `pair_id` and `side`: `train/preference.py`); once they are complete over the loss chunks and over
+  sp and tp (the partitioner adds a row's pieces), `sequence_loss(sums) -> (sum over sequences,
+  metric sums)` turns them into the loss. Its count is of sequences (pairs), and a pair lies within
+  one row, so it never spans microbatches, pipeline microbatches or the devices of a manual batch
+  island: every gradient path adds the stage's per-microbatch sums as it adds token sums.
 
-Per-sequence quantities (rewards, advantages) are spread over their tokens on the host as
-per-token weights, so every term is a sum over tokens and microbatches add up exactly.
+Per-sequence quantities a token objective needs (rewards, advantages) are spread over their tokens on
+the host as per-token weights, so every term is a sum over tokens and microbatches add up exactly.
 """
 
 from __future__ import annotations
@@ -33,13 +40,23 @@ class Objective:
     fields: dict = field(default_factory=dict)
     temperature: float = 1.0
     spiky: bool = True  # its loss is a likelihood, so the step guard may skip its spikes (train/guard.py)
+    sequence_loss: Callable | None = None  # (per-sequence sums) -> (sum, {name: sum}); None: token-additive
+
+
+def finish(objective: Objective, total, sums: dict):
+    """The objective's (sum, metric sums) from its token terms summed over a batch: as they are for a token
+    objective; through the sequence stage for a sequence objective."""
+    if objective.sequence_loss is None:
+        return total, sums
+    loss, more = objective.sequence_loss(total)
+    return loss, {**sums, **more}
 
 
 def zero_metrics(objective: Objective, batch: dict) -> dict:
     """Zeros shaped as the objective's metric sums (the start of a sum over microbatches)."""
     one = lambda dtype: jax.ShapeDtypeStruct((1, 1), dtype)
-    shapes = jax.eval_shape(objective.token_terms, one(jnp.float32), one(jnp.float32),
-                            {k: one(v.dtype) for k, v in batch.items()})[1]
+    shapes = jax.eval_shape(lambda *a: finish(objective, *objective.token_terms(*a)), one(jnp.float32),
+                            one(jnp.float32), {k: one(v.dtype) for k, v in batch.items()})[1]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

@@ -43,15 +43,15 @@ from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import make_schedule
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
-from jaxllm.train import bias_balance, gradients, guard, offload
+from jaxllm.train import bias_balance, gradients, guard, offload, preference
 from jaxllm.train.gradients import Paths, constrain_tree
-from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, grpo
+from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, finish, grpo
 from jaxllm.train.optimizer import learning_rate, make_optimizer
 from jaxllm.train.state import TrainState
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")  # precision.compute
-OBJECTIVES = ("lm", "grpo")  # train.objective
+OBJECTIVES = ("lm", "grpo", "dpo")  # train.objective
 
 
 def optimizer_state_shardings(abstract_opt, table, layout: Layout, rules):
@@ -135,7 +135,7 @@ class StepFns:
     base_shardings: Any  # the base model's parameters (without adapters, unquantized) laid out as stored
     train_step: Callable  # (state, batch) -> (state, metrics)
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
-    eval_loss: Callable  # (params, batch) -> (sum, count) of next-token cross-entropy over loss_mask
+    eval_loss: Callable  # (params, batch) -> (sum, count, metric sums) on validation (`eval_loss`)
     token_logp: Callable  # (params, batch) -> [batch, seq] log-probabilities of the targets (GRPO)
     abstract_state: Any
     schedule: Any = None  # the pipeline's Schedule table when mesh.pp > 1
@@ -203,12 +203,15 @@ def loss_and_grads(params, batch: dict, g: Paths, cfg):
 
 
 def eval_loss(params, batch: dict, g: Paths):
-    """(summed next-token cross-entropy over loss_mask tokens, their count), whatever the training objective."""
-    lm = LANGUAGE_MODEL
+    """(sum, count, metric sums) on a validation batch: of next-token cross-entropy over loss_mask tokens (no
+    metrics) for a token objective, whatever it is; of the objective itself for a sequence objective (DPO: its
+    loss and reward metrics over the held-out pairs)."""
+    o = g.objective if g.objective.sequence_loss is not None else LANGUAGE_MODEL
     with matmul_precision(g.dtype, g.fp8), use_layout(g.layout):
         batch = gradients.in_model_order(batch, g)
-        total, _, _ = transformer.forward(params, batch, g.model, g.dtype, lm.token_terms, g.loss_chunk)
-        return total, lm.count(batch)
+        total, sums, _ = transformer.forward(params, batch, g.model, g.dtype, o.token_terms, g.loss_chunk,
+                                             o.temperature, functools.partial(finish, o))
+        return total, o.count(batch), sums
 
 
 def token_logp(params, batch: dict, g: Paths):
@@ -242,6 +245,8 @@ def objective_of(cfg: Config) -> Objective:
     if cfg.train.objective == "grpo":
         r = cfg.rl
         return grpo(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
+    if cfg.train.objective == "dpo":
+        return preference.objective_of(cfg)
     return LANGUAGE_MODEL
 
 
@@ -316,7 +321,8 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
     notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
-              + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg)))
+              + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg))
+              + preference.check_config(cfg))
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
