@@ -91,16 +91,15 @@ _programs: dict = {}
 
 def step_fns(cfg, devices: int | None = None, objective=None):
     """The compiled step functions of `cfg` on the first `devices` devices (default: as many as the
-    mesh uses; an axis at -1 counts as 1) for `objective` (default: the language model), built once
-    per test file."""
+    mesh uses; an axis at -1 counts as 1) for `objective` (default: the config's, `step.objective_of`), built
+    once per test file."""
     import jax
 
     from jaxllm.config import to_toml, validate
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.objectives import LANGUAGE_MODEL
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.train.step import make_step_fns, objective_of
 
-    objective = objective or LANGUAGE_MODEL
+    objective = objective or objective_of(cfg)
     if devices is None:
         devices = math.prod(v for k, v in vars(cfg.mesh).items() if isinstance(v, int) and v > 0)
     key = (to_toml(cfg), devices, objective.name)

@@ -1,0 +1,175 @@
+"""Preference optimisation (DPO, IPO, SimPO): each loss and its gradients against a reference written here with
+transformers/torch on the same tiny LLaMA (the policy a perturbed copy of the reference), TRL's trainers on the
+same pairs, every mesh against one device, and the run: metrics, validation and a resume."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import hf_families as H
+from harness import assert_matches, step_fns, tiers
+from jaxllm.config import build_config
+from jaxllm.data import dataset, packing
+from jaxllm.data.tokenizers import get_tokenizer
+from jaxllm.interop import hf
+
+BYTE = get_tokenizer("byte")
+EOT = 256
+SEQ, ROWS = 64, 8
+LOSSES = {"sigmoid": {"dpo.loss": "sigmoid"},
+          "sigmoid_smoothed": {"dpo.loss": "sigmoid", "dpo.label_smoothing": 0.2},
+          "ipo": {"dpo.loss": "ipo", "dpo.beta": 0.5},
+          "simpo": {"dpo.loss": "simpo", "dpo.beta": 2.0, "dpo.gamma": 0.7}}
+
+
+def pairs(n: int = 12, seed: int = 0) -> list[dict]:
+    """Sums as text: a prompt "a+b=", the right answer chosen, a near miss rejected (lengths differ)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(0, 500, 2))
+        wrong = a + b + int(rng.choice([-11, -1, 1, 7, 100]))
+        out.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(abs(wrong))})
+    return out
+
+
+def write_pairs(path, rows=None) -> str:
+    path.write_text("".join(json.dumps(p) + "\n" for p in (rows or pairs())))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(reference folder, policy folder): a tiny LLaMA over the byte vocabulary, and a copy of it with every
+    weight moved by 5% of its spread, so the log-ratios to the reference are not zero."""
+    import torch
+
+    root = tmp_path_factory.mktemp("dpo_models")
+    ref = H.build("llama3", str(root / "reference"), vocab_size=EOT + 1)
+    model = H._load(ref)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(str(root / "policy"))
+    return ref, str(root / "policy")
+
+
+def config(models, source: str, **over):
+    return build_config(None, {"init.from": f"hf:{models[0]}", "model.seq_len": SEQ, "precision.compute": "float32",
+                               "train.global_batch": ROWS, "mesh.dp": 1, "train.objective": "dpo",
+                               "data.format": "preference", "data.source": source, "data.pack": True,
+                               "data.val_percent": 0, **over})
+
+
+def batch_of(cfg) -> dict:
+    """Every pair of the file packed into one batch of ROWS rows."""
+    data = dataset.load(cfg, BYTE)
+    assert len(data.train) <= ROWS
+    which = np.concatenate([np.arange(len(data.train)), np.full(ROWS - len(data.train), packing.EMPTY)])
+    return packing.build(data.train, which)
+
+
+def jaxllm_loss(cfg, models, batch, devices=None):
+    """(loss, metrics, gradients by file key) of the policy, the batch scored by the reference first."""
+    fns = step_fns(cfg, devices)
+    ref, policy = (hf.load_params(d, cfg.model, fns.state_shardings.params) for d in models)
+    batch = jax.device_put(batch, fns.batch_sharding)
+    if "ref_logp" in fns.objective.fields:
+        batch = {**batch, "ref_logp": fns.token_logp(ref, batch)}
+    loss, metrics, grads = fns.loss_and_grads(policy, batch)
+    return float(loss), jax.device_get(metrics), jax.device_get(grads)
+
+
+def torch_reference(models, rows: list[dict], loss: str, beta: float, epsilon: float = 0.0, gamma: float = 0.0):
+    """(loss, metrics, gradients by parameter name), each pair's two sequences run alone through the transformers
+    models: the byte ids of prompt + completion then the end-of-text, the completion's targets (and the
+    end-of-text) counted."""
+    import torch
+    import torch.nn.functional as F
+
+    policy, ref = H._load(models[1]), H._load(models[0])
+
+    def logps(model, prompt: str, completion: str):
+        ids = torch.tensor([list((prompt + completion).encode()) + [EOT]])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+        picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        return picked[len(prompt) - 1:].sum(), len(completion) + 1
+
+    losses, rewards, lps = [], [], []
+    for p in rows:
+        (lc, nc), (lr, nr) = (logps(policy, p["prompt"], p[k]) for k in ("chosen", "rejected"))
+        with torch.no_grad():
+            rc, rr = (logps(ref, p["prompt"], p[k])[0] for k in ("chosen", "rejected"))
+        if loss == "simpo":
+            z = beta * (lc / nc - lr / nr) - gamma
+            losses.append(-(1 - epsilon) * F.logsigmoid(z) - epsilon * F.logsigmoid(-z))
+            rewards.append((beta * lc.detach() / nc, beta * lr.detach() / nr))
+            lps.append((lc.detach() / nc, lr.detach() / nr))
+            continue
+        if loss == "sigmoid":
+            z = beta * ((lc - rc) - (lr - rr))
+            losses.append(-(1 - epsilon) * F.logsigmoid(z) - epsilon * F.logsigmoid(-z))
+        else:
+            losses.append(((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * beta)) ** 2)
+        rewards.append((beta * (lc - rc).detach(), beta * (lr - rr).detach()))
+        lps.append((lc.detach(), lr.detach()))
+    total = torch.stack(losses).mean()
+    total.backward()
+    mean = lambda xs: float(np.mean([float(x) for x in xs]))
+    metrics = {"rewards/chosen": mean(c for c, _ in rewards), "rewards/rejected": mean(r for _, r in rewards),
+               "rewards/accuracies": mean(float(c > r) for c, r in rewards),
+               "rewards/margins": mean(c - r for c, r in rewards),
+               "logps/chosen": mean(c for c, _ in lps), "logps/rejected": mean(r for _, r in lps)}
+    return total.item(), metrics, {n: p.grad.numpy() for n, p in policy.named_parameters()}
+
+
+def assert_metrics_match(ours: dict, theirs: dict, beta: float):
+    """Each metric within 1e-5 of its size; a reward (β × a difference of two fp32 sums of log-probabilities)
+    within 1e-5 of β × those sums' size, which its rounding scales with."""
+    for k, v in theirs.items():
+        size = max(abs(v), beta * abs(theirs["logps/chosen"])) if k.startswith("rewards/") else abs(v)
+        assert abs(float(ours[k]) - v) <= 1e-5 * size, (k, float(ours[k]), v)
+
+
+def assert_grads_match(cfg, grads, theirs):
+    ours = dict(hf._file_tensors(jax.tree.map(jax.numpy.asarray, grads), cfg.model))
+    assert sorted(ours) == sorted(theirs)
+    for name, g in theirs.items():
+        np.testing.assert_allclose(ours[name], g, rtol=1e-5, atol=1e-5 * np.abs(g).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("loss", tiers(LOSSES, fast=("sigmoid",)))
+def test_each_loss_and_its_gradients_equal_torch(models, tmp_path, loss):
+    rows = pairs()
+    cfg = config(models, write_pairs(tmp_path / "pairs.jsonl", rows), **LOSSES[loss])
+    ours, metrics, grads = jaxllm_loss(cfg, models, batch_of(cfg), devices=1)
+    d = cfg.dpo
+    theirs, their_metrics, their_grads = torch_reference(models, rows, d.loss, d.beta, d.label_smoothing, d.gamma)
+    assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+    assert_metrics_match(metrics, their_metrics, d.beta)
+    assert 0 < their_metrics["rewards/accuracies"] < 1  # the pairs disagree, so the accuracy is a real count
+    assert_grads_match(cfg, grads, their_grads)
+
+
+MESHES = {
+    "dp2_fsdp2_tp2_zero3": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3},
+    "zero1_island_2_microbatches": {"mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": 1, "train.microbatches": 2},
+    "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2},
+    "sp4_ring": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_load_balance": True, "train.loss_chunk": 16},
+}
+
+
+@pytest.mark.parametrize("mesh", tiers(MESHES, fast=("zero1_island_2_microbatches",)))
+def test_every_mesh_equals_one_device(models, tmp_path, mesh):
+    cfg = config(models, write_pairs(tmp_path / "pairs.jsonl"), **{"dpo.label_smoothing": 0.1})
+    batch = batch_of(cfg)
+    loss, metrics, grads = jaxllm_loss(cfg, models, batch, devices=1)
+    on_mesh = config(models, cfg.data.source, **{"dpo.label_smoothing": 0.1}, **MESHES[mesh])
+    m_loss, m_metrics, m_grads = jaxllm_loss(on_mesh, models, batch)
+    assert_matches(m_loss, m_grads, (None, loss, grads))
+    assert_metrics_match(m_metrics, {k: float(v) for k, v in metrics.items()}, cfg.dpo.beta)
