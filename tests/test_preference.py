@@ -173,3 +173,55 @@ def test_every_mesh_equals_one_device(models, tmp_path, mesh):
     m_loss, m_metrics, m_grads = jaxllm_loss(on_mesh, models, batch)
     assert_matches(m_loss, m_grads, (None, loss, grads))
     assert_metrics_match(m_metrics, {k: float(v) for k, v in metrics.items()}, cfg.dpo.beta)
+
+
+def byte_tokenizer():
+    """transformers' tokenizer of jaxllm's byte vocabulary: each character its byte, the end-of-text 256."""
+    from tokenizers import Regex, Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(256)} | {"<|endoftext|>": EOT}
+    tk = Tokenizer(tk_models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def trl_loss(models, rows: list[dict], loss: str, beta: float, gamma: float, out: str):
+    """(loss, metrics, gradients by parameter name) of TRL's DPOTrainer (sigmoid, ipo) or CPOTrainer (simpo, with
+    CPO's NLL term off) on the pairs, as one batch."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+
+    policy, tok = H._load(models[1]), byte_tokenizer()
+    common = {"output_dir": out, "beta": beta, "report_to": [], "per_device_train_batch_size": len(rows),
+              "use_cpu": True, "bf16": False}
+    if loss == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args = CPOConfig(loss_type="simpo", simpo_gamma=gamma, cpo_alpha=0.0, **common)
+        trainer = CPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        trainer = DPOTrainer(model=policy, ref_model=H._load(models[0]), args=DPOConfig(loss_type=[loss], **common),
+                             train_dataset=Dataset.from_list(rows), processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()  # as in training (the tiny model has no dropout), so the metrics land under "train"
+    value = trainer.compute_loss(trainer.model, batch)
+    value.backward()
+    logged = trainer._stored_metrics["train"] if loss == "simpo" else trainer._metrics["train"]
+    metrics = {k: float(np.mean(v)) for k, v in logged.items() if k.startswith(("rewards/", "logps/"))}
+    return value.item(), metrics, {n: p.grad.numpy() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
+def test_trl_computes_the_same_loss_metrics_and_gradients(models, tmp_path, loss):
+    rows = pairs()
+    cfg = config(models, write_pairs(tmp_path / "pairs.jsonl", rows), **LOSSES[loss])
+    ours, metrics, grads = jaxllm_loss(cfg, models, batch_of(cfg), devices=1)
+    theirs, their_metrics, their_grads = trl_loss(models, rows, loss, cfg.dpo.beta, cfg.dpo.gamma, str(tmp_path / "trl"))
+    assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+    assert sorted(their_metrics) == sorted(metrics)
+    assert_metrics_match(metrics, their_metrics, cfg.dpo.beta)
+    assert_grads_match(cfg, grads, their_grads)
