@@ -15,6 +15,7 @@ from harness import assert_matches, step_fns, tiers
 from jaxllm.config import build_config
 from jaxllm.data import dataset, packing
 from jaxllm.data.tokenizers import get_tokenizer
+from jaxllm.errors import DataError, UserError
 from jaxllm.interop import hf
 
 BYTE = get_tokenizer("byte")
@@ -225,3 +226,107 @@ def test_trl_computes_the_same_loss_metrics_and_gradients(models, tmp_path, loss
     assert sorted(their_metrics) == sorted(metrics)
     assert_metrics_match(metrics, their_metrics, cfg.dpo.beta)
     assert_grads_match(cfg, grads, their_grads)
+
+
+# ---------------------------------------------------------------- the data: pairs in rows
+
+
+def data_cfg(source: str, **over):
+    return build_config(None, {"train.objective": "dpo", "data.format": "preference", "data.source": source,
+                               "data.val_percent": 0, "model.seq_len": SEQ, "train.global_batch": ROWS, **over})
+
+
+def rows_of(source: str, **over) -> dict:
+    data = dataset.load(data_cfg(source, **over), BYTE)
+    return packing.build(data.train, np.arange(len(data.train)))
+
+
+def sequences(row: dict, i: int) -> list:
+    """(tokens, learned targets, pair_id, side) of each segment of row i, the tokens from its inputs and last target."""
+    out = []
+    for s in range(1, row["segment_ids"][i].max() + 1):
+        at = row["segment_ids"][i] == s
+        tokens = list(row["inputs"][i, at]) + [row["targets"][i, at][-1]]
+        out.append((tokens, row["loss_mask"][i, at], set(row["pair_id"][i, at]), set(row["side"][i, at])))
+    return out
+
+
+def test_a_pair_is_two_sequences_in_one_row_with_only_each_completion_learned(tmp_path):
+    """Text pairs: each sequence is the prompt's bytes, the completion's, then the end-of-text; the targets
+    learned are the completion's and the end-of-text (found from the strings here)."""
+    rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " five"}, {"prompt": "hi", "chosen": "!", "rejected": "?!"}]
+    built = rows_of(write_pairs(tmp_path / "p.jsonl", rows), **{"data.pack": True})
+    seqs = sequences(built, 0)
+    assert len(seqs) == 4  # both pairs packed into one row, each pair's sequences side by side
+    for index, p in enumerate(rows):
+        for side, key in enumerate(("chosen", "rejected")):
+            tokens, learned, pair_id, sides = next(s for s in seqs if s[2] == {index} and s[3] == {side})
+            assert tokens == list((p["prompt"] + p[key]).encode()) + [EOT]
+            want = np.zeros(len(tokens) - 1)
+            want[len(p["prompt"]) - 1:] = 1  # the target at position j is token j + 1
+            assert np.array_equal(learned, want)
+
+
+def test_message_pairs_are_rendered_by_the_chat_template(tmp_path):
+    prompt = [{"role": "user", "content": "2+2?"}]
+    rows = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "4"}],
+             "rejected": [{"role": "assistant", "content": "22"}]}]
+    built = rows_of(write_pairs(tmp_path / "p.jsonl", rows))
+    (c, c_learned, _, _), (r, r_learned, _, _) = sequences(built, 0)
+    assert bytes(t for t in c if t < 256) == b"User: 2+2?\nAssistant: 4" and c[-1] == EOT
+    assert bytes(t for t in r if t < 256) == b"User: 2+2?\nAssistant: 22"
+    assert c_learned.sum() == 2 and r_learned.sum() == 3  # the reply and its end-of-text
+
+
+@pytest.mark.parametrize("side, kept", [("left", "56789="), ("right", "012345")])
+def test_length_limits_cut_the_prompt_at_its_side_and_the_completion_at_its_end(tmp_path, side, kept):
+    rows = [{"prompt": "0123456789=", "chosen": "abcdef", "rejected": "xy"}]
+    built = rows_of(write_pairs(tmp_path / "p.jsonl", rows), **{
+        "data.max_prompt_tokens": 6, "data.max_completion_tokens": 3, "data.truncation_side": side})
+    (c, c_learned, _, _), (r, _, _, _) = sequences(built, 0)
+    assert c == list(f"{kept}abc".encode()) and r == list(f"{kept}xy".encode()) + [EOT]
+    assert c_learned.sum() == 3
+
+
+def test_a_pair_too_long_for_a_row_is_an_error_dropped_or_cut(tmp_path):
+    long = {"prompt": "p" * 20, "chosen": "c" * 30, "rejected": "r" * 5}
+    source = write_pairs(tmp_path / "p.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, long])
+    with pytest.raises(DataError, match=r"p.jsonl line 2: the pair's two sequences fill 50 \+ 25 positions"):
+        dataset.load(data_cfg(source), BYTE)
+    assert len(dataset.load(data_cfg(source, **{"data.truncation": "drop"}), BYTE).train) == 1
+    built = rows_of(source, **{"data.truncation": "truncate"})
+    (c, _, _, _), (r, _, _, _) = sequences(built, 1)
+    assert len(c) - 1 + len(r) - 1 == SEQ and c == list(("p" * 20 + "c" * 20).encode())  # the chosen cut to fit
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"prompt": "a", "chosen": "b"}, "line 2: no 'rejected'"),
+    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]},
+     "line 2: 'prompt' and 'rejected' must both be strings or both lists of messages"),
+    ({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "user", "content": "b"}],
+      "rejected": [{"role": "assistant", "content": "c"}]}, "line 2: the 'chosen' completion has no token to learn"),
+    ("[1, 2]", "line 2: not a JSON object"),
+])
+def test_a_bad_line_is_one_error_naming_the_file_and_the_line(tmp_path, line, message):
+    source = tmp_path / "p.jsonl"
+    source.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                      + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+    with pytest.raises(DataError, match=f"data.source {source} {message}"):
+        dataset.load(data_cfg(str(source)), BYTE)
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"data.format": "chat"}, 'train.objective="dpo" and data.format="preference" go together'),
+    ({"dpo.loss": "hinge"}, "dpo.loss: 'hinge' is not one of sigmoid, ipo, simpo"),
+    ({"dpo.loss": "ipo", "dpo.label_smoothing": 0.1}, "dpo.label_smoothing: the ipo loss has no label smoothing"),
+    ({"dpo.gamma": 1.0}, "dpo.gamma: only the simpo loss has a target margin"),
+    ({"dpo.beta": 0.0}, "dpo.beta: must be positive"),
+    ({"data.truncation_side": "middle"}, "data.truncation_side: 'middle' is not one of left, right"),
+    ({"model.mtp_depth": 1}, "model.mtp_depth=1 with train.objective=dpo: multi-token prediction trains with"),
+])
+def test_a_config_preference_optimisation_cannot_run_is_refused_in_one_line(tmp_path, over, message):
+    from jaxllm.config import validate
+
+    cfg = data_cfg(write_pairs(tmp_path / "p.jsonl"), **{"mesh.dp": 1, "model.vocab_size": 257, **over})
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg, 1)

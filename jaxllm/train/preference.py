@@ -120,9 +120,6 @@ def check_config(cfg) -> list[str]:
         raise ConfigError("dpo.label_smoothing: the ipo loss has no label smoothing; set it to 0 or use sigmoid")
     if d.loss != "simpo" and d.gamma != 0.5:
         raise ConfigError(f"dpo.gamma: only the simpo loss has a target margin; leave it at 0.5 with dpo.loss={d.loss}")
-    if cfg.model.mtp_depth:
-        raise ConfigError("model.mtp_depth > 0 with train.objective=dpo is not supported (the MTP modules' token "
-                          "loss has no place in a loss over pairs); set model.mtp_depth=0")
     return []
 
 
