@@ -5,6 +5,7 @@ same pairs, every mesh against one device, and the run: metrics, validation and 
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -330,3 +331,82 @@ def test_a_config_preference_optimisation_cannot_run_is_refused_in_one_line(tmp_
     cfg = data_cfg(write_pairs(tmp_path / "p.jsonl"), **{"mesh.dp": 1, "model.vocab_size": 257, **over})
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate(cfg, 1)
+
+
+# ---------------------------------------------------------------- adapters, and the run
+
+
+def test_adapters_on_a_mesh_equal_one_device_and_their_reference_is_the_base(models, tmp_path):
+    """LoRA (B drawn non-zero) on dp2 × fsdp2 × tp2 ZeRO-3 against one device; the reference the loop scores with
+    (the policy with its adapters off) gives the base model's log-probabilities."""
+    from jaxllm.models import lora
+    from jaxllm.train.loop import reference_params
+
+    keys = {"model.lora.rank": 4, "model.lora.targets": ["q", "v", "down"]}
+    cfg = config(models, write_pairs(tmp_path / "pairs.jsonl"), **keys)
+    batch = batch_of(cfg)
+    results = []
+    for c, devices in ((cfg, 1), (config(models, cfg.data.source, **keys, **MESHES["dp2_fsdp2_tp2_zero3"]), None)):
+        fns = step_fns(c, devices)
+        base = hf.load_params(models[0], lora.base_model(c.model), fns.base_shardings)
+        params = jax.device_put(random_b(jax.device_get(fns.with_adapters(base))), fns.state_shardings.params)
+        b = jax.device_put(batch, fns.batch_sharding)
+        scored = {**b, "ref_logp": fns.token_logp(reference_params(c, fns)(params), b)}
+        np.testing.assert_array_equal(np.asarray(scored["ref_logp"]), np.asarray(fns.token_logp(
+            jax.device_put(lora.adapters_off(params), fns.state_shardings.params), b)))
+        loss, metrics, grads = fns.loss_and_grads(params, scored)
+        results.append((float(loss), jax.device_get(metrics), jax.device_get(grads)))
+    (loss, metrics, grads), (m_loss, m_metrics, m_grads) = results
+    assert metrics["rewards/margins"] != 0  # the adapters moved the policy off its base
+    assert_matches(m_loss, m_grads, (None, loss, grads))
+    assert_metrics_match(m_metrics, {k: float(v) for k, v in metrics.items()}, cfg.dpo.beta)
+
+
+def random_b(params):
+    """Every adapter's B drawn non-zero (fresh adapters start at B = 0, where the policy is its base)."""
+    from jaxllm.models import lora
+
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda n: n.replace(b=0.05 * rng.standard_normal(n.b.shape).astype(n.b.dtype))
+                        if lora.is_node(n) else n, params, is_leaf=lora.is_node)
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.slow
+def test_a_run_logs_the_rewards_validates_and_resumes_mid_epoch_bitwise(tmp_path):
+    """DPO on adapters, 2 epochs of one pair per row on dp2 × fsdp4 (ZeRO-1): every step's row holds TRL's metrics
+    (TensorBoard too), the validation row the held-out pairs'; a run stopped one step into its second epoch and
+    resumed logs the same rows, bit for bit."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from jaxllm.train.loop import train
+
+    over = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "model.lora.rank": 4,
+            "train.objective": "dpo", "data.format": "preference", "data.val_percent": 20,
+            "data.source": write_pairs(tmp_path / "pairs.jsonl", pairs(40)), "train.global_batch": 8,
+            "train.epochs": 2, "train.checkpoint_every": 1, "train.keep_checkpoints": 20, "train.log_every": 1,
+            "train.eval_every": 100, "train.lr": 1e-2, "train.warmup_steps": 1, "precision.compute": "float32",
+            "run.sample_tokens": 0, "run.progress": False, "mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 1}
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(build_config(None, {**over, "run.dir": str(full)}))
+    ref = metric_rows(full)
+    steps = [r for r in ref if "loss" in r]
+    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+             "logps/rejected")
+    assert all(set(names) <= set(r) for r in steps)
+    assert steps[0]["rewards/margins"] == 0 and steps[-1]["rewards/margins"] > 0  # B starts at 0: the base
+    [val] = [r for r in ref if "val_loss" in r]
+    assert {f"val_{k}" for k in names} <= set(val) and val["step"] == len(steps)
+    events = EventAccumulator(str(full / "tensorboard"))
+    events.Reload()
+    assert {"rewards/accuracies", "val_rewards/accuracies"} <= set(events.Tags()["scalars"])
+    per_epoch = len(steps) // 2
+    shutil.copytree(full, part)
+    for step in range(per_epoch + 2, 2 * per_epoch + 1):
+        shutil.rmtree(part / "checkpoints" / str(step))
+    train(build_config(None, {**over, "run.dir": str(part), "train.resume": True}))
+    same = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s", "mfu")} for r in rows]
+    assert same(metric_rows(part)) == same(ref)
