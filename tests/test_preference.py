@@ -336,6 +336,7 @@ def test_a_config_preference_optimisation_cannot_run_is_refused_in_one_line(tmp_
 # ---------------------------------------------------------------- adapters, and the run
 
 
+@pytest.mark.slow
 def test_adapters_on_a_mesh_equal_one_device_and_their_reference_is_the_base(models, tmp_path):
     """LoRA (B drawn non-zero) on dp2 × fsdp2 × tp2 ZeRO-3 against one device; the reference the loop scores with
     (the policy with its adapters off) gives the base model's log-probabilities."""
@@ -398,6 +399,7 @@ def test_a_run_logs_the_rewards_validates_and_resumes_mid_epoch_bitwise(tmp_path
              "logps/rejected")
     assert all(set(names) <= set(r) for r in steps)
     assert steps[0]["rewards/margins"] == 0 and steps[-1]["rewards/margins"] > 0  # B starts at 0: the base
+    assert steps[0]["rewards/accuracies"] == 0  # equal rewards: no chosen reward strictly above
     [val] = [r for r in ref if "val_loss" in r]
     assert {f"val_{k}" for k in names} <= set(val) and val["step"] == len(steps)
     events = EventAccumulator(str(full / "tensorboard"))
