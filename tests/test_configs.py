@@ -33,6 +33,9 @@ SHRUNK = {  # file -> the keys that shrink its model
 DATA_GIVEN = {"sft.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
               "sft_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
               "arith_format.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "gsm8k.jsonl")},
+              # DPO: a few pairs in the example's form, and no SFT run to start from in a clean checkout
+              "dpo_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "pairs.jsonl"),
+                                    "init.from": ""},
               # GRPO: no model to start from in a clean checkout (init.from names one the user makes or downloads)
               "grpo_arith.toml": {"init.from": ""},
               "grpo_gsm8k.toml": {"data.tokenizer": "byte",

@@ -163,6 +163,8 @@ MESHES = {
     "zero1_island_2_microbatches": {"mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": 1, "train.microbatches": 2},
     "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2},
     "sp4_ring": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_load_balance": True, "train.loss_chunk": 16},
+    "zero3_island_fp32_reduce": {"mesh.fsdp": 2, "mesh.dp": 2, "train.zero_stage": 3, "train.microbatches": 2,
+                                 "precision.grad_reduce": "float32"},
 }
 
 

@@ -119,18 +119,20 @@ def prompt_ids(prompt, template, tokenizer) -> np.ndarray:
 def prompt_and_reply(obj, where: str, d, template, tokenizer) -> tuple[np.ndarray, str]:
     """A line as a generation request: (prompt ids, ending where the reply starts; the reply's text).
     chat: the messages before the last, which must be the assistant's, with the generation prompt;
-    prompt_completion: the prompt, and the completion (a string, or one assistant message)."""
+    prompt_completion: the prompt, and the completion (a string, or one assistant message); preference: the
+    prompt, and the chosen completion."""
     if d.format == "chat":
         messages = check_messages(obj.get(d.messages_key) if isinstance(obj, dict) else None, where, f"'{d.messages_key}'")
         prompt, reply = messages[:-1], messages[-1]
     else:
-        if not isinstance(obj, dict) or d.prompt_key not in obj or d.completion_key not in obj:
-            raise DataError(f"{where}: needs '{d.prompt_key}' and '{d.completion_key}'; fix the line")
-        prompt, reply = obj[d.prompt_key], obj[d.completion_key]
+        reply_key = d.chosen_key if d.format == "preference" else d.completion_key
+        if not isinstance(obj, dict) or d.prompt_key not in obj or reply_key not in obj:
+            raise DataError(f"{where}: needs '{d.prompt_key}' and '{reply_key}'; fix the line")
+        prompt, reply = obj[d.prompt_key], obj[reply_key]
         if isinstance(prompt, str) and isinstance(reply, str):
             return prompt_ids(prompt, template, tokenizer), reply
         prompt = check_messages(prompt, where, f"'{d.prompt_key}'")
-        reply = check_messages(reply, where, f"'{d.completion_key}'")[-1]
+        reply = check_messages(reply, where, f"'{reply_key}'")[-1]
     if reply["role"] != "assistant":
         raise DataError(f"{where}: the last message is the {reply['role']}'s, not the assistant's reply to compare")
     return prompt_ids(prompt, template, tokenizer), reply["content"]
