@@ -11,8 +11,9 @@ A batch is a dict of `[batch, seq]` arrays, one per field:
 | `loss_mask` | float32 | 1 where a token counts for the loss, 0 elsewhere |
 
 plus the fields an objective declares (`train/objectives.py`: `Objective.fields`), such as
-per-token weights. Whatever is per sequence (an RL advantage, a reward) is spread over its
-tokens on the host, so every field has the same `[batch, seq]` shape. Every process builds only
+per-token weights, or a preference pair's `pair_id` and `side`. Whatever is per sequence (an RL
+advantage, a reward) is spread over its tokens on the host, so every field has the same
+`[batch, seq]` shape. Every process builds only
 the rows its own devices hold (`data/loader.py`). The step, the accumulation and pipeline
 paths, zig-zag reordering and microbatch splitting treat every field alike: none reads a
 field by name except the model (inputs, positions, segment ids) and the objective.

@@ -136,6 +136,8 @@ def test_building_an_fp32_step_leaves_the_global_matmul_precision_alone():
 CONFIG_KEYS = """
 data.chat_template data.chat_template_kwargs data.completion_key data.format data.loss_on data.messages_key data.pack data.prompt_key
 data.source data.tokenizer data.truncation data.val_percent
+data.chosen_key data.rejected_key data.max_prompt_tokens data.max_completion_tokens data.truncation_side
+dpo.loss dpo.beta dpo.label_smoothing dpo.gamma
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
 init.from_
 mesh.dcn.dp mesh.dcn.ep mesh.dcn.fsdp mesh.dcn.pp mesh.dcn.sp mesh.dcn.tp

@@ -16,6 +16,11 @@ losses (MoE) divided by the number of microbatches, times the loss scale when th
 (`train/guard.py`; the gradients come out scaled, the reported loss does not). Every path sums the objective's metric
 shares and the blocks' auxiliary terms like the loss. The batch is a dict of fields
 (`jaxllm/batch.py`), split and reordered field by field, none read here by name.
+
+A sequence objective (DPO: `train/preference.py`) runs its sequence stage inside the loss head, once per call on
+whole rows: once per batch on `one_batch`, per microbatch on the accumulations (on each device's own rows in the
+islands), per pipeline microbatch on the last stage. A pair lies within a row, so each call's pairs are whole and
+its results add up like token sums; the count (pairs) comes from the whole batch as every count does.
 """
 
 from __future__ import annotations
