@@ -1,4 +1,4 @@
-"""`python -m tools.dpo_addition [OUT_DIR] [--sft-epochs 3] [--steps 600] [--beta 1.0] [--lr 3e-4] [--plot PNG]`:
+"""`python -m tools.dpo_addition [OUT_DIR] [--sft-epochs 3] [--steps 600] [--beta 2.0] [--lr 3e-4] [--plot PNG]`:
 the preference example, as a user runs it, with its control.
 
 1. Data (`tools/make_addition`): every two-digit sum a + b as a chat, 300 held out.
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", nargs="?", default="runs/dpo_addition_study")
     p.add_argument("--sft-epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--beta", type=float, default=1.0)
+    p.add_argument("--beta", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--plot", default="", help="a PNG to write (default OUT_DIR/dpo_addition.png)")
     p.add_argument("--json", action="store_true")

@@ -12,6 +12,10 @@
 #   mla_decode             the decode step with the latent cache beside the grouped-query one (tools.bench_decode)
 #   lora_llama1b, qlora_llama1b  the cuDNN LLaMA-1B step with LoRA r=8 adapters, on a bf16 and an nf4 base (QLoRA
 #                          needs qwix: carry its wheel where the machine has none)
+#   dpo_llama1b, simpo_llama1b  12 steps of the LLaMA-1B preference step on the addition pairs packed in rows, with
+#                          chunked attention (cuDNN's takes no packed segments; dense, with the reference's copy
+#                          beside the state, ran out of the H100's memory):
+#                          DPO (a reference forward pass per batch) beside SimPO (none); their tokens/s in the logs
 set -u
 out=${1:?usage: tools/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -44,3 +48,9 @@ check mla_llama1b 150 $py -m tools.bench $llama $mla --no-baseline --steps 5 --w
 check mla_decode 150 $py -m tools.bench_decode --prompt 2048 --new 65 --rows 16 --json
 check lora_llama1b 120 $py -m tools.bench $llama model.attention_impl=cudnn model.lora.rank=8 --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check qlora_llama1b 120 $py -m tools.bench $llama model.attention_impl=cudnn model.lora.rank=8 model.lora.base_quant=nf4 --no-baseline --steps 5 --warmup 2 --windows 3 --json
+$py -c "from pathlib import Path; from tools import make_addition_pairs as m; m.write(Path('$out/pairs'))" >/dev/null 2>&1
+pairs="train.objective=dpo data.format=preference data.source=$out/pairs/train.jsonl data.pack=true data.val_percent=0 \
+  train.steps=12 train.log_every=1 train.warmup_steps=1 train.checkpoint_every=0 run.sample_tokens=0 run.progress=false \
+  model.attention_impl=chunked"
+check dpo_llama1b 150 $py -m jaxllm train $llama $pairs run.dir=$out/dpo_run
+check simpo_llama1b 150 $py -m jaxllm train $llama $pairs dpo.loss=simpo run.dir=$out/simpo_run
