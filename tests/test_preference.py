@@ -224,7 +224,8 @@ def test_trl_computes_the_same_loss_metrics_and_gradients(models, tmp_path, loss
     rows = pairs()
     cfg = config(models, write_pairs(tmp_path / "pairs.jsonl", rows), **LOSSES[loss])
     ours, metrics, grads = jaxllm_loss(cfg, models, batch_of(cfg), devices=1)
-    theirs, their_metrics, their_grads = trl_loss(models, rows, loss, cfg.dpo.beta, cfg.dpo.gamma, str(tmp_path / "trl"))
+    d = cfg.dpo
+    theirs, their_metrics, their_grads = trl_loss(models, rows, loss, d.beta, d.gamma, str(tmp_path / "trl"))
     assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
     assert sorted(their_metrics) == sorted(metrics)
     assert_metrics_match(metrics, their_metrics, cfg.dpo.beta)
@@ -257,7 +258,8 @@ def sequences(row: dict, i: int) -> list:
 def test_a_pair_is_two_sequences_in_one_row_with_only_each_completion_learned(tmp_path):
     """Text pairs: each sequence is the prompt's bytes, the completion's, then the end-of-text; the targets
     learned are the completion's and the end-of-text (found from the strings here)."""
-    rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " five"}, {"prompt": "hi", "chosen": "!", "rejected": "?!"}]
+    rows = [{"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " five"},
+            {"prompt": "hi", "chosen": "!", "rejected": "?!"}]
     built = rows_of(write_pairs(tmp_path / "p.jsonl", rows), **{"data.pack": True})
     seqs = sequences(built, 0)
     assert len(seqs) == 4  # both pairs packed into one row, each pair's sequences side by side
@@ -414,3 +416,22 @@ def test_a_run_logs_the_rewards_validates_and_resumes_mid_epoch_bitwise(tmp_path
     train(build_config(None, {**over, "run.dir": str(part), "train.resume": True}))
     same = lambda rows: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s", "mfu")} for r in rows]
     assert same(metric_rows(part)) == same(ref)
+
+
+def test_the_example_pairs_reject_the_models_own_mistake_and_the_control_swaps_half(tmp_path):
+    from tools import make_addition_pairs as m
+
+    rng = np.random.default_rng(0)
+    chat = {"messages": [{"role": "user", "content": "37+45"}, {"role": "assistant", "content": "82"}]}
+    reply = lambda p, k: p[k][0]["content"]
+    assert reply(m.pair(chat, rng, answer="81 "), "rejected") == "81"  # the model's own mistake
+    misses = {reply(m.pair(chat, rng, answer="82"), "rejected") for _ in range(200)}  # right: a near miss
+    assert misses == {"81", "83", "72", "92", "28"}
+    assert reply(m.pair(chat, rng, swap=True, answer="81"), "chosen") == "81"
+    m.write(tmp_path / "plain")
+    m.write(tmp_path / "shuffled", shuffled=True)
+    read = lambda name, split: [json.loads(line) for line in (tmp_path / name / split).read_text().splitlines()]
+    plain, shuffled = read("plain", "train.jsonl"), read("shuffled", "train.jsonl")
+    swapped = [a["chosen"] == b["rejected"] and a["rejected"] == b["chosen"] for a, b in zip(plain, shuffled)]
+    assert all(s or a == b for s, a, b in zip(swapped, plain, shuffled)) and 0.45 < np.mean(swapped) < 0.55
+    assert read("plain", "heldout.jsonl") == read("shuffled", "heldout.jsonl")

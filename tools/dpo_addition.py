@@ -19,28 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tools import make_addition, make_addition_pairs
-
-
-def _jaxllm(*args: str) -> str:
-    run = subprocess.run([sys.executable, "-m", "jaxllm", *args], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
-    if run.returncode:
-        raise SystemExit(f"jaxllm {' '.join(args[:2])} failed: {run.stderr.strip().splitlines()[-1]}")
-    return run.stdout
-
-
-def _exact_match(run_dir: Path, data: Path) -> tuple[int, int]:
-    hits, total = re.search(r"exact_match (\d+)/(\d+)", _jaxllm("exact-match", "--from", str(run_dir), "--data",
-                                                                str(data))).groups()
-    return int(hits), int(total)
+from tools.lora_addition import exact_match, jaxllm_cli
 
 
 def heldout_preference(run_dir: Path, pairs: Path) -> dict:
@@ -113,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds, start = {}, time.perf_counter()
     make_addition.write(out / "chats")
     sft = out / "sft"
-    _jaxllm("train", "--config", "sft_addition", f"run.dir={sft}", f"data.source={out / 'chats' / 'train.jsonl'}",
+    jaxllm_cli("train", "--config", "sft_addition", f"run.dir={sft}", f"data.source={out / 'chats' / 'train.jsonl'}",
             f"train.epochs={args.sft_epochs}", "run.progress=false", "train.eval_every=0")
     seconds["sft"] = time.perf_counter() - start
     counts = {name: make_addition_pairs.write(out / name, shuffled=name == "shuffled", model=str(sft))
@@ -121,22 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"DPO": out / "dpo", "DPO, shuffled labels": out / "dpo_shuffled"}
     for (name, run_dir), data in zip(runs.items(), ("pairs", "shuffled")):
         start = time.perf_counter()
-        _jaxllm("train", "--config", "dpo_addition", f"init.from=run:{sft}", f"run.dir={run_dir}",
+        jaxllm_cli("train", "--config", "dpo_addition", f"init.from=run:{sft}", f"run.dir={run_dir}",
                 f"data.source={out / data / 'train.jsonl'}", f"train.steps={args.steps}",
                 f"train.checkpoint_every={args.steps}", f"dpo.beta={args.beta}", f"train.lr={args.lr}",
-                "run.progress=false", "train.eval_every=0")
+                "run.progress=false", "train.eval_every=0", "train.log_every=5")
         seconds[name] = time.perf_counter() - start
     heldout = out / "pairs" / "heldout.jsonl"
     held = {name: heldout_preference(run_dir, heldout) for name, run_dir in runs.items()}
-    em = {"SFT": _exact_match(sft, out / "chats" / "heldout.jsonl"),
-          **{name: _exact_match(run_dir, heldout) for name, run_dir in runs.items()}}
+    em = {"SFT": exact_match(sft, out / "chats" / "heldout.jsonl"),
+          **{name: exact_match(run_dir, heldout) for name, run_dir in runs.items()}}
     plot(runs, held, args.plot or str(out / "dpo_addition.png"))
     print("| model | held-out preference accuracy | held-out margin | held-out exact match | train s |")
     print("|---|---:|---:|---:|---:|")
     for name, (hits, total) in em.items():
         acc = f"{held[name]['rewards/accuracies']:.3f}" if name in held else "—"
         margin = f"{held[name]['rewards/margins']:.3f}" if name in held else "—"
-        print(f"| {name} | {acc} | {margin} | {hits}/{total} = {100 * hits / total:.1f}% | {seconds['sft' if name == 'SFT' else name]:.0f} |")
+        train_s = seconds["sft" if name == "SFT" else name]
+        print(f"| {name} | {acc} | {margin} | {hits}/{total} = {100 * hits / total:.1f}% | {train_s:.0f} |")
     if args.json:
         print(json.dumps({"args": vars(args), "pairs": counts, "seconds": seconds, "heldout": held,
                           "exact_match": em}))

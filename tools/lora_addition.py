@@ -26,7 +26,8 @@ from pathlib import Path
 from tools import make_addition
 
 
-def _jaxllm(*args: str) -> str:
+def jaxllm_cli(*args: str) -> str:
+    """`jaxllm ARGS` from this checkout: its stdout; a failure ends the tool with the command's last line."""
     run = subprocess.run([sys.executable, "-m", "jaxllm", *args], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     if run.returncode:
@@ -46,8 +47,9 @@ def _data(out: Path) -> dict:
     return {"pretrain": len(low), "finetune": len(rows), "held": len(held)}
 
 
-def _score(run_dir: Path, data: Path) -> tuple[int, int]:
-    text = _jaxllm("exact-match", "--from", str(run_dir), "--data", str(data))
+def exact_match(run_dir: Path, data: Path) -> tuple[int, int]:
+    """(hits, total) of `jaxllm exact-match` on a run's newest checkpoint."""
+    text = jaxllm_cli("exact-match", "--from", str(run_dir), "--data", str(data))
     hits, total = re.search(r"exact_match (\d+)/(\d+)", text).groups()
     return int(hits), int(total)
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     pre = out / "pretrain"
     seconds = {}
     start = time.perf_counter()
-    _jaxllm("train", *common, f"run.dir={pre}", f"data.source={out / 'data' / 'pretrain.jsonl'}",
+    jaxllm_cli("train", *common, f"run.dir={pre}", f"data.source={out / 'data' / 'pretrain.jsonl'}",
             f"train.epochs={args.pretrain_epochs}")
     seconds["pretrain"] = time.perf_counter() - start
     tune = [*common, f"init.from=run:{pre}", f"data.source={out / 'data' / 'train.jsonl'}", "train.epochs=0",
@@ -78,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                        (f"LoRA r = {args.rank}", [f"train.lr={args.lora_lr}", f"model.lora.rank={args.rank}"])):
         runs[name] = out / name.split()[0].lower()
         start = time.perf_counter()
-        _jaxllm("train", *tune, f"run.dir={runs[name]}", *keys)
+        jaxllm_cli("train", *tune, f"run.dir={runs[name]}", *keys)
         seconds[name] = time.perf_counter() - start
-    table = {name: {part: _score(d, out / "data" / f"{part}.jsonl") for part in ("held_low", "held_high")}
+    table = {name: {part: exact_match(d, out / "data" / f"{part}.jsonl") for part in ("held_low", "held_high")}
              for name, d in runs.items()}
     print("| checkpoint | held-out a < 50 | held-out a ≥ 50 | all held-out | train s |")
     print("|---|---:|---:|---:|---:|")

@@ -4,9 +4,9 @@
 
 Each line of `--data` (the run's `data.format`: chat, prompt_completion or preference) is a request: the
 prompt (for chat, every message before the last, with the template's generation prompt) and the reference
-reply (the last message, the assistant's; a preference pair's chosen completion). The model generates greedily, on the run's mesh, until a stop id or
-`--max-new-tokens`; a reply matches when its text equals the reference, both stripped of surrounding
-whitespace. `--step 0` measures the run's starting parameters (its init.from, or its seed's random
+reply (the last message, the assistant's; a preference pair's chosen completion). The model generates
+greedily, on the run's mesh, until a stop id or `--max-new-tokens`; a reply matches when its text equals the
+reference, both stripped of surrounding whitespace. `--step 0` measures the run's starting parameters (its init.from, or its seed's random
 ones): accuracy before fine-tuning. Prints `exact_match K/N = P%`; a problem is one line, exit code 2.
 """
 

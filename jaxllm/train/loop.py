@@ -167,9 +167,9 @@ def _source_params(cfg: Config, fns):
 
 
 def reference_params(cfg: Config, fns):
-    """GRPO's and DPO's frozen reference, a function of the policy's parameters: under LoRA the policy with its adapters off
-    (the same base arrays); else the starting parameters (`init.from`, else the seed's random ones), read
-    again whether or not the run resumes, in the compute dtype and laid out like the policy's."""
+    """GRPO's and DPO's frozen reference, a function of the policy's parameters: under LoRA the policy with its
+    adapters off (the same base arrays); else the starting parameters (`init.from`, else the seed's random ones),
+    read again whether or not the run resumes, in the compute dtype and laid out like the policy's."""
     shardings = fns.state_shardings.params
     if cfg.model.lora.rank:  # laid out as the policy (its zero Bs would otherwise come out replicated)
         return jax.jit(lora.adapters_off, in_shardings=(shardings,), out_shardings=shardings)
