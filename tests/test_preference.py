@@ -302,6 +302,9 @@ def test_a_pair_too_long_for_a_row_is_an_error_dropped_or_cut(tmp_path):
     built = rows_of(source, **{"data.truncation": "truncate"})
     (c, _, _, _), (r, _, _, _) = sequences(built, 1)
     assert len(c) - 1 + len(r) - 1 == SEQ and c == list(("p" * 20 + "c" * 20).encode())  # the chosen cut to fit
+    hopeless = write_pairs(tmp_path / "q.jsonl", [long, {"prompt": "p" * 60, "chosen": "c", "rejected": "r"}])
+    data = dataset.load(data_cfg(hopeless, **{"data.truncation": "truncate"}), BYTE)  # cut to fit, nothing learned
+    assert len(data.train) == 1 and "1 truncated, 1 dropped" in data.description
 
 
 @pytest.mark.parametrize("line, message", [

@@ -78,14 +78,10 @@ def _fit(pair: Pair, seq_len: int, truncation: str, source: str) -> Pair | None:
                         "data.max_prompt_tokens / data.max_completion_tokens, or data.truncation to drop or truncate")
     if truncation == "drop":
         return None
-    parts = list(pair.parts)
-    while sum(sizes) > seq_len:  # one token off the longer sequence's end
-        i = int(sizes[1] > sizes[0])
-        parts[i] = Example(parts[i].ids[:-1], parts[i].learn[:-1], 0, "")
-        sizes[i] -= 1
-        if not parts[i].learn.any():
-            return None
-    return Pair(*parts, pair.line, pair.key)
+    while sum(sizes) > seq_len:  # one position off the longer sequence's end
+        sizes[int(sizes[1] > sizes[0])] -= 1
+    parts = [Example(ex.ids[:n + 1], ex.learn[:n + 1], 0, "") for ex, n in zip(pair.parts, sizes)]
+    return Pair(*parts, pair.line, pair.key) if all(ex.learn.any() for ex in parts) else None
 
 
 def read_pairs(path: str, d, tokenizer, template) -> list[Pair]:
