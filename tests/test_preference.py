@@ -77,7 +77,7 @@ def batch_of(cfg) -> dict:
 
 
 def jaxllm_loss(cfg, models, batch, devices=None):
-    """(loss, metrics, gradients by file key) of the policy, the batch scored by the reference first."""
+    """(loss, metrics, gradients) of the policy on one mesh, the batch scored by the reference first."""
     fns = step_fns(cfg, devices)
     ref, policy = (hf.load_params(d, cfg.model, fns.state_shardings.params) for d in models)
     batch = jax.device_put(batch, fns.batch_sharding)
