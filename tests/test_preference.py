@@ -81,8 +81,8 @@ def jaxllm_loss(cfg, models, batch, devices=None):
     fns = step_fns(cfg, devices)
     ref, policy = (hf.load_params(d, cfg.model, fns.state_shardings.params) for d in models)
     batch = jax.device_put(batch, fns.batch_sharding)
-    if "ref_logp" in fns.objective.fields:
-        batch = {**batch, "ref_logp": fns.token_logp(ref, batch)}
+    if "ref_logp" in fns.objective.fields:  # scored and done before the step's program starts
+        batch = {**batch, "ref_logp": jax.block_until_ready(fns.token_logp(ref, batch))}
     loss, metrics, grads = fns.loss_and_grads(policy, batch)
     return float(loss), jax.device_get(metrics), jax.device_get(grads)
 
@@ -359,7 +359,7 @@ def test_adapters_on_a_mesh_equal_one_device_and_their_reference_is_the_base(mod
         base = hf.load_params(models[0], lora.base_model(c.model), fns.base_shardings)
         params = jax.device_put(random_b(jax.device_get(fns.with_adapters(base))), fns.state_shardings.params)
         b = jax.device_put(batch, fns.batch_sharding)
-        scored = {**b, "ref_logp": fns.token_logp(reference_params(c, fns)(params), b)}
+        scored = {**b, "ref_logp": jax.block_until_ready(fns.token_logp(reference_params(c, fns)(params), b))}
         np.testing.assert_array_equal(np.asarray(scored["ref_logp"]), np.asarray(fns.token_logp(
             jax.device_put(lora.adapters_off(params), fns.state_shardings.params), b)))
         loss, metrics, grads = fns.loss_and_grads(params, scored)
