@@ -455,8 +455,9 @@ def train(cfg: Config) -> dict:
     state, start = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0)
     if t.objective == "grpo":  # the batches come from the policy's own samples
         data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
-    if t.objective == "dpo":  # each batch scored by the reference before the step
-        data = preference.Scored(data, fns, reference_params(cfg, fns) if preference.reference_needed(cfg) else None)
+    if t.objective == "dpo":  # each batch scored by the reference before the step, if the loss reads it
+        scoring = "ref_logp" in fns.objective.fields
+        data = preference.Scored(data, fns, reference_params(cfg, fns) if scoring else None)
 
     # From here on the run directory is written.
     os.makedirs(cfg.run.dir, exist_ok=True)

@@ -146,8 +146,3 @@ class Scored:
     def eval_batches(self, sharding, params):
         for batch in self.data.eval_batches(sharding):
             yield self._scored(batch, params)
-
-
-def reference_needed(cfg) -> bool:
-    return cfg.train.objective == "dpo" and cfg.dpo.loss != "simpo"
-
