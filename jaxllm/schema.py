@@ -414,8 +414,9 @@ class DataConfig:
 
     source: str = key("stdlib", "`stdlib` (the Python standard library's source on this machine, split into "
                                 "train/validation by file), a text file, a folder of text files, or a folder/glob of "
-                                "llm.c `.bin` token shards (names containing `val` are validation); for `chat` and "
-                                "`prompt_completion`, a JSONL file")
+                                "llm.c `.bin` token shards (names containing `val` are validation), a JSONL, Parquet "
+                                "or Arrow file (`data.text_key`) or a folder of them; for `chat`, "
+                                "`prompt_completion` and `preference`, a JSONL file")
     tokenizer: str = key("byte", "`byte` (UTF-8 bytes + end-of-text, 257 ids), `gpt2` (tiktoken's GPT-2 BPE; needs "
                                  "`pip install -e \".[gpt2]\"` and the encoding files in tiktoken's cache, since they "
                                  "are not downloaded) or `hf:DIR` (a Hugging Face tokenizer folder); `init` takes the "
@@ -423,6 +424,19 @@ class DataConfig:
     val_percent: float = key(5.0, "share held out for validation: of files (or of a single file's text, by bytes); "
                                   "of examples for fine-tuning data; 0 = no validation split (`train.eval_every` is "
                                   "then ignored, with a log line)")
+    sources: list = key([], "a mixture, instead of `data.source`: a list of tables `{path, weight}` (and optionally "
+                            "`name`, `text_key`), each path a source as `data.source` takes; a step's rows come from "
+                            "each source in proportion to its weight (see \"Data\"); weights may change when a run "
+                            "resumes")
+    text_key: str = key("text", "JSONL, Parquet and Arrow sources: the field or column holding a document's text")
+    document_mask: bool = key(False, "text: each document in a window gets its own segment, with positions from 0, so "
+                                     "attention and RoPE stay inside a document; false: a window is one sequence")
+    add_bos: bool = key(True, "text: keep the BOS an `hf:` tokenizer's tokenizer.json puts at each document's start "
+                              "(false drops it; `byte` and `gpt2` add none)")
+    add_eos: bool = key(False, "text: end each document with the end-of-text id, instead of starting it with one "
+                               "(llm.c's layout)")
+    prefetch: int = key(2, "batches built ahead on a background thread and put on the devices before their step; "
+                           "0 = build each batch when its step starts")
     format: str = key("text", "`text` (pre-training), `chat` or `prompt_completion` (fine-tuning examples, one per "
                               "line), `preference` (a prompt with a chosen and a rejected completion per line, for "
                               "`train.objective = \"dpo\"`); for GRPO's prompts `text` (a string continued as it is) "

@@ -231,7 +231,8 @@ def test_prepare_data_round_trip(tmp_path):
     r = _prepare(src, out, "--name", "toy", "--shard-tokens", "1000", "--val-percent", "10")
     assert r.returncode == 0, r.stderr
     assert "wrote" in r.stdout and len(r.stdout.strip().splitlines()) == 1
-    names = sorted(os.listdir(out))
+    names = sorted(n for n in os.listdir(out) if n.endswith(".bin"))
+    assert sorted(os.listdir(out)) == sorted(names + [n[:-4] + ".docs.npy" for n in names] + ["prepare.json"])
     n_val = sum("_val_" in n for n in names)
     assert names[-n_val] == "toy_val_000000.bin" and names[0] == f"toy_train_{n_val:06d}.bin"
     assert len(names) - n_val > 2  # the train stream was cut into several shards
@@ -244,7 +245,7 @@ def test_prepare_data_round_trip(tmp_path):
 
 def test_prepare_data_errors_leave_nothing(tmp_path):
     r = _prepare(tmp_path / "missing.txt", tmp_path / "out")
-    assert r.returncode == 2 and r.stderr.startswith("error: data.source: no such file")
+    assert r.returncode == 2 and r.stderr.startswith("error: INPUT: no such file")
     assert os.listdir(tmp_path) == []
     assert _prepare("stdlib", tmp_path / "out", "--tokenizer", "nope").returncode == 2  # argparse
 

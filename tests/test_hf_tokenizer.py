@@ -146,12 +146,12 @@ def test_corpus_streams_hold_one_bos_per_document(tmp_path):
     tok = get_tokenizer(f"hf:{LLAMA}")
     folder = tmp_path / "docs"
     folder.mkdir()
-    texts = {f"{i}.txt": (BOS if i % 2 else "") + f"document {i}\nsecond line\n" * 3 for i in range(6)}
+    texts = {f"{i}.txt": (BOS if i % 2 else "") + f"document {i}\nsecond line\n" * 3 for i in range(20)}
     for name, text in texts.items():
         (folder / name).write_text(text)
     corpus = load_corpus(str(folder), tok, 30)
     docs = _documents(corpus.train, tok.eot) + _documents(corpus.val, tok.eot)
-    assert len(docs) == 6
+    assert len(docs) == 20
     for doc in docs:
         assert doc[0] == tok.bos and doc.count(tok.bos) == 1 and tok.eot not in doc, doc[:5]
     # one text file beginning with the BOS string: each stream still starts eot, bos, then text

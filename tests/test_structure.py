@@ -137,6 +137,7 @@ CONFIG_KEYS = """
 data.chat_template data.chat_template_kwargs data.completion_key data.format data.loss_on data.messages_key data.pack data.prompt_key
 data.source data.tokenizer data.truncation data.val_percent
 data.chosen_key data.rejected_key data.max_prompt_tokens data.max_completion_tokens data.truncation_side
+data.sources data.text_key data.document_mask data.add_bos data.add_eos data.prefetch
 dpo.loss dpo.beta dpo.label_smoothing dpo.gamma
 distributed.auto distributed.coordinator_address distributed.num_processes distributed.process_id
 init.from_

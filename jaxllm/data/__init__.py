@@ -1,13 +1,20 @@
-"""Data: tokenizers, llm.c shards, corpora (train/val token streams) and mesh-independent batches."""
+"""Data: tokenizers, token shards, corpora (train/val token streams), mixtures and mesh-independent batches.
 
-from jaxllm.data.corpus import Corpus, corpus_summary, load_corpus
-from jaxllm.data.loader import batch_rows, eval_batch, global_batch, window_starts
-from jaxllm.data.shards import list_shards, read_shard, write_shard
-from jaxllm.data.tokenizers import ByteTokenizer, TiktokenTokenizer, get_tokenizer
+The names below are imported when first used, so that what needs no jax (preparing token shards, in worker
+processes) does not import it."""
 
-__all__ = [
-    "ByteTokenizer", "TiktokenTokenizer", "get_tokenizer",
-    "write_shard", "read_shard", "list_shards",
-    "Corpus", "load_corpus", "corpus_summary",
-    "window_starts", "batch_rows", "global_batch", "eval_batch",
-]
+import importlib
+
+_WHERE = {
+    "ByteTokenizer": "tokenizers", "TiktokenTokenizer": "tokenizers", "get_tokenizer": "tokenizers",
+    "write_shard": "shards", "read_shard": "shards", "list_shards": "shards",
+    "Corpus": "corpus", "load_corpus": "corpus", "corpus_summary": "corpus",
+    "window_starts": "loader", "batch_rows": "loader", "global_batch": "loader", "eval_batch": "loader",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'jaxllm.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxllm.data.{_WHERE[name]}"), name)

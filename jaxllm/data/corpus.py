@@ -1,34 +1,62 @@
-"""Turns data.source into two token streams (train, validation) held in memory.
+"""Turns a data source into two token streams (train, validation) and their documents' start offsets.
 
-Each stream is the concatenation of its documents, each preceded by the tokenizer's end-of-text id,
-which is also how llm.c shards are laid out, so both kinds of source look the same to the loader.
+A stream is its documents one after another, laid out as `streams.py` says (by default each preceded by the
+tokenizer's end-of-text id, which is also how llm.c shards are laid out, so both kinds of source look the same
+to the loader). Text, JSONL, Parquet and Arrow sources are tokenized here, in memory (`jaxllm prepare-data`
+does it once, in parallel, for corpora too big for that); a folder of `.bin` shards is memory-mapped.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
-import sysconfig
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from jaxllm.data import documents, streams
 from jaxllm.data.shards import list_shards, read_shard
 from jaxllm.data.tokenizers import check_name as check_tokenizer_name
 from jaxllm.errors import DataError
 
-SOURCES_HINT = "give a text file, a folder of text files, a folder of llm.c .bin shards, or 'stdlib'"
+SOURCES_HINT = ("give a text, JSONL, Parquet or Arrow file, a folder of them, a folder of .bin token shards, "
+                "or 'stdlib'")
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray  # 1-D token ids
-    val: np.ndarray
+    train: Any  # 1-D token ids: an array, or a TokenStream over shards
+    val: Any
     tokenizer: Any
     description: str
+    train_docs: np.ndarray | None = None  # each document's start offset; None: where the end-of-text ids are
+    val_docs: np.ndarray | None = None
+
+
+def document_starts(corpus: Corpus, split: str) -> np.ndarray:
+    """The start offsets of the documents of `split` (train or val): stored, or for shards made elsewhere (llm.c)
+    the positions of the end-of-text ids that begin their documents (one pass over the stream)."""
+    docs = corpus.train_docs if split == "train" else corpus.val_docs
+    if docs is None:
+        docs = np.flatnonzero(np.asarray(getattr(corpus, split)) == corpus.tokenizer.eot).astype(np.int64)
+    return docs if len(docs) and docs[0] == 0 else np.concatenate([[0], docs]).astype(np.int64)
+
+
+def check_source(src: str, key: str = "data.source") -> None:
+    if src != "stdlib" and not any(ch in src for ch in "*?[") and not os.path.exists(src):
+        raise DataError(f"{key}: no such file or folder '{src}'; {SOURCES_HINT}")
+
+
+def check_config(d) -> list[str]:
+    """The data section, before anything is read: DataError (one line) for a source or tokenizer that cannot work."""
+    check_tokenizer_name(d.tokenizer)  # byte, gpt2, or hf:DIR whose folder holds a tokenizer.json
+    if not d.sources:
+        check_source(d.source)
+    _check_val_percent(d.val_percent)
+    return []
 
 
 def _check_val_percent(val_percent: float) -> None:
@@ -36,33 +64,18 @@ def _check_val_percent(val_percent: float) -> None:
         raise DataError(f"data.val_percent: must be at least 0 and below 100, got {val_percent}")
 
 
-def check_config(d) -> list[str]:
-    """The data section, before anything is read: DataError (one line) for a source or tokenizer that cannot work."""
-    check_tokenizer_name(d.tokenizer)  # byte, gpt2, or hf:DIR whose folder holds a tokenizer.json
-    src = d.source
-    if src != "stdlib" and not any(ch in src for ch in "*?[") and not os.path.exists(src):
-        raise DataError(f"data.source: no such file or folder '{src}'; give a path, a glob of .bin shards, or 'stdlib'")
-    _check_val_percent(d.val_percent)
-    return []
-
-
-def load_corpus(source: str, tokenizer, val_percent: float = 5.0) -> Corpus:
-    """Loads `source`: "stdlib", a text file, a folder of text files or of `*.bin` shards, or a glob of shards."""
+def load_corpus(source: str, tokenizer, val_percent: float = 5.0, text_key: str = "text",
+                layout: streams.Layout = streams.Layout()) -> Corpus:
+    """Loads `source`: "stdlib", a text/JSONL/Parquet/Arrow file or a folder of them, a folder of `*.bin`
+    shards (with the `.docs.npy` offsets prepare-data writes, where present), or a glob of shards."""
     _check_val_percent(val_percent)
     source = str(source)
-    if source == "stdlib":
-        corpus = _stdlib(tokenizer, val_percent)
-    elif os.path.isfile(source):
-        corpus = _text_file(Path(source), tokenizer, val_percent)
-    elif os.path.isdir(source):
-        if glob.glob(os.path.join(glob.escape(source), "*.bin")):
-            corpus = _shards(source, tokenizer)
-        else:
-            corpus = _folder(Path(source), tokenizer, val_percent)
-    elif any(c in source for c in "*?["):
+    if os.path.isdir(source) and glob.glob(os.path.join(glob.escape(source), "*.bin")):
+        corpus = _shards(source, tokenizer)
+    elif source != "stdlib" and not os.path.exists(source) and any(c in source for c in "*?["):
         corpus = _shards(source, tokenizer)
     else:
-        raise DataError(f"data.source: no such file or folder {source!r}; {SOURCES_HINT}")
+        corpus = _documents(source, tokenizer, val_percent, text_key, layout)
     for name, stream in (("train", corpus.train), ("validation", corpus.val)):
         if len(stream) < 2 and (name == "train" or val_percent > 0):  # one token is just the end-of-text marker: nothing to learn or measure
             raise DataError(f"data.source {source!r}: the {name} stream has only {len(stream)} tokens; "
@@ -76,77 +89,32 @@ def corpus_summary(corpus: Corpus) -> str:
             f"({corpus.tokenizer.name} tokenizer) from {corpus.description}")
 
 
-def _stream(texts: list[str], tokenizer) -> np.ndarray:
-    """The documents as one stream, each one preceded by the end-of-text id."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    eot = np.array([tokenizer.eot], dtype=dtype)
-    parts = [p for t in texts for p in (eot, tokenizer.encode(t).astype(dtype, copy=False))]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+def lone_text_file(files: list[str]) -> bool:
+    """A source of one text file is one document, split by bytes rather than by document."""
+    return len(files) == 1 and documents.kind_of(files[0]) == "text"
 
 
-def _is_val(rel_path: str, val_percent: float) -> bool:
-    """Split by file with a hash of its relative path: the same on every machine and run."""
-    return zlib.crc32(rel_path.encode("utf-8")) % 10000 < val_percent * 100
+def _documents(source: str, tokenizer, val_percent: float, text_key: str, layout) -> Corpus:
+    files = documents.source_files(source)
+    label = f"stdlib {documents.stdlib_files()[0]}" if source == "stdlib" else source
+    if lone_text_file(files) and (os.path.isfile(source) or _utf8(Path(files[0]).read_bytes())):
+        return _text_file(Path(files[0]), tokenizer, val_percent, layout, label)
+    train, val = streams.Pieces([], []), streams.Pieces([], [])
+    for unit in documents.units(source):
+        t, v = streams.split_documents(documents.texts(unit, text_key), tokenizer, layout, val_percent)
+        for whole, part in ((train, t), (val, v)):
+            whole.tokens += part.tokens
+            whole.lengths += part.lengths
+    if not train.lengths and not val.lengths:
+        raise DataError(f"data.source {label!r}: no non-empty UTF-8 text documents found; {SOURCES_HINT}")
+    dtype = streams.token_dtype(tokenizer.vocab_size)
+    (tt, td), (vt, vd) = train.stream(dtype), val.stream(dtype)
+    return Corpus(train=tt, val=vt, tokenizer=tokenizer, train_docs=td, val_docs=vd,
+                  description=f"{label} ({len(td)} train / {len(vd)} val documents)")
 
 
-def _as_text(data: bytes) -> str | None:
-    """The text in `data`, or None where it is binary (NUL bytes) or not UTF-8."""
-    if b"\0" in data:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def _walk(root: Path, keep: Callable[[str], bool]) -> list[str]:
-    """Sorted relative paths (with '/') of the regular files under root that `keep`, skipping hidden ones."""
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        rel_folder = Path(folder).relative_to(root)
-        for f in files:
-            rel = (rel_folder / f).as_posix()
-            if not f.startswith(".") and keep(rel) and os.path.isfile(os.path.join(folder, f)):
-                found.append(rel)
-    return sorted(found)
-
-
-def _split_files(root: Path, rels: list[str], tokenizer, val_percent: float, label: str) -> Corpus:
-    """Reads the text files and splits them by file; binary and non-UTF-8 files are skipped."""
-    texts = {}
-    for rel in rels:
-        text = _as_text((root / rel).read_bytes())
-        if text:
-            texts[rel] = text
-    skipped = len(rels) - len(texts)
-    if not texts:
-        raise DataError(f"data.source {label!r}: no non-empty UTF-8 text files found; {SOURCES_HINT}")
-    if len(texts) == 1:
-        rel, text = next(iter(texts.items()))
-        return _split_text(text.encode("utf-8"), tokenizer, val_percent, f"{label} (one file: {rel})")
-    val = [r for r in texts if _is_val(r, val_percent)]
-    train = [r for r in texts if not _is_val(r, val_percent)]
-    if val_percent > 0 and (not val or not train):  # too few files for the hash to put some on each side
-        val, train = list(texts)[-1:], list(texts)[:-1]
-    note = f", {skipped} empty or non-text skipped" if skipped else ""
-    return Corpus(train=_stream([texts[r] for r in train], tokenizer), val=_stream([texts[r] for r in val], tokenizer),
-                  tokenizer=tokenizer, description=f"{label} ({len(train)} train / {len(val)} val files{note})")
-
-
-def _stdlib(tokenizer, val_percent: float) -> Corpus:
-    """The running interpreter's own standard library sources: ~30 MB of text on every machine, no download."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rels = _walk(root, lambda rel: rel.endswith(".py") and not {"site-packages", "dist-packages"} & set(rel.split("/")))
-    return _split_files(root, rels, tokenizer, val_percent, f"stdlib {root}")
-
-
-def _folder(root: Path, tokenizer, val_percent: float) -> Corpus:
-    return _split_files(root, _walk(root, lambda rel: True), tokenizer, val_percent, str(root))
-
-
-def _split_text(data: bytes, tokenizer, val_percent: float, label: str) -> Corpus:
-    """One text: the last val_percent% of its bytes, cut at a line start, is validation."""
+def split_text(data: bytes, val_percent: float) -> tuple[str, str]:
+    """One text's (train, validation) parts: the last val_percent% of its bytes, cut at a line start."""
     cut = int(len(data) * (1 - val_percent / 100))
     line = data.rfind(b"\n", 0, cut)
     if line < 0:
@@ -157,33 +125,78 @@ def _split_text(data: bytes, tokenizer, val_percent: float, label: str) -> Corpu
         cut = line + 1
     while 0 < cut < len(data) and data[cut] & 0xC0 == 0x80:  # never cut inside a UTF-8 character
         cut += 1
-    train, val = data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
-    return Corpus(train=_stream([train], tokenizer), val=_stream([val] if val else [], tokenizer), tokenizer=tokenizer,
-                  description=f"{label} ({len(train.encode()):,} train / {len(val.encode()):,} val bytes)")
+    return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
 
 
-def _text_file(path: Path, tokenizer, val_percent: float) -> Corpus:
+def _text_file(path: Path, tokenizer, val_percent: float, layout, label: str) -> Corpus:
     data = path.read_bytes()
-    if _as_text(data) is None:
+    if not _utf8(data):
         raise DataError(f"data.source {str(path)!r}: not a UTF-8 text file; {SOURCES_HINT}")
     if not data:
         raise DataError(f"data.source {str(path)!r}: the file is empty; {SOURCES_HINT}")
-    return _split_text(data, tokenizer, val_percent, f"text file {path}")
+    train, val = split_text(data, val_percent)
+    one = lambda text: streams.document_tokens(text, tokenizer, layout) if text else \
+        np.zeros(0, streams.token_dtype(tokenizer.vocab_size))
+    return Corpus(train=one(train), val=one(val), tokenizer=tokenizer, train_docs=np.zeros(1, np.int64),
+                  val_docs=np.zeros(1 if val else 0, np.int64),
+                  description=f"{label} (one text file, {len(train.encode()):,} train / {len(val.encode()):,} "
+                              "val bytes)")
+
+
+def _utf8(data: bytes) -> bool:
+    if b"\0" in data:
+        return False
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _shards(source: str, tokenizer) -> Corpus:
-    """llm.c shards: validation by name; ids must fit the tokenizer, since the shards carry no tokenizer name."""
+    """Token shards, memory-mapped: validation by name. The ids must fit the tokenizer: jaxllm's shards name theirs
+    (prepare.json beside them), others (llm.c's) are scanned once for their largest id."""
     train_paths, val_paths = list_shards(source)
+    made_with = prepared_tokenizer(os.path.dirname(train_paths[0]))
+    if made_with is not None and made_with != tokenizer.name:
+        raise DataError(f"data.source {source!r}: the shards were made with tokenizer {made_with}, not "
+                        f"data.tokenizer={tokenizer.name}; set data.tokenizer={made_with} or prepare them again")
 
-    def load(paths: list[str]) -> np.ndarray:
+    def load(paths: list[str]):
         arrays = [read_shard(p) for p in paths]
-        for path, tokens in zip(paths, arrays):
+        for path, tokens in zip(paths, arrays if made_with is None else ()):
             top = int(tokens.max()) if tokens.size else -1
             if top >= tokenizer.vocab_size:
                 raise DataError(f"shard {path}: token id {top} is outside data.tokenizer={tokenizer.name} "
                                 f"(vocab_size {tokenizer.vocab_size}); set data.tokenizer to the tokenizer the "
                                 "shards were made with (gpt2 for llm.c's GPT-2 shards)")
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        return streams.stream_of(arrays), _shard_docs(paths, arrays)
 
-    return Corpus(train=load(train_paths), val=load(val_paths), tokenizer=tokenizer,
+    (train, train_docs), (val, val_docs) = load(train_paths), load(val_paths)
+    return Corpus(train=train, val=val, tokenizer=tokenizer, train_docs=train_docs, val_docs=val_docs,
                   description=f"shards {source} ({len(train_paths)} train / {len(val_paths)} val files)")
+
+
+PREPARED = "prepare.json"  # what jaxllm prepare-data writes beside its shards
+
+
+def prepared_tokenizer(folder: str) -> str | None:
+    path = Path(folder) / PREPARED
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())["tokenizer"]
+    except (ValueError, KeyError) as e:
+        raise DataError(f"{path}: unreadable ({e}); prepare the shards again") from None
+
+
+def docs_path(shard_path: str) -> str:
+    return shard_path[:-len(".bin")] + ".docs.npy"
+
+
+def _shard_docs(paths: list[str], arrays: list) -> np.ndarray | None:
+    """The documents' start offsets over the shards, where every shard has its .docs.npy; else None."""
+    if not all(os.path.isfile(docs_path(p)) for p in paths):
+        return None
+    offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])[:-1]]).astype(np.int64)
+    return np.concatenate([np.load(docs_path(p)) + o for p, o in zip(paths, offsets)]).astype(np.int64)
