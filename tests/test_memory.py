@@ -144,7 +144,7 @@ def test_runs_resume_with_offload_kept_turned_on_or_turned_off(tmp_path):
         assert offload_run(tmp_path / name, 4, resume=True, **then) == ref, name
     cfg = build_config(str(tmp_path / "on" / "config.toml"), {"train.resume": True, "train.steps": 6})
     _, shape, _ = loop.resolve(cfg)
-    state, start = loop._restore(cfg, make_step_fns(cfg, make_mesh(shape, cfg)))
+    state, start, _ = loop._restore(cfg, make_step_fns(cfg, make_mesh(shape, cfg)))
     assert start == 4 and memory_kinds([a.sharding for a in jax.tree.leaves((state.params, state.opt_state))]) == \
         {"pinned_host"}
 

@@ -71,9 +71,9 @@ def load_corpus(source: str, tokenizer, val_percent: float = 5.0, text_key: str 
     _check_val_percent(val_percent)
     source = str(source)
     if os.path.isdir(source) and glob.glob(os.path.join(glob.escape(source), "*.bin")):
-        corpus = _shards(source, tokenizer)
+        corpus = _shards(source, tokenizer, layout)
     elif source != "stdlib" and not os.path.exists(source) and any(c in source for c in "*?["):
-        corpus = _shards(source, tokenizer)
+        corpus = _shards(source, tokenizer, layout)
     else:
         corpus = _documents(source, tokenizer, val_percent, text_key, layout)
     for name, stream in (("train", corpus.train), ("validation", corpus.val)):
@@ -153,14 +153,19 @@ def _utf8(data: bytes) -> bool:
         return False
 
 
-def _shards(source: str, tokenizer) -> Corpus:
+def _shards(source: str, tokenizer, layout) -> Corpus:
     """Token shards, memory-mapped: validation by name. The ids must fit the tokenizer: jaxllm's shards name theirs
-    (prepare.json beside them), others (llm.c's) are scanned once for their largest id."""
+    and their layout (prepare.json beside them), others (llm.c's) are scanned once for their largest id."""
     train_paths, val_paths = list_shards(source)
-    made_with = prepared_tokenizer(os.path.dirname(train_paths[0]))
-    if made_with is not None and made_with != tokenizer.name:
+    made = prepared(os.path.dirname(train_paths[0]))
+    made_with = made and made["tokenizer"]
+    if made and made_with != tokenizer.name:
         raise DataError(f"data.source {source!r}: the shards were made with tokenizer {made_with}, not "
                         f"data.tokenizer={tokenizer.name}; set data.tokenizer={made_with} or prepare them again")
+    for key in ("add_bos", "add_eos"):
+        if made and made[key] != getattr(layout, key):
+            raise DataError(f"data.source {source!r}: the shards were made with {key}={made[key]}, not "
+                            f"data.{key}={getattr(layout, key)}; set data.{key} to match or prepare them again")
 
     def load(paths: list[str]):
         arrays = [read_shard(p) for p in paths]
@@ -180,13 +185,15 @@ def _shards(source: str, tokenizer) -> Corpus:
 PREPARED = "prepare.json"  # what jaxllm prepare-data writes beside its shards
 
 
-def prepared_tokenizer(folder: str) -> str | None:
+def prepared(folder: str) -> dict | None:
+    """prepare.json of a folder of jaxllm's shards, or None for shards made elsewhere."""
     path = Path(folder) / PREPARED
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())["tokenizer"]
-    except (ValueError, KeyError) as e:
+        made = json.loads(path.read_text())
+        return {k: made[k] for k in ("tokenizer", "add_bos", "add_eos")}
+    except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: unreadable ({e}); prepare the shards again") from None
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm import batch as batch_lib
-from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, packing, preference
+from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, mixture, packing, preference, streams
 from jaxllm.errors import ConfigError, DataError
 
 
@@ -32,7 +32,7 @@ def check_config(cfg) -> list[str]:
                          ("truncation", examples_lib.TRUNCATION)):
         if getattr(d, key) not in choices:
             raise ConfigError(f"data.{key}: '{getattr(d, key)}' is not one of {', '.join(choices)}")
-    notes = corpus_lib.check_config(d) + preference.check_config(d)
+    notes = corpus_lib.check_config(d) + preference.check_config(d) + mixture.check_config(d, t.global_batch)
     if d.format != "text" and not os.path.isfile(d.source):
         raise DataError(f"data.source: data.format={d.format} reads a JSONL file, and '{d.source}' is not one")
     if t.epochs < 0:
@@ -54,6 +54,7 @@ class TextData:
     global_batch: int
     seq_len: int
     n_eval: int  # train.eval_batches
+    document_mask: bool = False
     steps_per_epoch = None
 
     @property
@@ -64,13 +65,20 @@ class TextData:
     def has_validation(self) -> bool:
         return len(self.corpus.val) > 0
 
+    @functools.cached_property
+    def _docs(self) -> dict:
+        """Each split's document starts, where documents are masked (data.document_mask)."""
+        return {s: corpus_lib.document_starts(self.corpus, s) if self.document_mask else None for s in ("train", "val")}
+
     def train_batch(self, step: int, sharding) -> dict:
-        return loader.global_batch(self.corpus.train, self.seed, step, self.global_batch, self.seq_len, sharding)
+        return loader.global_batch(self.corpus.train, self.seed, step, self.global_batch, self.seq_len, sharding,
+                                   self._docs["train"])
 
     def eval_batches(self, sharding):
         if self.has_validation:
             for i in range(self.n_eval):
-                yield loader.eval_batch(self.corpus.val, i, self.n_eval, self.global_batch, self.seq_len, sharding)
+                yield loader.eval_batch(self.corpus.val, i, self.n_eval, self.global_batch, self.seq_len, sharding,
+                                        self._docs["val"])
 
     def padding_frac(self, steps) -> float:
         return 0.0
@@ -111,18 +119,24 @@ class ExampleData:
         return 1.0 - used / (len(which) * self.global_batch * self.train.seq_len)
 
 
+def layout(d) -> streams.Layout:
+    return streams.Layout(d.add_bos, d.add_eos)
+
+
 def load(cfg, tokenizer):
     """The data `cfg.data` describes, ready for `cfg.train.global_batch` rows of `cfg.model.seq_len`."""
     d, t, seq = cfg.data, cfg.train, cfg.model.seq_len
+    if d.format == "text" and d.sources:
+        return mixture.load(cfg, tokenizer, layout(d))
     if d.format == "text":
-        corpus = corpus_lib.load_corpus(d.source, tokenizer, d.val_percent)
+        corpus = corpus_lib.load_corpus(d.source, tokenizer, d.val_percent, d.text_key, layout(d))
         if d.val_percent == 0:  # shards name their validation files; 0 still means none
             corpus = dataclasses.replace(corpus, val=corpus.val[:0])
         for name, stream in (("train", corpus.train), ("validation", corpus.val)):
             if (len(stream) or name == "train") and len(stream) < seq + 1:
                 raise ConfigError(f"data.source {d.source!r}: the {name} split has {len(stream)} tokens, fewer than "
                                   f"model.seq_len+1={seq + 1}; use more data or a shorter model.seq_len")
-        return TextData(corpus, t.seed, t.global_batch, seq, t.eval_batches)
+        return TextData(corpus, t.seed, t.global_batch, seq, t.eval_batches, d.document_mask)
     # read when a line needs it
     template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
     if d.format == "preference":

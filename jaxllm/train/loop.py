@@ -22,7 +22,7 @@ import numpy as np
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
-from jaxllm.data import dataset
+from jaxllm.data import dataset, prefetch
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
 from jaxllm.generate import generate
 from jaxllm.interop import hf, peft
@@ -100,8 +100,8 @@ def _check_resumable(cfg: Config, meta: dict) -> None:
 
 
 def _restore(cfg: Config, fns):
-    """(state, step) of the newest checkpoint that restores onto this run's mesh; one saved before a state
-    field existed gets that field's default."""
+    """(state, step, metadata) of the newest checkpoint that restores onto this run's mesh; one saved before a
+    state field existed gets that field's default."""
     def check(meta):
         _check_resumable(cfg, meta)
         state_lib.check_fields(meta, f"run.dir '{cfg.run.dir}'")
@@ -119,7 +119,7 @@ def _restore(cfg: Config, fns):
     if start >= cfg.train.steps:
         raise ConfigError(f"run.dir '{cfg.run.dir}' is already at step {start} >= train.steps={cfg.train.steps}; "
                           "raise train.steps to train further")
-    return state, start
+    return state, start, meta
 
 
 def _stored(cfg: Config, state):
@@ -266,18 +266,22 @@ def _show(run: _Run, msg: str) -> None:
     run.bar.write(msg) if run.bar else log.info(msg)
 
 
-def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int) -> dict:
-    """The logged row of one step, from its metrics on the host (padding_frac: over the steps after `since`)."""
+def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int, wait: float = 0.0) -> dict:
+    """The logged row of one step, from its metrics on the host (padding_frac: over the steps after `since`;
+    dt and wait: seconds per step, and of them waiting for the batch, over those steps)."""
     cfg = run.cfg
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+           "data_wait_s": wait,
            "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak),
            "padding_frac": run.data.padding_frac(range(since, step))}
     # the objective's own metrics (GRPO: clip_frac, kl) and MoE's router statistics
     row.update({k: float(v) for k, v in metrics.items() if k not in row and k != "moe_load"})
     if cfg.train.objective == "grpo":  # those of the rollouts this step trained on
         row.update(run.data.metrics(step - 1))
+    if hasattr(run.data, "source_metrics"):  # a mixture's tokens and epochs per source
+        row.update(run.data.source_metrics(step))
     # each expert's share of the routed pairs, one column per expert
     row.update({f"moe_load_{e}": float(v) for e, v in enumerate(metrics.get("moe_load", []))})
     return row
@@ -345,15 +349,32 @@ def _watch_skips(run: _Run, step: int, metrics, wait: bool) -> None:
 
 def _evaluate(run: _Run, params) -> dict:
     """The validation row: the loss over the validation batches (their summed terms over their summed count) and
-    a sequence objective's metrics likewise (DPO's rewards), each named `val_` + its name."""
-    sums, count = {}, 0.0
+    a sequence objective's metrics likewise (DPO's rewards), each named `val_` + its name; a mixture's loss of each
+    source besides (`val_loss/NAME`), the loss over all of them pooled."""
     scored = (params,) if run.cfg.train.objective == "dpo" else ()  # the reference scores each batch
-    for vb in run.data.eval_batches(run.fns.batch_sharding, *scored):
+    if not hasattr(run.data, "eval_sources"):
+        return {f"val_{k}": v for k, v in _mean_terms(run, params, run.data.eval_batches(run.fns.batch_sharding,
+                                                                                          *scored)).items()}
+    row, pooled = {}, {"sums": {}, "count": 0.0}
+    for name, batches in run.data.eval_sources(run.fns.batch_sharding).items():
+        mean = _mean_terms(run, params, batches, pooled)
+        row[f"val_loss/{name}"] = mean["loss"]
+    return {**{f"val_{k}": v / pooled["count"] for k, v in pooled["sums"].items()}, **row}
+
+
+def _mean_terms(run: _Run, params, batches, pooled: dict | None = None) -> dict:
+    """The loss and metric sums of `batches` over their count (and added to `pooled`'s)."""
+    sums, count = {}, 0.0
+    for vb in batches:
         s, c, ms = jax.device_get(run.eval_fn(params, vb))
         for k, v in {"loss": s, **ms}.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         count += float(c)
-    return {f"val_{k}": v / count for k, v in sums.items()}
+    if pooled is not None:
+        for k, v in sums.items():
+            pooled["sums"][k] = pooled["sums"].get(k, 0.0) + v
+        pooled["count"] += count
+    return {k: v / count for k, v in sums.items()}
 
 
 def _save(run: _Run, step: int, state, applied: bool = True) -> None:
@@ -362,6 +383,8 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
         run.mngr = ckpt.open_manager(run.cfg.run.dir, run.cfg.train.keep_checkpoints)
     faults.before_save(run.mngr, step)
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
+    if hasattr(run.data, "stages"):  # a mixture's weights through the run (they may change at a resume)
+        meta["data_stages"] = run.data.stages
     ckpt.save(run.mngr, step, _stored(run.cfg, state), meta)
     if applied:  # its row was checked finite first
         run.good_checkpoint = step
@@ -386,9 +409,12 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     """Steps start+1 .. train.steps: log, evaluate and checkpoint as configured; on a stop request save
     this step and raise Stopped."""
     t = run.cfg.train
-    mark_time, mark_step, pending = time.time(), start, None
+    mark_time, mark_step, pending, waited = time.time(), start, None, 0.0
     for step in range(start + 1, t.steps + 1):
-        state, metrics = run.step_fn(state, faults.corrupt(step, _batch(run, step - 1, state)))
+        asked = time.perf_counter()
+        batch = _batch(run, step - 1, state)
+        waited += time.perf_counter() - asked
+        state, metrics = run.step_fn(state, faults.corrupt(step, batch))
         faults.after_dispatch(step, run.mngr)
         pending = pending or should_stop(step)  # asked every step: several processes agree on the step
         signum = pending if _at_boundary(run.cfg, step) else None
@@ -397,9 +423,10 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
             now = time.time()
-            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step), mark_step)
+            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step), mark_step,
+                               waited / (step - mark_step))
             if logging_now:
-                mark_time, mark_step = now, step
+                mark_time, mark_step, waited = now, step, 0.0
                 _write_row(run, row)
             _check_finite(run, row)
         _watch_skips(run, step, metrics, wait=logging_now or saving)
@@ -452,9 +479,13 @@ def train(cfg: Config) -> dict:
     lead = jax.process_index() == 0
     fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
     # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
-    state, start = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0)
+    state, start, meta = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0, {})
+    if hasattr(data, "resume_stages") and resume:  # a mixture's weights so far, and new ones from here
+        notes = notes + data.resume_stages(meta.get("data_stages"), start)
     if t.objective == "grpo":  # the batches come from the policy's own samples
         data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
+    elif cfg.data.prefetch:  # built ahead on a thread, from the first step this run trains
+        data = prefetch.Prefetched(data, fns.batch_sharding, start, cfg.data.prefetch)
     if t.objective == "dpo":  # each batch scored by the reference before the step, if the loss reads it
         scoring = "ref_logp" in fns.objective.fields
         data = preference.Scored(data, fns, reference_params(cfg, fns) if scoring else None)
@@ -483,7 +514,7 @@ def train(cfg: Config) -> dict:
         try:
             state = _train_steps(run, state, start, should_stop)
         finally:
-            for closing in (run.bar, run.writer):
+            for closing in (run.bar, run.writer, getattr(data, "close", None) and data):
                 if closing:
                     closing.close()
             if run.mngr is not None:
