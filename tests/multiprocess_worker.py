@@ -1,6 +1,6 @@
 """One process of the multi-process loader check in tests/test_multiprocess.py.
 
-    python tests/multiprocess_worker.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID CHATS_JSONL
+    python tests/multiprocess_worker.py COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID CHATS_JSONL MIXTURE_DIR
 
 Run with XLA_FLAGS=--xla_force_host_platform_device_count=4 in each process. Joins
 jax.distributed, builds the (dp=2, fsdp=4) mesh with jaxllm.mesh.make_mesh and loads
@@ -11,8 +11,9 @@ processes, as across nodes), nothing of the other process's rows, that each
 local shard equals the numpy reference, and that the assembled global array (summed across
 processes by a jitted reduction) equals the reference. Then the fine-tuning rows of CHATS_JSONL
 (packed): this process builds the same rows as any other, builds only the batch rows its devices
-hold, and each local shard is the reference. Prints one JSON line with what it saw; exits non-zero
-on any failed check.
+hold, and each local shard is the reference. Then a mixture of MIXTURE_DIR's two JSONL sources whose weights
+changed at step 2 (as a run resumed there): the digest of each whole batch (`mixture_digests`), which the test
+compares with one process's. Prints one JSON line with what it saw; exits non-zero on any failed check.
 """
 
 from __future__ import annotations
@@ -119,6 +120,30 @@ def check_sft(chats: str, sharding) -> dict:
     return {"members": data.train.members, "rows": own}
 
 
+def mixture_digests(folder: str, sharding, steps=range(4)) -> list[str]:
+    """sha256 of each of `steps`' whole batches (every field, gathered from every process) of the mixture in
+    `folder` (a.jsonl ×0.25 and b.jsonl ×0.75, then ×0.5 each from step 2), documents masked."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    from jaxllm.config import build_config
+    from jaxllm.data import dataset
+    from jaxllm.data.tokenizers import get_tokenizer
+
+    sources = lambda w: [{"path": f"{folder}/a.jsonl", "weight": w}, {"path": f"{folder}/b.jsonl", "weight": 1 - w}]
+    cfg = build_config(None, {"data.sources": sources(0.5), "data.document_mask": True, "model.seq_len": SEQ_LEN,
+                              "train.global_batch": GLOBAL_BATCH, "train.seed": SEED})
+    data = dataset.load(cfg, get_tokenizer("byte"))
+    data.resume_stages([[0, [0.25, 0.75]]], 2)
+    out = []
+    for step in steps:
+        batch = data.train_batch(step, sharding)
+        whole = {k: np.asarray(multihost_utils.process_allgather(a, tiled=True)) for k, a in sorted(batch.items())}
+        out.append(hashlib.sha256(b"".join(a.tobytes() for a in whole.values())).hexdigest())
+    return out
+
+
 def main(argv: list[str]) -> int:
     address, num_processes, process_id = argv[0], int(argv[1]), int(argv[2])
     initialize_distributed(DistributedConfig(coordinator_address=address, num_processes=num_processes,
@@ -147,6 +172,7 @@ def main(argv: list[str]) -> int:
         assert (owners[:, i] == i).all(), owners
     out["hybrid"] = check(tokens, NamedSharding(hybrid, P(BATCH_AXES)), 3)
     out["sft"] = check_sft(argv[3], NamedSharding(mesh, P(BATCH_AXES)))
+    out["mixture"] = mixture_digests(argv[4], NamedSharding(mesh, P(BATCH_AXES)))
     print("RESULT " + json.dumps(out), flush=True)
     jax.distributed.shutdown()
     return 0

@@ -205,16 +205,20 @@ def test_two_processes_resume_from_their_checkpoint(runs):
 
 def test_each_process_reads_only_its_rows(tmp_path):
     """Pre-training windows and fine-tuning rows: each process reads only its own; both processes build the
-    same fine-tuning rows as this one process does."""
+    same fine-tuning rows as this one process does, and the same mixture batches as one process resumed at the
+    step where the mixture's weights changed."""
+    from test_data_sources import texts, write_jsonl
     from test_sft import conversations
 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(60)))
+    write_jsonl(tmp_path / "a.jsonl", texts(200, seed=4))
+    write_jsonl(tmp_path / "b.jsonl", texts(200, seed=5, words=8))
     procs = Procs(tmp_path)
     address = f"127.0.0.1:{_free_port()}"
     for pid in (0, 1):
         procs.start(f"worker{pid}", [str(REPO / "tests" / "multiprocess_worker.py"), address, "2", str(pid),
-                                     str(chats)], n_devices=4)
+                                     str(chats), str(tmp_path)], n_devices=4)
     procs.wait(timeout=120)
     results = []
     for pid in (0, 1):
@@ -235,6 +239,15 @@ def test_each_process_reads_only_its_rows(tmp_path):
     one_process = sft_data(tmp_path, pack=True, chats=conversations(60),
                            **{"train.seed": 7, "model.seq_len": 64}).train.members
     assert results[0]["sft"]["members"] == results[1]["sft"]["members"] == one_process
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxllm.mesh import make_mesh
+    from jaxllm.sharding import BATCH_AXES
+    from multiprocess_worker import mixture_digests
+
+    mesh = make_mesh({"pp": 1, "dp": 2, "fsdp": 4, "ep": 1, "sp": 1, "tp": 1})  # this process's 8 devices
+    one = mixture_digests(str(tmp_path), NamedSharding(mesh, P(BATCH_AXES)))
+    assert results[0]["mixture"] == results[1]["mixture"] == one and len(set(one)) == 4
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_with_one_checkpoint(runs, tmp_path):

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--add-eos", action="store_true", help="end each document with the end-of-text id instead of "
                                                           "starting it with one (data.add_eos)")
     p.add_argument("--no-bos", action="store_true", help="drop the BOS an hf: tokenizer adds (data.add_bos=false)")
+    p.add_argument("--unit-bytes", type=_positive_int, default=None,
+                   help="bytes of a JSONL file one worker takes at a time (default 16 MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     name = args.name or Path(args.input.rstrip("/")).stem or "data"
     job = prepare_lib.Job(source=args.input, tokenizer=args.tokenizer, val_percent=args.val_percent,
                           text_key=args.text_key, add_bos=not args.no_bos, add_eos=args.add_eos,
-                          shard_tokens=args.shard_tokens, name=name)
+                          shard_tokens=args.shard_tokens, name=name,
+                          **({"unit_bytes": args.unit_bytes} if args.unit_bytes else {}))
     bar = None
 
     def progress(done: int, total: int) -> None:

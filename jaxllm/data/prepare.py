@@ -148,11 +148,12 @@ def _join(job: Job, work: Path, n_parts: int, vocab_size: int, into: Path) -> di
             writer.add(t, d)
             tokens, docs = tokens + len(t), docs + len(d)
         writer.close()
-        if not tokens and (split == "train" or job.val_percent > 0):
-            raise DataError(f"{job.source}: no {'validation' if split == 'val' else 'training'} document among "
-                            f"the inputs; give more documents or change the validation share (--val-percent)")
         counts[split] = {"tokens": tokens, "documents": docs, "shards": len(writer.paths)}
         index = writer.index
+    for split, what in (("train", "training"), ("val", "validation")):
+        if not counts[split]["tokens"] and (split == "train" or job.val_percent > 0):
+            raise DataError(f"{job.source}: no {what} document among the inputs; give more documents or change "
+                            "the validation share (--val-percent)")
     return counts
 
 
