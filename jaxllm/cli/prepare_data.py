@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     from jaxllm.data import prepare as prepare_lib
 
     args = parse_args(argv)
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per process: the workers are the
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism (set before any tokenizer runs)
     name = args.name or Path(args.input.rstrip("/")).stem or "data"
     job = prepare_lib.Job(source=args.input, tokenizer=args.tokenizer, val_percent=args.val_percent,
                           text_key=args.text_key, add_bos=not args.no_bos, add_eos=args.add_eos,

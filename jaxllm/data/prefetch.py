@@ -15,33 +15,36 @@ import threading
 
 
 class Prefetched:
+    """`data`, with the batches of steps first_step, first_step + 1, ... built `depth` ahead."""
+
     def __init__(self, data, sharding, first_step: int, depth: int):
         self.data, self.sharding, self.next_step = data, sharding, first_step
         self.ready: queue.Queue = queue.Queue(depth)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._build, args=(first_step,), daemon=True, name="jaxllm-prefetch")
-        self.thread.start()
 
     def _build(self, step: int) -> None:
         while not self.stopping.is_set():
             try:
-                item = (step, self.data.train_batch(step, self.sharding), None)
+                item = (self.data.train_batch(step, self.sharding), None)
             except Exception as e:  # raised where the batch is wanted
-                item = (step, None, e)
+                item = (None, e)
             while not self.stopping.is_set():
                 try:
                     self.ready.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
-            if item[2] is not None:
+            if item[1] is not None:
                 return
             step += 1
 
     def train_batch(self, step: int, sharding) -> dict:
-        if step != self.next_step or sharding is not self.sharding:  # not the next in line: built here
+        if step != self.next_step or sharding != self.sharding:  # not the next in line: built here
             return self.data.train_batch(step, sharding)
-        _, batch, error = self.ready.get()
+        if self.thread.ident is None:
+            self.thread.start()  # started by the first batch asked for, so nothing runs before the loop
+        batch, error = self.ready.get()
         self.next_step += 1
         if error is not None:
             raise error
@@ -49,7 +52,8 @@ class Prefetched:
 
     def close(self) -> None:
         self.stopping.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
 
     def __getattr__(self, name: str):
         return getattr(self.data, name)

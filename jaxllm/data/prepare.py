@@ -62,8 +62,8 @@ _WORKER: dict = {}
 
 
 def _start_worker(job: Job, work: str, lone: bool) -> None:
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one tokenizer thread per worker: the workers are the parallelism
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker: the workers are the
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism
     _WORKER.update(job=job, work=Path(work), lone=lone, tokenizer=get_tokenizer(job.tokenizer))
 
 

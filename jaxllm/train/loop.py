@@ -7,6 +7,7 @@ written to. Host syncs happen only at log, eval and checkpoint steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -477,15 +478,15 @@ def train(cfg: Config) -> dict:
     resume = _check_run_dir(cfg)
     barrier("jaxllm_run_dir_checked")  # every process has looked at run.dir before process 0 writes to it
     lead = jax.process_index() == 0
-    fns, t = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train
+    fns, t, ahead = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train, None
     # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
     state, start, meta = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0, {})
     if hasattr(data, "resume_stages") and resume:  # a mixture's weights so far, and new ones from here
         notes = notes + data.resume_stages(meta.get("data_stages"), start)
     if t.objective == "grpo":  # the batches come from the policy's own samples
         data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
-    elif cfg.data.prefetch:  # built ahead on a thread, from the first step this run trains
-        data = prefetch.Prefetched(data, fns.batch_sharding, start, cfg.data.prefetch)
+    elif cfg.data.prefetch:  # built ahead on a thread (from the first batch asked for), from step `start` on
+        data = ahead = prefetch.Prefetched(data, fns.batch_sharding, start, cfg.data.prefetch)
     if t.objective == "dpo":  # each batch scored by the reference before the step, if the loss reads it
         scoring = "ref_logp" in fns.objective.fields
         data = preference.Scored(data, fns, reference_params(cfg, fns) if scoring else None)
@@ -500,7 +501,8 @@ def train(cfg: Config) -> dict:
     _log_setup(cfg, shape, notes, data, fns)
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
-    with preemption.stop_requests() as should_stop:  # from here a signal stops the run at a step
+    # from here a signal stops the run at a step; the prefetching thread stops with the run, however it ends
+    with preemption.stop_requests() as should_stop, contextlib.closing(ahead) if ahead else contextlib.nullcontext():
         run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data, start))
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
@@ -514,7 +516,7 @@ def train(cfg: Config) -> dict:
         try:
             state = _train_steps(run, state, start, should_stop)
         finally:
-            for closing in (run.bar, run.writer, getattr(data, "close", None) and data):
+            for closing in (run.bar, run.writer):
                 if closing:
                     closing.close()
             if run.mngr is not None:
