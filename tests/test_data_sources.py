@@ -96,6 +96,7 @@ def test_prepare_data_killed_midway_then_rerun_gives_the_same_shards(tmp_path):
     assert 5 <= len(kept) and not (tmp_path / "cut").exists(), kept  # killed part-way: nothing in OUT_DIR yet
     again = _prepare_cli(source, tmp_path / "cut", *args)
     assert again.returncode == 0, again.stderr
+    assert f"{len(kept)} of " in again.stdout and "parts kept from an interrupted run" in again.stdout
     assert shard_bytes(tmp_path / "cut") == shard_bytes(tmp_path / "whole")
     assert not work.exists()
 

@@ -31,7 +31,7 @@ ROLLOUT_METRICS = ("reward_mean", "reward_std", "kl", "clip_frac", "completion_l
                    "truncated_frac", "logp_mismatch", "loss")
 
 
-TIMINGS = ("tokens_per_s", "step_time_s", "mfu")
+TIMINGS = ("tokens_per_s", "step_time_s", "data_wait_s", "mfu")
 
 
 def rows(run_dir) -> list[dict]:

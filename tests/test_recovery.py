@@ -40,7 +40,7 @@ RUN = {"model.preset": "tiny-gpt2", "precision.compute": "float32", "train.globa
        "train.warmup_steps": 1, "train.schedule_steps": 100, "train.log_every": 1, "train.eval_every": 0,
        "train.checkpoint_every": 2, "train.keep_checkpoints": 3, "run.sample_tokens": 0, "run.progress": False,
        "mesh.dp": 1, "mesh.fsdp": 8, "train.zero_stage": 3, "data.source": CORPUS}
-TIMING = {"tokens_per_s", "step_time_s", "mfu"}  # the columns that differ between any two runs
+TIMING = {"tokens_per_s", "step_time_s", "data_wait_s", "mfu"}  # the columns that differ between any two runs
 
 
 def config(run_dir, **over):

@@ -99,7 +99,7 @@ def test_cli_trains_and_writes_a_run_directory(tmp_path):
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train_rows] == [1, 10, 20, 30]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu"):
         assert all(np.isfinite(r[key]) for r in train_rows), key
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0
     assert [r["step"] for r in val_rows] == [15, 30] and all("loss" not in r for r in val_rows)

@@ -30,7 +30,7 @@ from tools import scaling, scaling_fit
 
 CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022's fit
 OTHER = dict(E=0.9, A=60.0, B=900.0, alpha=0.5, beta=0.4)
-TIMING = {"tokens_per_s", "step_time_s", "mfu"}  # the columns that differ between any two runs
+TIMING = {"tokens_per_s", "step_time_s", "data_wait_s", "mfu"}  # the columns that differ between any two runs
 
 
 def synthetic(true: dict, budgets, noise: float = 0.005, seed: int = 0) -> list[dict]:

@@ -85,7 +85,9 @@ def main(argv=None) -> int:
             bar.close()
     print(f"wrote {made['val']['shards']} val + {made['train']['shards']} train shards to {args.out_dir}: "
           f"{made['train']['tokens']:,} train tokens in {made['train']['documents']:,} documents, "
-          f"{made['val']['tokens']:,} val tokens in {made['val']['documents']:,} ({made['tokenizer']} tokenizer)")
+          f"{made['val']['tokens']:,} val tokens in {made['val']['documents']:,} ({made['tokenizer']} tokenizer)"
+          + (f"; {made['kept_parts']} of {made['parts']} parts kept from an interrupted run" if made["kept_parts"]
+             else ""))
     return 0
 
 

@@ -167,7 +167,8 @@ def _resumable(work: Path, plan: dict) -> bool:
 
 
 def prepare(job: Job, out_dir: Path, workers: int = 1, progress=None) -> dict:
-    """Runs the job into out_dir; returns prepare.json's contents. `progress(done, total)` is told each unit."""
+    """Runs the job into out_dir; returns prepare.json's contents, and how many of the parts were kept from an
+    interrupted run (`kept_parts` of `parts`). `progress(done, total)` is told each unit."""
     out_dir = Path(out_dir)
     if list(out_dir.glob("*.bin")):
         raise DataError(f"{out_dir} already holds .bin shards; give an empty or new OUT_DIR, or delete them first")
@@ -222,4 +223,4 @@ def _run(job, plan, work, units, files, tokenizer, out_dir, workers, progress) -
     else:
         os.rename(final, out_dir)
     shutil.rmtree(work, ignore_errors=True)
-    return manifest
+    return {**manifest, "kept_parts": len(units) - len(todo), "parts": len(units)}
