@@ -144,7 +144,8 @@ def test_every_source_stays_within_one_row_of_its_share_at_every_step():
     data = _mixture(w, B)
     seen = np.zeros(3)
     for step in range(400):
-        which, _ = data.rows(step)
+        which, starts = data.rows(step)
+        assert len(which) == len(starts) == B
         seen += np.bincount(which, minlength=3)  # counted from the rows themselves
         assert np.all(np.abs(seen - (step + 1) * B * np.asarray(w)) < 1), (step, seen)
     # a staged change at step 100: the counts of the new weights start there, the earlier rows are kept
