@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm import batch as batch_lib
-from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, mixture, packing, preference, streams
+from jaxllm.data import chat, corpus as corpus_lib, examples as examples_lib, loader, mixture, packing, preference
+from jaxllm.data import streams
 from jaxllm.errors import ConfigError, DataError
 
 
