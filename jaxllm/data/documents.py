@@ -13,6 +13,7 @@ order; `texts(unit, text_key)` yields their documents. A bad file or line is a D
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sysconfig
@@ -38,21 +39,23 @@ def kind_of(path: str) -> str:
     return KINDS.get(Path(path).suffix.lower(), "text")
 
 
+@functools.cache
 def stdlib_files() -> tuple[str, list[str]]:
     """The running interpreter's standard library sources (~30 MB of text on every machine, no download)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages"}
-    return str(root), [p for p in walk(root) if p.endswith(".py") and not skip & set(Path(p).parts)]
+    root = sysconfig.get_paths()["stdlib"]
+    return root, [p for p in walk(root, skip={"site-packages", "dist-packages"}) if p.endswith(".py")]
 
 
-def walk(root: Path) -> list[str]:
-    """Sorted paths of the regular files under root, skipping hidden files and folders."""
+def walk(root: str, skip: set = frozenset()) -> list[str]:
+    """Paths of the regular files under root, sorted by their path relative to it, skipping hidden files and
+    folders and the folders named in `skip`."""
     found = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(folder, f) for f in files if not f.startswith(".")
-                  and os.path.isfile(os.path.join(folder, f))]
-    return sorted(found, key=lambda p: Path(p).relative_to(root).as_posix())
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        found += [(f if rel == "." else f"{rel}/{f}", os.path.join(folder, f)) for f in files
+                  if not f.startswith(".") and os.path.isfile(os.path.join(folder, f))]
+    return [path for _, path in sorted(found)]
 
 
 def source_files(source: str) -> list[str]:
@@ -72,7 +75,7 @@ def source_files(source: str) -> list[str]:
             raise DataError(f"{state}: not a datasets state.json ({e}); save the dataset again with "
                             "save_to_disk") from None
         return [os.path.join(source, n) for n in names]
-    return walk(Path(source))
+    return walk(source)
 
 
 def units(source: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
