@@ -135,7 +135,7 @@ def mixture_digests(folder: str, sharding, steps=range(4)) -> list[str]:
     cfg = build_config(None, {"data.sources": sources(0.5), "data.document_mask": True, "model.seq_len": SEQ_LEN,
                               "train.global_batch": GLOBAL_BATCH, "train.seed": SEED})
     data = dataset.load(cfg, get_tokenizer("byte"))
-    data.resume_stages([[0, [0.25, 0.75]]], 2)
+    data.resume_stages({"data_stages": [[0, [0.25, 0.75]]]}, 2)
     out = []
     for step in steps:
         batch = data.train_batch(step, sharding)

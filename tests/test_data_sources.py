@@ -176,6 +176,18 @@ def test_each_source_draws_every_window_once_per_epoch():
         assert drawn[:n] != drawn[n:2 * n]  # a new order each epoch
 
 
+def test_a_resumed_mixture_keeps_its_sources_and_stages_new_weights():
+    from jaxllm.errors import ConfigError
+
+    data = _mixture([0.5, 0.5])
+    saved = {"config": {"data": {"sources": [{"path": "p/s0", "weight": 1}, {"path": "p/s1", "weight": 3}]}},
+             "data_stages": [[0, [1, 3]]]}
+    assert data.resume_stages(saved, 7) and data.stages == [[0, [1, 3]], [7, [0.5, 0.5]]]
+    swapped = {"config": {"data": {"sources": [{"path": "p/s1", "weight": 1}, {"path": "p/s0", "weight": 3}]}}}
+    with pytest.raises(ConfigError, match=r"trained on \['s1', 's0'\]"):
+        _mixture([0.5, 0.5]).resume_stages(swapped, 7)
+
+
 @pytest.mark.parametrize("sources, words", [
     ('[{path="stdlib", weight=0}]', "data.sources[0].weight: must be a positive number"),
     ('[{path="stdlib", weight=-1}]', "must be a positive number"),

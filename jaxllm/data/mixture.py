@@ -111,13 +111,15 @@ class MixtureData:
     def has_validation(self) -> bool:
         return any(len(s.corpus.val) for s in self.sources)
 
-    def resume_stages(self, saved: list | None, start: int) -> list[str]:
-        """The stages of a resumed run: the checkpoint's, and a new one from `start` if the weights changed."""
-        weights = self.stages[-1][1]
+    def resume_stages(self, meta: dict, start: int) -> list[str]:
+        """The stages of a run resumed from a checkpoint with metadata `meta`: its stages, and a new one from `start`
+        if the weights changed. The sources must be the same, by name and in order."""
+        weights, saved = self.stages[-1][1], meta.get("data_stages")
+        before = names(meta.get("config", {}).get("data", {}).get("sources") or [])
+        if before and before != [s.name for s in self.sources]:
+            raise ConfigError(f"data.sources: the run was trained on {before}, not {[s.name for s in self.sources]}; "
+                              "resume with the same sources in the same order (their weights may change)")
         self.stages = [list(s) for s in saved] if saved else [[0, weights]]
-        if len(self.stages[-1][1]) != len(weights):
-            raise ConfigError(f"data.sources: the run had {len(self.stages[-1][1])} sources and now has "
-                              f"{len(weights)}; resume with the same sources (their weights may change)")
         if self.stages[-1][1] != weights:
             self.stages = [s for s in self.stages if s[0] < start] + [[start, weights]]
             return [f"data.sources: new weights {weights} from step {start} (the rows before it are kept)"]

@@ -482,7 +482,7 @@ def train(cfg: Config) -> dict:
     # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
     state, start, meta = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0, {})
     if hasattr(data, "resume_stages") and resume:  # a mixture's weights so far, and new ones from here
-        notes = notes + data.resume_stages(meta.get("data_stages"), start)
+        notes = notes + data.resume_stages(meta, start)
     if t.objective == "grpo":  # the batches come from the policy's own samples
         data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
     elif cfg.data.prefetch:  # built ahead on a thread (from the first batch asked for), from step `start` on
