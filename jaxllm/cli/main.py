@@ -13,7 +13,7 @@ import sys
 
 from jaxllm.cli import ArgumentParser
 
-# name -> (module, one line for `jaxllm --help`); a new subcommand (eval, ...) is one more row.
+# name -> (module, one line for `jaxllm --help`); a new subcommand is one more row.
 COMMANDS = {
     "train": ("jaxllm.cli.train", "train a model as configured"),
     "generate": ("jaxllm.cli.generate", "generate text from a run or hf:DIR with the KV cache"),
@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": ("jaxllm.cli.plan", "a train step's memory and collectives per device"),
     "prepare-data": ("jaxllm.cli.prepare_data", "tokenize text once into llm.c .bin shards"),
     "exact-match": ("jaxllm.cli.exact_match", "greedy exact-match accuracy on held-out examples"),
+    "eval": ("jaxllm.cli.eval", "benchmark tasks as lm-evaluation-harness runs them"),
 }
 
 

@@ -1,0 +1,58 @@
+"""Evaluate a run or a Hugging Face model on benchmark tasks, as lm-evaluation-harness 0.4 does.
+
+    jaxllm eval --from runs/mine --tasks tasks/arc.yaml tasks/wiki.yaml [--out results.json] [key=value ...]
+    jaxllm eval --from hf:DIR --tasks ...
+
+Tasks are files in lm-evaluation-harness's task format over local JSONL data (docs/evaluation.md): multiple
+choice (acc, acc_norm, acc_bytes) and rolling log-likelihood (word and byte perplexity, bits per byte). The model
+runs on the mesh the overrides give (`mesh.tp=2`), in `precision.compute` (the run's; float32 to compare with
+another implementation); requests go `train.global_batch` rows at a time. Prints a table; `--out` writes the
+metrics and every request's log-likelihood as JSON. A bad task file is one line `error: ...`, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxllm import cli
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog="jaxllm eval", description=__doc__.splitlines()[0])
+    p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
+    p.add_argument("--tasks", nargs="+", required=True, help="task files (YAML or JSON)")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--out", default=None, help="write the results and each request's log-likelihood here (JSON)")
+    p.add_argument("overrides", nargs="*", help="run keys, e.g. mesh.tp=2 precision.compute=float32")
+    return p
+
+
+def run(args) -> dict:
+    from jaxllm.cli.generate import load
+    from jaxllm.eval import run as run_lib, tasks as tasks_lib
+
+    tasks = [tasks_lib.load_task(path) for path in args.tasks]  # every file checked before the model loads
+    cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
+    results, samples = {}, {}
+    for task in tasks:
+        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg.model.seq_len,
+                                                                  cfg.train.global_batch)
+    print(f"{'task':<24} {'metric':<18} value")
+    for name, values in results.items():
+        for metric, value in values.items():
+            print(f"{name:<24} {metric:<18} {value:.4f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"results": results, "samples": samples}, f, indent=1)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli.parse_with_overrides(parser(), argv)
+    return cli.run(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Requests as lm-evaluation-harness 0.4 builds them, from a task's documents to token ids.
+
+- Few-shot examples: one `random.Random(1234)` per task, drawn in document order (`rnd.sample(pool, n)`; from the
+  evaluated split itself, n+1 drawn and the document dropped), as its default sampler and seed do.
+- Context: description + each example's text, target delimiter, answer and few-shot delimiter + the document's text.
+- Multiple choice: one request per choice, (context, target delimiter + choice).
+- A pair is encoded as its `_encode_pair` does: whitespace ending the context moved to the continuation, the whole
+  string encoded, the context's ids split off by their count; an empty context is the tokenizer's BOS (else
+  end-of-text) id. Scored over `(context + continuation)[-(L+1):]` (left truncation to the model's length L).
+- Rolling log-likelihood: the document's ids in disjoint windows of L predictions, each conditioned on the L ids
+  before it (the first on BOS, else end-of-text), as its `get_rolling_token_windows` and `make_disjoint_window`.
+"""
+
+from __future__ import annotations
+
+import random
+
+FEWSHOT_SEED = 1234  # lm-evaluation-harness's default fewshot_random_seed
+
+
+def fewshot_examples(task, doc: dict, rnd: random.Random) -> list[dict]:
+    n = task.num_fewshot
+    if not n:
+        return []
+    pool = task.fewshot_docs
+    if not task.same_split:
+        return rnd.sample(pool, n)
+    shots = [x for x in rnd.sample(pool, n + 1) if x != doc][:n]
+    return shots if len(shots) == n else rnd.sample([x for x in pool if x != doc], n)
+
+
+def answer(task, doc: dict) -> str:
+    """A few-shot example's answer: the choice its target names, the first of several targets, or the target."""
+    target = task.target(doc)
+    if task.output_type == "multiple_choice" and isinstance(target, int):
+        return task.choices(doc)[target]
+    return target[0] if isinstance(target, list) else str(target)
+
+
+def contexts(task) -> list[str]:
+    """Each document's context, in document order (the few-shot draws depend on the documents before)."""
+    rnd, out = random.Random(FEWSHOT_SEED), []
+    for doc in task.docs:
+        shots = fewshot_examples(task, doc, rnd)
+        description = task.render("description", doc) if task.description else ""
+        out.append(description + "".join(f"{task.text(s)}{task.target_delimiter}{answer(task, s)}"
+                                         f"{task.fewshot_delimiter}" for s in shots) + str(task.text(doc)))
+    return out
+
+
+def choice_pairs(task, doc: dict, context: str) -> list[tuple[str, str]]:
+    return [(context, f"{task.target_delimiter}{c}") for c in task.choices(doc)]
+
+
+def start_id(tokenizer) -> int:
+    """What an empty context, and a rolling document's first window, is conditioned on: BOS, else end-of-text."""
+    bos = getattr(tokenizer, "bos", None)
+    return bos if bos is not None else tokenizer.eot
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    if not context:
+        ids = [int(i) for i in tokenizer.encode(continuation)]
+        ids = ids[1:] if getattr(tokenizer, "add_bos", False) and ids[:1] == [tokenizer.bos] else ids
+        return [start_id(tokenizer)], ids
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = [int(i) for i in tokenizer.encode(context + continuation)]
+    n = len(tokenizer.encode(context))
+    return whole[:n], whole[n:]
+
+
+def rolling_pairs(tokens: list[int], prefix: int, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """(context, continuation) windows predicting every token once, each context at most max_len ids."""
+    if not tokens:
+        return []
+    first = min(max_len, len(tokens))
+    windows = [([prefix] + tokens[:first - 1], tokens[:first])]
+    done = first
+    while done < len(tokens):
+        n = min(len(tokens) - done, max_len)
+        end = done + n
+        windows.append((tokens[max(end - max_len - 1, 0):end - 1], tokens[end - n:end]))
+        done += n
+    return [(a[:len(a) - (len(b) - 1)], b) for a, b in windows]

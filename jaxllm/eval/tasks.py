@@ -1,0 +1,150 @@
+"""Benchmark tasks from small YAML (or JSON) files in lm-evaluation-harness 0.4's own task format, read offline.
+
+A task file names local data (`dataset_path: json` and `dataset_kwargs: {data_files: {SPLIT: FILE}}`, files
+relative to the task file, one JSON object per line), the split evaluated (`test_split`, else
+`validation_split`) and the one few-shot examples come from (`fewshot_split`), how a document becomes text
+(`doc_to_text`, `doc_to_target`, `doc_to_choice`: a column name, or a Jinja template rendered as
+lm-evaluation-harness renders it), `output_type` (`multiple_choice` or `loglikelihood_rolling`),
+`num_fewshot`, `description`, `target_delimiter` (" "), `fewshot_delimiter` ("\\n\\n") and `metric_list`.
+The same file runs in lm-evaluation-harness (with absolute paths), which is how the tests compare the two.
+Anything else in the file is refused in one line: what we do not compute as it does, we do not compute.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxllm.errors import DataError
+
+OUTPUT_TYPES = ("multiple_choice", "loglikelihood_rolling")
+METRICS = {"multiple_choice": ("acc", "acc_norm", "acc_bytes"),
+           "loglikelihood_rolling": ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+DEFAULT_METRICS = {"multiple_choice": ["acc", "acc_norm"],
+                   "loglikelihood_rolling": ["word_perplexity", "byte_perplexity", "bits_per_byte"]}
+KEYS = {"task", "dataset_path", "dataset_kwargs", "test_split", "validation_split", "fewshot_split",
+        "training_split", "doc_to_text", "doc_to_target", "doc_to_choice", "output_type", "num_fewshot",
+        "description", "target_delimiter", "fewshot_delimiter", "metric_list", "metadata"}
+
+
+@dataclass
+class Task:
+    name: str
+    output_type: str
+    docs: list[dict]
+    fewshot_docs: list[dict] | None
+    same_split: bool  # few-shot examples from the evaluated split: a document is never its own example
+    spec: dict = field(repr=False)
+    num_fewshot: int = 0
+    description: str = ""
+    target_delimiter: str = " "
+    fewshot_delimiter: str = "\n\n"
+    metrics: list[str] = field(default_factory=list)
+
+    def render(self, key: str, doc: dict):
+        return render(self.spec.get(key), doc, key, has_choices="doc_to_choice" in self.spec)
+
+    def text(self, doc: dict) -> str:
+        return self.render("doc_to_text", doc)
+
+    def target(self, doc: dict):
+        return self.render("doc_to_target", doc)
+
+    def choices(self, doc: dict) -> list[str]:
+        return self.render("doc_to_choice", doc)
+
+
+def _environment():
+    import jinja2
+
+    return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def render(template, doc: dict, key: str, has_choices: bool):
+    """A doc_to_* field of one document, as lm-evaluation-harness 0.4 reads it: a column's value as it is, else
+    the template rendered; a target of digits with choices is an index, `[...]` a literal list."""
+    if isinstance(template, list):
+        return template
+    if template in doc:
+        return doc[template]
+    text = _environment().from_string(template).render(**doc)
+    if key == "doc_to_choice":
+        return ast.literal_eval(text)
+    if key == "doc_to_target" and has_choices and text.isdigit():
+        return int(text)
+    if key == "doc_to_target" and text.startswith("[") and text.endswith("]"):
+        return ast.literal_eval(text)
+    if key == "doc_to_text" and has_choices and text.isdigit():
+        return int(text)
+    return text
+
+
+def _read_jsonl(path: Path, where: str) -> list[dict]:
+    if not path.is_file():
+        raise DataError(f"{where}: no such data file {str(path)!r}; data_files are relative to the task file")
+    docs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                docs.append(json.loads(line))
+            except ValueError as e:
+                raise DataError(f"{path} line {number}: not JSON ({e}); fix or remove the line") from None
+    return docs
+
+
+def _load_file(path: str) -> dict:
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        if path.endswith(".json"):
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001  # any parse error is the file's, in one line
+        raise DataError(f"task file {path}: cannot be parsed ({str(e).splitlines()[0]}); fix its syntax") from None
+
+
+def load_task(path: str) -> Task:
+    """The task a file describes, with its documents read; DataError (one line) for anything unsupported."""
+    if not os.path.isfile(path):
+        raise DataError(f"--tasks: no such task file '{path}'; give a YAML or JSON file in lm-evaluation-harness's "
+                        "task format")
+    spec = _load_file(path)
+    where = f"task file {path}"
+    if not isinstance(spec, dict):
+        raise DataError(f"{where}: must be a mapping of task keys")
+    unknown = sorted(set(spec) - KEYS)
+    if unknown:
+        raise DataError(f"{where}: keys {unknown} are not supported; supported: {', '.join(sorted(KEYS))}")
+    kind = spec.get("output_type")
+    if kind not in OUTPUT_TYPES:
+        raise DataError(f"{where}: output_type {kind!r} is not one of {', '.join(OUTPUT_TYPES)}")
+    needed = ["doc_to_target"] + (["doc_to_text", "doc_to_choice"] if kind == "multiple_choice" else [])
+    missing = [k for k in needed if k not in spec]
+    if missing:
+        raise DataError(f"{where}: {kind} needs {', '.join(missing)}")
+    if spec.get("dataset_path") != "json":
+        raise DataError(f"{where}: dataset_path must be json (local JSONL files in dataset_kwargs.data_files)")
+    files = (spec.get("dataset_kwargs") or {}).get("data_files")
+    if not isinstance(files, dict) or not files:
+        raise DataError(f"{where}: dataset_kwargs.data_files must map split names to JSONL files")
+    split = spec.get("test_split") or spec.get("validation_split")
+    if split not in files:
+        raise DataError(f"{where}: the evaluated split {split!r} (test_split) is not in data_files {sorted(files)}")
+    fewshot = spec.get("fewshot_split")
+    num_fewshot = int(spec.get("num_fewshot") or 0)
+    if num_fewshot and fewshot not in files:
+        raise DataError(f"{where}: num_fewshot={num_fewshot} needs fewshot_split naming one of {sorted(files)}")
+    metrics = [m["metric"] if isinstance(m, dict) else m for m in spec.get("metric_list") or DEFAULT_METRICS[kind]]
+    bad = [m for m in metrics if m not in METRICS[kind]]
+    if bad:
+        raise DataError(f"{where}: metrics {bad} are not computed for {kind}; choose from {', '.join(METRICS[kind])}")
+    read = lambda s: _read_jsonl(Path(path).parent / files[s], where)
+    return Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
+                fewshot_docs=read(fewshot) if num_fewshot else None, same_split=fewshot == split, spec=spec,
+                num_fewshot=num_fewshot, description=spec.get("description", ""),
+                target_delimiter=spec.get("target_delimiter", " "),
+                fewshot_delimiter=spec.get("fewshot_delimiter", "\n\n"), metrics=metrics)

@@ -1,0 +1,143 @@
+"""Benchmark evaluation (`jaxllm eval`) against lm-evaluation-harness 0.4 itself, on the same task files.
+
+A tiny random transformers LLaMA with the LLaMA-3-style tokenizer fixture (BOS added) and one with the GPT-2-style
+fixture (no BOS): lm-evaluation-harness's Hugging Face backend (HFLM, fp32, max_length = jaxllm's model.seq_len)
+and `jaxllm eval` (fp32, on the test process's 8 devices) read the same YAML files over the same JSONL data. First
+the rendered requests (strings) must be equal, then each request's log-likelihood within 1e-4, then every
+metric. Tasks: ARC-, HellaSwag-, PIQA- and MMLU-style multiple choice with few-shot examples (from another split,
+and from the evaluated split itself), one with non-ASCII choices, and a rolling log-likelihood task whose
+documents span several windows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hf_families as H
+
+pytestmark = pytest.mark.slow  # lm-evaluation-harness and torch on each task
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SEQ = 48
+rng = np.random.default_rng(0)
+WORDS = "the cat dog sat on a mat ran far away big small red blue green tree house water fire".split()
+
+
+def _sentence(n: int) -> str:
+    return " ".join(rng.choice(WORDS, size=n)).capitalize()
+
+
+def _docs() -> dict[str, list[dict]]:
+    arc = [{"question": _sentence(6) + "?", "choices": {"text": [_sentence(2) for _ in range(4)],
+                                                       "label": ["A", "B", "C", "D"]}, "answerKey": "ABCD"[i % 4]}
+           for i in range(10)]
+    swag = [{"ctx": _sentence(8), "endings": [_sentence(3) for _ in range(4)], "label": str(i % 4)} for i in range(8)]
+    piqa = [{"goal": _sentence(5), "sol1": "café crème ✓ " + _sentence(2), "sol2": "数据 " + _sentence(3),
+             "label": i % 2} for i in range(8)]
+    mmlu = [{"question": _sentence(7), "choices": [_sentence(1) for _ in range(4)], "answer": i % 4}
+            for i in range(9)]
+    wiki = [{"page": " ".join(_sentence(12) + "." for _ in range(4))} for _ in range(5)]
+    return {"arc": arc, "swag": swag, "piqa": piqa, "mmlu": mmlu, "wiki": wiki}
+
+
+TASKS = {  # name -> (task keys besides the data, splits: name -> docs slice)
+    "arc_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
+                  "doc_to_target": "{{choices.label.index(answerKey)}}", "doc_to_choice": "{{choices.text}}",
+                  "num_fewshot": 2, "fewshot_split": "train", "test_split": "test",
+                  "metric_list": [{"metric": m} for m in ("acc", "acc_norm", "acc_bytes")]},
+                 ("arc", {"train": slice(0, 4), "test": slice(4, 10)})),
+    "hellaswag_like": ({"output_type": "multiple_choice", "doc_to_text": "{{ctx}}", "doc_to_target": "{{label}}",
+                        "doc_to_choice": "endings", "num_fewshot": 1, "fewshot_split": "validation",
+                        "test_split": "validation", "description": "Finish the sentence.\n\n"},
+                       ("swag", {"validation": slice(0, 8)})),
+    "piqa_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{goal}}\nAnswer:",
+                   "doc_to_target": "label", "doc_to_choice": "{{[sol1, sol2]}}", "test_split": "test",
+                   "metric_list": [{"metric": m} for m in ("acc", "acc_norm", "acc_bytes")]},
+                  ("piqa", {"test": slice(0, 8)})),
+    "mmlu_like": ({"output_type": "multiple_choice", "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\n"
+                   "B. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:", "doc_to_target": "answer",
+                   "doc_to_choice": ["A", "B", "C", "D"], "num_fewshot": 3, "fewshot_split": "dev",
+                   "test_split": "test", "target_delimiter": " ", "fewshot_delimiter": "\n\n"},
+                  ("mmlu", {"dev": slice(0, 4), "test": slice(4, 9)})),
+    "wiki_like": ({"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "page",
+                   "test_split": "test"}, ("wiki", {"test": slice(0, 5)})),
+}
+
+
+def write_tasks(folder: Path) -> list[Path]:
+    """The task files (absolute data paths, so that lm-evaluation-harness reads them too) and their data."""
+    docs, paths = _docs(), []
+    for name, (keys, (source, splits)) in TASKS.items():
+        files = {}
+        for split, part in splits.items():
+            files[split] = str(folder / f"{name}_{split}.jsonl")
+            Path(files[split]).write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs[source][part]))
+        spec = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files}, **keys}
+        paths.append(folder / f"{name}.yaml")
+        paths[-1].write_text(json.dumps(spec, ensure_ascii=False, indent=1))  # JSON is YAML
+    return paths
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("benchmarks")
+    models = {}
+    for name, tokenizer in (("llama3", "hf_tokenizer"), ("gpt2style", "hf_tokenizer_gpt2")):
+        vocab = json.loads((FIXTURES / tokenizer / "tokenizer.json").read_text())
+        size = 1 + max([*vocab["model"]["vocab"].values(), *(t["id"] for t in vocab["added_tokens"])])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(H, "WEIGHT_STD", 0.02)
+            models[name] = H.build("llama3", str(root / name), vocab_size=size, max_position_embeddings=SEQ)
+        for f in (FIXTURES / tokenizer).iterdir():
+            shutil.copy(f, root / name / f.name)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    return models, write_tasks(tasks)
+
+
+def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[key] = "1"
+    os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
+    import lm_eval
+    import torch
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=SEQ, batch_size=4)
+    manager = TaskManager(include_path=str(task_files[0].parent), include_defaults=False)
+    return lm_eval.simple_evaluate(model=lm, tasks=[p.stem for p in task_files], task_manager=manager,
+                                   log_samples=True, bootstrap_iters=0)
+
+
+@pytest.mark.parametrize("model", ["llama3", "gpt2style"])
+def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
+    from jaxllm.cli import eval as eval_cli
+
+    models, task_files = setup
+    theirs = lm_eval_run(models[model], task_files)
+    out = tmp_path / "ours.json"
+    assert eval_cli.main(["--from", f"hf:{models[model]}", "--tasks", *map(str, task_files), "--out", str(out),
+                          "precision.compute=float32", f"model.seq_len={SEQ}", "train.global_batch=8"]) == 0
+    ours = json.loads(out.read_text())
+    for name in TASKS:
+        samples = sorted(theirs["samples"][name], key=lambda s: s["doc_id"])
+        assert len(samples) == len(ours["samples"][name])
+        for s, o in zip(samples, ours["samples"][name]):  # the requests first, as strings
+            assert [list(a[:2]) if len(a) > 1 else list(a) for a in s["arguments"]] == o["arguments"], name
+        for s, o in zip(samples, ours["samples"][name]):
+            want = [r[0][0] if isinstance(r[0], (list, tuple)) else r[0] for r in s["resps"]]
+            np.testing.assert_allclose(o["loglikelihoods"], want, atol=1e-4, rtol=0, err_msg=name)
+        for metric, value in ours["results"][name].items():  # accuracies exactly; the rest within what the
+            exact = metric.startswith("acc")  # log-likelihoods' 1e-4 allows (perplexity: exp of their mean per word)
+            want = theirs["results"][name][f"{metric},none"]
+            assert value == want if exact else value == pytest.approx(want, rel=1e-5), (name, metric, value, want)
