@@ -56,7 +56,7 @@ TASKS = {  # name -> (task keys besides the data, splits: name -> docs slice)
                         "doc_to_choice": "endings", "num_fewshot": 1, "fewshot_split": "validation",
                         "test_split": "validation", "description": "Finish the sentence.\n\n"},
                        ("swag", {"validation": slice(0, 8)})),
-    "piqa_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{goal}}\nAnswer:",
+    "piqa_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{goal}}\nAnswer: ",  # the space moves
                    "doc_to_target": "label", "doc_to_choice": "{{[sol1, sol2]}}", "test_split": "test",
                    "metric_list": [{"metric": m} for m in ("acc", "acc_norm", "acc_bytes")]},
                   ("piqa", {"test": slice(0, 8)})),
