@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import hf_families as H
-
-pytestmark = pytest.mark.slow  # lm-evaluation-harness and torch on each task
+from harness import subprocess_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEQ = 48
@@ -119,16 +120,20 @@ def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
                                    log_samples=True, bootstrap_iters=0)
 
 
-@pytest.mark.parametrize("model", ["llama3", "gpt2style"])
-def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
+def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str) -> dict:
     from jaxllm.cli import eval as eval_cli
 
+    assert eval_cli.main(["--from", f"hf:{model_dir}", "--tasks", *map(str, task_files), "--out", str(out),
+                          "precision.compute=float32", f"model.seq_len={SEQ}", "train.global_batch=8", *over]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow  # lm-evaluation-harness and torch on each task
+@pytest.mark.parametrize("model", ["llama3", "gpt2style"])
+def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
     models, task_files = setup
     theirs = lm_eval_run(models[model], task_files)
-    out = tmp_path / "ours.json"
-    assert eval_cli.main(["--from", f"hf:{models[model]}", "--tasks", *map(str, task_files), "--out", str(out),
-                          "precision.compute=float32", f"model.seq_len={SEQ}", "train.global_batch=8"]) == 0
-    ours = json.loads(out.read_text())
+    ours = ours_run(models[model], task_files, tmp_path / "ours.json")
     for name in TASKS:
         samples = sorted(theirs["samples"][name], key=lambda s: s["doc_id"])
         assert len(samples) == len(ours["samples"][name])
@@ -141,3 +146,68 @@ def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, 
             exact = metric.startswith("acc")  # log-likelihoods' 1e-4 allows (perplexity: exp of their mean per word)
             want = theirs["results"][name][f"{metric},none"]
             assert value == want if exact else value == pytest.approx(want, rel=1e-5), (name, metric, value, want)
+
+
+_one: dict = {}
+
+
+def one_device(setup, tmp_path) -> dict:
+    """`jaxllm eval` on one device (a process of its own), once for the file."""
+    if "out" not in _one:
+        models, task_files = setup
+        out = tmp_path / "one.json"
+        done = subprocess.run([sys.executable, "-m", "jaxllm", "eval", "--from", f"hf:{models['llama3']}", "--tasks",
+                               *map(str, task_files), "--out", str(out), "precision.compute=float32",
+                               f"model.seq_len={SEQ}", "train.global_batch=8"], env=subprocess_env(1),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        _one["out"] = json.loads(out.read_text())
+    return _one["out"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [
+    ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"],
+    ["mesh.pp=2", "mesh.dp=4", "train.microbatches=2"],
+], ids=["dp2_fsdp2_tp2_zero3", "pp2_dp4"])
+def test_every_mesh_scores_as_one_device(setup, mesh, tmp_path):
+    models, task_files = setup
+    spread = ours_run(models["llama3"], task_files, tmp_path / "mesh.json", *mesh)
+    base = one_device(setup, tmp_path)
+    for name in TASKS:
+        for a, b in zip(base["samples"][name], spread["samples"][name]):
+            np.testing.assert_allclose(b["loglikelihoods"], a["loglikelihoods"], rtol=1e-5, atol=1e-5, err_msg=name)
+        for metric, value in base["results"][name].items():
+            got = spread["results"][name][metric]
+            assert got == value if metric.startswith("acc") else got == pytest.approx(value, rel=1e-5), (name, metric)
+
+
+def _task(folder: Path, **keys) -> Path:
+    (folder / "d.jsonl").write_text('{"q": "one", "a": ["x", "y"], "g": 0}\n')
+    spec = {"task": "t", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "d.jsonl"}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_target": "g",
+            "doc_to_choice": "a", **keys}
+    path = folder / "t.yaml"
+    path.write_text(json.dumps({k: v for k, v in spec.items() if v is not None}))
+    return path
+
+
+BAD_TASKS = {  # name -> (task keys, words the one line must hold)
+    "generation": ({"output_type": "generate_until"}, "output_type 'generate_until' is not one of"),
+    "unknown_key": ({"filter_list": []}, "keys ['filter_list'] are not supported"),
+    "no_choices": ({"doc_to_choice": None}, "multiple_choice needs doc_to_choice"),
+    "missing_data": ({"dataset_kwargs": {"data_files": {"test": "nowhere.jsonl"}}}, "no such data file"),
+    "metric": ({"metric_list": [{"metric": "exact_match"}]}, "metrics ['exact_match'] are not computed"),
+    "remote": ({"dataset_path": "allenai/ai2_arc"}, "dataset_path must be json"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TASKS)
+def test_bad_task_files_are_one_line_exit_2(case, tmp_path, capsys):
+    from jaxllm.cli import eval as eval_cli
+
+    keys, words = BAD_TASKS[case]
+    path = _task(tmp_path, **keys)
+    assert eval_cli.main(["--from", "hf:nowhere", "--tasks", str(path)]) == 2  # refused before any model loads
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
