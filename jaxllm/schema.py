@@ -368,6 +368,10 @@ class TrainConfig:
                               'different mesh; see "Preemption and recovery")')
     log_every: int = key(10, "log every N steps (step 1 always)")
     eval_every: int = key(50, "validation every N steps (0 = off)")
+    eval_tasks: list = key([], "benchmark task files (lm-evaluation-harness's format, see \"Evaluation\") scored at "
+                               "each validation step (`train.eval_every`) and the last; metrics.jsonl gets "
+                               "`eval/TASK/METRIC`, `RUN_DIR/eval/step_N.json` the results and every request's "
+                               "log-likelihood")
     eval_batches: int = key(4, "validation over this many fixed batches; fine-tuning data is validated over its "
                                "whole validation split (`eval_batches` is not used)")
     checkpoint_every: int = key(100, "async Orbax checkpoint every N steps and at the end (0 = off)")

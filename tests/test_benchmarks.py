@@ -211,3 +211,34 @@ def test_bad_task_files_are_one_line_exit_2(case, tmp_path, capsys):
     assert eval_cli.main(["--from", "hf:nowhere", "--tasks", str(path)]) == 2  # refused before any model loads
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], lines
+
+
+@pytest.mark.slow
+def test_benchmarks_during_training_leave_the_losses_bitwise_and_equal_jaxllm_eval(tmp_path):
+    from jaxllm.cli import eval as eval_cli
+    from jaxllm.config import build_config
+    from jaxllm.train.loop import train
+
+    (tmp_path / "tasks").mkdir()
+    task_files = write_tasks(tmp_path / "tasks")
+    rows = {}
+    for name, tasks in (("plain", []), ("with", [str(p) for p in task_files])):
+        train(build_config(None, {"model.preset": "tiny-gpt2", "train.steps": 4, "train.eval_every": 2,
+                                  "train.checkpoint_every": 2, "train.log_every": 1, "train.global_batch": 8,
+                                  "train.eval_tasks": tasks, "run.sample_tokens": 0, "run.progress": False,
+                                  "precision.compute": "float32", "run.dir": str(tmp_path / name)}))
+        rows[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    losses = lambda rs: [(r["step"], r["loss"], r["grad_norm"]) for r in rs if "loss" in r]
+    assert losses(rows["with"]) == losses(rows["plain"])  # scoring benchmarks changes no training bit
+    scored = [r for r in rows["with"] if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in scored] == [2, 4] and all(f"eval/{n}/acc" in scored[0] for n in TASKS if "wiki" not in n)
+    saved = json.loads((tmp_path / "with" / "eval" / "step_2.json").read_text())
+    assert {f"eval/{n}/{m}": v for n, ms in saved["results"].items() for m, v in ms.items()} == \
+        {k: v for k, v in scored[0].items() if k != "step"}
+    out = tmp_path / "again.json"  # the checkpoint of step 2 scored alone: the same numbers
+    assert eval_cli.main(["--from", str(tmp_path / "with"), "--step", "2", "--tasks", *map(str, task_files),
+                          "--out", str(out), "precision.compute=float32"]) == 0
+    again = json.loads(out.read_text())
+    for name in TASKS:
+        np.testing.assert_allclose([ll for s in again["samples"][name] for ll in s["loglikelihoods"]],
+                                   [ll for s in saved["samples"][name] for ll in s["loglikelihoods"]], rtol=1e-6)

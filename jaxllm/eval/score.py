@@ -35,7 +35,16 @@ def loglikelihoods(fns, params, pairs: list[tuple[list[int], list[int]]], seq: i
         which = order[start:start + rows]
         built = [request_row(*pairs[i], seq) for i in which] + [empty] * (rows - len(which))
         batch = {k: np.stack([r[k] for r in built]) for k in batch_lib.FIELDS}
-        logp = np.asarray(jax.device_get(fns.token_logp(params, batch_lib.global_arrays(batch, fns.batch_sharding))),
+        logp = np.asarray(_on_host(fns.token_logp(params, batch_lib.global_arrays(batch, fns.batch_sharding))),
                           np.float64)
         out[which] = (logp * batch["loss_mask"])[:len(which)].sum(axis=1)
     return out.tolist()
+
+
+def _on_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host: every process's rows gathered where several processes hold them."""
+    if jax.process_count() == 1:
+        return jax.device_get(x)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)

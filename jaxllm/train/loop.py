@@ -8,6 +8,7 @@ written to. Host syncs happen only at log, eval and checkpoint steps.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.data import dataset, prefetch
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
+from jaxllm.eval import tasks as eval_tasks
 from jaxllm.generate import generate
 from jaxllm.interop import hf, peft
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
@@ -260,6 +262,8 @@ class _Run:
     peak: float = 0.0
     good_checkpoint: int | None = None
     pending: list = field(default_factory=list)  # (step, its consecutive-skip count) not yet read
+    tasks: list = field(default_factory=list)  # benchmark tasks scored at each validation (train.eval_tasks)
+    tokenizer: object = None
     last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
 
 
@@ -378,6 +382,25 @@ def _mean_terms(run: _Run, params, batches, pooled: dict | None = None) -> dict:
     return {k: v / count for k, v in sums.items()}
 
 
+def _benchmarks(run: _Run, step: int, params) -> None:
+    """Score the benchmark tasks (train.eval_tasks): a metrics row `eval/TASK/METRIC`, the console table, and
+    RUN_DIR/eval/step_N.json with every request's log-likelihood."""
+    from jaxllm.eval import run as eval_run
+
+    results, samples = {}, {}
+    for task in run.tasks:
+        results[task.name], samples[task.name] = eval_run.evaluate(
+            task, run.tokenizer, run.fns, params, run.cfg.model.seq_len, run.cfg.train.global_batch)
+    if run.writer:
+        run.writer.write({"step": step, **{f"eval/{name}/{m}": v for name, ms in results.items()
+                                           for m, v in ms.items()}})
+        for name, ms in results.items():
+            _show(run, f"step {step:>6} | {name}: " + ", ".join(f"{m} {v:.4f}" for m, v in ms.items()))
+        os.makedirs(os.path.join(run.cfg.run.dir, "eval"), exist_ok=True)
+        with open(os.path.join(run.cfg.run.dir, "eval", f"step_{step}.json"), "w") as f:
+            json.dump({"step": step, "results": results, "samples": samples}, f, indent=1)
+
+
 def _save(run: _Run, step: int, state, applied: bool = True) -> None:
     """Save step `step`; `applied`: its update was not skipped, so its loss was a finite one."""
     if run.mngr is None:
@@ -431,12 +454,15 @@ def _train_steps(run: _Run, state, start: int, should_stop):
                 _write_row(run, row)
             _check_finite(run, row)
         _watch_skips(run, step, metrics, wait=logging_now or saving)
-        if run.eval_fn is not None and (step % t.eval_every == 0 or step == t.steps):
-            val = _evaluate(run, run.fns.device_params(state.params))
-            run.last["val_loss"] = val["val_loss"]
-            if run.writer:
-                run.writer.write({"step": step, **val})
-                _show(run, f"step {step:>6} | val_loss {val['val_loss']:.4f}" + _preference_text(val, "val_"))
+        if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            if run.eval_fn is not None:
+                val = _evaluate(run, run.fns.device_params(state.params))
+                run.last["val_loss"] = val["val_loss"]
+                if run.writer:
+                    run.writer.write({"step": step, **val})
+                    _show(run, f"step {step:>6} | val_loss {val['val_loss']:.4f}" + _preference_text(val, "val_"))
+            if run.tasks:
+                _benchmarks(run, step, run.fns.device_params(state.params))
             mark_time = time.time()  # evaluation is not training time
         if saving:
             _save(run, step, state, applied=not row.get("skipped"))
@@ -471,6 +497,7 @@ def train(cfg: Config) -> dict:
     """Run training as configured. Returns a summary (final losses, run dir, ...)."""
     initialize_distributed(cfg.distributed)
     tokenizer, shape, notes, data = prepare(cfg)
+    tasks = [eval_tasks.load_task(path) for path in cfg.train.eval_tasks]  # a bad task file writes nothing
     if not cfg.run.dir and jax.process_count() > 1:
         raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
@@ -503,7 +530,7 @@ def train(cfg: Config) -> dict:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     # from here a signal stops the run at a step; the prefetching thread stops with the run, however it ends
     with preemption.stop_requests() as should_stop, contextlib.closing(ahead) if ahead else contextlib.nullcontext():
-        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data, start))
+        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data, start), tasks=tasks, tokenizer=tokenizer)
         run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
         run.good_checkpoint = start if resume else None
         if lead:
