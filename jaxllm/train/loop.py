@@ -26,7 +26,7 @@ from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.data import dataset, prefetch
 from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
-from jaxllm.eval import tasks as eval_tasks
+from jaxllm.eval import run as eval_run, tasks as eval_tasks
 from jaxllm.generate import generate
 from jaxllm.interop import hf, peft
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
@@ -385,8 +385,6 @@ def _mean_terms(run: _Run, params, batches, pooled: dict | None = None) -> dict:
 def _benchmarks(run: _Run, step: int, params) -> None:
     """Score the benchmark tasks (train.eval_tasks): a metrics row `eval/TASK/METRIC`, the console table, and
     RUN_DIR/eval/step_N.json with every request's log-likelihood."""
-    from jaxllm.eval import run as eval_run
-
     results, samples = {}, {}
     for task in run.tasks:
         results[task.name], samples[task.name] = eval_run.evaluate(
