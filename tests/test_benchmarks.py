@@ -44,7 +44,9 @@ def _docs() -> dict[str, list[dict]]:
     mmlu = [{"question": _sentence(7), "choices": [_sentence(1) for _ in range(4)], "answer": i % 4}
             for i in range(9)]
     wiki = [{"page": " ".join(_sentence(12) + "." for _ in range(4))} for _ in range(5)]
-    return {"arc": arc, "swag": swag, "piqa": piqa, "mmlu": mmlu, "wiki": wiki}
+    gsm = [{"question": f"{_sentence(4)} {a} and {b}?", "answer": f"{_sentence(3)} {a}+{b}={a + b}.\n#### {a + b}"}
+           for a, b in rng.integers(1, 99, size=(9, 2)).tolist()]
+    return {"arc": arc, "swag": swag, "piqa": piqa, "mmlu": mmlu, "wiki": wiki, "gsm": gsm}
 
 
 TASKS = {  # name -> (task keys besides the data, splits: name -> docs slice)
@@ -68,7 +70,23 @@ TASKS = {  # name -> (task keys besides the data, splits: name -> docs slice)
                   ("mmlu", {"dev": slice(0, 4), "test": slice(4, 9)})),
     "wiki_like": ({"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "page",
                    "test_split": "test"}, ("wiki", {"test": slice(0, 5)})),
+    "gsm8k_like": ({"output_type": "generate_until", "doc_to_text": "Question: {{question}}\nAnswer:",
+                    "doc_to_target": "{{answer}}", "num_fewshot": 2, "fewshot_split": "train", "test_split": "test",
+                    "generation_kwargs": {"until": ["Question:", "</s>", "\n\n"], "do_sample": False,
+                                          "temperature": 0.0, "max_gen_toks": 12},
+                    "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                                     "ignore_case": True, "ignore_punctuation": False,
+                                     "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]}],
+                    "filter_list": [{"name": "strict-match", "filter": [{"function": "regex",
+                                                                          "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
+                                                                         {"function": "take_first"}]},
+                                    {"name": "flexible-extract", "filter": [
+                                        {"function": "regex", "group_select": -1,
+                                         "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
+                                        {"function": "take_first"}]}]},
+                   ("gsm", {"train": slice(0, 4), "test": slice(4, 9)})),
 }
+GENERATION = {"gsm8k_like"}
 
 
 def write_tasks(folder: Path) -> list[Path]:
@@ -134,7 +152,16 @@ def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, 
     models, task_files = setup
     theirs = lm_eval_run(models[model], task_files)
     ours = ours_run(models[model], task_files, tmp_path / "ours.json")
-    for name in TASKS:
+    for name in GENERATION:  # one sample per document and filter: the generated text, and each filter's answer
+        samples = sorted(theirs["samples"][name], key=lambda s: (s["doc_id"], s["filter"]))
+        assert len(samples) == 2 * len(ours["samples"][name])
+        for s in samples:
+            o = ours["samples"][name][s["doc_id"]]
+            assert s["arguments"][0][0] == o["arguments"][0][0]  # the context
+            assert (s["resps"][0][0], s["filtered_resps"][0]) == (o["generated"], o[f"filtered/{s['filter']}"])
+        for key, value in ours["results"][name].items():
+            assert value == theirs["results"][name][key.replace("/", ",")], (name, key)
+    for name in set(TASKS) - GENERATION:
         samples = sorted(theirs["samples"][name], key=lambda s: s["doc_id"])
         assert len(samples) == len(ours["samples"][name])
         for s, o in zip(samples, ours["samples"][name]):  # the requests first, as strings
@@ -174,9 +201,12 @@ def test_every_mesh_scores_as_one_device(setup, mesh, tmp_path):
     models, task_files = setup
     spread = ours_run(models["llama3"], task_files, tmp_path / "mesh.json", *mesh)
     base = one_device(setup, tmp_path)
-    for name in TASKS:
+    for name in set(TASKS) - GENERATION:
         for a, b in zip(base["samples"][name], spread["samples"][name]):
             np.testing.assert_allclose(b["loglikelihoods"], a["loglikelihoods"], rtol=1e-5, atol=1e-5, err_msg=name)
+    for name in GENERATION:
+        assert [o["generated"] for o in spread["samples"][name]] == [o["generated"] for o in base["samples"][name]]
+    for name in TASKS:
         for metric, value in base["results"][name].items():
             got = spread["results"][name][metric]
             assert got == value if metric.startswith("acc") else got == pytest.approx(value, rel=1e-5), (name, metric)
@@ -242,3 +272,28 @@ def test_benchmarks_during_training_leave_the_losses_bitwise_and_equal_jaxllm_ev
     for name in TASKS:
         np.testing.assert_allclose([ll for s in again["samples"][name] for ll in s["loglikelihoods"]],
                                    [ll for s in saved["samples"][name] for ll in s["loglikelihoods"]], rtol=1e-6)
+
+
+FILTER_TEXTS = ["The answer is 42.\n#### 42", "#### -1,234.5 then #### 7", "costs $12 or 13", "no number", "",
+                "Ünïcödé 3.14 ✓ #### 3", "1,000,000 and 2"]
+
+
+def test_filters_and_exact_match_equal_lm_evaluation_harness():
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    from jaxllm.eval import metrics
+
+    steps = TASKS["gsm8k_like"][0]["filter_list"]
+    for f in steps:
+        regex = {k: v for k, v in f["filter"][0].items() if k != "function"}
+        theirs = [r[0] for r in RegexFilter(**regex).apply([[t] for t in FILTER_TEXTS], None)]
+        assert [metrics.apply_filter(f["filter"], t) for t in FILTER_TEXTS] == theirs, f["name"]
+    options = [{}, {"ignore_case": True}, {"ignore_punctuation": True, "ignore_numbers": True},
+               TASKS["gsm8k_like"][0]["metric_list"][0] | {"metric": None}]
+    for option in options:
+        option = {k: v for k, v in option.items() if k not in ("metric", "aggregation", "higher_is_better")}
+        for pred in FILTER_TEXTS:
+            for gold in ("42", "#### 42", "The Answer is 42.", pred.upper(), "3"):
+                want = exact_match_hf_evaluate([pred], [gold], **option)["exact_match"]
+                assert metrics.exact_match(pred, gold, **option) == want, (pred, gold, option)

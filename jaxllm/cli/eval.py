@@ -37,8 +37,7 @@ def run(args) -> dict:
     cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
     results, samples = {}, {}
     for task in tasks:
-        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg.model.seq_len,
-                                                                  cfg.train.global_batch)
+        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg)
     print(f"{'task':<24} {'metric':<18} value")
     for name, values in results.items():
         for metric, value in values.items():

@@ -7,6 +7,8 @@
 - A pair is encoded as its `_encode_pair` does: whitespace ending the context moved to the continuation, the whole
   string encoded, the context's ids split off by their count; an empty context is the tokenizer's BOS (else
   end-of-text) id. Scored over `(context + continuation)[-(L+1):]` (left truncation to the model's length L).
+- Generation: the context's ids left-truncated to L − max_gen_toks, greedy, the new text decoded without special
+  tokens and cut at the first of the stop strings (`until`, and the end-of-text token's text).
 - Rolling log-likelihood: the document's ids in disjoint windows of L predictions, each conditioned on the L ids
   before it (the first on BOS, else end-of-text), as its `get_rolling_token_windows` and `make_disjoint_window`.
 """
@@ -84,3 +86,26 @@ def rolling_pairs(tokens: list[int], prefix: int, max_len: int) -> list[tuple[li
         windows.append((tokens[max(end - max_len - 1, 0):end - 1], tokens[end - n:end]))
         done += n
     return [(a[:len(a) - (len(b) - 1)], b) for a, b in windows]
+
+
+def decode_new(tokenizer, ids) -> str:
+    """Generated ids as text, special tokens left out (transformers' `skip_special_tokens=True`)."""
+    ids = [int(i) for i in ids]
+    if hasattr(tokenizer, "tok"):  # a Hugging Face tokenizer: its own rule for what is special
+        from jaxllm.data.tokenizers import _clean_up_tokenization
+
+        text = tokenizer.tok.decode(ids, skip_special_tokens=True)
+        return _clean_up_tokenization(text) if tokenizer.clean_up_spaces else text
+    return tokenizer.decode([i for i in ids if i not in tokenizer.stop_ids])
+
+
+def cut_at_stops(text: str, until: list[str]) -> str:
+    for stop in until:
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+def stop_strings(task, tokenizer) -> list[str]:
+    eos = tokenizer.decode([tokenizer.eot])
+    return task.until + ([eos] if eos not in task.until else [])

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from jaxllm.eval import metrics, requests, score
+from jaxllm.generate import generate
 
 
-def evaluate(task, tokenizer, fns, params, seq: int, rows: int) -> tuple[dict, list[dict]]:
-    """(the task's metrics, one record per document: its requests as strings and their log-likelihoods)."""
+def evaluate(task, tokenizer, fns, params, cfg) -> tuple[dict, list[dict]]:
+    """(the task's metrics, one record per document: its requests as strings and their log-likelihoods, or its
+    generated text). Requests run `train.global_batch` at a time, at most `model.seq_len` tokens each."""
+    seq, rows = cfg.model.seq_len, cfg.train.global_batch
     if task.output_type == "multiple_choice":
         return _multiple_choice(task, tokenizer, fns, params, seq, rows)
+    if task.output_type == "generate_until":
+        return _generate_until(task, tokenizer, fns, params, cfg)
     return _rolling(task, tokenizer, fns, params, seq, rows)
 
 
@@ -39,3 +44,30 @@ def _rolling(task, tokenizer, fns, params, seq, rows):
     scores = metrics.rolling_scores(per_doc, texts)
     records = [{"arguments": [(t,)], "loglikelihoods": [ll]} for t, ll in zip(texts, per_doc)]
     return {m: scores[m] for m in task.metrics}, records
+
+
+def _generate_until(task, tokenizer, fns, params, cfg):
+    """Greedy completions of each context, `rows` prompts at a time, then the filters and exact match."""
+    contexts = requests.contexts(task)
+    seq, rows = cfg.model.seq_len, cfg.train.global_batch
+    keep = seq - task.max_gen_toks
+    prompts = [[int(i) for i in tokenizer.encode(c)][-keep:] for c in contexts]
+    until, texts = requests.stop_strings(task, tokenizer), []
+    for start in range(0, len(prompts), rows):
+        done = generate(params, cfg, prompts[start:start + rows], task.max_gen_toks, on=fns, temperature=0.0,
+                        stop_ids=tokenizer.stop_ids)
+        texts += [requests.cut_at_stops(requests.decode_new(tokenizer, c.tokens), until) for c in done]
+    sums, records = {}, []
+    for doc, context, text in zip(task.docs, contexts, texts):
+        gold = task.target(doc)
+        gold = str(task.choices(doc)[gold] if "doc_to_choice" in task.spec else gold)
+        record = {"arguments": [[context, until]], "generated": text}
+        for name, steps in task.filters.items():
+            answer = metrics.apply_filter(steps, text)
+            for metric in task.metrics:
+                key = metric if name == "none" else f"{metric}/{name}"
+                record[key] = metrics.exact_match(answer, gold, **task.metric_args.get(metric, {}))
+                sums[key] = sums.get(key, 0.0) + record[key]
+            record[f"filtered/{name}"] = answer
+        records.append(record)
+    return {k: v / len(task.docs) for k, v in sums.items()}, records

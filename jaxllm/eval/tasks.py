@@ -4,7 +4,8 @@ A task file names local data (`dataset_path: json` and `dataset_kwargs: {data_fi
 relative to the task file, one JSON object per line), the split evaluated (`test_split`, else
 `validation_split`) and the one few-shot examples come from (`fewshot_split`), how a document becomes text
 (`doc_to_text`, `doc_to_target`, `doc_to_choice`: a column name, or a Jinja template rendered as
-lm-evaluation-harness renders it), `output_type` (`multiple_choice` or `loglikelihood_rolling`),
+lm-evaluation-harness renders it), `output_type` (`multiple_choice`, `loglikelihood_rolling` or `generate_until`
+with greedy `generation_kwargs`: `until`, `max_gen_toks`, and a `filter_list` of `regex` and `take_first`),
 `num_fewshot`, `description`, `target_delimiter` (" "), `fewshot_delimiter` ("\\n\\n") and `metric_list`.
 The same file runs in lm-evaluation-harness (with absolute paths), which is how the tests compare the two.
 Anything else in the file is refused in one line: what we do not compute as it does, we do not compute.
@@ -20,14 +21,20 @@ from pathlib import Path
 
 from jaxllm.errors import DataError
 
-OUTPUT_TYPES = ("multiple_choice", "loglikelihood_rolling")
+OUTPUT_TYPES = ("multiple_choice", "loglikelihood_rolling", "generate_until")
 METRICS = {"multiple_choice": ("acc", "acc_norm", "acc_bytes"),
-           "loglikelihood_rolling": ("word_perplexity", "byte_perplexity", "bits_per_byte")}
+           "loglikelihood_rolling": ("word_perplexity", "byte_perplexity", "bits_per_byte"),
+           "generate_until": ("exact_match",)}
 DEFAULT_METRICS = {"multiple_choice": ["acc", "acc_norm"],
-                   "loglikelihood_rolling": ["word_perplexity", "byte_perplexity", "bits_per_byte"]}
+                   "loglikelihood_rolling": ["word_perplexity", "byte_perplexity", "bits_per_byte"],
+                   "generate_until": ["exact_match"]}
 KEYS = {"task", "dataset_path", "dataset_kwargs", "test_split", "validation_split", "fewshot_split",
         "training_split", "doc_to_text", "doc_to_target", "doc_to_choice", "output_type", "num_fewshot",
-        "description", "target_delimiter", "fewshot_delimiter", "metric_list", "metadata"}
+        "description", "target_delimiter", "fewshot_delimiter", "metric_list", "metadata", "generation_kwargs",
+        "filter_list"}
+EXACT_MATCH_ARGS = {"ignore_case", "ignore_punctuation", "ignore_numbers", "regexes_to_ignore"}
+GENERATION_KEYS = {"until", "max_gen_toks", "do_sample", "temperature"}
+FILTERS = {"regex": {"regex_pattern", "group_select", "fallback"}, "take_first": set()}
 
 
 @dataclass
@@ -43,6 +50,10 @@ class Task:
     target_delimiter: str = " "
     fewshot_delimiter: str = "\n\n"
     metrics: list[str] = field(default_factory=list)
+    metric_args: dict = field(default_factory=dict)  # exact_match's options
+    until: list[str] = field(default_factory=list)
+    max_gen_toks: int = 256
+    filters: dict = field(default_factory=lambda: {"none": [{"function": "take_first"}]})
 
     def render(self, key: str, doc: dict):
         return render(self.spec.get(key), doc, key, has_choices="doc_to_choice" in self.spec)
@@ -122,7 +133,8 @@ def load_task(path: str) -> Task:
     kind = spec.get("output_type")
     if kind not in OUTPUT_TYPES:
         raise DataError(f"{where}: output_type {kind!r} is not one of {', '.join(OUTPUT_TYPES)}")
-    needed = ["doc_to_target"] + (["doc_to_text", "doc_to_choice"] if kind == "multiple_choice" else [])
+    needed = ["doc_to_target"] + {"multiple_choice": ["doc_to_text", "doc_to_choice"],
+                                  "generate_until": ["doc_to_text"]}.get(kind, [])
     missing = [k for k in needed if k not in spec]
     if missing:
         raise DataError(f"{where}: {kind} needs {', '.join(missing)}")
@@ -138,13 +150,40 @@ def load_task(path: str) -> Task:
     num_fewshot = int(spec.get("num_fewshot") or 0)
     if num_fewshot and fewshot not in files:
         raise DataError(f"{where}: num_fewshot={num_fewshot} needs fewshot_split naming one of {sorted(files)}")
-    metrics = [m["metric"] if isinstance(m, dict) else m for m in spec.get("metric_list") or DEFAULT_METRICS[kind]]
+    listed = [m if isinstance(m, dict) else {"metric": m} for m in spec.get("metric_list") or DEFAULT_METRICS[kind]]
+    metrics = [m["metric"] for m in listed]
     bad = [m for m in metrics if m not in METRICS[kind]]
     if bad:
         raise DataError(f"{where}: metrics {bad} are not computed for {kind}; choose from {', '.join(METRICS[kind])}")
+    args = {m["metric"]: {k: v for k, v in m.items() if k not in ("metric", "aggregation", "higher_is_better")}
+            for m in listed}
+    for metric, given in args.items():
+        if set(given) - EXACT_MATCH_ARGS:
+            raise DataError(f"{where}: {metric} does not take {sorted(set(given) - EXACT_MATCH_ARGS)}")
+    delimiter = spec.get("fewshot_delimiter", "\n\n")
     read = lambda s: _read_jsonl(Path(path).parent / files[s], where)
     return Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
                 fewshot_docs=read(fewshot) if num_fewshot else None, same_split=fewshot == split, spec=spec,
                 num_fewshot=num_fewshot, description=spec.get("description", ""),
-                target_delimiter=spec.get("target_delimiter", " "),
-                fewshot_delimiter=spec.get("fewshot_delimiter", "\n\n"), metrics=metrics)
+                target_delimiter=spec.get("target_delimiter", " "), fewshot_delimiter=delimiter, metrics=metrics,
+                metric_args=args, **(_generation(spec, where, delimiter) if kind == "generate_until" else {}))
+
+
+def _generation(spec: dict, where: str, delimiter: str) -> dict:
+    """until, max_gen_toks and the filters of a greedy generation task (lm-evaluation-harness's defaults)."""
+    given = spec.get("generation_kwargs") or {}
+    if set(given) - GENERATION_KEYS or given.get("do_sample") or given.get("temperature", 0) != 0:
+        raise DataError(f"{where}: generation_kwargs must be greedy (do_sample false, temperature 0) with only "
+                        f"{', '.join(sorted(GENERATION_KEYS))}; got {given}")
+    until = given.get("until", [delimiter])
+    filters = {"none": [{"function": "take_first"}]}
+    if spec.get("filter_list"):
+        filters = {f.get("name", "none"): f.get("filter", []) for f in spec["filter_list"]}
+    for name, steps in filters.items():
+        for step in steps:
+            extra = set(step) - {"function"} - FILTERS.get(step.get("function"), set())
+            if step.get("function") not in FILTERS or extra:
+                raise DataError(f"{where}: filter {name!r}: {step} is not supported; filters are regex "
+                                "(regex_pattern, group_select, fallback) and take_first")
+    return {"until": [until] if isinstance(until, str) else list(until),
+            "max_gen_toks": int(given.get("max_gen_toks", 256)), "filters": filters}

@@ -387,8 +387,7 @@ def _benchmarks(run: _Run, step: int, params) -> None:
     RUN_DIR/eval/step_N.json with every request's log-likelihood."""
     results, samples = {}, {}
     for task in run.tasks:
-        results[task.name], samples[task.name] = eval_run.evaluate(
-            task, run.tokenizer, run.fns, params, run.cfg.model.seq_len, run.cfg.train.global_batch)
+        results[task.name], samples[task.name] = eval_run.evaluate(task, run.tokenizer, run.fns, params, run.cfg)
     if run.writer:
         run.writer.write({"step": step, **{f"eval/{name}/{m}": v for name, ms in results.items()
                                            for m, v in ms.items()}})
