@@ -223,8 +223,10 @@ class HFTokenizer:
         return (np.asarray(enc.ids, np.int64), np.asarray([o[0] for o in enc.offsets], np.int64),
                 np.asarray([o[1] for o in enc.offsets], np.int64))
 
-    def decode(self, ids) -> str:
-        text = self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+    def decode(self, ids, skip_special: bool = False) -> str:
+        """The text of `ids`; special tokens as their strings, or left out (`skip_special`, as transformers'
+        `skip_special_tokens=True`)."""
+        text = self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=skip_special)
         return _clean_up_tokenization(text) if self.clean_up_spaces else text
 
 

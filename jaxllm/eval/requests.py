@@ -92,10 +92,7 @@ def decode_new(tokenizer, ids) -> str:
     """Generated ids as text, special tokens left out (transformers' `skip_special_tokens=True`)."""
     ids = [int(i) for i in ids]
     if hasattr(tokenizer, "tok"):  # a Hugging Face tokenizer: its own rule for what is special
-        from jaxllm.data.tokenizers import _clean_up_tokenization
-
-        text = tokenizer.tok.decode(ids, skip_special_tokens=True)
-        return _clean_up_tokenization(text) if tokenizer.clean_up_spaces else text
+        return tokenizer.decode(ids, skip_special=True)
     return tokenizer.decode([i for i in ids if i not in tokenizer.stop_ids])
 
 
