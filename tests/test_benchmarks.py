@@ -20,87 +20,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 import hf_families as H
 from harness import subprocess_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEQ = 48
-rng = np.random.default_rng(0)
-WORDS = "the cat dog sat on a mat ran far away big small red blue green tree house water fire".split()
+# Task files in the layouts of ARC, HellaSwag (few-shot from the evaluated split), PIQA (non-ASCII choices, a context
+# ending in a space), MMLU, WikiText (rolling log-likelihood over several windows) and GSM8K (generation, two
+# filters), a few documents each of random words, relative data paths (as jaxllm reads them)
+TASK_FILES = sorted((FIXTURES / "eval").glob("*.yaml"))
+SPECS = {p.stem: yaml.safe_load(p.read_text()) for p in TASK_FILES}
+TASKS = list(SPECS)
+GENERATION = {name for name, spec in SPECS.items() if spec["output_type"] == "generate_until"}
 
 
-def _sentence(n: int) -> str:
-    return " ".join(rng.choice(WORDS, size=n)).capitalize()
-
-
-def _docs() -> dict[str, list[dict]]:
-    arc = [{"question": _sentence(6) + "?", "choices": {"text": [_sentence(2) for _ in range(4)],
-                                                       "label": ["A", "B", "C", "D"]}, "answerKey": "ABCD"[i % 4]}
-           for i in range(10)]
-    swag = [{"ctx": _sentence(8), "endings": [_sentence(3) for _ in range(4)], "label": str(i % 4)} for i in range(8)]
-    piqa = [{"goal": _sentence(5), "sol1": "café crème ✓ " + _sentence(2), "sol2": "数据 " + _sentence(3),
-             "label": i % 2} for i in range(8)]
-    mmlu = [{"question": _sentence(7), "choices": [_sentence(1) for _ in range(4)], "answer": i % 4}
-            for i in range(9)]
-    wiki = [{"page": " ".join(_sentence(12) + "." for _ in range(4))} for _ in range(5)]
-    gsm = [{"question": f"{_sentence(4)} {a} and {b}?", "answer": f"{_sentence(3)} {a}+{b}={a + b}.\n#### {a + b}"}
-           for a, b in rng.integers(1, 99, size=(9, 2)).tolist()]
-    return {"arc": arc, "swag": swag, "piqa": piqa, "mmlu": mmlu, "wiki": wiki, "gsm": gsm}
-
-
-TASKS = {  # name -> (task keys besides the data, splits: name -> docs slice)
-    "arc_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
-                  "doc_to_target": "{{choices.label.index(answerKey)}}", "doc_to_choice": "{{choices.text}}",
-                  "num_fewshot": 2, "fewshot_split": "train", "test_split": "test",
-                  "metric_list": [{"metric": m} for m in ("acc", "acc_norm", "acc_bytes")]},
-                 ("arc", {"train": slice(0, 4), "test": slice(4, 10)})),
-    "hellaswag_like": ({"output_type": "multiple_choice", "doc_to_text": "{{ctx}}", "doc_to_target": "{{label}}",
-                        "doc_to_choice": "endings", "num_fewshot": 1, "fewshot_split": "validation",
-                        "test_split": "validation", "description": "Finish the sentence.\n\n"},
-                       ("swag", {"validation": slice(0, 8)})),
-    "piqa_like": ({"output_type": "multiple_choice", "doc_to_text": "Question: {{goal}}\nAnswer: ",  # the space moves
-                   "doc_to_target": "label", "doc_to_choice": "{{[sol1, sol2]}}", "test_split": "test",
-                   "metric_list": [{"metric": m} for m in ("acc", "acc_norm", "acc_bytes")]},
-                  ("piqa", {"test": slice(0, 8)})),
-    "mmlu_like": ({"output_type": "multiple_choice", "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\n"
-                   "B. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:", "doc_to_target": "answer",
-                   "doc_to_choice": ["A", "B", "C", "D"], "num_fewshot": 3, "fewshot_split": "dev",
-                   "test_split": "test", "target_delimiter": " ", "fewshot_delimiter": "\n\n"},
-                  ("mmlu", {"dev": slice(0, 4), "test": slice(4, 9)})),
-    "wiki_like": ({"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "page",
-                   "test_split": "test"}, ("wiki", {"test": slice(0, 5)})),
-    "gsm8k_like": ({"output_type": "generate_until", "doc_to_text": "Question: {{question}}\nAnswer:",
-                    "doc_to_target": "{{answer}}", "num_fewshot": 2, "fewshot_split": "train", "test_split": "test",
-                    "generation_kwargs": {"until": ["Question:", "</s>", "\n\n"], "do_sample": False,
-                                          "temperature": 0.0, "max_gen_toks": 12},
-                    "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                                     "ignore_case": True, "ignore_punctuation": False,
-                                     "regexes_to_ignore": [",", "\\$", "(?s).*#### ", "\\.$"]}],
-                    "filter_list": [{"name": "strict-match", "filter": [{"function": "regex",
-                                                                          "regex_pattern": "#### (\\-?[0-9\\.\\,]+)"},
-                                                                         {"function": "take_first"}]},
-                                    {"name": "flexible-extract", "filter": [
-                                        {"function": "regex", "group_select": -1,
-                                         "regex_pattern": "(-?[$0-9.,]{2,})|(-?[0-9]+)"},
-                                        {"function": "take_first"}]}]},
-                   ("gsm", {"train": slice(0, 4), "test": slice(4, 9)})),
-}
-GENERATION = {"gsm8k_like"}
-
-
-def write_tasks(folder: Path) -> list[Path]:
-    """The task files (absolute data paths, so that lm-evaluation-harness reads them too) and their data."""
-    docs, paths = _docs(), []
-    for name, (keys, (source, splits)) in TASKS.items():
-        files = {}
-        for split, part in splits.items():
-            files[split] = str(folder / f"{name}_{split}.jsonl")
-            Path(files[split]).write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs[source][part]))
-        spec = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": files}, **keys}
-        paths.append(folder / f"{name}.yaml")
-        paths[-1].write_text(json.dumps(spec, ensure_ascii=False, indent=1))  # JSON is YAML
-    return paths
+def absolute_copies(folder: Path) -> list[Path]:
+    """The task files with absolute data paths, as lm-evaluation-harness needs them."""
+    out = []
+    for path in TASK_FILES:
+        spec = yaml.safe_load(path.read_text())
+        files = spec["dataset_kwargs"]["data_files"]
+        spec["dataset_kwargs"]["data_files"] = {k: str(path.parent / v) for k, v in files.items()}
+        out.append(folder / path.name)
+        out[-1].write_text(yaml.safe_dump(spec, allow_unicode=True))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +60,8 @@ def setup(tmp_path_factory):
             models[name] = H.build("llama3", str(root / name), vocab_size=size, max_position_embeddings=SEQ)
         for f in (FIXTURES / tokenizer).iterdir():
             shutil.copy(f, root / name / f.name)
-    tasks = root / "tasks"
-    tasks.mkdir()
-    return models, write_tasks(tasks)
+    (root / "tasks").mkdir()
+    return models, absolute_copies(root / "tasks")
 
 
 def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
@@ -151,7 +95,7 @@ def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str) -> d
 def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
     models, task_files = setup
     theirs = lm_eval_run(models[model], task_files)
-    ours = ours_run(models[model], task_files, tmp_path / "ours.json")
+    ours = ours_run(models[model], TASK_FILES, tmp_path / "ours.json")
     for name in GENERATION:  # one sample per document and filter: the generated text, and each filter's answer
         samples = sorted(theirs["samples"][name], key=lambda s: (s["doc_id"], s["filter"]))
         assert len(samples) == 2 * len(ours["samples"][name])
@@ -181,10 +125,10 @@ _one: dict = {}
 def one_device(setup, tmp_path) -> dict:
     """`jaxllm eval` on one device (a process of its own), once for the file."""
     if "out" not in _one:
-        models, task_files = setup
+        models, _ = setup
         out = tmp_path / "one.json"
         done = subprocess.run([sys.executable, "-m", "jaxllm", "eval", "--from", f"hf:{models['llama3']}", "--tasks",
-                               *map(str, task_files), "--out", str(out), "precision.compute=float32",
+                               *map(str, TASK_FILES), "--out", str(out), "precision.compute=float32",
                                f"model.seq_len={SEQ}", "train.global_batch=8"], env=subprocess_env(1),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -199,7 +143,7 @@ def one_device(setup, tmp_path) -> dict:
 ], ids=["dp2_fsdp2_tp2_zero3", "pp2_dp4"])
 def test_every_mesh_scores_as_one_device(setup, mesh, tmp_path):
     models, task_files = setup
-    spread = ours_run(models["llama3"], task_files, tmp_path / "mesh.json", *mesh)
+    spread = ours_run(models["llama3"], TASK_FILES, tmp_path / "mesh.json", *mesh)
     base = one_device(setup, tmp_path)
     for name in set(TASKS) - GENERATION:
         for a, b in zip(base["samples"][name], spread["samples"][name]):
@@ -252,8 +196,7 @@ def test_benchmarks_during_training_leave_the_losses_bitwise_and_equal_jaxllm_ev
     from jaxllm.config import build_config
     from jaxllm.train.loop import train
 
-    (tmp_path / "tasks").mkdir()
-    task_files = write_tasks(tmp_path / "tasks")
+    task_files = TASK_FILES
     rows = {}
     for name, tasks in (("plain", []), ("with", [str(p) for p in task_files])):
         train(build_config(None, {"model.preset": "tiny-gpt2", "train.steps": 4, "train.eval_every": 2,
@@ -265,7 +208,7 @@ def test_benchmarks_during_training_leave_the_losses_bitwise_and_equal_jaxllm_ev
     assert losses(rows["with"]) == losses(rows["plain"])  # scoring benchmarks changes no training bit
     scored = [r for r in rows["with"] if any(k.startswith("eval/") for k in r)]
     assert [r["step"] for r in scored] == [2, 4] and all(f"eval/{n}/acc" in scored[0] for n in TASKS
-                                                        if TASKS[n][0]["output_type"] == "multiple_choice")
+                                                        if SPECS[n]["output_type"] == "multiple_choice")
     saved = json.loads((tmp_path / "with" / "eval" / "step_2.json").read_text())
     assert {f"eval/{n}/{m}": v for n, ms in saved["results"].items() for m, v in ms.items()} == \
         {k: v for k, v in scored[0].items() if k != "step"}
@@ -290,13 +233,13 @@ def test_filters_and_exact_match_equal_lm_evaluation_harness():
 
     from jaxllm.eval import metrics
 
-    steps = TASKS["gsm8k_like"][0]["filter_list"]
+    steps = SPECS["gsm8k_like"]["filter_list"]
     for f in steps:
         regex = {k: v for k, v in f["filter"][0].items() if k != "function"}
         theirs = [r[0] for r in RegexFilter(**regex).apply([[t] for t in FILTER_TEXTS], None)]
         assert [metrics.apply_filter(f["filter"], t) for t in FILTER_TEXTS] == theirs, f["name"]
     options = [{}, {"ignore_case": True}, {"ignore_punctuation": True, "ignore_numbers": True},
-               TASKS["gsm8k_like"][0]["metric_list"][0] | {"metric": None}]
+               SPECS["gsm8k_like"]["metric_list"][0] | {"metric": None}]
     for option in options:
         option = {k: v for k, v in option.items() if k not in ("metric", "aggregation", "higher_is_better")}
         for pred in FILTER_TEXTS:
