@@ -4,9 +4,11 @@ A tiny random transformers LLaMA with the LLaMA-3-style tokenizer fixture (BOS a
 fixture (no BOS): lm-evaluation-harness's Hugging Face backend (HFLM, fp32, max_length = jaxllm's model.seq_len)
 and `jaxllm eval` (fp32, on the test process's 8 devices) read the same YAML files over the same JSONL data. First
 the rendered requests (strings) must be equal, then each request's log-likelihood within 1e-4, then every
-metric. Tasks: ARC-, HellaSwag-, PIQA- and MMLU-style multiple choice with few-shot examples (from another split,
-and from the evaluated split itself), one with non-ASCII choices, and a rolling log-likelihood task whose
-documents span several windows.
+metric. Tasks (tests/fixtures/eval): ARC-, HellaSwag-, PIQA- and MMLU-style multiple choice with few-shot
+examples (from another split, and from the evaluated split itself), one with non-ASCII choices, a rolling
+log-likelihood task whose documents span several windows, and GSM8K-style generation with two filters. Also: a
+trained run against lm-evaluation-harness on its export; meshes against one device; the tasks during training;
+the filters and exact match against lm-evaluation-harness's functions; bad task files.
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
                                    log_samples=True, bootstrap_iters=0)
 
 
-def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str) -> dict:
+def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str, source: str | None = None) -> dict:
     from jaxllm.cli import eval as eval_cli
 
-    assert eval_cli.main(["--from", f"hf:{model_dir}", "--tasks", *map(str, task_files), "--out", str(out),
+    assert eval_cli.main(["--from", source or f"hf:{model_dir}", "--tasks", *map(str, task_files), "--out", str(out),
                           "precision.compute=float32", f"model.seq_len={SEQ}", "train.global_batch=8", *over]) == 0
     return json.loads(out.read_text())
 
@@ -94,8 +96,11 @@ def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str) -> d
 @pytest.mark.parametrize("model", ["llama3", "gpt2style"])
 def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
     models, task_files = setup
-    theirs = lm_eval_run(models[model], task_files)
-    ours = ours_run(models[model], TASK_FILES, tmp_path / "ours.json")
+    assert_same(lm_eval_run(models[model], task_files), ours_run(models[model], TASK_FILES, tmp_path / "ours.json"))
+
+
+def assert_same(theirs: dict, ours: dict) -> None:
+    """lm-evaluation-harness's results and samples against jaxllm eval's: requests, then scores, then metrics."""
     for name in GENERATION:  # one sample per document and filter: the generated text, and each filter's answer
         samples = sorted(theirs["samples"][name], key=lambda s: (s["doc_id"], s["filter"]))
         assert len(samples) == 2 * len(ours["samples"][name])
@@ -117,6 +122,26 @@ def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, 
             exact = metric.startswith("acc")  # log-likelihoods' 1e-4 allows (perplexity: exp of their mean per word)
             want = theirs["results"][name][f"{metric},none"]
             assert value == want if exact else value == pytest.approx(want, rel=1e-5), (name, metric, value, want)
+
+
+@pytest.mark.slow
+def test_a_trained_run_scores_as_lm_evaluation_harness_scores_its_export(tmp_path):
+    """Train a few steps (the LLaMA-3-style tokenizer, the WikiText fixture as data), export the run to transformers,
+    then lm-evaluation-harness on the export and `jaxllm eval` on the run must agree."""
+    from jaxllm.cli import hf as hf_cli
+    from jaxllm.config import build_config
+    from jaxllm.train.loop import train
+
+    run = tmp_path / "run"
+    train(build_config(None, {"model.preset": "tiny-llama", "data.tokenizer": f"hf:{FIXTURES / 'hf_tokenizer'}",
+                              "data.source": str(FIXTURES / "eval" / "wiki_like_test.jsonl"), "data.text_key": "page",
+                              "data.val_percent": 0, "model.seq_len": SEQ, "train.steps": 3, "train.global_batch": 8,
+                              "train.checkpoint_every": 3, "train.eval_every": 0, "run.sample_tokens": 0,
+                              "run.progress": False, "precision.compute": "float32", "run.dir": str(run)}))
+    assert hf_cli.main(["export", str(run), str(tmp_path / "exported"), "--dtype", "float32"]) == 0
+    (tmp_path / "tasks").mkdir()
+    theirs = lm_eval_run(str(tmp_path / "exported"), absolute_copies(tmp_path / "tasks"))
+    assert_same(theirs, ours_run(str(run), TASK_FILES, tmp_path / "ours.json", source=str(run)))
 
 
 _one: dict = {}
