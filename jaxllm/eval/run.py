@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jaxllm.errors import DataError
 from jaxllm.eval import metrics, requests, score
 from jaxllm.generate import generate
 
@@ -51,6 +52,9 @@ def _generate_until(task, tokenizer, fns, params, cfg):
     contexts = requests.contexts(task)
     seq, rows = cfg.model.seq_len, cfg.train.global_batch
     keep = seq - task.max_gen_toks
+    if keep < 1:
+        raise DataError(f"task {task.name}: max_gen_toks={task.max_gen_toks} leaves no room for a context in "
+                        f"model.seq_len={seq}; lower max_gen_toks")
     prompts = [[int(i) for i in tokenizer.encode(c)][-keep:] for c in contexts]
     until, texts = requests.stop_strings(task, tokenizer), []
     for start in range(0, len(prompts), rows):
