@@ -66,7 +66,7 @@ def setup(tmp_path_factory):
     return models, absolute_copies(root / "tasks")
 
 
-def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
+def lm_eval_run(model_dir: str, task_files: list[Path], **options) -> dict:
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"
     os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
@@ -81,7 +81,7 @@ def lm_eval_run(model_dir: str, task_files: list[Path]) -> dict:
     lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=SEQ, batch_size=4)
     manager = TaskManager(include_path=str(task_files[0].parent), include_defaults=False)
     return lm_eval.simple_evaluate(model=lm, tasks=[p.stem for p in task_files], task_manager=manager,
-                                   log_samples=True, bootstrap_iters=0)
+                                   log_samples=True, bootstrap_iters=0, **options)
 
 
 def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str, source: str | None = None) -> dict:
@@ -97,6 +97,19 @@ def ours_run(model_dir: str, task_files: list[Path], out: Path, *over: str, sour
 def test_requests_loglikelihoods_and_metrics_equal_lm_evaluation_harness(setup, model, tmp_path):
     models, task_files = setup
     assert_same(lm_eval_run(models[model], task_files), ours_run(models[model], TASK_FILES, tmp_path / "ours.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("multiturn", [True, False], ids=["multiturn", "single_turn"])
+def test_through_the_chat_template_as_lm_evaluation_harness(setup, multiturn, tmp_path):
+    """The LLaMA-3-style tokenizer's chat template (tokenizer_config.json): few-shot examples as turns or as one
+    user message, the description as the system message, the choice after the generation prompt."""
+    models, task_files = setup
+    theirs = lm_eval_run(models["llama3"], task_files, apply_chat_template=True, fewshot_as_multiturn=multiturn)
+    ours = ours_run(models["llama3"], TASK_FILES, tmp_path / "ours.json", "--apply-chat-template",
+                    "--fewshot-as-multiturn" if multiturn else "--no-fewshot-as-multiturn")
+    assert "<|start_header_id|>user<|end_header_id|>" in ours["samples"]["arc_like"][0]["arguments"][0][0]
+    assert_same(theirs, ours)
 
 
 def assert_same(theirs: dict, ours: dict) -> None:

@@ -24,6 +24,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
     p.add_argument("--tasks", nargs="+", required=True, help="task files (YAML or JSON)")
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="build the requests through the tokenizer's chat template (data.chat_template), as "
+                        "lm-evaluation-harness's --apply_chat_template (instruct models)")
+    p.add_argument("--fewshot-as-multiturn", default=True, action=argparse.BooleanOptionalAction,
+                   help="with a chat template, each few-shot example as its own user and assistant turns "
+                        "(default; --no-fewshot-as-multiturn: one user message)")
     p.add_argument("--out", default=None, help="write the results and each request's log-likelihood here (JSON)")
     p.add_argument("overrides", nargs="*", help="run keys, e.g. mesh.tp=2 precision.compute=float32")
     return p
@@ -31,13 +37,18 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from jaxllm.cli.generate import load
-    from jaxllm.eval import run as run_lib, tasks as tasks_lib
+    from jaxllm.data import chat as chat_lib
+    from jaxllm.eval import requests, run as run_lib, tasks as tasks_lib
 
     tasks = [tasks_lib.load_task(path) for path in args.tasks]  # every file checked before the model loads
     cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
+    chat = None
+    if args.apply_chat_template:
+        template = chat_lib.load_template(cfg.data.chat_template, tokenizer, cfg.data.chat_template_kwargs)
+        chat = requests.Chat(template, args.fewshot_as_multiturn)
     results, samples = {}, {}
     for task in tasks:
-        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg)
+        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg, chat)
     print(f"{'task':<24} {'metric':<18} value")
     for name, values in results.items():
         for metric, value in values.items():

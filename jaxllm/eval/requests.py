@@ -9,6 +9,7 @@
   end-of-text) id. Scored over `(context + continuation)[-(L+1):]` (left truncation to the model's length L).
 - Generation: the context's ids left-truncated to L − max_gen_toks, greedy, the new text decoded without special
   tokens and cut at the first of the stop strings (`until`, and the end-of-text token's text).
+- Through a chat template (`Chat`): messages rendered with the generation prompt; the choice without delimiter.
 - Rolling log-likelihood: the document's ids in disjoint windows of L predictions, each conditioned on the L ids
   before it (the first on BOS, else end-of-text), as its `get_rolling_token_windows` and `make_disjoint_window`.
 """
@@ -16,6 +17,10 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+
+from jaxllm.data import chat as chat_lib
+from jaxllm.errors import DataError
 
 FEWSHOT_SEED = 1234  # lm-evaluation-harness's default fewshot_random_seed
 
@@ -39,19 +44,51 @@ def answer(task, doc: dict) -> str:
     return target[0] if isinstance(target, list) else str(target)
 
 
-def contexts(task) -> list[str]:
-    """Each document's context, in document order (the few-shot draws depend on the documents before)."""
+def contexts(task, chat=None) -> list[str]:
+    """Each document's context, in document order (the few-shot draws depend on the documents before); through
+    `chat` (a `Chat`) where one is given."""
     rnd, out = random.Random(FEWSHOT_SEED), []
     for doc in task.docs:
         shots = fewshot_examples(task, doc, rnd)
         description = task.render("description", doc) if task.description else ""
-        out.append(description + "".join(f"{task.text(s)}{task.target_delimiter}{answer(task, s)}"
-                                         f"{task.fewshot_delimiter}" for s in shots) + str(task.text(doc)))
+        turns = "".join(f"{task.text(s)}{task.target_delimiter}{answer(task, s)}{task.fewshot_delimiter}"
+                        for s in shots) + str(task.text(doc))
+        out.append(description + turns if chat is None else chat.context(task, description, shots, doc, turns))
     return out
 
 
-def choice_pairs(task, doc: dict, context: str) -> list[tuple[str, str]]:
-    return [(context, f"{task.target_delimiter}{c}") for c in task.choices(doc)]
+@dataclass(frozen=True)
+class Chat:
+    """Requests through a chat template, as lm-evaluation-harness's `apply_chat_template` builds them: the
+    description as the system message; with `multiturn` each few-shot example a user turn (its text) and an
+    assistant turn (its answer), else all of them and the document's text as one user message (the plain context
+    without the description); then the generation prompt. A template that refuses the system role is rendered
+    again without it."""
+    template: object  # data.chat.ChatTemplate
+    multiturn: bool = True
+
+    def context(self, task, description: str, shots: list, doc: dict, turns: str) -> str:
+        messages = [{"role": "system", "content": description}] if description else []
+        if self.multiturn:
+            for s in shots:
+                messages += [{"role": "user", "content": str(task.text(s))},
+                             {"role": "assistant", "content": answer(task, s)}]
+            messages.append({"role": "user", "content": str(task.text(doc))})
+        else:
+            messages.append({"role": "user", "content": turns})
+        try:
+            return chat_lib.render(self.template, messages, add_generation_prompt=True)[0]
+        except DataError:
+            if not description:
+                raise
+            return chat_lib.render(self.template, messages[1:], add_generation_prompt=True)[0]
+
+
+def choice_pairs(task, doc: dict, context: str, chat=None) -> list[tuple[str, str]]:
+    """(context, continuation) per choice; through a chat template the choice follows the generation prompt
+    with no delimiter."""
+    delimiter = "" if chat is not None else task.target_delimiter
+    return [(context, f"{delimiter}{c}") for c in task.choices(doc)]
 
 
 def start_id(tokenizer) -> int:

@@ -7,20 +7,21 @@ from jaxllm.eval import metrics, requests, score
 from jaxllm.generate import generate
 
 
-def evaluate(task, tokenizer, fns, params, cfg) -> tuple[dict, list[dict]]:
+def evaluate(task, tokenizer, fns, params, cfg, chat=None) -> tuple[dict, list[dict]]:
     """(the task's metrics, one record per document: its requests as strings and their log-likelihoods, or its
-    generated text). Requests run `train.global_batch` at a time, at most `model.seq_len` tokens each."""
+    generated text). Requests run `train.global_batch` at a time, at most `model.seq_len` tokens each; through
+    `chat` (a `requests.Chat`) where given (rolling log-likelihood takes no context, so no template)."""
     seq, rows = cfg.model.seq_len, cfg.train.global_batch
     if task.output_type == "multiple_choice":
-        return _multiple_choice(task, tokenizer, fns, params, seq, rows)
+        return _multiple_choice(task, tokenizer, fns, params, seq, rows, chat)
     if task.output_type == "generate_until":
-        return _generate_until(task, tokenizer, fns, params, cfg)
+        return _generate_until(task, tokenizer, fns, params, cfg, chat)
     return _rolling(task, tokenizer, fns, params, seq, rows)
 
 
-def _multiple_choice(task, tokenizer, fns, params, seq, rows):
-    contexts = requests.contexts(task)
-    per_doc = [requests.choice_pairs(task, doc, ctx) for doc, ctx in zip(task.docs, contexts)]
+def _multiple_choice(task, tokenizer, fns, params, seq, rows, chat):
+    contexts = requests.contexts(task, chat)
+    per_doc = [requests.choice_pairs(task, doc, ctx, chat) for doc, ctx in zip(task.docs, contexts)]
     flat = [requests.encode_pair(tokenizer, c, x) for pairs in per_doc for c, x in pairs]
     lls, records, at = score.loglikelihoods(fns, params, flat, seq, rows), [], 0
     sums = dict.fromkeys(task.metrics, 0.0)
@@ -47,9 +48,9 @@ def _rolling(task, tokenizer, fns, params, seq, rows):
     return {m: scores[m] for m in task.metrics}, records
 
 
-def _generate_until(task, tokenizer, fns, params, cfg):
+def _generate_until(task, tokenizer, fns, params, cfg, chat):
     """Greedy completions of each context, `rows` prompts at a time, then the filters and exact match."""
-    contexts = requests.contexts(task)
+    contexts = requests.contexts(task, chat)
     seq, rows = cfg.model.seq_len, cfg.train.global_batch
     keep = seq - task.max_gen_toks
     if keep < 1:
