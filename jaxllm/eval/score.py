@@ -13,11 +13,14 @@ import jax
 import numpy as np
 
 from jaxllm import batch as batch_lib
+from jaxllm.errors import DataError
 
 
 def request_row(context: list[int], continuation: list[int], seq: int) -> dict[str, np.ndarray]:
     ids = (list(context) + list(continuation))[-(seq + 1):]
     n, k = len(ids) - 1, len(continuation)
+    if k > n:  # nothing conditions its first tokens: refused rather than scored on part of it
+        raise DataError(f"a continuation of {k} tokens does not fit model.seq_len={seq}; raise model.seq_len")
     row = {"inputs": np.zeros(seq, np.int32), "targets": np.zeros(seq, np.int32),
            "positions": np.arange(seq, dtype=np.int32), "segment_ids": np.zeros(seq, np.int32),
            "loss_mask": np.zeros(seq, np.float32)}
