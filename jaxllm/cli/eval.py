@@ -1,13 +1,15 @@
 """Evaluate a run or a Hugging Face model on benchmark tasks, as lm-evaluation-harness 0.4 does.
 
     jaxllm eval --from runs/mine --tasks tasks/arc.yaml tasks/wiki.yaml [--out results.json] [key=value ...]
-    jaxllm eval --from hf:DIR --tasks ...
+    jaxllm eval --from hf:DIR --tasks ... [--apply-chat-template [--no-fewshot-as-multiturn]]
 
 Tasks are files in lm-evaluation-harness's task format over local JSONL data (docs/evaluation.md): multiple
-choice (acc, acc_norm, acc_bytes) and rolling log-likelihood (word and byte perplexity, bits per byte). The model
-runs on the mesh the overrides give (`mesh.tp=2`), in `precision.compute` (the run's; float32 to compare with
-another implementation); requests go `train.global_batch` rows at a time. Prints a table; `--out` writes the
-metrics and every request's log-likelihood as JSON. A bad task file is one line `error: ...`, exit code 2.
+choice (acc, acc_norm, acc_bytes), rolling log-likelihood (word and byte perplexity, bits per byte) and greedy
+generation (exact match after regex filters), optionally through the tokenizer's chat template. The model runs on
+the mesh the overrides give (`mesh.tp=2`), in `precision.compute` (the run's; float32 to compare with another
+implementation); requests go `train.global_batch` rows at a time. Prints a table; `--out` writes the metrics and
+every request (its log-likelihood, or its generated text) as JSON. A bad task file is one line `error: ...`, exit
+code 2.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ def run(args) -> dict:
     results, samples = {}, {}
     for task in tasks:
         results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg, chat)
-    print(f"{'task':<24} {'metric':<18} value")
+    print(f"{'task':<24} {'metric':<30} value")
     for name, values in results.items():
         for metric, value in values.items():
-            print(f"{name:<24} {metric:<18} {value:.4f}")
+            print(f"{name:<24} {metric:<30} {value:.4f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"results": results, "samples": samples}, f, indent=1)
