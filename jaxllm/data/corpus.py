@@ -97,14 +97,11 @@ def lone_text_file(files: list[str]) -> bool:
 def _documents(source: str, tokenizer, val_percent: float, text_key: str, layout) -> Corpus:
     files = documents.source_files(source)
     label = f"stdlib {documents.stdlib_files()[0]}" if source == "stdlib" else source
-    if lone_text_file(files) and (os.path.isfile(source) or _utf8(Path(files[0]).read_bytes())):
+    readable = lambda path: documents.as_text(Path(path).read_bytes()) is not None
+    if lone_text_file(files) and (os.path.isfile(source) or readable(files[0])):
         return _text_file(Path(files[0]), tokenizer, val_percent, layout, label)
-    train, val = streams.Pieces([], []), streams.Pieces([], [])
-    for unit in documents.units(source):
-        t, v = streams.split_documents(documents.texts(unit, text_key), tokenizer, layout, val_percent)
-        for whole, part in ((train, t), (val, v)):
-            whole.tokens += part.tokens
-            whole.lengths += part.lengths
+    texts = (t for unit in documents.units(files) for t in documents.texts(unit, text_key))
+    train, val = streams.split_documents(texts, tokenizer, layout, val_percent)
     if not train.lengths and not val.lengths:
         raise DataError(f"data.source {label!r}: no non-empty UTF-8 text documents found; {SOURCES_HINT}")
     dtype = streams.token_dtype(tokenizer.vocab_size)
@@ -128,29 +125,26 @@ def split_text(data: bytes, val_percent: float) -> tuple[str, str]:
     return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
 
 
+def text_file_pieces(data: bytes, tokenizer, layout, val_percent: float):
+    """(train, validation) pieces of one text file: each part (if any) one document."""
+    train, val = streams.Pieces([], []), streams.Pieces([], [])
+    for text, pieces in zip(split_text(data, val_percent), (train, val)):
+        if text:
+            pieces.add(streams.document_tokens(text, tokenizer, layout))
+    return train, val
+
+
 def _text_file(path: Path, tokenizer, val_percent: float, layout, label: str) -> Corpus:
     data = path.read_bytes()
-    if not _utf8(data):
+    if documents.as_text(data) is None:
         raise DataError(f"data.source {str(path)!r}: not a UTF-8 text file; {SOURCES_HINT}")
     if not data:
         raise DataError(f"data.source {str(path)!r}: the file is empty; {SOURCES_HINT}")
-    train, val = split_text(data, val_percent)
-    one = lambda text: streams.document_tokens(text, tokenizer, layout) if text else \
-        np.zeros(0, streams.token_dtype(tokenizer.vocab_size))
-    return Corpus(train=one(train), val=one(val), tokenizer=tokenizer, train_docs=np.zeros(1, np.int64),
-                  val_docs=np.zeros(1 if val else 0, np.int64),
-                  description=f"{label} (one text file, {len(train.encode()):,} train / {len(val.encode()):,} "
-                              "val bytes)")
-
-
-def _utf8(data: bytes) -> bool:
-    if b"\0" in data:
-        return False
-    try:
-        data.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
+    dtype = streams.token_dtype(tokenizer.vocab_size)
+    (tt, td), (vt, vd) = (p.stream(dtype) for p in text_file_pieces(data, tokenizer, layout, val_percent))
+    return Corpus(train=tt, val=vt, tokenizer=tokenizer, train_docs=td, val_docs=vd,
+                  description=f"{label} (one text file, {len(data):,} bytes, the last {val_percent:g}% for "
+                              "validation)")
 
 
 def _shards(source: str, tokenizer, layout) -> Corpus:

@@ -7,7 +7,7 @@ them), a `datasets` `save_to_disk` folder (its `state.json` names the Arrow file
 each read by its suffix), or `stdlib`. The same texts in any of these give the same documents in the same order.
 
 A unit is a piece of one file that one worker tokenizes alone: a text file, a byte range of a JSONL file
-(cut at line starts), a row group of a Parquet file, an Arrow file. `units(source)` lists them, in document
+(cut at line starts), a row group of a Parquet file, an Arrow file. `units(source_files(source))` lists them, in document
 order; `texts(unit, text_key)` yields their documents. A bad file or line is a DataError naming it.
 """
 
@@ -78,10 +78,10 @@ def source_files(source: str) -> list[str]:
     return walk(source)
 
 
-def units(source: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
-    """The units of work of a source, in document order."""
+def units(files: list[str], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """The units of work of a source's files (`source_files`), in document order."""
     out: list[Unit] = []
-    for path in source_files(source):
+    for path in files:
         kind = kind_of(path)
         if kind == "jsonl":
             out += [Unit(path, kind, a, b) for a, b in _line_ranges(path, unit_bytes)]
@@ -108,14 +108,9 @@ def _line_ranges(path: str, unit_bytes: int) -> list[tuple[int, int]]:
 def texts(unit: Unit, text_key: str = "text") -> Iterator[str]:
     """The documents of one unit, in order."""
     if unit.kind == "text":
-        data = Path(unit.path).read_bytes()
-        if b"\0" not in data:  # binary files are skipped, as are files that are not UTF-8
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                return
-            if text:
-                yield text
+        text = as_text(Path(unit.path).read_bytes())  # binary and non-UTF-8 files are skipped
+        if text:
+            yield text
     elif unit.kind == "jsonl":
         yield from _jsonl(unit, text_key)
     elif unit.kind == "parquet":
@@ -123,6 +118,16 @@ def texts(unit: Unit, text_key: str = "text") -> Iterator[str]:
             yield from _strings(unit, batch.column(0).to_pylist(), text_key)
     else:
         yield from _arrow(unit, text_key)
+
+
+def as_text(data: bytes) -> str | None:
+    """The text in `data`, or None where it is binary (NUL bytes) or not UTF-8."""
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _jsonl(unit: Unit, text_key: str) -> Iterator[str]:

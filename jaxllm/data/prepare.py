@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.data import corpus as corpus_lib, documents, streams
-from jaxllm.data.shards import HEADER_INTS, MAGIC_GPT2, MAGIC_LLAMA3
+from jaxllm.data.shards import HEADER_BYTES, MAGIC_GPT2, MAGIC_LLAMA3, header
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.errors import DataError
 
@@ -51,9 +51,9 @@ def work_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.partial"
 
 
-def _inputs(job: Job) -> list:
+def _inputs(files: list[str]) -> list:
     """What a resumed job must find unchanged: every input file's path, size and modification time."""
-    return [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in documents.source_files(job.source)]
+    return [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in files]
 
 
 # ---------------------------------------------------------------- workers
@@ -76,11 +76,8 @@ def _tokenize(task: tuple[int, documents.Unit]) -> int:
     i, unit = task
     job, tokenizer = _WORKER["job"], _WORKER["tokenizer"]
     if _WORKER["lone"]:  # one text file: split by bytes, as training from it does
-        train_text, val_text = corpus_lib.split_text(Path(unit.path).read_bytes(), job.val_percent)
-        train, val = streams.Pieces([], []), streams.Pieces([], [])
-        for text, pieces in ((train_text, train), (val_text, val)):
-            if text:
-                pieces.add(streams.document_tokens(text, tokenizer, job.layout))
+        train, val = corpus_lib.text_file_pieces(Path(unit.path).read_bytes(), tokenizer, job.layout,
+                                                 job.val_percent)
     else:
         train, val = streams.split_documents(documents.texts(unit, job.text_key), tokenizer, job.layout,
                                              job.val_percent)
@@ -119,15 +116,13 @@ class ShardWriter:
     def _open(self) -> None:
         self.path = self.folder / f"{self.name}_{self.split}_{self.index:06d}.bin"
         self.file = open(self.path, "wb")
-        self.file.write(bytes(HEADER_INTS * 4))
+        self.file.write(bytes(HEADER_BYTES))
 
     def close(self) -> None:
         if self.file is None:
             return
-        header = np.zeros(HEADER_INTS, "<i4")
-        header[:3] = self.magic, 1 if self.dtype == np.uint16 else 7, self.count
         self.file.seek(0)
-        self.file.write(header.tobytes())
+        self.file.write(header(self.magic, 1 if self.dtype == np.uint16 else 7, self.count))
         self.file.close()
         np.save(corpus_lib.docs_path(str(self.path)), np.asarray(self.docs, np.int64))
         self.paths.append(self.path)
@@ -175,8 +170,8 @@ def prepare(job: Job, out_dir: Path, workers: int = 1, progress=None) -> dict:
     tokenizer = get_tokenizer(job.tokenizer)
     corpus_lib.check_source(job.source, "INPUT")
     files = documents.source_files(job.source)
-    units = documents.units(job.source, job.unit_bytes)
-    plan = {"job": asdict(job), "inputs": _inputs(job), "units": len(units)}
+    units = documents.units(files, job.unit_bytes)
+    plan = {"job": asdict(job), "inputs": _inputs(files), "units": len(units)}
     work = work_dir(out_dir)
     if not _resumable(work, plan):
         shutil.rmtree(work, ignore_errors=True)

@@ -32,17 +32,22 @@ def write_shard(path, tokens: np.ndarray, magic: int = MAGIC_GPT2) -> None:
     if tokens.size >= 2**31:
         raise ValueError("write_shard: at most 2**31-1 tokens per shard (the header stores an int32 count)")
     version = 1 if tokens.size == 0 or tokens.max() < 2**16 else 7
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = magic, version, tokens.size
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(header.tobytes())
+            f.write(header(magic, version, tokens.size))
             f.write(tokens.astype(DTYPES[version]).tobytes())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def header(magic: int, version: int, count: int) -> bytes:
+    """A shard's 1024-byte header."""
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    ints[:3] = magic, version, count
+    return ints.tobytes()
 
 
 def read_shard(path) -> np.ndarray:
