@@ -26,7 +26,7 @@ from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.rl import prompts
 from jaxllm.schema import FAMILIES, Config, TrainConfig, table_keys
-from jaxllm.train import optimizer, step
+from jaxllm.train import optimizer, profiling, step, wandb_log
 
 
 # Presets fill model fields; keys the user sets explicitly win over them.
@@ -283,6 +283,8 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
              + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
     attention.check_run(cfg, shape["sp"])
     _check_loop(t)
+    profiling.check_config(cfg)
+    wandb_log.check_config(cfg)
     return shape, notes
 
 

@@ -525,13 +525,24 @@ class DpoConfig:
 
 @dataclass
 class RunConfig:
-    """The run directory, and what a run shows besides its metrics: the sample at the end and the progress bar."""
+    """The run directory, and what a run shows besides its metrics: the sample at the end, the progress bar, profiler
+    traces and Weights & Biases."""
 
     dir: str = key("", '"": `runs/<date>-<time>`; otherwise the run directory; an existing run is never '
                        "overwritten without `train.resume=true`")
     sample_tokens: int = key(200, "tokens of the sample generated at the end (0: none)")
     sample_prompt: str = key("def ", "the prompt of the sample generated at the end")
     progress: bool = key(True, "the progress bar")
+    profile_steps: list = key([], "`[start, count]`: a `jax.profiler` trace of steps start .. start + count - 1, each "
+                                  "process's in `RUN_DIR/profile/process_K` (TensorBoard's profiler and Perfetto "
+                                  'open it; see "Observability"); `[]`: none')
+    wandb: str = key("off", "`off`, `online` or `offline` (a run in `RUN_DIR/wandb` to `wandb sync` later): "
+                            "metrics.jsonl's scalars and the resolved config to Weights & Biases from process 0; a "
+                            "resumed run continues the same W&B run (needs `pip install \"jaxllm[wandb]\"`)")
+    wandb_project: str = key("jaxllm", "the W&B project")
+    wandb_entity: str = key("", "the W&B entity (team or user); `\"\"`: your default")
+    wandb_name: str = key("", "the W&B run's display name; `\"\"`: the run directory's name")
+    wandb_tags: list = key([], "the W&B run's tags (strings)")
 
 
 @dataclass

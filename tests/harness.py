@@ -44,6 +44,16 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-8
 CORPUS = os.__file__
 
 
+def measured(key: str) -> bool:
+    """Whether a metrics.jsonl column is a measurement, which differs between any two runs (timings, memory)."""
+    return key in ("tokens_per_s", "step_time_s", "mfu") or key.startswith(("time/", "memory/"))
+
+
+def unmeasured(row: dict) -> dict:
+    """A metrics row without its measurements: what two runs of the same steps must agree on."""
+    return {k: v for k, v in row.items() if not measured(k)}
+
+
 def _jaxlib_before(major: int, minor: int) -> bool:
     from importlib.metadata import version  # not `import jaxlib`: the flags are set before it loads
 

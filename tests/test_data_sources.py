@@ -285,7 +285,7 @@ def test_a_mixture_run_resumes_with_new_weights_reproducibly(tmp_path):
     for r in rows_a:  # tokens per source: the shares of each stage
         if "loss" in r:
             rows = mixture.consumed([[0, [0.25, 0.75]], [4, [0.5, 0.5]]], r["step"], 8)
-            assert [r["tokens/a.jsonl"], r["tokens/short"]] == (rows * 64).tolist() and r["data_wait_s"] >= 0
+            assert [r["tokens/a.jsonl"], r["tokens/short"]] == (rows * 64).tolist() and r["time/data_s"] >= 0
     val = [r for r in rows_a if "val_loss" in r][-1]
     per_source = sorted([val["val_loss/a.jsonl"], val["val_loss/short"]])
     assert per_source[0] < val["val_loss"] < per_source[1]  # the pooled loss lies between the sources'
@@ -315,5 +315,5 @@ def test_prefetching_hides_the_time_spent_building_batches(tmp_path, monkeypatch
         rows = [r for r in _run(tmp_path / f"p{depth}", 18, **{
             "data.prefetch": depth, "data.source": str(tmp_path / "d.jsonl"), "train.eval_every": 0,
             "train.schedule_steps": 0, "train.checkpoint_every": 0}) if "loss" in r][6:]
-        share[depth] = sum(r["data_wait_s"] for r in rows) / sum(r["step_time_s"] for r in rows)
+        share[depth] = sum(r["time/data_s"] for r in rows) / sum(r["time/wall_s"] for r in rows)
     assert share[2] < 0.02 and 0.3 < share[0] < 0.7, share

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import REPO, subprocess_env
+from harness import REPO, subprocess_env, unmeasured
 from test_sft_run import llama_with_tokenizer  # noqa: F401  (a fixture: a tiny LLaMA folder with tokenizer, template)
 from jaxllm.config import build_config
 from jaxllm.errors import UserError
@@ -31,12 +31,9 @@ ROLLOUT_METRICS = ("reward_mean", "reward_std", "kl", "clip_frac", "completion_l
                    "truncated_frac", "logp_mismatch", "loss")
 
 
-TIMINGS = ("tokens_per_s", "step_time_s", "data_wait_s", "mfu")
-
-
 def rows(run_dir) -> list[dict]:
     """metrics.jsonl without the timings."""
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in open(run_dir / "metrics.jsonl")]
+    return [unmeasured(json.loads(line)) for line in open(run_dir / "metrics.jsonl")]
 
 
 def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):

@@ -126,9 +126,7 @@ def offload_run(run_dir, steps: int, resume: bool = False, **over):
                               "train.eval_every": 2,
                               "run.sample_tokens": 8, "run.progress": False, "run.dir": str(run_dir),
                               "train.resume": resume, **over}))
-    timings = ("tokens_per_s", "step_time_s", "data_wait_s", "mfu")
-    return [{k: v for k, v in json.loads(line).items() if k not in timings}
-            for line in open(run_dir / "metrics.jsonl")]
+    return [H.unmeasured(json.loads(line)) for line in open(run_dir / "metrics.jsonl")]
 
 
 @pytest.mark.slow

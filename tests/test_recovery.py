@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from harness import CORPUS, REPO, subprocess_env
+from harness import CORPUS, REPO, subprocess_env, unmeasured
 from jaxllm.config import build_config
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train.loop import train
@@ -40,7 +40,6 @@ RUN = {"model.preset": "tiny-gpt2", "precision.compute": "float32", "train.globa
        "train.warmup_steps": 1, "train.schedule_steps": 100, "train.log_every": 1, "train.eval_every": 0,
        "train.checkpoint_every": 2, "train.keep_checkpoints": 3, "run.sample_tokens": 0, "run.progress": False,
        "mesh.dp": 1, "mesh.fsdp": 8, "train.zero_stage": 3, "data.source": CORPUS}
-TIMING = {"tokens_per_s", "step_time_s", "data_wait_s", "mfu"}  # the columns that differ between any two runs
 
 
 def config(run_dir, **over):
@@ -50,7 +49,7 @@ def config(run_dir, **over):
 def rows(run_dir) -> list[dict]:
     """metrics.jsonl without the timing columns."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        return [unmeasured(json.loads(line)) for line in f]
 
 
 def args(run_dir, **over) -> list[str]:

@@ -99,8 +99,13 @@ def test_cli_trains_and_writes_a_run_directory(tmp_path):
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train_rows] == [1, 10, 20, 30]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "time/data_s"):
         assert all(np.isfinite(r[key]) for r in train_rows), key
+    # the goodput columns account for the time between rows, validation and checkpoints included (at 15)
+    for r in train_rows:
+        assert sum(v for k, v in r.items() if k.startswith("time/") and k != "time/wall_s") >= 0.98 * r["time/wall_s"]
+    assert train_rows[2]["time/eval_s"] > 0 and train_rows[2]["time/checkpoint_s"] > 0
+    assert "goodput " in res.stderr and "the most time lost: " in res.stderr
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0
     assert [r["step"] for r in val_rows] == [15, 30] and all("loss" not in r for r in val_rows)
     assert val_rows[-1]["val_loss"] < val_rows[0]["val_loss"]

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import CORPUS, REPO, subprocess_env
+from harness import CORPUS, REPO, subprocess_env, unmeasured
 from jaxllm.config import build_config
 from jaxllm.errors import UserError
 from jaxllm.models.transformer import count_params
@@ -30,7 +30,6 @@ from tools import scaling, scaling_fit
 
 CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022's fit
 OTHER = dict(E=0.9, A=60.0, B=900.0, alpha=0.5, beta=0.4)
-TIMING = {"tokens_per_s", "step_time_s", "data_wait_s", "mfu"}  # the columns that differ between any two runs
 
 
 def synthetic(true: dict, budgets, noise: float = 0.005, seed: int = 0) -> list[dict]:
@@ -196,7 +195,7 @@ def sweep(out, kill: str | None = None) -> subprocess.CompletedProcess:
 
 def rows(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+        return [unmeasured(json.loads(line)) for line in f]
 
 
 @pytest.mark.slow

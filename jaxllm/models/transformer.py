@@ -258,6 +258,7 @@ def init_params(m: ModelConfig, key: jax.Array):
 # ---------------------------------------------------------------- the three seams
 
 
+@jax.named_scope("embed")  # the model's parts are named scopes: profiler traces show them on each op
 def embed(params: dict, tokens: jax.Array, positions: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     table = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
     x = jnp.take(table, tokens, axis=0)
@@ -287,28 +288,32 @@ def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, c
     layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
     h = norm_of(m, p["ln1"], x)
     kind = mla if m.attention == "mla" else attention
-    if cache is None:
-        y = kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
-    else:
-        y, cache = kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
+    with jax.named_scope("attention"):
+        if cache is None:
+            y = kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
+        else:
+            y, cache = kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
     x = _residual(m, p, x, y, "post_attn_norm")
     return x, norm_of(m, p["ln2"], x), cache
 
 
 def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
     x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
-    return _residual(m, p, x, MLPS[m.mlp](p["mlp"], h, dtype), "post_mlp_norm"), {}, cache
+    with jax.named_scope("mlp"):
+        y = MLPS[m.mlp](p["mlp"], h, dtype)
+    return _residual(m, p, x, y, "post_mlp_norm"), {}, cache
 
 
 def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
     x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
-    y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
-    if "shared" in p["moe"]:
-        shared = MLPS[m.mlp](p["moe"]["shared"], h, dtype)
-        if "shared_gate" in p["moe"]:
-            w = weight(p["moe"]["shared_gate"], ("embed", "gate"), dtype)
-            shared = shared * jax.nn.sigmoid(jnp.einsum("bsd,dg->bsg", h, w))
-        y = y + shared
+    with jax.named_scope("moe"):
+        y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
+        if "shared" in p["moe"]:
+            shared = MLPS[m.mlp](p["moe"]["shared"], h, dtype)
+            if "shared_gate" in p["moe"]:
+                w = weight(p["moe"]["shared_gate"], ("embed", "gate"), dtype)
+                shared = shared * jax.nn.sigmoid(jnp.einsum("bsd,dg->bsg", h, w))
+            y = y + shared
     return _residual(m, p, x, y, "post_mlp_norm"), stats, cache
 
 
@@ -433,6 +438,7 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
     return x, written
 
 
+@jax.named_scope("head")
 def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
     if m.tie_embeddings:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.data import dataset, prefetch
-from jaxllm.errors import ConfigError, Stopped, TrainingDiverged
+from jaxllm.errors import ConfigError, Stopped, TrainingDiverged, UserError
 from jaxllm.eval import run as eval_run, tasks as eval_tasks
 from jaxllm.generate import generate
 from jaxllm.interop import hf, peft
@@ -36,7 +37,7 @@ from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
-from jaxllm.train import faults, preemption, preference
+from jaxllm.train import faults, goodput, preemption, preference, profiling, wandb_log
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
 from jaxllm.train.step import make_step_fns, trained
@@ -265,20 +266,22 @@ class _Run:
     tasks: list = field(default_factory=list)  # benchmark tasks scored at each validation (train.eval_tasks)
     tokenizer: object = None
     last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
+    clock: goodput.Clock = field(default_factory=goodput.Clock)  # where the wall time goes (train/goodput.py)
+    profiler: object = None
+    since: tuple = (0.0, 0)  # (time.time(), step) of the last training row: step_time_s is over the steps since
 
 
 def _show(run: _Run, msg: str) -> None:
     run.bar.write(msg) if run.bar else log.info(msg)
 
 
-def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int, wait: float = 0.0) -> dict:
+def _metrics_row(run: _Run, step: int, metrics, dt: float, since: int) -> dict:
     """The logged row of one step, from its metrics on the host (padding_frac: over the steps after `since`;
-    dt and wait: seconds per step, and of them waiting for the batch, over those steps)."""
+    dt: seconds per step over those steps)."""
     cfg = run.cfg
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     row = {"step": step, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
            "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-           "data_wait_s": wait,
            "mfu": metrics_lib.mfu(tokens_per_step / dt, run.flops_per_token, run.peak),
            "padding_frac": run.data.padding_frac(range(since, step))}
     # the objective's own metrics (GRPO: clip_frac, kl) and MoE's router statistics
@@ -426,46 +429,94 @@ def _at_boundary(cfg: Config, step: int) -> bool:
     return cfg.train.objective != "grpo" or step % cfg.rl.num_iterations == 0
 
 
+def _finished(x) -> bool:
+    """Whether a step's output is computed (one fetched to the host is)."""
+    return not isinstance(x, jax.Array) or x.is_ready()
+
+
+def _dispatch(run: _Run, step: int, state, previous):
+    """Make step `step`'s batch and dispatch the step: (state, metrics), both still computing. Making the batch
+    counts as data time unless the previous step (its loss: `previous`) was still running when it was made."""
+    with run.clock.timing("data") as part:
+        batch = _batch(run, step - 1, state)
+        if previous is not None and not _finished(previous):
+            part.category = "step"  # hidden: the devices were busy
+    state, metrics = run.step_fn(state, faults.corrupt(step, batch))
+    faults.after_dispatch(step, run.mngr)
+    return state, metrics
+
+
+def _log_step(run: _Run, step: int, metrics, write: bool) -> dict:
+    """Step `step`'s row (its metrics on the host), written to the metrics when `write`, with the time since
+    the last row (`time/*`, read as the step finished) and memory."""
+    now, (mark_time, mark_step) = time.time(), run.since
+    columns = {**run.clock.lap(), **metrics_lib.memory_columns()} if write else {}
+    with run.clock.timing("log"):
+        row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step), mark_step)
+        if write:
+            run.since = (now, step)
+            _write_row(run, {**row, **columns})
+    return row
+
+
+@contextlib.contextmanager
+def _not_training(run: _Run, category: str):
+    """Time `category`'s block, and take it out of the step time of the next row (`step_time_s`)."""
+    start = time.time()
+    with run.clock.timing(category):
+        yield
+    run.since = (run.since[0] + time.time() - start, run.since[1])
+
+
+def _validate(run: _Run, step: int, state) -> None:
+    """The validation loss (and its row) and the benchmark tasks."""
+    with _not_training(run, "eval"):
+        if run.eval_fn is not None:
+            val = _evaluate(run, run.fns.device_params(state.params))
+            run.last["val_loss"] = val["val_loss"]
+            if run.writer:
+                run.writer.write({"step": step, **val})
+                _show(run, f"step {step:>6} | val_loss {val['val_loss']:.4f}" + _preference_text(val, "val_"))
+        if run.tasks:
+            _benchmarks(run, step, run.fns.device_params(state.params))
+
+
 def _train_steps(run: _Run, state, start: int, should_stop):
     """Steps start+1 .. train.steps: log, evaluate and checkpoint as configured; on a stop request save
     this step and raise Stopped."""
-    t = run.cfg.train
-    mark_time, mark_step, pending, waited = time.time(), start, None, 0.0
+    t, clock, previous, pending = run.cfg.train, run.clock, None, None
+    run.since = (time.time(), start)
     for step in range(start + 1, t.steps + 1):
-        asked = time.perf_counter()
-        batch = _batch(run, step - 1, state)
-        waited += time.perf_counter() - asked
-        state, metrics = run.step_fn(state, faults.corrupt(step, batch))
-        faults.after_dispatch(step, run.mngr)
-        pending = pending or should_stop(step)  # asked every step: several processes agree on the step
+        with clock.timing("profile"):
+            run.profiler.before(step, run.step_fn)
+        # step time, but for making the batch; it ends once the last state is dropped (freeing it takes time)
+        with clock.timing("step"), jax.profiler.StepTraceAnnotation("train", step_num=step):
+            state, metrics = _dispatch(run, step, state, previous)
+            previous = metrics["loss"]
+        with clock.timing("step"):
+            pending = pending or should_stop(step)  # asked every step: several processes agree on the step
         signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
+        with clock.timing("step"):
+            if logging_now or saving or run.profiler.due(step):
+                metrics = jax.device_get(metrics)  # waits for the step
+            _watch_skips(run, step, metrics, wait=logging_now or saving)
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
-            metrics = jax.device_get(metrics)  # waits for the step, so the time below includes it
-            now = time.time()
-            row = _metrics_row(run, step, metrics, (now - mark_time) / (step - mark_step), mark_step,
-                               waited / (step - mark_step))
-            if logging_now:
-                mark_time, mark_step, waited = now, step, 0.0
-                _write_row(run, row)
+            row = _log_step(run, step, metrics, write=logging_now)
             _check_finite(run, row)
-        _watch_skips(run, step, metrics, wait=logging_now or saving)
+        with clock.timing("profile"):
+            if run.profiler.due(step):
+                run.profiler.stop()
         if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            if run.eval_fn is not None:
-                val = _evaluate(run, run.fns.device_params(state.params))
-                run.last["val_loss"] = val["val_loss"]
-                if run.writer:
-                    run.writer.write({"step": step, **val})
-                    _show(run, f"step {step:>6} | val_loss {val['val_loss']:.4f}" + _preference_text(val, "val_"))
-            if run.tasks:
-                _benchmarks(run, step, run.fns.device_params(state.params))
-            mark_time = time.time()  # evaluation is not training time
+            _validate(run, step, state)
         if saving:
-            _save(run, step, state, applied=not row.get("skipped"))
+            with _not_training(run, "checkpoint"):
+                _save(run, step, state, applied=not row.get("skipped"))
         if run.bar:
-            run.bar.update(1)
-            run.bar.set_postfix(loss=f"{run.last['loss']:.3f}")
+            with clock.timing("log"):
+                run.bar.update(1)
+                run.bar.set_postfix(loss=f"{run.last['loss']:.3f}")
         if signum is not None:
             raise Stopped(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in "
                           f"{ckpt.checkpoint_dir(run.cfg.run.dir)}; continue with train.resume=true "
@@ -473,38 +524,40 @@ def _train_steps(run: _Run, state, start: int, should_stop):
     return state
 
 
-def _compile(cfg: Config, fns, state, data, start: int):
+def _compile(run: _Run, state, start: int) -> None:
     """The train (and evaluation) step, compiled for the loader's first batch; a GRPO run's first batch is
     sampled from the parameters (and checked when made), so its step is compiled for the batch's shapes."""
+    cfg, fns, data = run.cfg, run.fns, run.data
     grpo = cfg.train.objective == "grpo"
     scored = (state.params,) if cfg.train.objective == "dpo" else ()
-    batch = (fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len) if grpo
-             else data.train_batch(start, fns.batch_sharding, *scored))
+    with run.clock.timing("data"):
+        batch = (fns.abstract_batch(cfg.train.global_batch, cfg.model.seq_len) if grpo
+                 else data.train_batch(start, fns.batch_sharding, *scored))
     batch_lib.check(batch, fns.objective.fields)  # a batch the step cannot take is one line, before compiling
     t0 = time.time()
-    with faults.compiling():
-        step_fn = fns.train_step.lower(state, batch).compile()
+    with run.clock.timing("compile"), faults.compiling():
+        run.step_fn = fns.train_step.lower(state, batch).compile()
         evaluating = cfg.train.eval_every and data.has_validation
-        eval_fn = fns.eval_loss.lower(fns.device_params(state.params), batch).compile() if evaluating else None
+        run.eval_fn = fns.eval_loss.lower(fns.device_params(state.params), batch).compile() if evaluating else None
     log.info("compiled the train step in %.1f s", time.time() - t0)
-    return step_fn, eval_fn
 
 
-def train(cfg: Config) -> dict:
-    """Run training as configured. Returns a summary (final losses, run dir, ...)."""
-    initialize_distributed(cfg.distributed)
-    tokenizer, shape, notes, data = prepare(cfg)
-    tasks = [eval_tasks.load_task(path) for path in cfg.train.eval_tasks]  # a bad task file writes nothing
+def _set_up(cfg: Config, clock: goodput.Clock):
+    """Everything before the run directory is written: (the run without its programs, its starting state, its
+    starting step, whether it resumes, the prefetching data or None). A problem with the user's input ends here."""
+    with clock.timing("data"):
+        tokenizer, shape, notes, data = prepare(cfg)
+        tasks = [eval_tasks.load_task(path) for path in cfg.train.eval_tasks]  # a bad task file writes nothing
     if not cfg.run.dir and jax.process_count() > 1:
         raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
         cfg.run.dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     resume = _check_run_dir(cfg)
     barrier("jaxllm_run_dir_checked")  # every process has looked at run.dir before process 0 writes to it
-    lead = jax.process_index() == 0
     fns, t, ahead = make_step_fns(cfg, make_mesh(shape, cfg)), cfg.train, None
     # the starting state is read before anything is written (a checkpoint that cannot be read writes nothing)
-    state, start, meta = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0, {})
+    with clock.timing("checkpoint" if resume else "setup"):
+        state, start, meta = _restore(cfg, fns) if resume else (initial_state(cfg, fns), 0, {})
     if hasattr(data, "resume_stages") and resume:  # a mixture's weights so far, and new ones from here
         notes = notes + data.resume_stages(meta, start)
     if t.objective == "grpo":  # the batches come from the policy's own samples
@@ -514,50 +567,83 @@ def train(cfg: Config) -> dict:
     if t.objective == "dpo":  # each batch scored by the reference before the step, if the loss reads it
         scoring = "ref_logp" in fns.objective.fields
         data = preference.Scored(data, fns, reference_params(cfg, fns) if scoring else None)
-
-    # From here on the run directory is written.
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    if lead:
-        with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-        if t.resume:  # the steps after the restored one are trained (and logged) again
-            metrics_lib.keep_rows_through(cfg.run.dir, start)
     _log_setup(cfg, shape, notes, data, fns)
+    run = _Run(cfg, fns, data, None, None, tasks=tasks, tokenizer=tokenizer, clock=clock,
+               profiler=profiling.Profiler(cfg, start), good_checkpoint=start if resume else None)
+    return run, state, start, resume, ahead
+
+
+def _open_run_dir(run: _Run, resume: bool, start: int) -> None:
+    """Write the run directory (process 0): its config, the metrics writer with its views, the progress bar."""
+    cfg, made = run.cfg, not os.path.isdir(run.cfg.run.dir)
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    if jax.process_index() != 0:
+        return
+    try:
+        mirror = wandb_log.open_run(cfg, to_dict(cfg), resumed=resume)
+    except UserError:
+        if made:  # nothing half-written
+            shutil.rmtree(cfg.run.dir, ignore_errors=True)
+        raise
+    with open(os.path.join(cfg.run.dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    if cfg.train.resume:  # the steps after the restored one are trained (and logged) again
+        metrics_lib.keep_rows_through(cfg.run.dir, start)
+    run.writer = metrics_lib.MetricsWriter(cfg.run.dir, resumed=cfg.train.resume, wandb=mirror)
+    if cfg.run.progress:
+        from tqdm import tqdm
+
+        run.bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+                       dynamic_ncols=True)
+
+
+def _close(run: _Run, failed: bool) -> None:
+    """Close what the run opened: the progress bar, the metrics (W&B records `failed`), the profiler, and the
+    checkpoints once their async saves are written."""
+    with run.clock.timing("log"):
+        if run.bar:
+            run.bar.close()
+        if run.writer:
+            run.writer.close(failed)
+    with run.clock.timing("profile"):
+        run.profiler.stop()
+    if run.mngr is not None:
+        with run.clock.timing("checkpoint"):
+            run.mngr.wait_until_finished()
+            run.mngr.close()
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured. Returns a summary (final losses, run dir, goodput, ...)."""
+    clock = goodput.Clock()
+    with clock.timing("setup"):
+        initialize_distributed(cfg.distributed)
+        run, state, start, resume, ahead = _set_up(cfg, clock)
+        _open_run_dir(run, resume, start)  # from here on the run directory is written
     if resume:
         log.info("resumed from step %d in %s", start, cfg.run.dir)
     # from here a signal stops the run at a step; the prefetching thread stops with the run, however it ends
     with preemption.stop_requests() as should_stop, contextlib.closing(ahead) if ahead else contextlib.nullcontext():
-        run = _Run(cfg, fns, data, *_compile(cfg, fns, state, data, start), tasks=tasks, tokenizer=tokenizer)
-        run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
-        run.good_checkpoint = start if resume else None
-        if lead:
-            run.writer = metrics_lib.MetricsWriter(cfg.run.dir, resumed=t.resume)
-            if cfg.run.progress:
-                from tqdm import tqdm
-
-                run.bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", file=sys.stderr,
-                               dynamic_ncols=True)
         try:
+            _compile(run, state, start)
+            with clock.timing("setup"):
+                run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
             state = _train_steps(run, state, start, should_stop)
         finally:
-            for closing in (run.bar, run.writer):
-                if closing:
-                    closing.close()
-            if run.mngr is not None:
-                run.mngr.wait_until_finished()
-                run.mngr.close()
-    return _finish(cfg, run, state, tokenizer, lead)
+            _close(run, failed=sys.exc_info()[0] is not None)
+    return _finish(cfg, run, state, jax.process_index() == 0)
 
 
-def _finish(cfg: Config, run: _Run, state, tokenizer, lead: bool) -> dict:
-    """The loss plot and the end-of-run sample; the run's summary."""
+def _finish(cfg: Config, run: _Run, state, lead: bool) -> dict:
+    """Goodput, the loss plot and the end-of-run sample; the run's summary."""
     summary = {"run_dir": cfg.run.dir, "steps": cfg.train.steps, "loss": run.last["loss"],
-               "val_loss": run.last["val_loss"]}
+               "val_loss": run.last["val_loss"], "time": run.clock.summary()}
+    log.info(goodput.summary_text(summary["time"]))
     if lead:
         summary["plot"] = metrics_lib.plot_metrics(cfg.run.dir)
         log.info("loss curves: %s", summary["plot"])
     if cfg.run.sample_tokens > 0:
-        text = sample(run.fns.device_params(state.params), cfg, tokenizer, cfg.run.sample_prompt,
+        text = sample(run.fns.device_params(state.params), cfg, run.tokenizer, cfg.run.sample_prompt,
                       cfg.run.sample_tokens, on=run.fns)
         summary["sample"] = text
         if lead:

@@ -1,8 +1,9 @@
-"""Training metrics: a JSONL + TensorBoard writer, FLOP accounting for MFU, and loss-curve PNGs.
+"""Training metrics: a JSONL writer mirrored to TensorBoard (and W&B), memory figures, FLOP accounting for MFU,
+and loss-curve PNGs.
 
 `metrics.jsonl` in the run directory is the source of truth (plain text, one row per logged step; a
-resumed run first drops the rows it will train again); TensorBoard event files are a convenience
-view of the same rows.
+resumed run first drops the rows it will train again); TensorBoard event files and a W&B run
+(`train/wandb_log.py`) are views of the same rows.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 import time
 
 import jax
@@ -59,8 +62,9 @@ class MetricsWriter:
     (`purge_step=1`) and writes metrics.jsonl's rows to TensorBoard again.
     """
 
-    def __init__(self, run_dir: str, tensorboard: bool = True, resumed: bool = False):
+    def __init__(self, run_dir: str, tensorboard: bool = True, resumed: bool = False, wandb=None):
         os.makedirs(run_dir, exist_ok=True)
+        self._wandb = wandb  # a wandb_log.Mirror: each new row's numbers (not those of earlier runs)
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._file = open(self.path, "a+", encoding="utf-8")
         self._end_torn_line()
@@ -92,18 +96,24 @@ class MetricsWriter:
         if self._tb is not None:
             self._add_scalars(plain)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in plain.items() if k != "step" and _is_number(v)}, step=plain["step"])
 
     def _add_scalars(self, row: dict) -> None:
         for key, value in row.items():
             if key != "step" and _is_number(value):
                 self._tb.add_scalar(key, value, global_step=row["step"])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the file and the views (`failed`: the run ended on an error, which W&B records)."""
         if not self._file.closed:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close(failed)
+            self._wandb = None
 
     def __enter__(self):
         return self
@@ -146,6 +156,21 @@ def read_metrics(run_dir: str) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_columns() -> dict:
+    """`memory/host_peak_bytes`, this process's peak resident set; and where the backend reports it (GPU, TPU;
+    not the CPU), `memory/device_peak_bytes`, the highest peak of this process's devices since it started."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    row = {"memory/host_peak_bytes": rss if sys.platform == "darwin" else rss * 1024}
+    peaks = [stats["peak_bytes_in_use"] for stats in (d.memory_stats() for d in jax.local_devices())
+             if stats and "peak_bytes_in_use" in stats]
+    if peaks:
+        row["memory/device_peak_bytes"] = max(peaks)
+    return row
 
 
 # ----------------------------------------------------------------------------- FLOPs and MFU

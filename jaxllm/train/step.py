@@ -177,10 +177,11 @@ def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, l
         if g.zero_stage in (1, 2):  # ZeRO-1/2: each fsdp rank updates its own shard, then params are gathered
             grads = constrain_tree(grads, sh.update)
         train, frozen = lora.split(old_params, g.trainable)
-        updates, opt_state = tx.update(grads, old_opt, train)
-        if g.zero_stage in (1, 2):
-            updates = constrain_tree(updates, sh.update)
-        params = lora.combine(optax.apply_updates(train, updates), frozen)
+        with jax.named_scope("optimizer"):  # the scopes name the step's parts in profiler traces
+            updates, opt_state = tx.update(grads, old_opt, train)
+            if g.zero_stage in (1, 2):
+                updates = constrain_tree(updates, sh.update)
+            params = lora.combine(optax.apply_updates(train, updates), frozen)
         if moe_lib.has_router_bias(cfg.model) and not cfg.model.lora.rank:  # a fixed (or frozen) bias stays
             params = bias_balance.update(params, old_params, with_loads, cfg.model.moe.bias_update_rate)
         params = constrain_tree(params, sh.params)

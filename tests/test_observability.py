@@ -1,0 +1,185 @@
+"""Seeing inside a run: where the wall time goes (goodput columns), profiler traces, memory, Weights & Biases.
+
+The run test trains the default job (its config, fewer steps) in this process, with validation, checkpoints,
+a profiled window and an offline W&B run, then resumes it from an earlier checkpoint, as after a kill.
+W&B's record of each run is read back with W&B's own reader of its run files (`wandb leet inspect`, wandb
+0.31.0 as the test extra pins it).
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.profiler import ProfileData
+
+from jaxllm.cli import CONFIG_DIR
+from jaxllm.config import build_config, to_dict
+from jaxllm.train import goodput, metrics as metrics_lib, profiling
+from jaxllm.train.loop import train
+
+SCOPES = ("embed", "attention", "mlp", "head", "optimizer")  # the named scopes of a dense model's train step
+
+
+# ---------------------------------------------------------------- the clock
+
+
+def _fresh_compile():
+    """A program no test compiled before (its constant is new), compiled now: JAX reports the time."""
+    jax.jit(lambda x: jnp.sin(x) * float(time.perf_counter_ns() % 10**6)).lower(jnp.ones(8)).compile()
+
+
+def test_the_clock_gives_nested_blocks_and_compiling_their_own_time():
+    clock = goodput.Clock()
+    with clock.timing("setup"):
+        time.sleep(0.05)
+        with clock.timing("data") as part:
+            time.sleep(0.1)
+            _fresh_compile()
+        with clock.timing("data") as part:
+            time.sleep(0.03)
+            part.category = "step"  # the block decided what it was
+    row = clock.lap()
+    assert 0.05 <= row["time/setup_s"] < 0.09 and 0.1 <= row["time/data_s"] < 0.14
+    assert 0.03 <= row["time/step_s"] < 0.06 and row["time/compile_s"] > 0.005
+    assert abs(sum(v for k, v in row.items() if k != "time/wall_s") - row["time/wall_s"]) < 0.005
+    other = threading.Thread(target=_fresh_compile)  # another thread's compiling is not this clock's
+    with clock.timing("eval"):
+        other.start()
+        other.join()
+    later = clock.lap()  # a lap starts a new window
+    assert later["time/compile_s"] == later["time/data_s"] == 0 and later["time/eval_s"] > 0.005
+    summary = clock.summary()
+    assert summary["data_s"] == row["time/data_s"] and 0 < summary["goodput"] < 1
+    assert "the most time lost: data" in goodput.summary_text(summary)
+
+
+def test_memory_columns_give_the_host_peak_and_no_device_figure_on_cpu():
+    before = metrics_lib.memory_columns()
+    held = bytearray(300 * 2**20)  # touched: resident
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    after = metrics_lib.memory_columns()
+    assert after["memory/host_peak_bytes"] >= max(before["memory/host_peak_bytes"], 300 * 2**20)
+    assert "memory/device_peak_bytes" not in after  # the CPU backend reports none
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"run.profile_steps": [0, 2]}, "run.profile_steps"), ({"run.profile_steps": [3]}, "run.profile_steps"),
+    ({"run.profile_steps": [290, 20]}, "run.profile_steps"), ({"run.wandb": "yes"}, "run.wandb"),
+    ({"run.wandb": "offline", "run.wandb_tags": [1]}, "run.wandb_tags")])
+def test_bad_observability_keys_are_one_line_naming_the_key(over, key, tmp_path, capsys):
+    from experiments import run as run_cli
+
+    args = [f"{k}={json.dumps(v)}" for k, v in {**over, "run.dir": str(tmp_path / "run")}.items()]
+    assert run_cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {key}") and "\n" not in err and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- a run, and its resumption
+
+
+def _config(run_dir, **over):
+    """The default job, shortened: validation and a checkpoint every 2 steps, a row every step."""
+    return build_config(os.path.join(CONFIG_DIR, "default.toml"), {
+        "train.steps": 4, "train.log_every": 1, "train.eval_every": 2, "train.checkpoint_every": 2,
+        "train.eval_batches": 1, "run.sample_tokens": 0, "run.progress": False, "run.dir": str(run_dir),
+        "run.wandb": "offline",
+        "run.wandb_tags": ["observability"], **over})
+
+
+def _rows(run_dir):
+    return metrics_lib.read_metrics(str(run_dir))
+
+
+def _by_step(rows) -> dict:
+    """metrics.jsonl's rows merged by step, as W&B merges the rows logged at one step."""
+    merged = {}
+    for row in rows:
+        merged.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    return merged
+
+
+def _wandb_records(run_dir) -> list[list[dict]]:
+    """Each offline W&B run in run_dir, oldest first: its records, read by W&B's own reader."""
+    wandb = os.path.join(os.path.dirname(sys.executable), "wandb")
+    runs = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        out = subprocess.run([wandb, "leet", "inspect", "--json", path], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs.append([json.loads(line) for line in out.stdout.splitlines() if line.strip()])
+    return runs
+
+
+def _history(records) -> dict:
+    return {r["history"]["step"]["num"]: {k: v for k, v in r["history"]["item"].items() if not k.startswith("_")}
+            for r in records if r["type"] == "history"}
+
+
+def _scopes_in_trace(run_dir, steps) -> set:
+    """The named scopes of the train step's ops that ran in the trace, which must hold steps `steps` exactly."""
+    trace_dir = profiling.trace_dir(str(run_dir))
+    [path] = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.xplane.pb"))
+    hlo = open(os.path.join(trace_dir, profiling.HLO_FILE)).read()
+    module = re.match(r"HloModule (\S+?),", hlo).group(1)
+    op_names = dict(re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo, re.M))
+    annotated, ran = [], set()
+    for plane in ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if event.name == "train" and "step_num" in stats:
+                    annotated.append(stats["step_num"])
+                if stats.get("hlo_module") == module:
+                    ran.add(stats["hlo_op"])
+    assert sorted(annotated) == list(steps)
+    return {word for op in ran for word in re.findall(r"\w+", op_names.get(op, ""))}
+
+
+def _unattributed(row) -> float:
+    return 1 - sum(v for k, v in row.items() if k.startswith("time/") and k != "time/wall_s") / row["time/wall_s"]
+
+
+@pytest.mark.slow
+def test_a_run_accounts_for_its_time_traces_its_steps_and_logs_to_wandb_and_its_resumption_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train(_config(run_dir, **{"run.profile_steps": [2, 2]}))
+    rows = _rows(run_dir)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert max(_unattributed(r) for r in steps) <= 0.02, [_unattributed(r) for r in steps]
+    first, _, third, _ = steps
+    assert first["time/compile_s"] > 0.5 and first["time/setup_s"] > 0 and first["time/data_s"] > 0
+    assert third["time/eval_s"] > 0 and third["time/checkpoint_s"] > 0 and third["time/profile_s"] > 0  # step 2's
+    assert steps[1]["time/eval_s"] == 0 and all(r["memory/host_peak_bytes"] > 2**20 for r in steps)
+    whole = summary["time"]  # the end counts what follows the last row too (its validation and checkpoint)
+    assert whole["wall_s"] > sum(r["time/wall_s"] for r in steps) and whole["eval_s"] > third["time/eval_s"]
+    assert sum(whole[f"{c}_s"] for c in goodput.CATEGORIES) >= 0.98 * whole["wall_s"]
+
+    assert set(SCOPES) <= _scopes_in_trace(run_dir, [2, 3])
+
+    [records] = _wandb_records(run_dir)
+    before = _by_step(rows)
+    assert _history(records) == before and sorted(before) == [1, 2, 3, 4]  # every row, every number, its step
+    [started] = [r["run"] for r in records if r["type"] == "run"]
+    config = {k: v for k, v in started["config"]["update"].items() if k != "_wandb"}
+    assert config == json.loads(json.dumps(to_dict(build_config(str(run_dir / "config.toml")))))
+    assert started["tags"] == ["observability"] and started["display_name"] == "run"
+
+    shutil.rmtree(run_dir / "checkpoints" / "4")  # killed after logging step 4, before its checkpoint was written
+    train(_config(run_dir, **{"train.resume": True}))
+    first, second = _wandb_records(run_dir)
+    ids = {r["run"]["run_id"] for records in (first, second) for r in records if r["type"] == "run"}
+    assert ids == {(run_dir / "wandb_id").read_text()}  # one W&B run
+    after = _by_step(_rows(run_dir))
+    assert _history(second) == {s: after[s] for s in (3, 4)}  # the steps after the restored one only
+    assert sorted(after) == [1, 2, 3, 4] and {s: after[s] for s in (1, 2)} == {s: before[s] for s in (1, 2)}
