@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jax.profiler import ProfileData
 from jaxllm.cli import CONFIG_DIR
 from jaxllm.config import build_config, to_dict
 from jaxllm.train import goodput, metrics as metrics_lib, profiling
-from jaxllm.train.loop import train
+from jaxllm.train.loop import _dispatch, train
 
 SCOPES = ("embed", "attention", "mlp", "head", "optimizer")  # the named scopes of a dense model's train step
 
@@ -60,6 +61,26 @@ def test_the_clock_gives_nested_blocks_and_compiling_their_own_time():
     summary = clock.summary()
     assert summary["data_s"] == row["time/data_s"] and 0 < summary["goodput"] < 1
     assert "the most time lost: data" in goodput.summary_text(summary)
+
+
+def test_a_batch_made_while_the_previous_step_runs_is_step_time():
+    """The loop's rule: making a batch counts as data time only when the devices have no step to run."""
+    long = jax.jit(lambda x: jax.lax.fori_loop(0, 60, lambda i, y: jnp.tanh(y @ y), x))  # ~0.3 s on a CPU
+    x = jnp.ones((512, 512)) / 512
+    long.lower(x).compile()
+
+    class Batches:
+        def train_batch(self, step, sharding):
+            time.sleep(0.05)
+            return {"step": step}
+
+    run = SimpleNamespace(cfg=build_config(None, {}), data=Batches(), fns=SimpleNamespace(batch_sharding=None),
+                          clock=goodput.Clock(), mngr=None, step_fn=lambda state, batch: (state, {"loss": state}))
+    for previous, spent in ((long(x), "step"), (jnp.zeros(()), "data")):
+        _dispatch(run, 1, None, previous)
+        row = run.clock.lap()
+        idle = "data" if spent == "step" else "step"
+        assert row[f"time/{spent}_s"] >= 0.05 and row[f"time/{idle}_s"] < 0.01, (spent, row)
 
 
 def test_memory_columns_give_the_host_peak_and_no_device_figure_on_cpu():
