@@ -44,13 +44,15 @@ def test_the_clock_gives_nested_blocks_and_compiling_their_own_time():
         time.sleep(0.05)
         with clock.timing("data") as part:
             time.sleep(0.1)
+            start = time.perf_counter()
             _fresh_compile()
+            compiling = time.perf_counter() - start  # mostly tracing, lowering and compiling: JAX reports those
         with clock.timing("data") as part:
             time.sleep(0.03)
             part.category = "step"  # the block decided what it was
     row = clock.lap()
-    assert 0.05 <= row["time/setup_s"] < 0.09 and 0.1 <= row["time/data_s"] < 0.14
-    assert 0.03 <= row["time/step_s"] < 0.06 and row["time/compile_s"] > 0.005
+    assert 0.05 <= row["time/setup_s"] < 0.09 and 0.1 <= row["time/data_s"] < 0.11 + compiling / 4
+    assert 0.03 <= row["time/step_s"] < 0.06 and compiling * 3 / 4 < row["time/compile_s"] <= compiling
     assert abs(sum(v for k, v in row.items() if k != "time/wall_s") - row["time/wall_s"]) < 0.005
     other = threading.Thread(target=_fresh_compile)  # another thread's compiling is not this clock's
     with clock.timing("eval"):
