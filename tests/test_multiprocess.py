@@ -146,7 +146,8 @@ def runs(tmp_path_factory):
 
     procs = Procs(work)
     t0 = time.monotonic()
-    _start_distributed_run(procs, config, multi, ["train.steps=4", "train.checkpoint_every=2"], tag="multi")
+    _start_distributed_run(procs, config, multi, ["train.steps=4", "train.checkpoint_every=2", "run.profile_steps=[3,1]",
+                                                  "run.wandb=offline"], tag="multi")
     procs.start("single", ["-m", "jaxllm", "train", "--config", str(config), *COMMON, "train.steps=6",
                            "train.checkpoint_every=0", f"run.dir={single}"], n_devices=8)
     procs.wait()
@@ -179,6 +180,10 @@ def test_two_processes_train_like_one(runs):
     for step in ("2", "4"):
         assert (multi / "checkpoints" / step / "state").is_dir(), sorted(os.listdir(multi / "checkpoints"))
     assert not list(multi.glob("checkpoints/*.orbax-checkpoint-tmp*")), "an unfinished checkpoint was left behind"
+    # each process traced step 3 into its own folder; process 0 alone logged to W&B
+    for pid in (0, 1):
+        assert len(list(multi.glob(f"profile/process_{pid}/plugins/profile/*/*.xplane.pb"))) == 1, pid
+    assert len(list(multi.glob("wandb/offline-run-*"))) == 1 and "goodput " in err0
 
 
 def test_two_processes_resume_from_their_checkpoint(runs):
