@@ -78,8 +78,9 @@ def test_a_batch_made_while_the_previous_step_runs_is_step_time():
 
     run = SimpleNamespace(cfg=build_config(None, {}), data=Batches(), fns=SimpleNamespace(batch_sharding=None),
                           clock=goodput.Clock(), mngr=None, step_fn=lambda state, batch: (state, {"loss": state}))
-    for previous, spent in ((long(x), "step"), (jnp.zeros(()), "data")):
-        _dispatch(run, 1, None, previous)
+    for previous, spent in ((lambda: long(x), "step"), (lambda: jnp.zeros(()).block_until_ready(), "data")):
+        run.clock.lap()
+        _dispatch(run, 1, None, previous())
         row = run.clock.lap()
         idle = "data" if spent == "step" else "step"
         assert row[f"time/{spent}_s"] >= 0.05 and row[f"time/{idle}_s"] < 0.01, (spent, row)

@@ -268,6 +268,7 @@ class _Run:
     last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
     clock: goodput.Clock = field(default_factory=goodput.Clock)  # where the wall time goes (train/goodput.py)
     profiler: object = None
+    wandb: object = None  # a wandb_log.Mirror, which the writer sends its rows to once it exists
     since: tuple = (0.0, 0)  # (time.time(), step) of the last training row: step_time_s is over the steps since
 
 
@@ -498,13 +499,14 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
-        with clock.timing("step"):
-            if logging_now or saving or run.profiler.due(step):
+        if logging_now or saving or run.profiler.due(step):
+            with clock.timing("step"):
                 metrics = jax.device_get(metrics)  # waits for the step
-            _watch_skips(run, step, metrics, wait=logging_now or saving)
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             row = _log_step(run, step, metrics, write=logging_now)
             _check_finite(run, row)
+        with clock.timing("step"):
+            _watch_skips(run, step, metrics, wait=logging_now or saving)
         with clock.timing("profile"):
             if run.profiler.due(step):
                 run.profiler.stop()
@@ -574,13 +576,13 @@ def _set_up(cfg: Config, clock: goodput.Clock):
 
 
 def _open_run_dir(run: _Run, resume: bool, start: int) -> None:
-    """Write the run directory (process 0): its config, the metrics writer with its views, the progress bar."""
+    """Write the run directory (process 0): its config, metrics.jsonl cut back to the restored step, the W&B run."""
     cfg, made = run.cfg, not os.path.isdir(run.cfg.run.dir)
     os.makedirs(cfg.run.dir, exist_ok=True)
     if jax.process_index() != 0:
         return
     try:
-        mirror = wandb_log.open_run(cfg, to_dict(cfg), resumed=resume)
+        run.wandb = wandb_log.open_run(cfg, to_dict(cfg), resumed=resume)
     except UserError:
         if made:  # nothing half-written
             shutil.rmtree(cfg.run.dir, ignore_errors=True)
@@ -589,7 +591,15 @@ def _open_run_dir(run: _Run, resume: bool, start: int) -> None:
         f.write(to_toml(cfg))
     if cfg.train.resume:  # the steps after the restored one are trained (and logged) again
         metrics_lib.keep_rows_through(cfg.run.dir, start)
-    run.writer = metrics_lib.MetricsWriter(cfg.run.dir, resumed=cfg.train.resume, wandb=mirror)
+
+
+def _open_metrics(run: _Run, start: int) -> None:
+    """Once the step compiled (a run killed before leaves no metrics.jsonl, so it is not a run to resume): the
+    metrics writer with its views (process 0), the progress bar."""
+    cfg = run.cfg
+    if jax.process_index() != 0:
+        return
+    run.writer = metrics_lib.MetricsWriter(cfg.run.dir, resumed=cfg.train.resume, wandb=run.wandb)
     if cfg.run.progress:
         from tqdm import tqdm
 
@@ -604,7 +614,9 @@ def _close(run: _Run, failed: bool) -> None:
         if run.bar:
             run.bar.close()
         if run.writer:
-            run.writer.close(failed)
+            run.writer.close(failed)  # and the W&B run
+        elif run.wandb:
+            run.wandb.close(failed)
     with run.clock.timing("profile"):
         run.profiler.stop()
     if run.mngr is not None:
@@ -628,6 +640,7 @@ def train(cfg: Config) -> dict:
             _compile(run, state, start)
             with clock.timing("setup"):
                 run.flops_per_token, run.peak = flops_per_token(cfg), peak_flops(cfg)
+                _open_metrics(run, start)
             state = _train_steps(run, state, start, should_stop)
         finally:
             _close(run, failed=sys.exc_info()[0] is not None)
