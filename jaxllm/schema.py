@@ -376,6 +376,9 @@ class TrainConfig:
                                "whole validation split (`eval_batches` is not used)")
     checkpoint_every: int = key(100, "async Orbax checkpoint every N steps and at the end (0 = off)")
     keep_checkpoints: int = key(2, "how many of the latest checkpoints are kept")
+    checkpoint_checksums: bool = key(True, "a checksum of each array saved with each checkpoint and checked when it "
+                                           "is restored: a checkpoint whose values changed is set aside as damaged "
+                                           '(see "Preemption and recovery")')
 
 
 @dataclass

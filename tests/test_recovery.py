@@ -178,7 +178,20 @@ def interrupted_save(step_dir):  # what a kill during the save leaves: the folde
     os.rename(step_dir, f"{step_dir}{ckpt.TMP_MARK}-1700000000")
 
 
-DAMAGE = {f.__name__: f for f in (missing_array_file, truncated_array_file, garbage_metadata, interrupted_save)}
+def flipped_bit(step_dir, array="params.embed.tok", at=(3, 5), bit=20) -> tuple[float, float]:
+    """One bit of one element of a saved array flipped through TensorStore, which writes it back as a new
+    version of the checkpoint's OCDBT store: every file stays well formed. (value before, value after)."""
+    import tensorstore as ts
+
+    spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir}/state/", "path": f"{array}/"}}
+    stored = ts.open(spec).result()
+    before = np.asarray(stored[at].read().result())
+    stored[at].write((before.view(np.uint32) ^ np.uint32(1 << bit)).view(np.float32)).result()
+    return float(before), float(np.asarray(ts.open(spec).result()[at].read().result()))
+
+
+DAMAGE = {f.__name__: f for f in (missing_array_file, truncated_array_file, garbage_metadata, interrupted_save,
+                                  flipped_bit)}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -190,8 +203,25 @@ def test_a_damaged_checkpoint_is_skipped_and_set_aside(damage, uninterrupted, tm
     with caplog.at_level("WARNING", logger="jaxllm"):
         train(config(run_dir, **{"train.steps": 8, "train.resume": True}))
     assert "checkpoint 6" in caplog.text and "skipped" in caplog.text and "6.bad" in caplog.text
+    if damage == "flipped_bit":  # caught by its checksum (train.checkpoint_checksums, on by default)
+        assert "array params/embed/tok does not match the checksum saved with it" in caplog.text
     assert listing(run_dir) == ["4", "6", "6.bad", "8"]  # step 6 saved again; pruning left 6.bad alone
     assert rows(run_dir)[:6] == reference and [r["step"] for r in rows(run_dir)] == list(range(1, 9))
+
+
+def test_without_checksums_a_flipped_bit_restores_silently(uninterrupted, tmp_path, caplog):
+    """What `train.checkpoint_checksums` is for (the damage above, caught with it): without it the changed value
+    is read back as if it had been saved, and training goes on from it."""
+    _, done = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(done, run_dir)
+    before, after = flipped_bit(os.path.join(ckpt.checkpoint_dir(str(run_dir)), "6"))
+    assert before != after
+    off = {"train.steps": 7, "train.resume": True, "train.checkpoint_checksums": False}
+    with caplog.at_level("INFO", logger="jaxllm"):
+        train(config(run_dir, **off))
+    assert "resumed from step 6" in caplog.text and "skipped" not in caplog.text
+    assert listing(run_dir) == ["4", "6", "7"]  # nothing set aside
 
 
 def test_no_good_checkpoint_is_one_line_exit_2_and_nothing_moved(uninterrupted, tmp_path, capsys):

@@ -168,7 +168,7 @@ rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss_norm 
 rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
 run.dir run.profile_steps run.progress run.sample_prompt run.sample_tokens run.wandb run.wandb_entity run.wandb_name
 run.wandb_project run.wandb_tags
-train.allreduce train.beta1 train.beta2 train.bucket_mb train.checkpoint_every train.eps train.eval_batches train.eval_tasks train.eval_every train.global_batch
+train.allreduce train.beta1 train.beta2 train.bucket_mb train.checkpoint_checksums train.checkpoint_every train.eps train.eval_batches train.eval_tasks train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.max_consecutive_skips train.skip_nonfinite
 train.spike_factor train.spike_window train.loss_chunk train.mtp_weight train.lr train.microbatches
 train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual

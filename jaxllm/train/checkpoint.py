@@ -8,8 +8,8 @@ Orbax writes each save into a temporary folder and renames it to `<step>` only w
 a killed save leaves `<step>.orbax-checkpoint-tmp-…` and never a half-written `<step>`. Resuming
 takes the newest step that restores; damaged newer steps and temporary folders are logged and
 moved aside to `<step>.bad` (Orbax ignores that name, so a new save of the step and pruning work).
-Detected: missing or truncated array files, unreadable metadata, interrupted saves. Not detected:
-bits flipped inside array data (Orbax keeps no checksums).
+Detected: missing or truncated array files, unreadable metadata, interrupted saves, and (with
+`train.checkpoint_checksums`, `train/checksums.py`) an array whose values changed after the save.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 
 from jaxllm.errors import CheckpointError
 from jaxllm.mesh import all_agree, barrier
+from jaxllm.train import checksums
 
 log = logging.getLogger("jaxllm")
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a save in progress
@@ -71,12 +72,16 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
         raise CheckpointError(f"its metadata is unreadable ({_first_line(e)})") from None
 
 
-def read_state(mngr: ocp.CheckpointManager, step: int, abstract_state):
-    """step's train state laid out as `abstract_state`'s shardings say; CheckpointError if unreadable."""
+def read_state(mngr: ocp.CheckpointManager, step: int, abstract_state, saved_checksums: dict | None = None):
+    """step's train state laid out as `abstract_state`'s shardings say, its arrays checked against
+    `saved_checksums` when given; CheckpointError if unreadable or changed since the save."""
     try:
-        return mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
+        state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
     except Exception as e:
         raise CheckpointError(f"its arrays are unreadable ({_first_line(e)})") from None
+    if saved_checksums:
+        checksums.verify(state, saved_checksums)
+    return state
 
 
 def _attempt(name: str, read):
@@ -90,10 +95,11 @@ def _attempt(name: str, read):
     return value, None
 
 
-def restore_newest(run_dir: str, target, check_meta) -> tuple[object, dict]:
+def restore_newest(run_dir: str, target, check_meta, verify: bool = True) -> tuple[object, dict]:
     """(state, meta) of the newest checkpoint in run_dir that restores. `check_meta(meta)` raises a
     UserError when the checkpoint belongs to another model (that is not damage: nothing is skipped);
-    `target(meta)` is the abstract tree (shapes, dtypes, shardings) to read that checkpoint's state into.
+    `target(meta)` is the abstract tree (shapes, dtypes, shardings) to read that checkpoint's state into;
+    `verify`: check its arrays against the checksums saved with it (when it has them).
     Damaged newer steps and interrupted saves are logged and set aside once a good step is found;
     when none restores, CheckpointError names them all and nothing is moved."""
     steps, interrupted = _entries(run_dir)
@@ -105,7 +111,8 @@ def restore_newest(run_dir: str, target, check_meta) -> tuple[object, dict]:
             meta, why = _attempt(f"jaxllm_meta_{step}", lambda: read_meta(mngr, step))
             if why is None:
                 check_meta(meta)
-                state, why = _attempt(f"jaxllm_state_{step}", lambda: read_state(mngr, step, target(meta)))
+                saved = meta.get("checksums") if verify else None
+                state, why = _attempt(f"jaxllm_state_{step}", lambda: read_state(mngr, step, target(meta), saved))
             if why is None:
                 found = state, meta
                 break
@@ -121,9 +128,10 @@ def restore_newest(run_dir: str, target, check_meta) -> tuple[object, dict]:
     return found
 
 
-def read_params(run_dir: str, step: int | None, abstract_params):
+def read_params(run_dir: str, step: int | None, abstract_params, verify: bool = True):
     """The parameters of run_dir's checkpoint `step` (None: the newest), laid out as `abstract_params` says,
-    whatever else the checkpoint holds (`init.from = "run:DIR[@STEP]"`)."""
+    whatever else the checkpoint holds (`init.from = "run:DIR[@STEP]"`); `verify`: checked against the
+    checksums saved with them."""
     steps, _ = _entries(run_dir)
     if step is None and not steps or step is not None and step not in steps:
         raise CheckpointError(f"init.from: {checkpoint_dir(run_dir)} has no checkpoint "
@@ -131,10 +139,15 @@ def read_params(run_dir: str, step: int | None, abstract_params):
     target = {"params": abstract_params}
     restore = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                      partial_restore=True)
+    step = steps[0] if step is None else step
     mngr = open_manager(run_dir, keep=1, read_only=True)
     try:
-        restored = mngr.restore(steps[0] if step is None else step, args=ocp.args.Composite(state=restore))
-        return restored["state"]["params"]
+        restored = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        if verify:
+            checksums.verify(restored, read_meta(mngr, step).get("checksums", {}))
+        return restored["params"]
+    except CheckpointError as e:
+        raise CheckpointError(f"init.from: {run_dir} step {step}: {e}") from None
     except Exception as e:
         raise CheckpointError(f"init.from: {run_dir} step {step}: its parameters are unreadable "
                               f"({_first_line(e)})") from None

@@ -37,7 +37,7 @@ from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
-from jaxllm.train import faults, goodput, preemption, preference, profiling, wandb_log
+from jaxllm.train import checksums, faults, goodput, preemption, preference, profiling, wandb_log
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
 from jaxllm.train.step import make_step_fns, trained
@@ -111,7 +111,7 @@ def _restore(cfg: Config, fns):
         state_lib.check_fields(meta, f"run.dir '{cfg.run.dir}'")
 
     target = lambda meta: state_lib.as_saved(_stored(cfg, fns.abstract_state), state_lib.saved_fields(meta))
-    saved, meta = ckpt.restore_newest(cfg.run.dir, target, check)
+    saved, meta = ckpt.restore_newest(cfg.run.dir, target, check, verify=cfg.train.checkpoint_checksums)
     if state_lib.saved_fields(meta) == state_lib.PARAMS_ONLY:
         log.info("the checkpoint holds parameters only (an imported model): the optimizer starts fresh")
         state = fns.start(saved["params"])
@@ -138,8 +138,8 @@ def checkpoint_params(cfg: Config, fns, run_dir: str, step: int | None):
     """The parameters of `run_dir`'s checkpoint `step` (None: the newest): under LoRA its adapters on the base
     read again from where the run's base came from."""
     if not cfg.model.lora.rank:
-        return ckpt.read_params(run_dir, step, fns.abstract_state.params)
-    adapters = ckpt.read_params(run_dir, step, _stored(cfg, fns.abstract_state).params)
+        return ckpt.read_params(run_dir, step, fns.abstract_state.params, cfg.train.checkpoint_checksums)
+    adapters = ckpt.read_params(run_dir, step, _stored(cfg, fns.abstract_state).params, cfg.train.checkpoint_checksums)
     return lora.combine(adapters, _frozen_base(cfg, fns))
 
 
@@ -165,7 +165,7 @@ def _source_params(cfg: Config, fns):
         run_dir, step = split_run_source(source)
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=sh),
                               transformer.param_shapes(lora.base_model(m)), fns.base_shardings)  # as saved: fp32
-        base = ckpt.read_params(run_dir, step, target)
+        base = ckpt.read_params(run_dir, step, target, cfg.train.checkpoint_checksums)
     params = fns.with_adapters(base)
     return peft.load_adapter(cfg.init.adapter, params, m) if cfg.init.adapter else params
 
@@ -410,7 +410,10 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
     if hasattr(run.data, "stages"):  # a mixture's weights through the run (they may change at a resume)
         meta["data_stages"] = run.data.stages
-    ckpt.save(run.mngr, step, _stored(run.cfg, state), meta)
+    stored = _stored(run.cfg, state)
+    if run.cfg.train.checkpoint_checksums:
+        meta["checksums"] = checksums.of(stored)
+    ckpt.save(run.mngr, step, stored, meta)
     if applied:  # its row was checked finite first
         run.good_checkpoint = step
     faults.after_save(run.mngr, step)
