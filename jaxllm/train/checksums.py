@@ -3,8 +3,8 @@
 Orbax keeps none, so a bit flipped in an array's stored data (a failing disk, a bad copy, a bug elsewhere)
 restores silently. Each array's checksum is two sums of its bits read as unsigned 32-bit words (8- and 16-bit
 elements widened), modulo 2^32: the plain sum, and the sum weighted by 2·i + 1 for the word's row-major position
-i. One flipped bit changes a word by ±2^k and so both sums (2·i + 1 is odd); the weights also catch words
-swapped. Sums modulo 2^32 do not depend on the order of the additions, so an array's checksum is the same on
+i. One flipped bit changes a word by ±2^k, so the plain sum (and, the weight being odd, the weighted one); the
+weights catch words swapped or moved, which leave the plain sum alone. Sums modulo 2^32 do not depend on the order of the additions, so an array's checksum is the same on
 any mesh: a checkpoint saved on fsdp=8 verifies when restored onto dp=2 × fsdp=4. One compiled program sums the
 whole state on the devices (each device its shards; a few bytes per array cross the mesh); the checksums go
 in the checkpoint's JSON metadata as {array: [dtype, sum, weighted sum]}.
