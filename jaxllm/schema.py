@@ -66,8 +66,8 @@ class DistributedConfig:
     """Multi-process start-up. Explicit address/count/id, or `auto` for the cluster detection JAX has."""
 
     coordinator_address: str = key("", "`host:port` of process 0; set it (with `distributed.num_processes` and "
-                                        "`distributed.process_id`) to start `jax.distributed` (see \"Multi-GPU node, "
-                                        'GPU cluster, TPU pod"); `""`: no explicit coordinator')
+                                        "`distributed.process_id`) to start `jax.distributed` (see \"Launching\"); "
+                                        '`""`: no explicit coordinator')
     num_processes: int = key(0, "how many processes there are (0: left to `jax.distributed`)")
     process_id: int = key(-1, "this process's id, 0 = the coordinator (-1: left to `jax.distributed`)")
     auto: bool = key(False, "`true`: let JAX detect the cluster (SLURM, Open MPI, TPU pods, ...); used when no "
