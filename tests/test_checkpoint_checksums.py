@@ -13,7 +13,8 @@ from jaxllm.train import checksums
 def _tree(seed=0):
     rng = np.random.default_rng(seed)
     return {"params": {"w": rng.standard_normal((16, 24)).astype(np.float32),
-                       "h": rng.standard_normal((8, 6)).astype(jnp.bfloat16)},
+                       "h": rng.standard_normal((8, 6)).astype(jnp.bfloat16),
+                       "layers": rng.standard_normal((8, 8, 6)).astype(np.float32)},
             "count": np.int32(7), "mask": rng.random(40) > 0.5}
 
 
@@ -31,7 +32,8 @@ def _on(tree, mesh_shape):
 def test_an_arrays_checksum_is_the_same_on_every_mesh():
     tree = _tree()
     one = checksums.of(jax.device_put(tree, jax.devices()[0]))
-    assert sorted(one) == ["count", "mask", "params/h", "params/w"] and one["params/h"][0] == "bfloat16"
+    assert sorted(one) == ["count", "mask", "params/h", "params/layers", "params/w"]
+    assert one["params/h"][0] == "bfloat16"
     for shape in ((8, 1), (2, 4), (4, 2)):
         assert checksums.of(_on(tree, shape)) == one, shape
 

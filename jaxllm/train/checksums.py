@@ -38,19 +38,23 @@ def _words(data: np.ndarray) -> np.ndarray:
 
 
 def _shard_sums(words: np.ndarray, offsets: tuple, shape: tuple) -> tuple[int, int]:
-    """(sum, Σ (2i + 1)·w) mod 2^32 of a block of words at `offsets` in an array of word shape `shape`."""
+    """(sum, Σ (2i + 1)·w) mod 2^32 of a block of words at `offsets` in an array of word shape `shape`. The
+    uint64 products and sums wrap modulo 2^64, which 2^32 divides: their values modulo 2^32 are exact."""
     if words.ndim == 0:
         value = int(words) % _MOD
         return value, value
+    while words.ndim > 2 and words.shape[1] == shape[1]:  # fold the first two axes: one reduction fewer
+        words = words.reshape((-1,) + words.shape[2:])
+        offsets, shape = (offsets[0] * shape[1],) + offsets[2:], (shape[0] * shape[1],) + shape[2:]
     total, weighted = None, 0
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     for axis in range(words.ndim):
         others = tuple(d for d in range(words.ndim) if d != axis)
-        along = np.add.reduce(words, axis=others, dtype=np.uint32).astype(np.uint64)  # mod 2^32, per position
-        positions = (np.arange(words.shape[axis], dtype=np.uint64) + offsets[axis]) % _MOD
-        weighted += strides[axis] % _MOD * (int(np.add.reduce(along * positions % _MOD, dtype=np.uint64)) % _MOD)
-        total = int(np.add.reduce(along, dtype=np.uint64)) % _MOD if total is None else total
-    return total, (total + 2 * weighted) % _MOD
+        along = np.add.reduce(words, axis=others, dtype=np.uint32).astype(np.uint64)  # per position, mod 2^32
+        positions = np.arange(offsets[axis], offsets[axis] + words.shape[axis], dtype=np.uint64)
+        weighted += strides[axis] * int(np.dot(along, positions))
+        total = int(along.sum()) if total is None else total
+    return total % _MOD, (total + 2 * weighted) % _MOD
 
 
 def _array_sums(x: jax.Array) -> np.ndarray:
