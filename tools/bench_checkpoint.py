@@ -41,11 +41,10 @@ def _state(config: str, overrides: list[str]):
 
 
 def _save_once(mngr, step: int, state, checked: bool) -> float:
-    from jaxllm.train import checkpoint as ckpt, checksums
+    from jaxllm.train import checkpoint as ckpt
 
     start = time.perf_counter()
-    meta = {"step": step, "checksums": checksums.of(state)} if checked else {"step": step}
-    ckpt.save(mngr, step, state, meta)
+    ckpt.save(mngr, step, state, {"step": step}, checked=checked)
     mngr.wait_until_finished()
     return time.perf_counter() - start
 

@@ -81,8 +81,8 @@ def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     mngr = ckpt.open_manager(run_dir, keep=1)
-    ckpt.save(mngr, 0, {"step": jnp.int32(0), "params": params},
-              {"config": to_dict(cfg), "step": 0, "state_fields": list(PARAMS_ONLY)})
+    meta = {"config": to_dict(cfg), "step": 0, "state_fields": list(PARAMS_ONLY)}
+    ckpt.save(mngr, 0, {"step": jnp.int32(0), "params": params}, meta, checked=cfg.train.checkpoint_checksums)
     mngr.wait_until_finished()
     mngr.close()
     log.info("imported %s into %s (step 0, parameters only); train it with: jaxllm train --config "

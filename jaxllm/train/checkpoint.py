@@ -54,8 +54,10 @@ def has_checkpoints(run_dir: str) -> bool:
     return bool(steps or interrupted)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict) -> None:
-    """Start an async save; `mngr.wait_until_finished()` before reading it back or exiting."""
+def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict, checked: bool = True) -> None:
+    """Start an async save, with its arrays' checksums in `meta` when `checked` (`train.checkpoint_checksums`);
+    `mngr.wait_until_finished()` before reading it back or exiting."""
+    meta = {**meta, "checksums": checksums.of(state)} if checked else meta
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
 
 

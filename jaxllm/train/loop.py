@@ -37,7 +37,7 @@ from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
 from jaxllm.train import checkpoint as ckpt
-from jaxllm.train import checksums, faults, goodput, preemption, preference, profiling, wandb_log
+from jaxllm.train import faults, goodput, preemption, preference, profiling, wandb_log
 from jaxllm.train import metrics as metrics_lib
 from jaxllm.train import state as state_lib
 from jaxllm.train.step import make_step_fns, trained
@@ -410,10 +410,7 @@ def _save(run: _Run, step: int, state, applied: bool = True) -> None:
     meta = {"config": to_dict(run.cfg), "step": step, "state_fields": list(state_lib.FIELDS)}
     if hasattr(run.data, "stages"):  # a mixture's weights through the run (they may change at a resume)
         meta["data_stages"] = run.data.stages
-    stored = _stored(run.cfg, state)
-    if run.cfg.train.checkpoint_checksums:
-        meta["checksums"] = checksums.of(stored)
-    ckpt.save(run.mngr, step, stored, meta)
+    ckpt.save(run.mngr, step, _stored(run.cfg, state), meta, checked=run.cfg.train.checkpoint_checksums)
     if applied:  # its row was checked finite first
         run.good_checkpoint = step
     faults.after_save(run.mngr, step)
