@@ -224,6 +224,18 @@ def test_without_checksums_a_flipped_bit_restores_silently(uninterrupted, tmp_pa
     assert listing(run_dir) == ["4", "6", "7"]  # nothing set aside
 
 
+def test_starting_from_a_changed_checkpoint_is_one_line_exit_2(uninterrupted, tmp_path, capsys):
+    """init.from = "run:DIR@STEP" checks the parameters it reads against their checksums too."""
+    _, done = uninterrupted
+    source = tmp_path / "source"
+    shutil.copytree(done, source)
+    flipped_bit(os.path.join(ckpt.checkpoint_dir(str(source)), "6"))
+    assert run_cli.main(args(tmp_path / "new", **{"init.from": f"run:{source}@6", "train.steps": 2})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 6: array params/embed/tok does not match the checksum" in err[0], err
+    assert not (tmp_path / "new").exists()
+
+
 def test_no_good_checkpoint_is_one_line_exit_2_and_nothing_moved(uninterrupted, tmp_path, capsys):
     _, done = uninterrupted
     run_dir = tmp_path / "run"

@@ -57,19 +57,25 @@ def _shard_sums(words: np.ndarray, offsets: tuple, shape: tuple) -> tuple[int, i
     return total % _MOD, (total + 2 * weighted) % _MOD
 
 
-def _array_sums(x: jax.Array) -> np.ndarray:
-    """This process's part of x's two sums (its replica-0 shards)."""
+def _blocks(x):
+    """(host data, its offsets in x) of each block of x this process sums: its replica-0 shards (a numpy
+    array, as a restore onto no sharding gives, is one block, summed by process 0)."""
+    if not isinstance(x, jax.Array):
+        return [(np.asarray(x), (0,) * np.ndim(x))] if jax.process_index() == 0 else []
+    return [(np.asarray(shard.data), tuple(s.start or 0 for s in shard.index))
+            for shard in x.addressable_shards if shard.replica_id == 0]
+
+
+def _array_sums(x) -> np.ndarray:
+    """This process's part of x's two sums."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     sums = [0, 0]
     wide = 2 if x.dtype.itemsize == 8 else 1  # words per element
     shape = x.shape[:-1] + (x.shape[-1] * wide,) if x.ndim else ()
-    for shard in x.addressable_shards:
-        if shard.replica_id != 0:
-            continue
-        starts = tuple(s.start or 0 for s in shard.index)
+    for data, starts in _blocks(x):
         offsets = starts[:-1] + (starts[-1] * wide,) if starts else ()
-        total, weighted = _shard_sums(_words(np.asarray(shard.data)), offsets, shape)
+        total, weighted = _shard_sums(_words(data), offsets, shape)
         sums = [(sums[0] + total) % _MOD, (sums[1] + weighted) % _MOD]
     return np.asarray(sums, np.uint64)
 
