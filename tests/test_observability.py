@@ -65,7 +65,7 @@ def test_the_clock_gives_nested_blocks_and_compiling_their_own_time():
             step = _slept(0.1)
             part.category = "step"  # the block decided what it was
     row = clock.lap()
-    assert compiling * 3 / 4 < row["time/compile_s"] <= compiling  # JAX reports most of the call
+    assert compiling / 2 < row["time/compile_s"] <= compiling  # JAX reports most of the call (~90% here)
     assert setup <= row["time/setup_s"] < setup + 0.05
     assert data <= row["time/data_s"] < data + (compiling - row["time/compile_s"]) + 0.05
     assert step <= row["time/step_s"] < step + 0.05
