@@ -199,7 +199,7 @@ def test_a_run_accounts_for_its_time_traces_its_steps_and_logs_to_wandb_and_its_
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert max(_unattributed(r) for r in steps) <= 0.02, [_unattributed(r) for r in steps]
     first, _, third, _ = steps
-    assert first["time/compile_s"] > 0.5 and first["time/setup_s"] > 0 and first["time/data_s"] > 0
+    assert first["time/compile_s"] > 0.1 and first["time/setup_s"] > 0 and first["time/data_s"] > 0
     assert third["time/eval_s"] > 0 and third["time/checkpoint_s"] > 0 and third["time/profile_s"] > 0  # step 2's
     assert steps[1]["time/eval_s"] == 0 and all(r["memory/host_peak_bytes"] > 2**20 for r in steps)
     whole = summary["time"]  # the end counts what follows the last row too (its validation and checkpoint)
