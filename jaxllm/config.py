@@ -204,7 +204,10 @@ def source_model_keys(source: str) -> dict:
     if source.startswith("run:"):
         run_dir, _ = split_run_source(source)
         saved = _current(load_toml(os.path.join(run_dir, "config.toml")))
-        return {k: saved[f"model.{k}"] for k in hf_config.ARCHITECTURE_KEYS if f"model.{k}" in saved}
+        keys = {k: saved[f"model.{k}"] for k in hf_config.ARCHITECTURE_KEYS if f"model.{k}" in saved}
+        if keys.get("positions") == "learned" and not keys.get("max_positions"):  # its table has seq_len rows
+            keys["max_positions"] = saved.get("model.seq_len", 0)
+        return keys
     raise ConfigError(f"init.from: '{source}' is not \"\", \"hf:DIR\" or \"run:DIR[@STEP]\"")
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from harness import CORPUS, REPO, subprocess_env, unmeasured
 from jaxllm.config import build_config
-from jaxllm.errors import CheckpointError
+from jaxllm.errors import CheckpointError, ConfigError
 from jaxllm.train import checkpoint as ckpt
 from jaxllm.train.loop import train
 from jaxllm.cli import train as run_cli
@@ -231,8 +231,11 @@ def test_starting_from_a_changed_checkpoint_is_refused_naming_the_array(uninterr
     source = tmp_path / "source"
     shutil.copytree(done, source)
     flipped_bit(os.path.join(ckpt.checkpoint_dir(str(source)), "6"))
-    # the model comes from the checkpoint (its learned positions fix the sequence length)
-    keys = {**{k: v for k, v in RUN.items() if k != "model.preset"}, "model.seq_len": 64}
+    keys = {k: v for k, v in RUN.items() if k != "model.preset"}  # the model comes from the checkpoint
+    longer = build_config(None, {**keys, "init.from": f"run:{source}@4", "run.dir": str(tmp_path / "longer")})
+    with pytest.raises(ConfigError, match="model.seq_len=256 is longer than model.max_positions=64"):
+        train(longer)  # its learned positions have 64 rows: a longer sequence is one line, not a shape error
+    keys["model.seq_len"] = 64
     for step, error in ((6, "step 6: array params/embed/tok does not match the checksum"), (4, None)):
         cfg = build_config(None, {**keys, "init.from": f"run:{source}@{step}", "train.steps": 1,
                                   "train.checkpoint_every": 0, "run.dir": str(tmp_path / f"from{step}")})
