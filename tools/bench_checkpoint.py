@@ -67,20 +67,16 @@ def measure_saves(run_dir: str, args) -> dict:
 
 def restore_child(run_dir: str, args) -> None:
     """In a fresh process: restore the newest step as a resumed run does; print the seconds it took."""
+    import jax
+
     from jaxllm.train import checkpoint as ckpt
 
     cfg, fns, _ = _state(args.config, args.overrides)
     start = time.perf_counter()
     state, _ = ckpt.restore_newest(run_dir, lambda meta: fns.abstract_state, lambda meta: None,
                                    verify=args.verify == 1)
-    jax_block(state)
+    jax.block_until_ready(state)
     print(json.dumps({"seconds": time.perf_counter() - start}))
-
-
-def jax_block(tree) -> None:
-    import jax
-
-    jax.block_until_ready(tree)
 
 
 def measure_restores(run_dir: str, args) -> dict:

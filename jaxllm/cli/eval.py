@@ -48,9 +48,7 @@ def run(args) -> dict:
     if args.apply_chat_template:
         template = chat_lib.load_template(cfg.data.chat_template, tokenizer, cfg.data.chat_template_kwargs)
         chat = requests.Chat(template, args.fewshot_as_multiturn)
-    results, samples = {}, {}
-    for task in tasks:
-        results[task.name], samples[task.name] = run_lib.evaluate(task, tokenizer, fns, params, cfg, chat)
+    results, samples = run_lib.evaluate_all(tasks, tokenizer, fns, params, cfg, chat)
     print(f"{'task':<24} {'metric':<30} value")
     for name, values in results.items():
         for metric, value in values.items():

@@ -7,6 +7,14 @@ from jaxllm.eval import metrics, requests, score
 from jaxllm.generate import generate
 
 
+def evaluate_all(tasks, tokenizer, fns, params, cfg, chat=None) -> tuple[dict, dict]:
+    """`evaluate` for each task: ({task: its metrics}, {task: its records})."""
+    results, samples = {}, {}
+    for task in tasks:
+        results[task.name], samples[task.name] = evaluate(task, tokenizer, fns, params, cfg, chat)
+    return results, samples
+
+
 def evaluate(task, tokenizer, fns, params, cfg, chat=None) -> tuple[dict, list[dict]]:
     """(the task's metrics, one record per document: its requests as strings and their log-likelihoods, or its
     generated text). Requests run `train.global_batch` at a time, at most `model.seq_len` tokens each; through

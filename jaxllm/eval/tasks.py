@@ -14,6 +14,7 @@ Anything else in the file is refused in one line: what we do not compute as it d
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -68,10 +69,12 @@ class Task:
         return self.render("doc_to_choice", doc)
 
 
-def _environment():
+@functools.lru_cache(maxsize=None)
+def _template(text: str):
+    """A doc_to_* template compiled once (it is rendered for every document, several times)."""
     import jinja2
 
-    return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True).from_string(text)
 
 
 def render(template, doc: dict, key: str, has_choices: bool):
@@ -81,7 +84,7 @@ def render(template, doc: dict, key: str, has_choices: bool):
         return template
     if template in doc:
         return doc[template]
-    text = _environment().from_string(template).render(**doc)
+    text = _template(template).render(**doc)
     if key == "doc_to_choice":
         return ast.literal_eval(text)
     if key == "doc_to_target" and has_choices and text.isdigit():

@@ -389,9 +389,7 @@ def _mean_terms(run: _Run, params, batches, pooled: dict | None = None) -> dict:
 def _benchmarks(run: _Run, step: int, params) -> None:
     """Score the benchmark tasks (train.eval_tasks): a metrics row `eval/TASK/METRIC`, the console table, and
     RUN_DIR/eval/step_N.json with every request's log-likelihood."""
-    results, samples = {}, {}
-    for task in run.tasks:
-        results[task.name], samples[task.name] = eval_run.evaluate(task, run.tokenizer, run.fns, params, run.cfg)
+    results, samples = eval_run.evaluate_all(run.tasks, run.tokenizer, run.fns, params, run.cfg)
     if run.writer:
         run.writer.write({"step": step, **{f"eval/{name}/{m}": v for name, ms in results.items()
                                            for m, v in ms.items()}})
