@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models import lora
+from jaxllm.models import lora, taps
 from jaxllm.ops import fp8
 from jaxllm.ops.activations import GATES, gelu_tanh
 from jaxllm.parallel import collective_matmul
@@ -71,14 +71,20 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
     The weights' output dimensions are split over tp; x enters from the residual stream
     (sequence-split over tp under sequence parallelism, so it is gathered along the sequence).
     """
-    ws = [lora.base(w, names, dtype, weight) for w, names in weights]
+    ws = [lora.base(taps.weight_of(w), names, dtype, weight) for w, names in weights]
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
     # the whole sequence enters the region (under sequence parallelism: the all-gather is here)
     x = constrain(x, ("batch", "seq", "embed"))
-    return [_with_adapter(fp8.tensordot(group, x, w, axes=1), x, node, names, 1, dtype)
+    return [_with_adapter(_project(group, x, w, node, 1), x, node, names, 1, dtype)
             for w, (node, names) in zip(ws, weights)]
+
+
+def _project(group: str, x: jax.Array, w: jax.Array, node, contracted: int) -> jax.Array:
+    """x·w over x's last `contracted` dimensions; a tapped weight (`models/taps.py`) sees its input and its
+    output's cotangent."""
+    return taps.pass_back(fp8.tensordot(group, taps.keep(x, node), w, axes=contracted), node)
 
 
 def _with_adapter(y: jax.Array, x: jax.Array, node, names: tuple[str, ...], n_in: int, dtype) -> jax.Array:
@@ -93,11 +99,11 @@ def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, grou
     """h [batch, seq, *c] times w [*c, embed] -> [batch, seq, embed]: the contracted dimensions are
     split over tp, so the result is a sum over tp (all-reduced, or reduce-scattered along the
     sequence into the residual stream under sequence parallelism)."""
-    node, w = w, lora.base(w, names, dtype, weight)
+    node, w = w, lora.base(taps.weight_of(w), names, dtype, weight)
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
         return collective_matmul.matmul_reduce_scatter(h, w, names, layout)
-    return _with_adapter(fp8.tensordot(group, h, w, axes=w.ndim - 1), h, node, names, w.ndim - 1, dtype)
+    return _with_adapter(_project(group, h, w, node, w.ndim - 1), h, node, names, w.ndim - 1, dtype)
 
 
 def add_bias(y: jax.Array, p: dict, name: str, names: tuple[str, ...] | None, dtype) -> jax.Array:

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.parallel.pipeline_schedules import FIELDS, Schedule
+from jaxllm.parallel.pipeline_schedules import FIELDS, GRADIENT, OUTPUT, SIDES, Schedule, global_stage
 from jaxllm.sharding import BATCH_AXES, Layout, constrain, use_layout
 
 AXIS = "pp"
@@ -56,20 +56,265 @@ ACT = ("batch", "residual_seq", "embed")  # a stage's input and output: the resi
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
 
 
-def to_chunks(stack, stages: int, chunks: int):
-    """[R, ...] layer-stack leaves -> [v, p, R/(p·v), ...]: chunk c of stage s holds global stage c·p + s."""
-    return jax.tree.map(lambda a: a.reshape(chunks, stages, a.shape[0] // (stages * chunks), *a.shape[1:]), stack)
+def to_chunks(stack, stages: int, chunks: int, placement: str = "loop"):
+    """[R, ...] layer-stack leaves -> [v, p, R/(p·v), ...]: [c, s] holds the global stage `global_stage(c, s)`
+    (c·p + s; for the V, chunk 1 reversed: 2p−1−s)."""
+    def one(a):
+        a = a.reshape(chunks, stages, a.shape[0] // (stages * chunks), *a.shape[1:])
+        return jnp.concatenate([a[:1], a[1:, ::-1]]) if placement == "v" else a
+    return jax.tree.map(one, stack)
 
 
-def from_chunks(stack):
+def from_chunks(stack, placement: str = "loop"):
     """The inverse of `to_chunks`: back to the canonical layer order [R, ...]."""
-    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:]), stack)
+    def one(a):
+        a = jnp.concatenate([a[:1], a[1:, ::-1]]) if placement == "v" else a
+        return a.reshape(a.shape[0] * a.shape[1] * a.shape[2], *a.shape[3:])
+    return jax.tree.map(one, stack)
+
+
+def _add_at(acc, c, grads):
+    """acc (a tree of [v, ...] accumulators) plus `grads` (like one chunk of it, None where it has nothing) at c."""
+    structure = jax.tree.structure(acc)
+    out = [a if g is None else a.at[c].add(g) for a, g in zip(jax.tree.leaves(acc), structure.flatten_up_to(grads))]
+    return structure.unflatten(out)
+
+
+def _zeros_like(tree, dtype=None):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+
+class _Stage:
+    """One stage's program inside the island: the tick loop and its forward, backward and W slots."""
+
+    def __init__(self, schedule: Schedule, inner: Layout, batch_manual: bool, **seams):
+        self.schedule, self.inner, self.batch_manual = schedule, inner, batch_manual
+        self.__dict__.update(seams)
+        self.p, self.v = schedule.stages, schedule.chunks
+        self.last = self.p * self.v - 1
+
+    # ---- the model's pieces on this stage
+
+    def global_stage(self, c):
+        return global_stage(self.schedule.placement, self.p, self.s, jnp.maximum(c, 0))
+
+    def microbatch(self, i):  # rows stay split over the batch axes (with ZeRO-2/3 the compiler owns them)
+        return jax.tree.map(lambda a: constrain(a[jnp.maximum(i, 0)], ("batch", "seq")), self.mbs)
+
+    @staticmethod
+    def chunk_of(tree, c):
+        return jax.tree.map(lambda a: a[jnp.maximum(c, 0)], tree)
+
+    def run_chunk(self, chunk, c, x, mb):
+        """Chunk c of this stage (its trained weights `chunk`) on x: (y, aux)."""
+        return self.run_joined(self.join(chunk, self.chunk_of(self.stack_f, c)), c, x, mb)
+
+    def run_joined(self, full, c, x, mb):
+        return self.blocks_fn(full, x, mb, self.global_stage(c) * self.repeats)
+
+    def embedded(self, sh, mb, chunk_fn):
+        """The first global stage: the embedding (and leading layers), then `chunk_fn(x) -> (y, aux)`."""
+        x, aux = self.embed_fn(self.join(sh, self.shared_f), mb)
+        y, more = chunk_fn(x)
+        return y, jax.tree.map(jnp.add, aux, more)
+
+    def with_loss(self, sh, y, aux, mb):
+        """The last global stage's objective after its chunk: (objective, (loss, metric shares, aux))."""
+        total, sums, more = self.loss_fn(self.join(sh, self.shared_f), y, mb)  # `more`: aux. terms of its layers
+        aux = jax.tree.map(jnp.add, aux, more)
+        loss, shares = total / self.count, jax.tree.map(lambda a: (a / self.count).astype(jnp.float32), sums)
+        return loss + self.aux_fn(aux, self.aux_weight), (loss, shares, aux)
+
+    def kind_of(self, mb, c, skip_last):
+        g = self.global_stage(c)
+        kind = jnp.where(g == 0, FIRST, jnp.where(g == self.last, LAST, MIDDLE))
+        if skip_last:
+            kind = jnp.where(kind == LAST, IDLE, kind)
+        return jnp.where(mb < 0, IDLE, kind)
+
+    # ---- the slots
+
+    def forward(self, kind, c, i, x_in):
+        """The forward slot: the output to send on (the last global stage skips its forward)."""
+        chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
+        first = lambda: self.embedded(self.used_shared, mb, lambda x: self.run_chunk(chunk, c, x, mb))[0]
+        middle = lambda: self.run_chunk(chunk, c, x_in, mb)[0]
+        return jax.lax.switch(kind, [lambda: self.zeros_x, first, middle, lambda: self.zeros_x])
+
+    def backward(self, kind, c, i, x_in, dy):
+        """The fused backward slot: the chunk re-run under `jax.vjp` from its saved input, pulled back from the
+        output gradient (on the last global stage: the loss, and the chunk's auxiliary objective, cotangent 1).
+        (input gradient, chunk gradients, shared gradients, loss share, metric shares, aux)."""
+        chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
+        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+        aux_obj = lambda y, aux: ((y, self.aux_fn(aux, self.aux_weight)), aux)  # the chunk's aux. objective beside y
+        none = jnp.float32(0)
+
+        def idle():
+            return self.zeros_x, _zeros_like(chunk, jnp.float32), self.no_shared, none, self.no_metrics, self.no_aux
+
+        def first():
+            _, pull, aux = jax.vjp(lambda ch, sh: aux_obj(*self.embedded(sh, mb, lambda x: self.run_chunk(ch, c, x, mb))),
+                                   chunk, self.used_shared, has_aux=True)
+            g_chunk, g_shared = pull((dy, jnp.float32(1)))
+            return self.zeros_x, cast(g_chunk), cast(g_shared), none, self.no_metrics, cast(aux)
+
+        def middle():
+            _, pull, aux = jax.vjp(lambda ch, x: aux_obj(*self.run_chunk(ch, c, x, mb)), chunk, x_in, has_aux=True)
+            g_chunk, dx = pull((dy, jnp.float32(1)))
+            return dx, cast(g_chunk), self.no_shared, none, self.no_metrics, cast(aux)
+
+        def final():
+            stage = lambda ch, sh, x: self.with_loss(sh, *self.run_chunk(ch, c, x, mb), mb)
+            objective, pull, (loss, metrics, aux) = jax.vjp(stage, chunk, self.used_shared, x_in, has_aux=True)
+            g_chunk, g_shared, dx = pull(jnp.ones_like(objective))
+            return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux)
+
+        return jax.lax.switch(kind, [idle, first, middle, final])
+
+    def backward_input(self, kind, c, i, x_in, dy):
+        """B of a split backward: as `backward`, but with the tapped projection weights closed over, so it makes
+        no gradient for them; their probes' cotangents, the W stash, come out instead (`models/taps.py`).
+        (input gradient, the rest's chunk gradients, shared gradients, loss share, metric shares, aux, stash)."""
+        chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
+        tapped, rest = self.taps.split(chunk)
+        probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
+        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+        aux_obj = lambda y, aux: ((y, self.aux_fn(aux, self.aux_weight)), aux)
+        full = lambda pr, re: self.taps.join(tapped, pr, self.join(re, self.chunk_of(self.stack_f, c)))
+        run = lambda pr, re, x: self.run_joined(full(pr, re), c, x, mb)
+        none = jnp.float32(0)
+
+        def idle():
+            return (self.zeros_x, _zeros_like(rest, jnp.float32), self.no_shared, none, self.no_metrics, self.no_aux,
+                    probes)
+
+        def first():
+            _, pull, aux = jax.vjp(lambda pr, re, sh: aux_obj(*self.embedded(sh, mb, lambda x: run(pr, re, x))),
+                                   probes, rest, self.used_shared, has_aux=True)
+            stash, g_rest, g_shared = pull((dy, jnp.float32(1)))
+            return self.zeros_x, cast(g_rest), cast(g_shared), none, self.no_metrics, cast(aux), stash
+
+        def middle():
+            _, pull, aux = jax.vjp(lambda pr, re, x: aux_obj(*run(pr, re, x)), probes, rest, x_in, has_aux=True)
+            stash, g_rest, dx = pull((dy, jnp.float32(1)))
+            return dx, cast(g_rest), self.no_shared, none, self.no_metrics, cast(aux), stash
+
+        def final():
+            stage = lambda pr, re, sh, x: self.with_loss(sh, *run(pr, re, x), mb)
+            objective, pull, (loss, metrics, aux) = jax.vjp(stage, probes, rest, self.used_shared, x_in, has_aux=True)
+            stash, g_rest, g_shared, dx = pull(jnp.ones_like(objective))
+            return dx, cast(g_rest), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux), stash
+
+        return jax.lax.switch(kind, [idle, first, middle, final])
+
+    def backward_weights(self, i, c, stash):
+        """W of a split backward: the tapped weights' gradients of chunk c from a stash (zeros when i < 0)."""
+        tapped, _ = self.taps.split(self.chunk_of(self.used_stack, c))
+        grads = lambda: self.taps.weight_grads(tapped, stash)
+        return jax.lax.cond(i >= 0, grads, lambda: _zeros_like(jax.eval_shape(grads)))
+
+    # ---- buffers and the exchange
+
+    def pin(self, buf, names):
+        """A buffer [slots, ...] of values with these logical names (after `lead` unnamed dimensions)."""
+        lead = buf.ndim - len(names)
+        spec = self.inner.constraint(names, self.inner.activations, buf.shape[lead:])
+        return jax.lax.with_sharding_constraint(buf, P(*(None,) * lead, *spec))
+
+    def store(self, buf, slot, value, names):
+        k = jnp.maximum(slot, 0)
+        return self.pin(buf.at[k].set(jnp.where(slot >= 0, value, buf[k])), names)
+
+    def exchange(self, r, y, dx, acts, grads_in):
+        """The buffers after the exchange that ends the tick: what this stage sends up (to s+1) and down (to s−1)
+        as the table's send_up and send_down say, and what arrives from s−1, from s+1 and from itself stored as
+        the table's below_*, above_* and self_* say (OUTPUT into the activations, GRADIENT into the gradients)."""
+        p, ring = self.p, self.schedule.ring
+        nothing = jnp.zeros_like(y)
+        up = jax.lax.select_n(r["send_up"], nothing, y, dx)
+        down = jax.lax.select_n(r["send_down"], nothing, y, dx)
+        arrived = {
+            "below": jax.lax.ppermute(up, AXIS, [(j, j + 1) for j in range(p - 1)] + ([(p - 1, 0)] if ring else [])),
+            "above": jax.lax.ppermute(down, AXIS, [(j, j - 1) for j in range(1, p)] + ([(0, p - 1)] if ring else [])),
+            "self": jax.lax.select_n(r["self_kind"], nothing, y, dx)}
+        for side in SIDES:
+            kind, slot = r[side + "_kind"], r[side + "_slot"]
+            acts = self.store(acts, jnp.where(kind == OUTPUT, slot, -1), arrived[side], ACT)
+            grads_in = self.store(grads_in, jnp.where(kind == GRADIENT, slot, -1), arrived[side], ACT)
+        return acts, grads_in
+
+    # ---- the loop
+
+    def tick(self, carry, rows):
+        acts, grads_in, stash_buf, g_stack, g_shared, loss, metrics, aux = carry
+        r = {f: rows[self.s, k] for k, f in enumerate(FIELDS)}
+        y = self.forward(self.kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
+                         acts[jnp.maximum(r["fwd_slot"], 0)])
+        args = (self.kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
+                acts[jnp.maximum(r["bwd_slot"], 0)], grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
+        if self.schedule.split:
+            dx, g_chunk, g_sh, l, ms, a, stash = self.backward_input(*args)
+            stash_buf = jax.tree.map(lambda b, x, n: self.store(b, r["stash_slot"], x, n), stash_buf, stash,
+                                     self.stash_names, is_leaf=_is_names)
+            w_stash = jax.tree.map(lambda b: b[jnp.maximum(r["w_slot"], 0)], stash_buf)
+            g_stack = _add_at(g_stack, jnp.maximum(r["w_chunk"], 0), self.backward_weights(r["w_mb"], r["w_chunk"],
+                                                                                          w_stash))
+        else:
+            dx, g_chunk, g_sh, l, ms, a = self.backward(*args)
+        g_stack = _add_at(g_stack, jnp.maximum(r["bwd_chunk"], 0), g_chunk)
+        g_stack, g_shared = self.pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
+        acts, grads_in = self.exchange(r, y, dx, acts, grads_in)
+        add = functools.partial(jax.tree.map, jnp.add)
+        return (acts, grads_in, stash_buf, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
+
+    def run(self, stack, shared, stack_f, shared_f, mbs, count, aux_weight):
+        stack, stack_f = (jax.tree.map(lambda a: a[:, 0], t) for t in (stack, stack_f))  # [v, Lc, ...]: this stage's
+        self.s, self.mbs, self.count, self.aux_weight = jax.lax.axis_index(AXIS), mbs, count, aux_weight
+        self.used_stack, self.used_shared, self.stack_f, self.shared_f = (
+            self.gather_once(stack, shared, stack_f, shared_f) if self.gather_once else
+            (stack, shared, stack_f, shared_f))
+        self.repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
+        x_shape, aux_shape = jax.eval_shape(lambda: self.embed_fn(self.join(self.used_shared, self.shared_f),
+                                                                  self.microbatch(0)))
+        self.zeros_x, self.rows = jnp.zeros(x_shape.shape, x_shape.dtype), x_shape.shape[:2]
+        f32 = lambda tree: _zeros_like(tree, jnp.float32)
+        self.no_metrics = f32(jax.eval_shape(lambda: self.loss_fn(self.join(self.used_shared, self.shared_f),
+                                                                   self.zeros_x, self.microbatch(0))[1]))
+        self.no_aux, self.no_shared = f32(aux_shape), f32(self.used_shared)
+        depth = lambda n: (n,) + x_shape.shape
+        acts = self.pin(jnp.zeros(depth(self.schedule.act_depth), x_shape.dtype), ACT)
+        grads_in = self.pin(jnp.zeros(depth(self.schedule.grad_depth), x_shape.dtype), ACT)
+        stash_buf = self.stash_buffer(stack)
+        g_stack, g_shared = self.pin_grads(f32(stack), f32(shared))
+        start = (acts, grads_in, stash_buf, g_stack, g_shared, jnp.float32(0), self.no_metrics, self.no_aux)
+        (_, _, _, g_stack, g_shared, loss, metrics, aux), _ = jax.lax.scan(self.tick, start,
+                                                                           jnp.asarray(self.schedule.table))
+        loss, metrics, aux, g_shared = jax.lax.psum((loss, metrics, aux, g_shared), AXIS)
+        if self.batch_manual:  # (MoE is refused here on more than one batch shard: its statistics are not sums)
+            loss, metrics, aux, g_shared, g_stack = jax.lax.psum((loss, metrics, aux, g_shared, g_stack), BATCH_AXES)
+        return loss, metrics, aux, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
+
+    def stash_buffer(self, stack):
+        """The W stash buffer: [stash_depth, ...] of each probe's cotangent (None without a split backward)."""
+        if not self.schedule.split:
+            self.stash_names = None
+            return None
+        tapped, _ = self.taps.split(self.chunk_of(stack, 0))
+        probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
+        self.stash_names = self.taps.stash_names(probes)
+        return jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
+                            probes, self.stash_names, is_leaf=_is_names)
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
 
 
 def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,
                    embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, aux_fn: Callable, pin_grads: Callable,
                    batch_manual: bool, gather_once: Callable | None = None, frozen: dict | None = None,
-                   join: Callable = lambda train, frozen: train):
+                   join: Callable = lambda train, frozen: train, taps=None):
     """(loss, metric shares, the blocks' auxiliary terms, gradients) of the whole batch through the pipeline.
 
     `params` holds the pipelined layer stack under "blocks" (leaves [R, ...], R split over pp) and the
@@ -78,148 +323,30 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     `blocks_fn(chunk, x, mb, first) -> (x, aux)` (`first`: the chunk's first layer repeat in the stack,
     from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb) -> (objective sum, metric
     sums, auxiliary terms of any layers it runs)`, the sums divided by the global count, and `aux_fn(aux, weight)`,
-    what a chunk's auxiliary terms (MoE router statistics) add to the objective. `norm` is (count, weight) (dividing the scalar, not every gradient). Inside
-    the island the model traces under the `inner` layout (manual, without batch sharding when
-    `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
+    what a chunk's auxiliary terms (MoE router statistics) add to the objective. `norm` is (count, weight) (dividing
+    the scalar, not every gradient). Inside the island the model traces under the `inner` layout (manual, without
+    batch sharding when `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
     shared_grads)` lays the gradient accumulators out; `gather_once(stack, shared, stack_f, shared_f)`, if
     given, returns the weights (trained and frozen) as used, cast and gathered once for the whole loop.
     `frozen`, laid out as `params`, holds what is not differentiated (a LoRA base, `models/lora.py`; None where
     `params` has a leaf), `join(params, frozen)` puts the two together for the model; gradients are `params`'
-    alone.
+    alone. A schedule that splits the backward needs `taps` (`models/taps.Taps` of one chunk of the stack).
     """
     p, v = schedule.stages, schedule.chunks
-    last = p * v - 1
-    table = jnp.asarray(schedule.table)
-    col = {f: i for i, f in enumerate(FIELDS)}
     frozen = jax.tree.map(lambda _: None, params) if frozen is None else frozen
-    stack, stack_f = (to_chunks(tree["blocks"], p, v) for tree in (params, frozen))
+    stack, stack_f = (to_chunks(tree["blocks"], p, v, schedule.placement) for tree in (params, frozen))
     shared, shared_f = ({k: a for k, a in tree.items() if k != "blocks"} for tree in (params, frozen))
     axes = {AXIS} | (set(BATCH_AXES) if batch_manual else set())
     batch_spec = P(None, BATCH_AXES) if batch_manual else P()
+    seams = dict(embed_fn=embed_fn, blocks_fn=blocks_fn, loss_fn=loss_fn, aux_fn=aux_fn, pin_grads=pin_grads,
+                 gather_once=gather_once, join=join, taps=taps)
 
     def local(stack, shared, stack_f, shared_f, mbs, norm):
         with use_layout(inner):
-            return run(stack, shared, stack_f, shared_f, mbs, *norm)
-
-    def run(stack, shared, stack_f, shared_f, mbs, count, aux_weight):
-        stack, stack_f = (jax.tree.map(lambda a: a[:, 0], t) for t in (stack, stack_f))  # [v, Lc, ...]: this stage's
-        s = jax.lax.axis_index(AXIS)
-        used_stack, used_shared, used_stack_f, used_shared_f = (
-            gather_once(stack, shared, stack_f, shared_f) if gather_once else (stack, shared, stack_f, shared_f))
-
-        def microbatch(i):  # rows stay split over the batch axes (with ZeRO-2/3 the compiler owns them)
-            return jax.tree.map(lambda a: constrain(a[jnp.maximum(i, 0)], ("batch", "seq")), mbs)
-
-        def chunk_of(tree, c):
-            return jax.tree.map(lambda a: a[jnp.maximum(c, 0)], tree)
-
-        repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
-
-        def run_chunk(chunk, c, x, mb):  # chunk c of this stage is global stage c·p + s: (y, aux)
-            return blocks_fn(join(chunk, chunk_of(used_stack_f, c)), x, mb, (jnp.maximum(c, 0) * p + s) * repeats)
-
-        def embedded_chunk(chunk, c, sh, mb):  # the first global stage: embedding (and leading layers), chunk
-            x, aux = embed_fn(join(sh, used_shared_f), mb)
-            y, more = run_chunk(chunk, c, x, mb)
-            return y, jax.tree.map(jnp.add, aux, more)
-
-        x_shape, aux_shape = jax.eval_shape(lambda: embed_fn(join(used_shared, used_shared_f), microbatch(0)))
-        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
-        f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
-        no_metrics = f32(jax.eval_shape(lambda: loss_fn(join(used_shared, used_shared_f), zeros_x, microbatch(0))[1]))
-        no_aux = f32(aux_shape)
-
-        # ---- forward slot: the output to send downstream
-        def forward(kind, c, i, x_in):
-            def first():
-                return embedded_chunk(chunk_of(used_stack, c), c, used_shared, microbatch(i))[0]
-
-            def middle():
-                return run_chunk(chunk_of(used_stack, c), c, x_in, microbatch(i))[0]
-
-            return jax.lax.switch(kind, [lambda: zeros_x, first, middle, lambda: zeros_x])
-
-        # ---- backward slot: (input gradient, chunk gradients, shared gradients, loss share, metric shares, aux)
-        def backward(kind, c, i, x_in, dy):
-            chunk, mb = chunk_of(used_stack, c), microbatch(i)
-            cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-            with_aux = lambda y, aux: ((y, aux_fn(aux, aux_weight)), aux)  # the chunk's auxiliary objective beside y
-
-            def idle():
-                return zeros_x, f32(chunk), f32(used_shared), jnp.float32(0), no_metrics, no_aux
-
-            def first():
-                _, pull, aux = jax.vjp(lambda ch, sh: with_aux(*embedded_chunk(ch, c, sh, mb)), chunk, used_shared,
-                                       has_aux=True)
-                g_chunk, g_shared = pull((dy, jnp.float32(1)))
-                return zeros_x, cast(g_chunk), cast(g_shared), jnp.float32(0), no_metrics, cast(aux)
-
-            def middle():
-                _, pull, aux = jax.vjp(lambda ch, x: with_aux(*run_chunk(ch, c, x, mb)), chunk, x_in, has_aux=True)
-                g_chunk, dx = pull((dy, jnp.float32(1)))
-                return dx, cast(g_chunk), f32(used_shared), jnp.float32(0), no_metrics, cast(aux)
-
-            def final():
-                def stage(ch, sh, x):
-                    y, aux = run_chunk(ch, c, x, mb)
-                    total, sums, more = loss_fn(join(sh, used_shared_f), y, mb)  # `more`: aux. terms of its layers
-                    aux = jax.tree.map(jnp.add, aux, more)
-                    loss, shares = total / count, jax.tree.map(lambda a: (a / count).astype(jnp.float32), sums)
-                    return loss + aux_fn(aux, aux_weight), (loss, shares, aux)
-
-                objective, pull, (loss, metrics, aux) = jax.vjp(stage, chunk, used_shared, x_in, has_aux=True)
-                g_chunk, g_shared, dx = pull(jnp.ones_like(objective))
-                return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux)
-
-            return jax.lax.switch(kind, [idle, first, middle, final])
-
-        def kind_of(mb, c, skip_last):
-            g = c * p + s
-            kind = jnp.where(g == 0, FIRST, jnp.where(g == last, LAST, MIDDLE))
-            if skip_last:
-                kind = jnp.where(kind == LAST, IDLE, kind)
-            return jnp.where(mb < 0, IDLE, kind)
-
-        def pin_buffer(buf):
-            spec = inner.constraint(ACT, inner.activations, buf.shape[1:])
-            return jax.lax.with_sharding_constraint(buf, P(None, *spec))
-
-        def store(buf, slot, value):
-            k = jnp.maximum(slot, 0)
-            return pin_buffer(buf.at[k].set(jnp.where(slot >= 0, value, buf[k])))
-
-        fwd_perm = [(j, (j + 1) % p) for j in range(p if v > 1 else p - 1)]
-        bwd_perm = [(j, (j - 1) % p) for j in range(1 if v == 1 else 0, p)]
-
-        def tick(carry, rows):
-            acts, grads_in, g_stack, g_shared, loss, metrics, aux = carry
-            r = {f: rows[s, k] for f, k in col.items()}
-            y = forward(kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
-                        acts[jnp.maximum(r["fwd_slot"], 0)])
-            dx, g_chunk, g_sh, l, ms, a = backward(kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"],
-                                                   r["bwd_mb"], acts[jnp.maximum(r["bwd_slot"], 0)],
-                                                   grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
-            c = jnp.maximum(r["bwd_chunk"], 0)
-            g_stack = jax.tree.map(lambda acc, g: acc.at[c].add(g), g_stack, g_chunk)
-            g_stack, g_shared = pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
-            acts = store(acts, r["recv_slot"], jax.lax.ppermute(y, AXIS, fwd_perm))
-            grads_in = store(grads_in, r["grad_recv_slot"], jax.lax.ppermute(dx, AXIS, bwd_perm))
-            add = functools.partial(jax.tree.map, jnp.add)
-            return (acts, grads_in, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
-
-        acts = pin_buffer(jnp.zeros((schedule.act_depth,) + x_shape.shape, x_shape.dtype))
-        grads_in = pin_buffer(jnp.zeros((schedule.grad_depth,) + x_shape.shape, x_shape.dtype))
-        g_stack, g_shared = pin_grads(f32(stack), f32(shared))
-        start = (acts, grads_in, g_stack, g_shared, jnp.float32(0), no_metrics, no_aux)
-        (_, _, g_stack, g_shared, loss, metrics, aux), _ = jax.lax.scan(tick, start, table)
-        loss, metrics, aux, g_shared = jax.lax.psum((loss, metrics, aux, g_shared), AXIS)
-        if batch_manual:  # (MoE is refused here on more than one batch shard: its statistics are not sums)
-            loss, metrics, aux, g_shared, g_stack = jax.lax.psum((loss, metrics, aux, g_shared, g_stack), BATCH_AXES)
-        return loss, metrics, aux, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
+            return _Stage(schedule, inner, batch_manual, **seams).run(stack, shared, stack_f, shared_f, mbs, *norm)
 
     loss, metrics, aux, g_stack, g_shared = jax.shard_map(
         local, mesh=inner.mesh, axis_names=axes, check_vma=False,
         in_specs=(P(None, AXIS), P(), P(None, AXIS), P(), batch_spec, P()),
         out_specs=(P(), P(), P(), P(None, AXIS), P()))(stack, shared, stack_f, shared_f, microbatches, norm)
-    return loss, metrics, aux, {**g_shared, "blocks": from_chunks(g_stack)}
-
+    return loss, metrics, aux, {**g_shared, "blocks": from_chunks(g_stack, schedule.placement)}

@@ -4,31 +4,46 @@ Plain Python and numpy, no JAX: a schedule is data that `parallel/pipeline.py` e
 and `tools/pipeline.py` draws.
 
 The model's layers are split into p·v chunks ("global stages" g = 0 ... p·v−1); device
-(stage) s holds chunks c = 0 ... v−1, i.e. global stages g = c·p + s (Megatron's
-interleaving; v = 1 is the plain contiguous split). Time runs in lockstep ticks. In
-each tick a stage has one forward slot and one backward slot (so a stage never waits
-on its neighbour's slower kind of work), and at the end of the tick every stage sends
-its forward output downstream (to stage s+1, round the ring for interleaving) and its
-input gradient upstream, so anything produced at tick t is usable from tick t+1.
+(stage) s holds chunks c = 0 ... v−1. Where each chunk sits is the schedule's `placement`:
+`"loop"` puts global stage c·p + s on stage s (Megatron's interleaving; v = 1 is the plain
+contiguous split), `"v"` (v = 2, ZB-V) puts global stages s and 2p−1−s there, so the
+forward goes down the stages and comes back up. Time runs in lockstep ticks; at the end of
+each tick every stage sends what it made (a forward output to the stage of the next global
+stage, an input gradient to that of the previous one: a neighbour, round the ring for
+interleaving, or itself at the V's turn), so anything produced at tick t is usable from
+tick t+1.
 
-A generator writes each stage's work as an ordered list of operations (PipeDream's
-one-forward-one-backward, Megatron's interleaving, ...); `lockstep` then runs every
-stage down its list as early as the data allows (one forward and one backward per
-tick, in list order) and records:
+Two kinds of tick. The fused schedules (gpipe, 1f1b, interleaved) give each stage one
+forward slot and one backward slot per tick (so a stage never waits on its neighbour's
+slower kind of work), and their backward computes the weight gradients too. The
+zero-bubble schedules (zb_h1, zb_v) split the backward in two, B (the input gradient, on
+the critical path) and W (the weight gradients, from what B left in the "W stash"), and
+give each stage one operation per tick: F, B or W, so that W fills the ticks a stage
+would otherwise wait.
+
+A generator writes each stage's work as an ordered list of operations; `lockstep` then
+runs every stage down its list as early as the data allows and records:
 
 - `fwd_mb`, `fwd_chunk`: the microbatch and chunk run forward (−1: none);
-- `bwd_mb`, `bwd_chunk`: the same for the backward;
+- `bwd_mb`, `bwd_chunk`: the same for the backward (B);
+- `w_mb`, `w_chunk`: the same for the weight gradients (W; zero-bubble schedules only);
 - `fwd_slot`: the activation buffer slot holding that forward's input;
 - `bwd_slot`, `bwd_grad_slot`: the slots holding the saved input and the output
-  gradient of that backward;
-- `recv_slot`, `grad_recv_slot`: where the activation and the gradient that arrive at
-  the end of the tick go (−1: nothing arrives).
+  gradient of that backward; `stash_slot`: where B leaves its W stash, `w_slot`: where
+  W reads it;
+- `send_up`, `send_down`: what the stage sends to s+1 and to s−1 (`NOTHING`, `OUTPUT`:
+  its forward's output, `GRADIENT`: its backward's input gradient);
+- `below_kind`, `below_slot`: what arrives from stage s−1 at the end of the tick (`OUTPUT`
+  into the activation buffer, `GRADIENT` into the gradient buffer) and the slot it goes
+  to (−1: nothing arrives); `above_kind`, `above_slot` the same from s+1, `self_kind`,
+  `self_slot` for what the stage keeps of its own (at the V's turn). In the V a stage
+  may take three values in one tick, one from each.
 
 The first global stage reads tokens, not a buffer; the last one computes the loss,
 so its backward needs no gradient and its forward has nothing to send (the executor
 skips it: the backward recomputes the stage anyway). Slots are given out interval by
-interval (arrival to backward), so a buffer's depth is the most inputs alive at once
-on any stage: the executor's memory comes straight from the table.
+interval (arrival to backward; backward to W for the stash), so a buffer's depth is the
+most inputs alive at once on any stage: the executor's memory comes straight from the table.
 """
 
 from __future__ import annotations
@@ -40,10 +55,14 @@ import numpy as np
 from jaxllm import stack
 from jaxllm.errors import ConfigError
 
-FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "bwd_mb", "bwd_chunk", "bwd_slot", "bwd_grad_slot",
-          "recv_slot", "grad_recv_slot")
+FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "bwd_mb", "bwd_chunk", "bwd_slot", "bwd_grad_slot", "stash_slot",
+          "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind", "below_slot", "above_kind",
+          "above_slot", "self_kind", "self_slot")
+SIDES = ("below", "above", "self")  # where an arriving value comes from: stage s−1, s+1, this stage
+NOTHING, OUTPUT, GRADIENT = 0, 1, 2  # what a stage sends (and so what arrives)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v")
+SPLIT = ("zb_h1", "zb_v")  # the schedules that split the backward into B and W
 
 
 @dataclass(frozen=True)
@@ -55,14 +74,43 @@ class Schedule:
     table: np.ndarray  # int32 [ticks, stages, len(FIELDS)]
     act_depth: int  # activation buffer slots per stage
     grad_depth: int  # gradient buffer slots per stage
+    placement: str = "loop"  # "loop": chunk c of stage s is global stage c·p + s; "v": s, then 2p−1−s
+    stash_depth: int = 0  # W stash slots per stage (0: the backward is not split)
 
     @property
     def ticks(self) -> int:
         return self.table.shape[0]
 
+    @property
+    def split(self) -> bool:
+        """Whether the backward is split into B and W (one operation per stage per tick)."""
+        return self.stash_depth > 0
+
+    @property
+    def ring(self) -> bool:
+        """Whether values go round the ring (stage p−1 to 0): interleaving with v > 1."""
+        return self.placement == "loop" and self.chunks > 1
+
     def field(self, name: str) -> np.ndarray:
         """One field of the table, [ticks, stages]."""
         return self.table[:, :, FIELDS.index(name)]
+
+    def global_stage(self, stage: int, chunk: int) -> int:
+        return global_stage(self.placement, self.stages, stage, chunk)
+
+
+def global_stage(placement: str, p: int, s, c):
+    """The global stage of chunk c on stage s (works on ints and on arrays)."""
+    if placement == "v":
+        return s + c * (2 * p - 1 - 2 * s)
+    return c * p + s
+
+
+def stage_of(placement: str, p: int, g: int) -> tuple[int, int]:
+    """(stage, chunk) holding global stage g."""
+    if placement == "v":
+        return (g, 0) if g < p else (2 * p - 1 - g, 1)
+    return g % p, g // p
 
 
 # ---------------------------------------------------------------- per-stage orders of work
@@ -104,6 +152,72 @@ def interleaved_order(p: int, m: int, s: int, v: int) -> list[tuple[str, int, in
     return ops + [backward(k) for k in range(total - warmup, total)]
 
 
+def zero_bubble_orders(p: int, m: int, placement: str, inflight, stashed: int) -> list[list[tuple[str, int, int]]]:
+    """Every stage's order of F, B and W, built greedily one tick at a time (one operation per stage per
+    tick): a B whose gradient has arrived (the earliest microbatch, the later chunk first); else, unless
+    `stashed` W stashes wait, a forward, while the stage holds fewer than `inflight(s)` chunk inputs (a
+    chunk-1 forward of the V always goes: it is on its way to the turn, and holding it back could starve
+    the B it waits for); else the oldest W.
+
+    ZB-H1 (placement "loop", inflight p − s as 1F1B, stashed p) runs in 3m + p − 1 ticks, a third of
+    1F1B's bubble; ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 6m + p − 1 ticks with no stage idle
+    between its first operation and its last (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"), as the
+    tests check for p ≤ 4; it is a greedy order, not the paper's handcrafted one (at p = 8, m = 32 it takes
+    two ticks more).
+    """
+    v = 2 if placement == "v" else 1
+    last = p * v - 1
+    fwd, bwd = {}, {}  # (microbatch, global stage) -> tick
+    orders = [[] for _ in range(p)]
+    next_fwd = [[0] * v for _ in range(p)]
+    held = [0] * p  # chunk inputs a stage holds (forward run, backward not yet)
+    waiting_w = [[] for _ in range(p)]
+    tick, idle = 0, 0
+    while sum(map(len, orders)) < 3 * m * p * v:
+        progress = False
+        for s in range(p):
+            op = _next_op(s, tick, p, m, v, placement, last, fwd, bwd, next_fwd, held[s] < inflight(s),
+                          waiting_w[s], stashed)
+            if op is None:
+                continue
+            kind, i, c = op
+            g = global_stage(placement, p, s, c)
+            orders[s].append(op)
+            progress = True
+            if kind == "F":
+                fwd[(i, g)], held[s] = tick, held[s] + 1
+                next_fwd[s][c] += 1
+            elif kind == "B":
+                bwd[(i, g)], held[s] = tick, held[s] - 1
+                waiting_w[s].append((i, c))
+            else:
+                waiting_w[s].pop(0)
+        idle = 0 if progress else idle + 1
+        if idle > 1:  # two ticks without progress: nothing is in flight any more
+            raise ValueError(f"zero-bubble orders for p={p}, m={m} deadlock at tick {tick}")
+        tick += 1
+    return orders
+
+
+def _next_op(s, tick, p, m, v, placement, last, fwd, bwd, next_fwd, may_enter, waiting_w, stashed):
+    """The operation stage s picks at `tick` (see `zero_bubble_orders`), or None."""
+    ready_b = []
+    for c in range(v):
+        g = global_stage(placement, p, s, c)
+        for i in range(m):
+            if (i, g) in fwd and (i, g) not in bwd:
+                if (fwd[(i, g)] if g == last else bwd.get((i, g + 1), tick)) < tick:
+                    ready_b.append((i, -c))
+    if ready_b:
+        i, c = min(ready_b)
+        return "B", i, -c
+    for c in reversed(range(v) if len(waiting_w) < stashed else []):
+        g, i = global_stage(placement, p, s, c), next_fwd[s][c]
+        if i < m and (g == 0 or fwd.get((i, g - 1), tick) < tick) and (may_enter or c > 0):
+            return "F", i, c
+    return ("W",) + waiting_w[0] if waiting_w else None
+
+
 # ---------------------------------------------------------------- orders -> table
 
 
@@ -126,88 +240,128 @@ def _slots(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return out, depth
 
 
-def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int) -> Schedule:
-    """Run each stage down its order as early as the data allows (one forward and one backward
-    per tick) and lay the result out as a table with buffer slots."""
+def _ready(kind: str, i: int, g: int, last: int, tick: int, done: dict) -> bool:
+    """Whether operation `kind` of microbatch i on global stage g may run at `tick`: its input was made at an
+    earlier tick (the last stage's backward may share its forward's tick in the fused schedules, whose
+    forward there is skipped; with one operation per tick it cannot anyway)."""
+    if kind == "F":
+        return g == 0 or done["F"].get((i, g - 1), tick) < tick
+    if kind == "B":
+        return done["F"].get((i, g), tick + 1) <= tick if g == last else done["B"].get((i, g + 1), tick) < tick
+    return done["B"].get((i, g), tick) < tick
+
+
+def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) -> tuple[list, dict]:
+    """Run each stage down its order as early as the data allows: one operation per tick (`one_op`), or one
+    forward and one backward. (rows: per tick and stage {kind: (microbatch, chunk)}, done: kind -> {(i, g): tick})."""
+    last = p * v - 1
+    done = {"F": {}, "B": {}, "W": {}}
+    at = [0] * p
+    rows = []
+    while any(at[s] < len(orders[s]) for s in range(p)):
+        row = [{} for _ in range(p)]
+        for s in range(p):
+            while at[s] < len(orders[s]):
+                kind, i, c = orders[s][at[s]]
+                g = global_stage(placement, p, s, c)
+                slot = "op" if one_op else kind
+                if slot in row[s] or not _ready(kind, i, g, last, len(rows), done):
+                    break
+                row[s][slot], row[s][kind] = kind, (i, c)
+                done[kind][(i, g)] = len(rows)
+                at[s] += 1
+        if not any(row):
+            raise ValueError(f"schedule '{name}' deadlocks at tick {len(rows)}: every stage waits")
+        rows.append(row)
+    return rows, done
+
+
+def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int, placement: str = "loop",
+             one_op: bool = False) -> Schedule:
+    """Run each stage down its order as early as the data allows and lay the result out as a table with
+    buffer slots."""
     p = len(orders)
     last = p * v - 1
-    fwd_tick: dict[tuple[int, int], int] = {}  # (microbatch, global stage) -> tick
-    bwd_tick: dict[tuple[int, int], int] = {}
-    done = [0] * p
-    rows: list[list[list]] = []
-    tick = 0
-    while any(done[s] < len(orders[s]) for s in range(p)):
-        row = [[None, None] for _ in range(p)]  # [forward op, backward op] per stage
-        for s in range(p):
-            while done[s] < len(orders[s]):
-                kind, i, c = orders[s][done[s]]
-                g = c * p + s
-                if kind == "F":
-                    ready = g == 0 or fwd_tick.get((i, g - 1), tick) < tick
-                    if row[s][0] is not None or not ready:
-                        break
-                    fwd_tick[(i, g)] = tick
-                    row[s][0] = (i, c)
-                else:
-                    ready = (fwd_tick.get((i, g), tick + 1) <= tick if g == last
-                             else bwd_tick.get((i, g + 1), tick) < tick)
-                    if row[s][1] is not None or not ready:
-                        break
-                    bwd_tick[(i, g)] = tick
-                    row[s][1] = (i, c)
-                done[s] += 1
-        if all(r == [None, None] for r in row):
-            raise ValueError(f"schedule '{name}' deadlocks at tick {tick}: every stage waits")
-        rows.append(row)
-        tick += 1
-
-    # Buffers. The input of global stage g > 0 arrives the tick after stage g−1's forward and
-    # lives until g's backward; the output gradient of g < last arrives the tick after g+1's
-    # backward and lives until g's backward.
-    act = [[] for _ in range(p)]
-    grad = [[] for _ in range(p)]
-    for (i, g), t in bwd_tick.items():
-        s = g % p
+    rows, done = _run(name, orders, placement, p, v, one_op)
+    # Buffers. The input of global stage g > 0 arrives the tick after g−1's forward and lives until g's
+    # backward; the output gradient of g < last arrives the tick after g+1's backward and lives until g's
+    # backward; the W stash lives from the backward to the W.
+    where = lambda g: stage_of(placement, p, g)[0]
+    act, grad, stash = ([[] for _ in range(p)] for _ in range(3))
+    for (i, g), t in done["B"].items():
         if g > 0:
-            act[s].append((fwd_tick[(i, g - 1)] + 1, t, (i, g)))
+            act[where(g)].append((done["F"][(i, g - 1)] + 1, t, (i, g)))
         if g < last:
-            grad[s].append((bwd_tick[(i, g + 1)] + 1, t, (i, g)))
-    act_slot, grad_slot, act_depth, grad_depth = {}, {}, 0, 0
-    for s in range(p):
-        a, da = _slots(act[s])
-        b, db = _slots(grad[s])
-        act_slot.update(a)
-        grad_slot.update(b)
-        act_depth, grad_depth = max(act_depth, da), max(grad_depth, db)
+            grad[where(g)].append((done["B"][(i, g + 1)] + 1, t, (i, g)))
+        if (i, g) in done["W"]:
+            stash[where(g)].append((t, done["W"][(i, g)], (i, g)))
+    slots, depths = [{}, {}, {}], [0, 0, 0]
+    for k, per_stage in enumerate((act, grad, stash)):
+        for s in range(p):
+            got, depth = _slots(per_stage[s])
+            slots[k].update(got)
+            depths[k] = max(depths[k], depth)
+    table = _table(rows, slots, placement, p, last)
+    return Schedule(name, p, v, m, table, max(depths[0], 1), max(depths[1], 1), placement, depths[2])
 
+
+def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.ndarray:
+    """The int32 [ticks, stages, FIELDS] table of a run (`_run`) with its slots (activation, gradient, stash)."""
+    act_slot, grad_slot, stash_slot = slots
     table = np.full((len(rows), p, len(FIELDS)), -1, np.int32)
     col = {f: k for k, f in enumerate(FIELDS)}
+    table[:, :, [col[f] for f in FIELDS if f.startswith("send_") or f.endswith("_kind")]] = NOTHING
+
+    def send(t, s, g_to, what, value_slot):
+        to = stage_of(placement, p, g_to)[0]
+        if to == s:
+            side = "self"
+        elif placement == "v":
+            side = "below" if to == s + 1 else "above"  # as the receiver sees it
+        else:  # round the ring (at p = 2 both neighbours are one stage): outputs go up, gradients down
+            side = "below" if what == OUTPUT else "above"
+        if side != "self":
+            table[t, s, col["send_up" if side == "below" else "send_down"]] = what
+        assert table[t, to, col[side + "_kind"]] == NOTHING, "two values on one channel"
+        table[t, to, col[side + "_kind"]], table[t, to, col[side + "_slot"]] = what, value_slot
+
     for t, row in enumerate(rows):
-        for s, (fwd, bwd) in enumerate(row):
-            if fwd is not None:
-                i, c = fwd
-                g = c * p + s
+        for s, ops in enumerate(row):
+            if "F" in ops:
+                i, c = ops["F"]
+                g = global_stage(placement, p, s, c)
                 table[t, s, col["fwd_mb"]], table[t, s, col["fwd_chunk"]] = i, c
                 if g > 0:
                     table[t, s, col["fwd_slot"]] = act_slot[(i, g)]
-                if g < last:  # its output arrives downstream at the end of this tick
-                    table[t, (s + 1) % p, col["recv_slot"]] = act_slot[(i, g + 1)]
-            if bwd is not None:
-                i, c = bwd
-                g = c * p + s
+                if g < last:  # its output arrives at global stage g+1's stage at the end of this tick
+                    send(t, s, g + 1, OUTPUT, act_slot[(i, g + 1)])
+            if "B" in ops:
+                i, c = ops["B"]
+                g = global_stage(placement, p, s, c)
                 table[t, s, col["bwd_mb"]], table[t, s, col["bwd_chunk"]] = i, c
                 if g > 0:
                     table[t, s, col["bwd_slot"]] = act_slot[(i, g)]
-                    table[t, (s - 1) % p, col["grad_recv_slot"]] = grad_slot[(i, g - 1)]
+                    send(t, s, g - 1, GRADIENT, grad_slot[(i, g - 1)])
                 if g < last:
                     table[t, s, col["bwd_grad_slot"]] = grad_slot[(i, g)]
-    return Schedule(name, p, v, m, table, max(act_depth, 1), max(grad_depth, 1))
+                if (i, g) in stash_slot:
+                    table[t, s, col["stash_slot"]] = stash_slot[(i, g)]
+            if "W" in ops:
+                i, c = ops["W"]
+                table[t, s, col["w_mb"]], table[t, s, col["w_chunk"]] = i, c
+                table[t, s, col["w_slot"]] = stash_slot[(i, global_stage(placement, p, s, c))]
+    return table
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """The table of schedule `name` (gpipe | 1f1b | interleaved) for p stages, m microbatches, v chunks."""
+    """The table of schedule `name` (gpipe | 1f1b | interleaved | zb_h1 | zb_v) for p stages, m microbatches,
+    v chunks (interleaved; zb_v always has two, in a V)."""
     check(name, stages, microbatches, chunks)
     p, m, v = stages, microbatches, chunks
+    if name == "zb_h1":
+        return lockstep(name, zero_bubble_orders(p, m, "loop", lambda s: p - s, p), m, 1, one_op=True)
+    if name == "zb_v":
+        return lockstep(name, zero_bubble_orders(p, m, "v", lambda s: 2 * p - 1, 2 * p), m, 2, "v", one_op=True)
     if name == "gpipe":
         orders = [gpipe_order(p, m, s) for s in range(p)]
     elif name == "1f1b":
@@ -215,6 +369,11 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     else:
         orders = [interleaved_order(p, m, s, v) for s in range(p)]
     return lockstep(name, orders, m, v)
+
+
+def model_chunks(name: str, virtual: int) -> int:
+    """How many chunks of the model each stage holds: `train.pp_virtual`, two for zb_v."""
+    return 2 if name == "zb_v" else virtual
 
 
 def check(name: str, stages: int, microbatches: int, chunks: int) -> None:
@@ -229,8 +388,8 @@ def check(name: str, stages: int, microbatches: int, chunks: int) -> None:
     if name == "interleaved" and microbatches % stages:
         raise ValueError(f"train.pp_schedule='interleaved' runs microbatches in groups of mesh.pp={stages}: "
                          f"train.microbatches={microbatches} must be a multiple of {stages}")
-    if name == "1f1b" and microbatches < stages:
-        raise ValueError(f"train.pp_schedule='1f1b' needs at least as many microbatches as stages: "
+    if name in ("1f1b", "zb_h1") and microbatches < stages:
+        raise ValueError(f"train.pp_schedule='{name}' needs at least as many microbatches as stages: "
                          f"train.microbatches={microbatches} < mesh.pp={stages}; raise microbatches or use gpipe")
 
 
@@ -269,24 +428,53 @@ def check_config(m, t, shape: dict) -> list[str]:
 # ---------------------------------------------------------------- what a table costs
 
 
-def tick_times(s: Schedule, forward: float = 1.0, backward: float = 2.0) -> np.ndarray:
-    """How long each tick takes when a chunk's forward costs forward/v and its backward backward/v:
-    the busiest stage's forward slot plus backward slot (stages wait for each other only at the
-    exchange that ends the tick)."""
-    f = (s.field("fwd_mb") >= 0) * forward / s.chunks
-    b = (s.field("bwd_mb") >= 0) * backward / s.chunks
-    return (f + b).max(axis=1)
+def op_times(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
+    """[ticks, stages] busy time of each stage in each tick when a microbatch costs `forward` (F), `backward`
+    (B, the input gradient) and `weight` (W, the weight gradients) on a whole stage, a chunk 1/v of that.
+    A fused schedule's backward costs B + W."""
+    f = (s.field("fwd_mb") >= 0) * forward
+    b = (s.field("bwd_mb") >= 0) * (backward + (0.0 if s.split else weight))
+    w = (s.field("w_mb") >= 0) * weight
+    return (f + b + w) / s.chunks
 
 
-def bubble_fraction(s: Schedule, forward: float = 1.0, backward: float = 2.0) -> float:
-    """The share of stage-time spent idle: 1 − (work per stage) / makespan."""
-    work = s.microbatches * (forward + backward)
-    return 1.0 - work / float(tick_times(s, forward, backward).sum())
+def tick_times(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
+    """How long each tick takes: its busiest stage's work (stages wait for each other only at the exchange
+    that ends the tick)."""
+    return op_times(s, forward, backward, weight).max(axis=1)
+
+
+def bubble_fraction(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> float:
+    """The share of stage-time spent idle over the step: 1 − (work per stage) / makespan."""
+    work = s.microbatches * (forward + backward + weight)
+    return 1.0 - work / float(tick_times(s, forward, backward, weight).sum())
+
+
+def idle_in_span(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
+    """[stages] idle time of each stage between the start of its first operation and the end of its last: the
+    bubble of the zero-bubble paper, which leaves out the staircase at the start and the end of a step
+    (hidden there by overlapping steps; here every step ends with the optimizer)."""
+    busy = op_times(s, forward, backward, weight)
+    ends = np.cumsum(tick_times(s, forward, backward, weight))
+    starts = ends - tick_times(s, forward, backward, weight)
+    out = []
+    for stage in range(s.stages):
+        ticks = np.flatnonzero(busy[:, stage] > 0)
+        first, last = ticks[0], ticks[-1]
+        out.append(float(starts[last] + busy[last, stage] - starts[first] - busy[first:last + 1, stage].sum()))
+    return np.asarray(out)
 
 
 def bubble_formula(s: Schedule) -> float:
-    """(p−1)/(m+p−1) for GPipe and 1F1B; (p−1)/(v·m+p−1) with v chunks (interleaved)."""
+    """The closed form of the step's bubble at unit costs (F = B = W): (p−1)/(m+p−1) for GPipe and 1F1B;
+    (p−1)/(v·m+p−1) with v chunks (interleaved); (p−1)/(3m+p−1) for ZB-H1 (the paper's (p−1)(T_F+T_B−T_W)
+    of idle time per stage); (p−1)/(6m+p−1) for ZB-V, whose stages are never idle inside their span (the
+    paper's (p−1)(T_F+T_B−2T_W) = 0): what is left is the staircase of the step's start and end."""
     p, m, v = s.stages, s.microbatches, s.chunks
+    if s.name == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    if s.name == "zb_v":
+        return (p - 1) / (6 * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 

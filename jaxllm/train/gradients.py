@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
-from jaxllm.models import lora, mtp, transformer
+from jaxllm.models import lora, mtp, taps, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, constrain, logical_spec, use_layout, with_rule
@@ -236,7 +236,8 @@ def pipelined(params, batch: dict, norm, g: Paths):
         aux_fn=lambda stats, weight: transformer.aux_loss(stats, m, moe_layers) * weight,
         pin_grads=lambda gs, gsh: (constrain_tree(gs, grad_specs[0]), constrain_tree(gsh, grad_specs[1])),
         batch_manual=batch_manual,
-        gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None, frozen=frozen, join=lora.combine)
+        gather_once=gather_once if g.pp_gather_once and g.zero_stage == 3 else None, frozen=frozen, join=lora.combine,
+        taps=taps.Taps(names["blocks"]) if g.schedule.split else None)
     loss, metrics = loss / scale, jax.tree.map(lambda v: v / scale, metrics)
     grads = {**{k: a for k, a in grads.items() if k not in ("blocks", "lead_blocks")},
              "blocks": [*grads["lead_blocks"], *grads["blocks"]]}

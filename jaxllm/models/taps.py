@@ -1,0 +1,147 @@
+"""Tapped projections: a weight's gradient computed apart from the backward that makes its inputs (the split backward
+of the zero-bubble pipelines, `parallel/pipeline.py`).
+
+A projection y = x·W (`layers.column_parallel`, `layers.row_parallel`) gives W the gradient Σ_rows x ⊗ dy, where dy
+is y's cotangent. To compute that later, the pipeline's B runs the VJP of a chunk with its projection weights closed
+over (so no weight gradient is made) and each projected weight as a `Tap`: the weight with two zero probes, one like
+the projection's input and one like its output. `layers` passes x through `keep` and y through `pass_back`, whose
+VJPs make the probes' cotangents x itself and dy. Those cotangents, stacked over the chunk's layers by the scan's
+transpose, are the "W stash"; `Taps.weight_grads` turns a stash into the weights' gradients (W): one contraction
+over the rows per weight, pulled back through the weight's cast and layout (`sharding.weight`), so the result is
+the gradient the fused backward computes, added up in another order.
+
+What the stash holds, per token and layer: each projection's input and output, in the compute dtype; the input of
+Q, K and V (and of the gated MLP's gate and up) is the same x, kept once per weight. Under `model.remat` B still
+recomputes what the remat policy drops (the stash is made by B, after its recomputation), and W recomputes nothing.
+Every other parameter of the chunk (norms, biases, routers, experts) gets its gradient in B, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxllm.models import lora
+from jaxllm.sharding import weight
+
+LEAD = 1  # a pipeline chunk's leaves carry one stacking dimension, the layer repeats
+
+
+@flax.struct.dataclass
+class Tap:
+    """A projection weight `w` with its probes: `x` (zeros like the projection's input) and `dy` (like its
+    output), each [batch, seq, ...]."""
+
+    w: Any
+    x: Any
+    dy: Any
+
+
+def is_tap(node) -> bool:
+    return isinstance(node, Tap)
+
+
+def weight_of(node):
+    """The weight of a `Tap`, or the node itself."""
+    return node.w if is_tap(node) else node
+
+
+@jax.custom_vjp
+def _keep(x, probe):
+    return x
+
+
+_keep.defvjp(lambda x, probe: (x, x), lambda x, ct: (ct, x))  # the probe's "cotangent" is the value itself
+
+
+@jax.custom_vjp
+def _pass_back(y, probe):
+    return y
+
+
+_pass_back.defvjp(lambda y, probe: (y, None), lambda _, ct: (ct, ct))  # the probe's cotangent is y's
+
+
+def keep(x: jax.Array, node) -> jax.Array:
+    """x, the input of `node`'s projection; a `Tap` hands it out as its probe's cotangent."""
+    return _keep(x, node.x) if is_tap(node) else x
+
+
+def pass_back(y: jax.Array, node) -> jax.Array:
+    """y, the output of `node`'s projection; a `Tap` hands out its cotangent as its probe's."""
+    return _pass_back(y, node.dy) if is_tap(node) else y
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
+
+
+class Taps:
+    """Which weights of a pipeline chunk are tapped, and the operations on them. `names` is the chunk's tree of
+    logical names (the parameter table's, with the layer dimension first); the projections of attention and of a
+    dense MLP (`lora.TARGETS`: the weights `layers` uses through column_parallel and row_parallel) are tapped."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def _tapped(self, path, names) -> bool:
+        keys = tuple(getattr(k, "key", None) for k in path[-2:])
+        return keys in set(lora.TARGETS.values()) and ("embed" in (names[LEAD], names[-1]))
+
+    def split(self, chunk):
+        """(tapped weights, the rest): two trees like `chunk`, each None where the other holds a leaf."""
+        structure = jax.tree.structure(self.names, is_leaf=_is_names)
+        mask = structure.flatten_up_to(jax.tree_util.tree_map_with_path(self._tapped, self.names, is_leaf=_is_names))
+        leaves = structure.flatten_up_to(chunk)
+        tapped = [a if k else None for k, a in zip(mask, leaves)]
+        rest = [None if k else a for k, a in zip(mask, leaves)]
+        return structure.unflatten(tapped), structure.unflatten(rest)
+
+    def _contracted(self, names) -> int:
+        """How many of the weight's leading dimensions (after the layers') its input contracts: one for a
+        column-parallel weight [embed, ...], all but the last for a row-parallel one [..., embed]."""
+        return 1 if names[LEAD] == "embed" else len(names) - LEAD - 1
+
+    def _each(self, fn, *trees):
+        """fn(names, *leaves) over the tapped positions (None elsewhere)."""
+        structure = jax.tree.structure(self.names, is_leaf=_is_names)
+        names = structure.flatten_up_to(self.names)
+        columns = [structure.flatten_up_to(t) for t in trees]
+        out = [None if leaves[0] is None else fn(n, *leaves) for n, *leaves in zip(names, *columns)]
+        return structure.unflatten(out)
+
+    def probes(self, tapped, rows: tuple[int, int], dtype):
+        """Zero probes {x, dy} for each tapped weight [R, ...]: [R, batch, seq, input dims] and [R, batch, seq,
+        output dims] of the weight as used (KV heads repeated up to tp where `sharding.weight` repeats them)."""
+        def one(names, w):
+            used = jax.eval_shape(lambda a: weight(a, names[LEAD:], dtype), w[0]).shape
+            k = self._contracted(names)
+            lead = (w.shape[0], *rows)
+            return {"x": jnp.zeros(lead + used[:k], dtype), "dy": jnp.zeros(lead + used[k:], dtype)}
+        return self._each(one, tapped)
+
+    def join(self, tapped, probes, rest):
+        """The chunk as the model takes it: each tapped weight as a `Tap` with its probes, the rest as it is."""
+        full = self._each(lambda _, w, pr: Tap(w, pr["x"], pr["dy"]), tapped, probes)
+        return lora.combine(rest, full)
+
+    def stash_names(self, probes):
+        """The logical names of each stash array's [batch, seq, ...] dimensions (after the layer dimension)."""
+        def one(names, _):
+            k = self._contracted(names)
+            return {"x": ("batch", "seq") + names[LEAD:LEAD + k], "dy": ("batch", "seq") + names[LEAD + k:]}
+        return self._each(one, probes)
+
+    def weight_grads(self, tapped, stash):
+        """W: the gradients of the tapped weights [R, ...] from a stash ({x, dy} per weight, [R, batch, seq, ...]),
+        in fp32."""
+        def one(names, w, st):
+            def layer(w, x, dy):
+                used, pull = jax.vjp(lambda a: weight(a, names[LEAD:], x.dtype), w)
+                ct = jax.lax.dot_general(x, dy, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+                return pull(ct.astype(used.dtype))[0].astype(jnp.float32)
+            return jax.vmap(layer)(w, st["x"], st["dy"])
+        return self._each(one, tapped, stash)
