@@ -330,11 +330,15 @@ class TrainConfig:
                                  "megabytes")
     zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
     pp_schedule: str = key("1f1b", "with `mesh.pp > 1`: `gpipe` (all forwards, then all backwards), `1f1b` (one "
-                                   "forward one backward, at most 2·pp−1 stage inputs kept) or `interleaved` "
-                                   "(Megatron's interleaved 1F1B; `microbatches` a multiple of `pp`)")
+                                   "forward one backward, at most 2·pp−1 stage inputs kept), `interleaved` "
+                                   "(Megatron's interleaved 1F1B; `microbatches` a multiple of `pp`), or the "
+                                   "zero-bubble schedules, whose backward is split into the input gradient and the "
+                                   "weight gradients: `zb_h1` (a third of 1F1B's bubble) and `zb_v` (two chunks per "
+                                   "stage in a V, no idle tick inside a stage's span)")
     pp_virtual: int = key(1, "model chunks per stage for `interleaved` (the bubble shrinks roughly by this factor; "
                              "each step then moves stage weights between stages, see docs/design-notes.md); the "
-                             "pattern repeats in `n_layers` must divide by `pp × pp_virtual`")
+                             "pattern repeats in `n_layers` must divide by `pp × pp_virtual`; `zb_v` always holds "
+                             "two, so they must divide by `2 × pp`")
     pp_gather_once: bool = key(False, "with `mesh.pp > 1` and ZeRO-3: gather a stage's weights over `fsdp` once per "
                                       "step instead of at every microbatch (more memory, fewer all-gathers)")
     sequence_parallel: bool = key(False, "Megatron sequence parallelism: the residual stream (norms, residual adds) "

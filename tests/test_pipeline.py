@@ -22,8 +22,8 @@ from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, l
                      max_rel_err, reference, step_fns, tiers, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models import transformer
-from jaxllm.parallel.pipeline_schedules import (FIELDS, bubble_formula, bubble_fraction, make_schedule,
-                                                tick_times)
+from jaxllm.parallel.pipeline_schedules import (FIELDS, GRADIENT, NOTHING, OUTPUT, bubble_formula, bubble_fraction,
+                                                make_schedule, tick_times)
 from jaxllm.hlo import memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
@@ -36,45 +36,63 @@ LAYERS = 8  # divisible by pp·v = 4·2
 
 def run_table(s):
     """Execute a table symbolically: buffers hold (microbatch, global stage) keys. Returns the
-    forward and backward ticks of each key, asserting every read finds what it should."""
+    forward and backward ticks of each key, asserting every read finds what it should, every arrival
+    was sent by its neighbour (or kept by its own stage) and overwrites nothing still needed."""
     p, v = s.stages, s.chunks
     last = p * v - 1
     f = {name: s.field(name) for name in FIELDS}
     acts = [[None] * s.act_depth for _ in range(p)]
     grads = [[None] * s.grad_depth for _ in range(p)]
-    fwd, bwd = {}, {}
+    stash = [[None] * max(s.stash_depth, 1) for _ in range(p)]
+    fwd, bwd, wgt = {}, {}, {}
     for t in range(s.ticks):
-        sent, sent_back = [None] * p, [None] * p
+        out, back = [None] * p, [None] * p
         for st in range(p):
             i, c = f["fwd_mb"][t, st], f["fwd_chunk"][t, st]
             if i >= 0:
-                g = c * p + st
+                g = s.global_stage(st, c)
                 assert (i, g) not in fwd
                 if g > 0:
                     assert acts[st][f["fwd_slot"][t, st]] == (i, g)
                 fwd[(i, g)] = t
-                sent[st] = (i, g + 1) if g < last else None
+                out[st] = (i, g + 1) if g < last else None
             i, c = f["bwd_mb"][t, st], f["bwd_chunk"][t, st]
             if i >= 0:
-                g = c * p + st
+                g = s.global_stage(st, c)
                 assert (i, g) not in bwd and fwd.get((i, g), t + 1) <= t
                 if g > 0:
                     assert acts[st][f["bwd_slot"][t, st]] == (i, g)
                 if g < last:
                     assert grads[st][f["bwd_grad_slot"][t, st]] == (i, g)
                 bwd[(i, g)] = t
-                sent_back[st] = (i, g - 1) if g > 0 else None
+                back[st] = (i, g - 1) if g > 0 else None
+                if s.split:
+                    assert stash[st][f["stash_slot"][t, st]] in wgt or stash[st][f["stash_slot"][t, st]] is None
+                    stash[st][f["stash_slot"][t, st]] = (i, g)
+            i, c = f["w_mb"][t, st], f["w_chunk"][t, st]
+            if i >= 0:
+                g = s.global_stage(st, c)
+                assert bwd[(i, g)] < t and stash[st][f["w_slot"][t, st]] == (i, g) and (i, g) not in wgt
+                wgt[(i, g)] = t
         for st in range(p):  # the exchange at the end of the tick
-            arrived, arrived_back = sent[(st - 1) % p], sent_back[(st + 1) % p]
-            assert (f["recv_slot"][t, st] >= 0) == (arrived is not None)
-            assert (f["grad_recv_slot"][t, st] >= 0) == (arrived_back is not None)
-            if arrived is not None:
-                assert acts[st][f["recv_slot"][t, st]] is None or acts[st][f["recv_slot"][t, st]] in bwd
-                acts[st][f["recv_slot"][t, st]] = arrived
-            if arrived_back is not None:
-                grads[st][f["grad_recv_slot"][t, st]] = arrived_back
+            for side, src in (("below", st - 1), ("above", st + 1), ("self", st)):
+                kind, slot = f[side + "_kind"][t, st], f[side + "_slot"][t, st]
+                if kind == NOTHING:
+                    continue
+                if side != "self":
+                    assert s.ring or 0 <= src < p
+                    src %= p
+                    assert f["send_up" if side == "below" else "send_down"][t, src] == kind
+                sent = {OUTPUT: out[src], GRADIENT: back[src]}[kind]
+                buffer = (acts if kind == OUTPUT else grads)[st]
+                assert sent is not None and (buffer[slot] is None or buffer[slot] in bwd)
+                buffer[slot] = sent
     keys = {(i, g) for i in range(s.microbatches) for g in range(p * v)}
     assert set(fwd) == keys and set(bwd) == keys
+    assert set(wgt) == (keys if s.split else set())
+    sends = sum(int((s.field(d) != NOTHING).sum()) for d in ("send_up", "send_down"))
+    arrivals = sum(int((s.field(side + "_kind") != NOTHING).sum()) for side in ("below", "above"))
+    assert sends == arrivals  # nothing sent is lost
     return fwd, bwd
 
 
@@ -93,8 +111,8 @@ def test_table_runs_and_its_bubble_is_the_formula(name, p, m, v):
         assert g == p * v - 1 or bwd[(i, g + 1)] < t
     expected = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
     assert bubble_formula(s) == pytest.approx(expected)
-    for forward, backward in [(1.0, 2.0), (1.0, 1.0), (1.0, 3.0)]:
-        assert bubble_fraction(s, forward, backward) == pytest.approx(expected, abs=1e-12)
+    for costs in [(1.0, 1.0, 1.0), (1.0, 0.5, 0.5), (1.0, 1.0, 2.0)]:  # a fused backward costs B + W
+        assert bubble_fraction(s, *costs) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

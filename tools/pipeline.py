@@ -4,13 +4,17 @@ Builds the table `jaxllm/parallel/pipeline_schedules.py` builds for training (th
 `make_schedule`), then:
 
 - writes a PNG timeline: one row per stage (stage 0 on top), time along x. Each tick is
-  as wide as its `tick_times` (the busiest stage's forward plus backward); inside a tick
-  a stage runs its forward box (width F/v) then its backward box (width B/v). Forwards
-  are blue, backwards orange, darker for later chunks (interleaved), with the
-  microbatch number in each box; idle time is left blank;
+  as wide as its `tick_times` (the busiest stage's work); inside a tick a stage runs its
+  forward box (width F/v), then its backward box (width (B+W)/v, fused), or in the
+  zero-bubble schedules its one operation: F, B (the input gradient, width B/v) or W (the
+  weight gradients, width W/v). Forwards are blue, backwards orange, W green, darker for
+  later chunks (interleaved, ZB-V), with the microbatch number in each box; idle time is
+  left blank;
 - prints the bubble fraction measured on the table next to the closed form
-  ((p−1)/(m+p−1), or (p−1)/(v·m+p−1) with v chunks), and the activation buffer depth
-  (the most stage inputs any stage holds at once; at most 2p−1 for 1F1B, m for GPipe).
+  ((p−1)/(m+p−1), (p−1)/(v·m+p−1) with v chunks, (p−1)/(3m+p−1) for ZB-H1,
+  (p−1)/(6m+p−1) for ZB-V), the most idle time inside one stage's span (the
+  zero-bubble paper's bubble), and the buffer depths (the most stage inputs any stage
+  holds at once, at most 2p−1 for 1F1B and m for GPipe; W stashes for zero-bubble).
 
 With --json the last stdout line is a JSON object of those numbers. A combination the
 trainer would refuse (e.g. interleaved with microbatches not a multiple of stages)
@@ -27,34 +31,90 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxllm.parallel.pipeline_schedules import (SCHEDULES, Schedule, bubble_formula, bubble_fraction, make_schedule,
-                                                tick_times)
+from jaxllm.parallel.pipeline_schedules import (SCHEDULES, Schedule, bubble_formula, bubble_fraction, idle_in_span,
+                                                make_schedule, tick_times)
+
+FORMULAS = {"zb_h1": "(p-1)/(3m+p-1)", "zb_v": "(p-1)/(6m+p-1)"}
 
 
 class Box(NamedTuple):
     stage: int
     x0: float
     width: float
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     microbatch: int
     chunk: int
 
 
-def boxes(s: Schedule, forward: float = 1.0, backward: float = 2.0) -> list[Box]:
-    """Every forward and backward of the schedule as a box on the timeline (x0 and width in cost units)."""
-    starts = np.concatenate([[0.0], np.cumsum(tick_times(s, forward, backward))[:-1]])
-    fwd_mb, fwd_chunk, bwd_mb, bwd_chunk = (s.field(f) for f in ("fwd_mb", "fwd_chunk", "bwd_mb", "bwd_chunk"))
-    f, b = forward / s.chunks, backward / s.chunks
+def boxes(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> list[Box]:
+    """Every operation of the schedule as a box on the timeline (x0 and width in cost units)."""
+    starts = np.concatenate([[0.0], np.cumsum(tick_times(s, forward, backward, weight))[:-1]])
+    widths = {"F": forward, "B": backward + (0.0 if s.split else weight), "W": weight}
+    fields = {"F": ("fwd_mb", "fwd_chunk"), "B": ("bwd_mb", "bwd_chunk"), "W": ("w_mb", "w_chunk")}
     out = []
     for t in range(s.ticks):
         for stage in range(s.stages):
             x = float(starts[t])
-            if fwd_mb[t, stage] >= 0:
-                out.append(Box(stage, x, f, "F", int(fwd_mb[t, stage]), int(fwd_chunk[t, stage])))
-                x += f
-            if bwd_mb[t, stage] >= 0:
-                out.append(Box(stage, x, b, "B", int(bwd_mb[t, stage]), int(bwd_chunk[t, stage])))
+            for kind, (mb, chunk) in fields.items():
+                i = s.field(mb)[t, stage]
+                if i >= 0:
+                    out.append(Box(stage, x, widths[kind] / s.chunks, kind, int(i), int(s.field(chunk)[t, stage])))
+                    x += widths[kind] / s.chunks
     return out
+
+
+def compiled_costs(preset: str = "tiny-llama", stages: int = 4, rows: int = 8, **overrides) -> dict:
+    """What a microbatch's operations cost on one stage, read off the compiled programs (XLA's cost analysis, in
+    flops) of one chunk of `preset` cut into `stages` (`rows` rows of seq_len tokens, fp32, one device): the
+    forward F, the split backward's B (which re-runs the chunk from its input, as the executor's does) and W,
+    and the fused backward (B and W in one). {"forward", "backward", "weight", "fused"} in units of F, and under
+    "weight_dots" how many matmuls of each program make a tapped weight's gradient: dot_generals of its jaxpr
+    (nested ones included) whose result has the shape of one layer of a tapped weight (or, batched over the
+    layers, of all of them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.config import build_config
+    from jaxllm.models import taps, transformer
+
+    m = build_config(None, {"model.preset": preset, "precision.compute": "float32", **overrides}).model
+    params, names = transformer.init_params(m, jax.random.PRNGKey(0)), transformer.param_names(m)
+    chunk = jax.tree.map(lambda a: a[:a.shape[0] // stages], params["blocks"])
+    x = jnp.ones((rows, m.seq_len, m.d_model), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(m.seq_len), x.shape[:2])
+    run = lambda ch, x: transformer.blocks(ch, x, positions, jnp.ones(x.shape[:2], jnp.int32), m, jnp.float32)[0]
+    t = taps.Taps(names["blocks"])
+
+    def split_input(ch, x, dy):
+        tapped, rest = t.split(ch)
+        probes = t.probes(tapped, x.shape[:2], x.dtype)
+        return jax.vjp(lambda pr, re, x: run(t.join(tapped, pr, re), x), probes, rest, x)[1](dy)
+
+    def split_weights(ch, x, dy):
+        tapped, _ = t.split(ch)
+        return t.weight_grads(tapped, jax.tree.map(lambda a: a + 1, t.probes(tapped, x.shape[:2], x.dtype)))
+
+    programs = {"forward": lambda ch, x, dy: run(ch, x), "backward": split_input, "weight": split_weights,
+                "fused": lambda ch, x, dy: jax.vjp(run, ch, x)[1](dy)}
+    shapes = {s for a in jax.tree.leaves(t.split(chunk)[0]) for s in (a.shape, a.shape[1:])}
+    flops, dots = {}, {}
+    for name, fn in programs.items():
+        cost = jax.jit(fn).lower(chunk, x, x).compile().cost_analysis()
+        flops[name] = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+        dots[name] = sum(tuple(eqn.outvars[0].aval.shape) in shapes
+                         for eqn in _equations(jax.make_jaxpr(fn)(chunk, x, x).jaxpr) if eqn.primitive.name == "dot_general")
+    return {**{name: f / flops["forward"] for name, f in flops.items()}, "weight_dots": dots}
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (scans, conds, remat, custom derivatives)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def depth_bound(s: Schedule) -> tuple[str, int] | None:
@@ -66,17 +126,20 @@ def depth_bound(s: Schedule) -> tuple[str, int] | None:
     return None
 
 
-def summary(s: Schedule, forward: float, backward: float) -> dict:
+def summary(s: Schedule, forward: float, backward: float, weight: float) -> dict:
     """The numbers the CLI prints (and writes as JSON)."""
     bound = depth_bound(s)
+    costs = (forward, backward, weight)
     return {
         "schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "virtual": s.chunks,
-        "forward": forward, "backward": backward, "ticks": s.ticks,
-        "time": float(tick_times(s, forward, backward).sum()),
-        "bubble_table": bubble_fraction(s, forward, backward),
+        "forward": forward, "backward": backward, "weight": weight, "ticks": s.ticks,
+        "time": float(tick_times(s, *costs).sum()),
+        "bubble_table": bubble_fraction(s, *costs),
         "bubble_formula": bubble_formula(s),
-        "formula": "(p-1)/(v*m+p-1)" if s.chunks > 1 else "(p-1)/(m+p-1)",
+        "formula": FORMULAS.get(s.name, "(p-1)/(v*m+p-1)" if s.chunks > 1 else "(p-1)/(m+p-1)"),
+        "idle_in_span": float(idle_in_span(s, *costs).max()),
         "act_depth": s.act_depth,
+        "stash_depth": s.stash_depth,
         "act_depth_bound": bound[1] if bound else None,
         "act_depth_bound_formula": bound[0] if bound else None,
     }
@@ -89,26 +152,29 @@ def describe(r: dict) -> str:
              else "")
     return "\n".join([
         f"schedule {r['schedule']}: p={r['stages']} stages, m={r['microbatches']} microbatches{v}; "
-        f"forward {r['forward']:g}, backward {r['backward']:g}",
+        f"forward {r['forward']:g}, backward {r['backward']:g}, weight gradients {r['weight']:g}",
         f"ticks: {r['ticks']} (time {r['time']:g})",
-        f"bubble: {r['bubble_table']:.4f} from the table, {r['bubble_formula']:.4f} from {r['formula']}",
-        f"activation buffer depth: {r['act_depth']} inputs alive per stage at most{bound}",
+        f"bubble: {r['bubble_table']:.4f} from the table, {r['bubble_formula']:.4f} from {r['formula']} "
+        f"(at unit costs); a stage idles at most {r['idle_in_span']:g} between its first and last operation",
+        f"activation buffer depth: {r['act_depth']} inputs alive per stage at most{bound}"
+        + (f"; W stash depth {r['stash_depth']}" if r["stash_depth"] else ""),
     ])
 
 
-def draw(s: Schedule, forward: float, backward: float, path: str) -> None:
-    """Write the timeline of `s` as a PNG at `path`."""
+def draw(s: Schedule, costs: tuple[float, float, float], path: str) -> None:
+    """Write the timeline of `s` as a PNG at `path` (costs: forward, backward, weight gradients)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cmaps = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges")}
+    cmaps = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges"), "W": plt.get_cmap("Greens")}
+    labels = {"F": "forward", "B": "backward (B)" if s.split else "backward", "W": "weight gradients (W)"}
     shade = lambda c: 0.45 + 0.4 * c / max(s.chunks - 1, 1)  # chunk 0 light, the last chunk dark
-    total = float(tick_times(s, forward, backward).sum())
-    all_boxes = boxes(s, forward, backward)
+    total = float(tick_times(s, *costs).sum())
+    all_boxes = boxes(s, *costs)
     fig, ax = plt.subplots(figsize=(min(max(6.0, 0.35 * len(all_boxes) / s.stages), 40.0), 0.6 * s.stages + 1.5))
-    for x in np.cumsum(tick_times(s, forward, backward))[:-1]:
+    for x in np.cumsum(tick_times(s, *costs))[:-1]:
         ax.axvline(x, color="0.9", lw=0.5, zorder=0)
     fontsize = 7 if len(all_boxes) / s.stages <= 40 else 5
     for bx in all_boxes:
@@ -117,15 +183,16 @@ def draw(s: Schedule, forward: float, backward: float, path: str) -> None:
         ax.text(bx.x0 + bx.width / 2, bx.stage, str(bx.microbatch), ha="center", va="center", fontsize=fontsize,
                 color="white" if shade(bx.chunk) > 0.7 else "black")
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmaps[k](shade(c)),
-                             label=f"{'forward' if k == 'F' else 'backward'}" + (f" chunk {c}" if s.chunks > 1 else ""))
-               for k in "FB" for c in range(s.chunks)]
+                             label=labels[k] + (f" chunk {c}" if s.chunks > 1 else ""))
+               for k in ("FBW" if s.split else "FB") for c in range(s.chunks)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(range(s.stages), [f"stage {i}" for i in range(s.stages)])
     ax.set_ylim(s.stages - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, total)
-    ax.set_xlabel(f"time (forward = {forward:g}, backward = {backward:g} per microbatch per stage)")
+    ax.set_xlabel("time (forward = {:g}, backward = {:g}, weight gradients = {:g} per microbatch per stage)"
+                  .format(*costs))
     v = f", v={s.chunks}" if s.chunks > 1 else ""
-    ax.set_title(f"{s.name}: p={s.stages}, m={s.microbatches}{v}; bubble {bubble_fraction(s, forward, backward):.1%}")
+    ax.set_title(f"{s.name}: p={s.stages}, m={s.microbatches}{v}; bubble {bubble_fraction(s, *costs):.1%}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -142,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("--virtual", type=int, default=1, help="model chunks per stage v (interleaved; default 1)")
     parser.add_argument("--forward", type=float, default=1.0, help="relative cost of a forward (default 1)")
-    parser.add_argument("--backward", type=float, default=2.0, help="relative cost of a backward (default 2)")
+    parser.add_argument("--backward", type=float, default=1.0,
+                        help="relative cost of a backward's input gradient, B (default 1)")
+    parser.add_argument("--weight", type=float, default=1.0,
+                        help="relative cost of a backward's weight gradients, W (default 1; a fused backward costs B+W)")
     parser.add_argument("--out", default=None, help="PNG path (default: pipeline-<schedule>-p<P>-m<M>[-v<V>].png)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON on the last line")
     args = parser.parse_args(argv)
@@ -150,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
             if value < 1:
                 raise ValueError(f"{name}: must be at least 1, got {value}")
-        if args.forward <= 0 or args.backward <= 0:
-            raise ValueError(f"--forward and --backward must be positive, got {args.forward:g} and {args.backward:g}")
+        if min(args.forward, args.backward, args.weight) <= 0:
+            raise ValueError(f"--forward, --backward and --weight must be positive, got {args.forward:g}, "
+                             f"{args.backward:g} and {args.weight:g}")
         s = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -159,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out or default_path(args.schedule, args.stages, args.microbatches, args.virtual)
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    draw(s, args.forward, args.backward, path)
-    result = dict(summary(s, args.forward, args.backward), png=path)
+    costs = (args.forward, args.backward, args.weight)
+    draw(s, costs, path)
+    result = dict(summary(s, *costs), png=path)
     print(describe(result))
     print(f"png: {path}")
     if args.json:

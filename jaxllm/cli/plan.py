@@ -536,15 +536,22 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
       backward and output gradients waiting for it (parallel/pipeline_schedules.py);
     - the executor sends 2 collective-permutes per tick (forward output downstream, input gradient
       upstream), one slot each: 2 × ticks per step;
-    - the bubble from the table (`bubble_fraction`, forward 1 and backward 2 per microbatch) beside
-      (p−1)/(v·m+p−1).
+    - the bubble from the table (`bubble_fraction`, unit costs: F = B = W) beside its closed form
+      (`bubble_formula`);
+    - with a split backward (zb_h1, zb_v) the W stash (`models/taps.py`): one slot holds a chunk's stash for
+      one microbatch, b·seq_len·E times the tapped projections' input and output elements per token
+      (`taps.stash_elements`) times the chunk's layers; the program holds stash_depth slots, the stash B is
+      making and the zero probes it makes it from: (stash_depth + 2) slots.
 
     Returns {"enabled" (pp > 1), "note", "pp", "params" (`stage_params`), "assumes"} and, when enabled,
     "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula"}, "act_depth", "grad_depth", "b", "s", "d",
     "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
-    "collective_permute": {"count", "bytes_per_call", "bytes"}.
+    "collective_permute": {"count", "bytes_per_call", "bytes"}, and with a split backward "stash_depth",
+    "stash_slot_bytes", "stash_bytes".
     """
+    from jaxllm.models import taps, transformer
     from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
+    from jaxllm.stack import segments
 
     m, t = model_cfg, train_cfg
     pp = int(mesh_shape.get("pp", 1))
@@ -558,7 +565,12 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     s = m.seq_len // split if m.seq_len % split == 0 else m.seq_len  # not divisible: replicated (sharding.py)
     E = _dtype_bytes(compute_dtype)
     slot = b * s * m.d_model * E
-    return {**out, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
+    last = segments(m)[-1]  # the pipelined segment
+    stash_slot = (b * m.seq_len * E * last.repeats // (pp * sch.chunks)
+                  * taps.stash_elements(transformer.param_table(m)["blocks"][last.blocks], int(mesh_shape.get("tp", 1))))
+    stash = ({"stash_depth": sch.stash_depth, "stash_slot_bytes": stash_slot,
+              "stash_bytes": (sch.stash_depth + 2) * stash_slot} if sch.split else {})
+    return {**out, **stash, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
             "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch)},
             "act_depth": sch.act_depth, "grad_depth": sch.grad_depth, "b": b, "s": s, "d": m.d_model,
             "dtype": str(getattr(compute_dtype, "name", compute_dtype)), "dtype_bytes": E, "slot_bytes": slot,
@@ -680,10 +692,11 @@ def remat_summary(cfg, shape: dict, temp_bytes: int) -> dict:
     """What `model.remat` and `model.remat_group` keep for this config, beside the seeds' table; with
     groups, the temporaries of the same step compiled without them (the groups' effect)."""
     from jaxllm.models.transformer import remat_group
+    from jaxllm.parallel.pipeline_schedules import model_chunks
     from jaxllm.stack import segments
 
     m, t = cfg.model, cfg.train
-    chunks = shape["pp"] * (t.pp_virtual if shape["pp"] > 1 else 1)
+    chunks = shape["pp"] * (model_chunks(t.pp_schedule, t.pp_virtual) if shape["pp"] > 1 else 1)
     repeats = max(seg.repeats for seg in segments(m)) // chunks  # the longest segment's, where the memory is
     out = {"remat": m.remat, "group": remat_group(m, repeats), "repeats": repeats, "temp_bytes": temp_bytes}
     if out["group"]:
@@ -981,12 +994,15 @@ def _format_pipeline(pl: dict) -> list[str]:
     cp, bub = pl["collective_permute"], pl["bubble"]
     slots = pl["act_depth"] + pl["grad_depth"]
     lines = ["", f"pipeline (pp={pl['pp']}, {pl['schedule']}, v={pl['v']}, m={pl['m']})",
-             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (forward 1, backward 2), "
-             f"(p−1)/(v·m+p−1) = {bub['formula']:.4f}",
+             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (forward = backward = weight "
+             f"gradients), closed form {bub['formula']:.4f}",
              f"  buffers: {pl['act_depth']} stage input(s) kept + {pl['grad_depth']} gradient slot(s) = {slots} × "
              f"b={pl['b']} × s={pl['s']} × d={pl['d']} × {pl['dtype_bytes']} B ({pl['dtype']}) = "
-             f"{format_bytes(pl['buffer_bytes'])} per device",
-             f"  collective-permutes per step       {'count':>6}{'size/call':>12}{'bytes':>12}"]
+             f"{format_bytes(pl['buffer_bytes'])} per device"]
+    if "stash_depth" in pl:
+        lines.append(f"  W stash: ({pl['stash_depth']} slots + the one B makes + its probes) × "
+                     f"{format_bytes(pl['stash_slot_bytes'])} = {format_bytes(pl['stash_bytes'])} per device")
+    lines.append(f"  collective-permutes per step       {'count':>6}{'size/call':>12}{'bytes':>12}")
     rows = [(f"table: 2 × {pl['ticks']} ticks, {pl['dtype']}", cp)]
     if "compiled" in cp:
         if cp["moved_dtype"] != pl["dtype"]:

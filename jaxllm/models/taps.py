@@ -24,6 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxllm import sharding
 from jaxllm.models import lora
 from jaxllm.sharding import weight
 
@@ -79,31 +80,54 @@ def _is_names(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
 
 
+def is_tapped(path, names: tuple[str, ...]) -> bool:
+    """Whether the weight at `path` of a block (logical `names`, the layer dimension first) is tapped: the
+    projections of attention and of a dense MLP (`lora.TARGETS`: the weights `layers` uses through
+    column_parallel and row_parallel)."""
+    keys = tuple(getattr(k, "key", None) for k in path[-2:])
+    return keys in set(lora.TARGETS.values()) and "embed" in (names[LEAD], names[-1])
+
+
+def contracted(names: tuple[str, ...]) -> int:
+    """How many of a tapped weight's leading dimensions (after the layers') its input contracts: one for a
+    column-parallel weight [embed, ...], all but the last for a row-parallel one [..., embed]."""
+    return 1 if names[LEAD] == "embed" else len(names) - LEAD - 1
+
+
+def stash_elements(blocks: list, tp: int) -> int:
+    """Elements of the W stash per token and per repeat of the blocks' pattern on one device (`blocks`: the
+    parameter table's blocks, leaves with `shape` and `names`): each tapped weight's input and output, their
+    heads and MLP dimensions split over tp (KV heads fewer than tp repeated up to it, as `sharding.weight` does)."""
+    def size(names, shape):
+        n = 1
+        for name, dim in zip(names, shape):
+            dim = sharding.heads_as_used(dim, tp) if name == "kv_heads" else dim
+            n *= dim // tp if name in ("heads", "kv_heads", "mlp") and dim % tp == 0 else dim
+        return n
+
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(blocks, is_leaf=lambda x: hasattr(x, "names"))[0]:
+        if is_tapped(path, leaf.names):
+            k = LEAD + contracted(leaf.names)
+            total += size(leaf.names[LEAD:k], leaf.shape[LEAD:k]) + size(leaf.names[k:], leaf.shape[k:])
+    return total
+
+
 class Taps:
-    """Which weights of a pipeline chunk are tapped, and the operations on them. `names` is the chunk's tree of
-    logical names (the parameter table's, with the layer dimension first); the projections of attention and of a
-    dense MLP (`lora.TARGETS`: the weights `layers` uses through column_parallel and row_parallel) are tapped."""
+    """The tapped weights of a pipeline chunk (`is_tapped`) and the operations on them. `names` is the chunk's tree
+    of logical names (the parameter table's, with the layer dimension first)."""
 
     def __init__(self, names):
         self.names = names
 
-    def _tapped(self, path, names) -> bool:
-        keys = tuple(getattr(k, "key", None) for k in path[-2:])
-        return keys in set(lora.TARGETS.values()) and ("embed" in (names[LEAD], names[-1]))
-
     def split(self, chunk):
         """(tapped weights, the rest): two trees like `chunk`, each None where the other holds a leaf."""
         structure = jax.tree.structure(self.names, is_leaf=_is_names)
-        mask = structure.flatten_up_to(jax.tree_util.tree_map_with_path(self._tapped, self.names, is_leaf=_is_names))
+        mask = structure.flatten_up_to(jax.tree_util.tree_map_with_path(is_tapped, self.names, is_leaf=_is_names))
         leaves = structure.flatten_up_to(chunk)
         tapped = [a if k else None for k, a in zip(mask, leaves)]
         rest = [None if k else a for k, a in zip(mask, leaves)]
         return structure.unflatten(tapped), structure.unflatten(rest)
-
-    def _contracted(self, names) -> int:
-        """How many of the weight's leading dimensions (after the layers') its input contracts: one for a
-        column-parallel weight [embed, ...], all but the last for a row-parallel one [..., embed]."""
-        return 1 if names[LEAD] == "embed" else len(names) - LEAD - 1
 
     def _each(self, fn, *trees):
         """fn(names, *leaves) over the tapped positions (None elsewhere)."""
@@ -118,7 +142,7 @@ class Taps:
         output dims] of the weight as used (KV heads repeated up to tp where `sharding.weight` repeats them)."""
         def one(names, w):
             used = jax.eval_shape(lambda a: weight(a, names[LEAD:], dtype), w[0]).shape
-            k = self._contracted(names)
+            k = contracted(names)
             lead = (w.shape[0], *rows)
             return {"x": jnp.zeros(lead + used[:k], dtype), "dy": jnp.zeros(lead + used[k:], dtype)}
         return self._each(one, tapped)
@@ -131,7 +155,7 @@ class Taps:
     def stash_names(self, probes):
         """The logical names of each stash array's [batch, seq, ...] dimensions (after the layer dimension)."""
         def one(names, _):
-            k = self._contracted(names)
+            k = contracted(names)
             return {"x": ("batch", "seq") + names[LEAD:LEAD + k], "dy": ("batch", "seq") + names[LEAD + k:]}
         return self._each(one, probes)
 

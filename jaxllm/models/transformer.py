@@ -38,6 +38,7 @@ from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, norm
 from jaxllm.ops import fp8
+from jaxllm.parallel import pipeline_schedules
 from jaxllm.schema import ModelConfig
 from jaxllm.sharding import constrain, weight
 
@@ -626,7 +627,7 @@ def _check_shape(m: ModelConfig) -> None:
 def _check_remat_group(m: ModelConfig, t, pp: int) -> None:
     """Groups are cut from each segment's repeats, the last (pipelined) segment's per stage chunk,
     R / (pp · pp_virtual)."""
-    chunks = pp * (t.pp_virtual if pp > 1 else 1)
+    chunks = pp * (pipeline_schedules.model_chunks(t.pp_schedule, t.pp_virtual) if pp > 1 else 1)
     *lead, last = stack_lib.segments(m)
     for seg in (*lead, last):
         repeats = seg.repeats // chunks if seg is last else seg.repeats

@@ -395,27 +395,32 @@ def check(name: str, stages: int, microbatches: int, chunks: int) -> None:
 
 def check_config(m, t, shape: dict) -> list[str]:
     """The pipeline keys against the model and the mesh: ConfigError (one line) for what cannot run."""
-    pp, v = shape["pp"], t.pp_virtual
-    if v < 1:
-        raise ConfigError(f"train.pp_virtual: must be at least 1, got {v}")
+    pp, v = shape["pp"], model_chunks(t.pp_schedule, t.pp_virtual)
+    if t.pp_virtual < 1:
+        raise ConfigError(f"train.pp_virtual: must be at least 1, got {t.pp_virtual}")
     segments = stack.segments(m)  # the last one is pipelined; those before it run on the first stage
     repeats = segments[-1].repeats
     if repeats % (pp * v):
         what = f"model.n_layers={m.n_layers}" if len(segments) == 1 else "the last of model.segments"
-        raise ConfigError(f"{what} ({repeats} repeats of the pattern) does not split into "
-                          f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v} equal chunks; change n_layers, pp or pp_virtual")
+        chunks = f"2×mesh.pp (zb_v's two chunks per stage) = {pp * v}" if t.pp_schedule == "zb_v" else (
+            f"mesh.pp×train.pp_virtual={pp}×{v}={pp * v}")
+        raise ConfigError(f"{what} ({repeats} repeats of the pattern) does not split into {chunks} equal chunks; "
+                          "change n_layers, pp or pp_virtual")
     notes = (["train.pp_gather_once=true only matters with mesh.pp>1 and train.zero_stage=3; it has no effect"]
              if t.pp_gather_once and (pp == 1 or t.zero_stage != 3) else [])
     if pp == 1:
-        if v > 1:
-            raise ConfigError(f"train.pp_virtual={v} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
+        if t.pp_virtual > 1:
+            raise ConfigError(f"train.pp_virtual={t.pp_virtual} needs mesh.pp>1; set mesh.pp or pp_virtual=1")
         return notes
     try:
-        check(t.pp_schedule, pp, t.microbatches, v)
+        check(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # The islands' ppermutes inside a stage's branch wait for every device of the mesh on XLA:CPU,
     # while only that stage's devices take the branch: they hang (docs/design-notes.md).
+    if t.pp_schedule in SPLIT and m.lora.rank:
+        raise ConfigError(f"train.pp_schedule='{t.pp_schedule}' with model.lora.rank={m.lora.rank}: the split backward "
+                          "does not tap adapters yet; use pp_schedule='1f1b' or 'interleaved' with LoRA")
     if shape["sp"] > 1:
         raise ConfigError(f"mesh.pp={pp} with mesh.sp={shape['sp']}: context parallelism inside pipeline stages "
                           "is not supported yet; set mesh.sp=1 or mesh.pp=1")

@@ -1,0 +1,117 @@
+"""Zero-bubble pipelines (ZB-H1, ZB-V): the split backward, its tables, equivalence, costs and memory.
+
+Tables (no JAX): each runs symbolically (`test_pipeline.run_table`: every F, B and W once, every read finds
+what it should, W after its B from the stash slot B filled); at unit costs (F = B = W) the step's bubble is
+the closed form and the idle time inside a stage's span is the paper's (p−1)(T_F+T_B−T_W) for ZB-H1 and
+(p−1)(T_F+T_B−2T_W) = 0 for ZB-V. Executor (8 fake CPU devices, fp32): one step's loss and gradients equal
+the independent reference for both schedules on pp2×dp4, pp4×dp2 and pp2×fsdp2×tp2 with 4 microbatches and
+on pp4×dp2 with 8. Compiled programs: B and W together cost what the fused backward costs, B alone
+less (it makes no weight gradient) and W no more than a forward (it recomputes nothing); temporaries stay
+within 1F1B's plus the W stash `jaxllm plan` predicts.
+"""
+
+import pytest
+
+from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
+from jaxllm.cli.plan import pipeline_theory
+from jaxllm.config import ConfigError, build_config, validate
+from jaxllm.hlo import memory_summary
+from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, idle_in_span, make_schedule
+from test_pipeline import compiled, run_table
+
+PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
+TABLES = ([("zb_h1", p, m) for p, m in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 16))]
+          + [("zb_v", p, m) for p, m in ((2, 4), (2, 8), (4, 8), (4, 16), (8, 16))])
+
+
+@pytest.mark.parametrize("name,p,m", TABLES)
+def test_tables_run_and_their_bubbles_are_the_papers(name, p, m):
+    s = make_schedule(name, p, m)
+    run_table(s)
+    assert s.split and s.chunks == (2 if name == "zb_v" else 1)
+    assert bubble_fraction(s) == pytest.approx(bubble_formula(s), abs=1e-12)
+    assert bubble_formula(s) == pytest.approx((p - 1) / ((6 if name == "zb_v" else 3) * m + p - 1))
+    idle = idle_in_span(s)  # unit costs: F = B = W = 1 per microbatch and stage (1/2 per chunk in the V)
+    assert idle.max() == pytest.approx(p - 1 if name == "zb_h1" else 0.0)
+    # stage inputs held: at most 1F1B's in-flight count (p; the V's inputs are chunk inputs, one more per chunk)
+    assert s.act_depth <= (p if name == "zb_h1" else 2 * p + 1)
+
+
+def config(family: str, **over):
+    return equivalence_config(PRESETS[family], **{"model.n_layers": 8, **over})
+
+
+PP_FSDP_TP = {"mesh.pp": 2, "mesh.fsdp": 2, "mesh.tp": 2}
+CASES = {  # name -> (schedule, family, axes and options); both schedules on every mesh of the issue
+    "zb_h1_pp2_dp4": ("zb_h1", "llama", {"mesh.pp": 2, "mesh.dp": 4}),
+    "zb_v_pp2_dp4": ("zb_v", "gpt2", {"mesh.pp": 2, "mesh.dp": 4}),
+    "zb_h1_pp4_dp2": ("zb_h1", "gpt2", {"mesh.pp": 4, "mesh.dp": 2}),
+    "zb_v_pp4_dp2": ("zb_v", "llama", {"mesh.pp": 4, "mesh.dp": 2}),
+    "zb_h1_pp2_fsdp2_tp2_zero3": ("zb_h1", "llama", {**PP_FSDP_TP, "train.zero_stage": 3}),
+    "zb_v_pp2_fsdp2_tp2_zero1": ("zb_v", "gpt2", {**PP_FSDP_TP, "train.zero_stage": 1}),
+    "zb_h1_pp4_dp2_m8": ("zb_h1", "llama", {"mesh.pp": 4, "mesh.dp": 2, "train.microbatches": 8}),
+    "zb_v_pp4_dp2_m8": ("zb_v", "gpt2", {"mesh.pp": 4, "mesh.dp": 2, "train.microbatches": 8}),
+}
+
+
+@pytest.mark.parametrize("case", tiers(list(CASES), {"zb_v_pp4_dp2_m8"}))
+def test_zero_bubble_matches_the_reference(case):
+    schedule, family, over = CASES[case]
+    ref = reference(config(family).model)
+    fns = step_fns(config(family, **{"train.microbatches": 4, **over, "train.pp_schedule": schedule}))
+    assert_matches(*loss_and_grads(fns, ref[0]), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
+def test_split_backward_costs_add_up_to_the_fused_one(preset):
+    """One chunk (2 of 8 layers): B has none of the weight-gradient matmuls the fused backward has, W one per
+    tapped weight (attention's four, the MLP's two or three); by XLA's flop counts W is below what re-running the forward would add to it (it recomputes
+    nothing) and B and W together do the fused backward's work. (XLA:CPU's counts leave out some fused work,
+    so flops are compared with margins, not equated.)"""
+    from tools.pipeline import compiled_costs
+
+    c = compiled_costs(preset, **{"model.n_layers": 8, "model.seq_len": 64})
+    dots = c["weight_dots"]
+    assert dots["backward"] == dots["forward"] == 0 < dots["fused"], dots
+    assert dots["weight"] == (6 if preset == "tiny-gpt2" else 7), dots
+    assert 0.5 < c["weight"] < c["fused"] - c["forward"], c
+    assert c["backward"] + c["weight"] >= 0.95 * c["fused"], c
+
+
+MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8, "mesh.pp": 2}
+
+
+@pytest.mark.slow
+def test_activation_memory_is_1f1b_plus_the_predicted_stash():
+    temps = {}
+    for name in ("1f1b", "zb_h1", "zb_v"):
+        cfg = config("llama", **MEMORY, **{"train.pp_schedule": name})
+        temps[name] = memory_summary(compiled(step_fns(cfg), 64, 64))["temp_bytes"]
+        if name != "1f1b":
+            plan = pipeline_theory(cfg.model, cfg.train, {**dict.fromkeys(("dp", "fsdp", "ep", "tp", "sp"), 1), "pp": 2},
+                                   "float32")
+            assert temps[name] <= temps["1f1b"] + plan["stash_bytes"], (name, temps, plan["stash_bytes"])
+            # and the stash is really there: more than its slots above 1F1B's
+            assert temps[name] - temps["1f1b"] >= (plan["stash_depth"] - 2) * plan["stash_slot_bytes"], temps
+
+
+BAD = {
+    "zb_v_layers": ({"mesh.pp": 4, "model.n_layers": 4, "train.pp_schedule": "zb_v"}, "2×mesh.pp"),
+    "zb_h1_few_microbatches": ({"mesh.pp": 4, "train.microbatches": 2, "train.pp_schedule": "zb_h1"},
+                               "train.microbatches=2"),
+    "zb_lora": ({"mesh.pp": 2, "train.microbatches": 4, "train.pp_schedule": "zb_h1", "model.lora.rank": 4},
+                "model.lora.rank=4"),
+    "zb_fp8": ({"mesh.pp": 2, "train.microbatches": 4, "train.pp_schedule": "zb_v", "precision.matmul": "fp8"},
+               "precision.matmul=fp8"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_zero_bubble_configs_are_one_line_errors(case):
+    over, needle = BAD[case]
+    cfg = build_config(None, {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.n_layers": 8, "mesh.dp": -1,
+                             **over})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 8)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
