@@ -22,8 +22,8 @@ from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, l
                      max_rel_err, reference, step_fns, tiers, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models import transformer
-from jaxllm.parallel.pipeline_schedules import (FIELDS, GRADIENT, NOTHING, OUTPUT, bubble_formula, bubble_fraction,
-                                                make_schedule, tick_times)
+from jaxllm.parallel.pipeline_schedules import (FIELDS, GRADIENT, NOTHING, OUTPUT, Costs, bubble_formula,
+                                                bubble_fraction, make_schedule, tick_times)
 from jaxllm.hlo import memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
@@ -44,10 +44,18 @@ def run_table(s):
     acts = [[None] * s.act_depth for _ in range(p)]
     grads = [[None] * s.grad_depth for _ in range(p)]
     stash = [[None] * max(s.stash_depth, 1) for _ in range(p)]
-    fwd, bwd, wgt = {}, {}, {}
+    fwd, rec, bwd, wgt = {}, {}, {}, {}
+    residuals = [None] * p
     for t in range(s.ticks):
         out, back = [None] * p, [None] * p
         for st in range(p):
+            i, c = f["r_mb"][t, st], f["r_chunk"][t, st]
+            if i >= 0:  # R: the chunk re-run from its saved input; one set of residuals kept per stage
+                g = s.global_stage(st, c)
+                assert (i, g) not in rec and fwd[(i, g)] < t and residuals[st] is None
+                if g > 0:
+                    assert acts[st][f["r_slot"][t, st]] == (i, g)
+                rec[(i, g)], residuals[st] = t, (i, g)
             i, c = f["fwd_mb"][t, st], f["fwd_chunk"][t, st]
             if i >= 0:
                 g = s.global_stage(st, c)
@@ -60,7 +68,10 @@ def run_table(s):
             if i >= 0:
                 g = s.global_stage(st, c)
                 assert (i, g) not in bwd and fwd.get((i, g), t + 1) <= t
-                if g > 0:
+                if s.split:  # B pulls back from R's residuals
+                    assert residuals[st] == (i, g) and rec[(i, g)] < t
+                    residuals[st] = None
+                elif g > 0:
                     assert acts[st][f["bwd_slot"][t, st]] == (i, g)
                 if g < last:
                     assert grads[st][f["bwd_grad_slot"][t, st]] == (i, g)
@@ -85,11 +96,12 @@ def run_table(s):
                     assert f["send_up" if side == "below" else "send_down"][t, src] == kind
                 sent = {OUTPUT: out[src], GRADIENT: back[src]}[kind]
                 buffer = (acts if kind == OUTPUT else grads)[st]
-                assert sent is not None and (buffer[slot] is None or buffer[slot] in bwd)
+                assert sent is not None and (buffer[slot] is None or buffer[slot] in (rec if s.split and kind == OUTPUT
+                                                                                      else bwd))
                 buffer[slot] = sent
     keys = {(i, g) for i in range(s.microbatches) for g in range(p * v)}
     assert set(fwd) == keys and set(bwd) == keys
-    assert set(wgt) == (keys if s.split else set())
+    assert set(wgt) == set(rec) == (keys if s.split else set())
     sends = sum(int((s.field(d) != NOTHING).sum()) for d in ("send_up", "send_down"))
     arrivals = sum(int((s.field(side + "_kind") != NOTHING).sum()) for side in ("below", "above"))
     assert sends == arrivals  # nothing sent is lost
@@ -111,8 +123,8 @@ def test_table_runs_and_its_bubble_is_the_formula(name, p, m, v):
         assert g == p * v - 1 or bwd[(i, g + 1)] < t
     expected = (p - 1) / (m + p - 1) if v == 1 else (p - 1) / (v * m + p - 1)
     assert bubble_formula(s) == pytest.approx(expected)
-    for costs in [(1.0, 1.0, 1.0), (1.0, 0.5, 0.5), (1.0, 1.0, 2.0)]:  # a fused backward costs B + W
-        assert bubble_fraction(s, *costs) == pytest.approx(expected, abs=1e-12)
+    for costs in [Costs(), Costs(1.0, 1.0, 0.5, 0.5), Costs(1.0, 0.5, 1.0, 2.0)]:  # a fused backward: R + B + W
+        assert bubble_fraction(s, costs) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from harness import subprocess_env
-from jaxllm.parallel.pipeline_schedules import bubble_formula, make_schedule
+from jaxllm.parallel.pipeline_schedules import Costs, bubble_formula, make_schedule
 from tools.pipeline import boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def test_cli_writes_png_and_bubble_matches_formula(tmp_path, schedule, p, m, v):
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["png"] == str(out) and str(out) in proc.stdout
-    expected = (p - 1) / (6 * m + p - 1) if schedule == "zb_v" else (p - 1) / (v * m + p - 1)
+    expected = (p - 1) / (8 * m + p - 1) if schedule == "zb_v" else (p - 1) / (v * m + p - 1)
     assert r["bubble_table"] == pytest.approx(expected) and r["bubble_formula"] == pytest.approx(expected)
     assert (r["stash_depth"] > 0, r["idle_in_span"] == 0) == ((schedule == "zb_v",) * 2)
     assert r["act_depth"] >= 1
@@ -65,14 +65,14 @@ def test_cli_bad_combination_exits_2_and_writes_nothing(tmp_path, capsys):
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 5, 1),
                                             ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3), ("zb_h1", 4, 8, 1),
                                             ("zb_v", 4, 8, 1)])
-@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (2.0, 3.0, 1.0)])
+@pytest.mark.parametrize("costs", [Costs(), Costs(1.0, 1.0, 1.0, 0.5), Costs(2.0, 1.0, 3.0, 1.0)])
 def test_boxes_cover_the_work_without_overlap(schedule, p, m, v, costs):
     s = make_schedule(schedule, p, m, v)
-    bxs = boxes(s, *costs)
-    kinds = "BFW" if s.split else "BF"
+    bxs = boxes(s, costs)
+    kinds = "BFRW" if s.split else "BF"
     for stage in range(p):
         mine = sorted((b for b in bxs if b.stage == stage), key=lambda b: b.x0)
-        assert sum(b.width for b in mine) == pytest.approx(m * sum(costs))
+        assert sum(b.width for b in mine) == pytest.approx(m * costs.total)
         for a, b in zip(mine, mine[1:]):
             assert a.x0 + a.width <= b.x0 + 1e-9, (a, b)
         # every microbatch goes through every chunk exactly once per kind of operation
@@ -80,5 +80,5 @@ def test_boxes_cover_the_work_without_overlap(schedule, p, m, v, costs):
             (k, i, c) for k in kinds for i in range(m) for c in range(s.chunks))
     end = max(b.x0 + b.width for b in bxs)
     busy = sum(b.width for b in bxs)
-    if costs == (1.0, 1.0, 1.0) or not s.split:  # a fused schedule's bubble does not depend on the costs
+    if costs == Costs() or not s.split:  # a fused schedule's bubble does not depend on the costs
         assert 1 - busy / (p * end) == pytest.approx(bubble_formula(s))

@@ -21,7 +21,7 @@ from test_pipeline import compiled, run_table
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 TABLES = ([("zb_h1", p, m) for p, m in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 16))]
-          + [("zb_v", p, m) for p, m in ((2, 4), (2, 8), (4, 8), (4, 16), (8, 16))])
+          + [("zb_v", p, m) for p, m in ((2, 4), (2, 8), (4, 8), (8, 16))])
 
 
 @pytest.mark.parametrize("name,p,m", TABLES)
@@ -30,8 +30,8 @@ def test_tables_run_and_their_bubbles_are_the_papers(name, p, m):
     run_table(s)
     assert s.split and s.chunks == (2 if name == "zb_v" else 1)
     assert bubble_fraction(s) == pytest.approx(bubble_formula(s), abs=1e-12)
-    assert bubble_formula(s) == pytest.approx((p - 1) / ((6 if name == "zb_v" else 3) * m + p - 1))
-    idle = idle_in_span(s)  # unit costs: F = B = W = 1 per microbatch and stage (1/2 per chunk in the V)
+    assert bubble_formula(s) == pytest.approx((p - 1) / ((8 if name == "zb_v" else 4) * m + p - 1))
+    idle = idle_in_span(s)  # unit costs: F = R = B = W = 1 per microbatch and stage (1/2 per chunk in the V)
     assert idle.max() == pytest.approx(p - 1 if name == "zb_h1" else 0.0)
     # stage inputs held: at most 1F1B's in-flight count (p; the V's inputs are chunk inputs, one more per chunk)
     assert s.act_depth <= (p if name == "zb_h1" else 2 * p + 1)
@@ -64,19 +64,22 @@ def test_zero_bubble_matches_the_reference(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
-def test_split_backward_costs_add_up_to_the_fused_one(preset):
-    """One chunk (2 of 8 layers): B has none of the weight-gradient matmuls the fused backward has, W one per
-    tapped weight (attention's four, the MLP's two or three); by XLA's flop counts W is below what re-running the forward would add to it (it recomputes
-    nothing) and B and W together do the fused backward's work. (XLA:CPU's counts leave out some fused work,
-    so flops are compared with margins, not equated.)"""
-    from tools.pipeline import compiled_costs
+def test_split_backward_costs_and_the_bubbles_they_give(preset):
+    """One chunk (2 of 8 layers) compiled: R and B have none of the weight-gradient matmuls the fused backward
+    has, W one per tapped weight (attention's four, the MLP's two or three); by XLA's flop counts W is below
+    what re-running the forward would add (it recomputes nothing) and R, B and W together do the fused
+    backward's work. With these costs, at pp4 and m = 8, ZB-V's bubble is below interleaved 1F1B's (v = 2) and
+    ZB-H1's below 1F1B's. (XLA:CPU's counts leave out some fused work: flops are compared with margins.)"""
+    from tools.pipeline import compare, compiled_costs
 
     c = compiled_costs(preset, **{"model.n_layers": 8, "model.seq_len": 64})
-    dots = c["weight_dots"]
-    assert dots["backward"] == dots["forward"] == 0 < dots["fused"], dots
+    dots, costs = c["weight_dots"], c["costs"]
+    assert dots["forward"] == dots["recompute"] == dots["backward"] == 0 < dots["fused"], dots
     assert dots["weight"] == (6 if preset == "tiny-gpt2" else 7), dots
-    assert 0.5 < c["weight"] < c["fused"] - c["forward"], c
-    assert c["backward"] + c["weight"] >= 0.95 * c["fused"], c
+    assert 0.3 < costs.weight < c["fused"] - costs.recompute, c
+    assert costs.recompute + costs.backward + costs.weight >= 0.95 * c["fused"], c
+    bubbles = {name: r["bubble"] for name, r in compare(4, 8, costs).items()}
+    assert bubbles["zb_v"] < bubbles["interleaved"] and bubbles["zb_h1"] < bubbles["1f1b"], (costs, bubbles)
 
 
 MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8, "mesh.pp": 2}

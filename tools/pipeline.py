@@ -24,6 +24,7 @@ prints `error: ...` to stderr and exits 2 without writing anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,26 +32,29 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxllm.parallel.pipeline_schedules import (SCHEDULES, Schedule, bubble_formula, bubble_fraction, idle_in_span,
+from jaxllm.parallel.pipeline_schedules import (SCHEDULES, UNIT, Costs, Schedule, bubble_formula, bubble_fraction,
+                                                idle_in_span,
                                                 make_schedule, tick_times)
 
-FORMULAS = {"zb_h1": "(p-1)/(3m+p-1)", "zb_v": "(p-1)/(6m+p-1)"}
+FORMULAS = {"zb_h1": "(p-1)/(4m+p-1)", "zb_v": "(p-1)/(8m+p-1)"}
 
 
 class Box(NamedTuple):
     stage: int
     x0: float
     width: float
-    kind: str  # "F", "B" or "W"
+    kind: str  # "F", "R", "B" or "W"
     microbatch: int
     chunk: int
 
 
-def boxes(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> list[Box]:
+def boxes(s: Schedule, costs: Costs = UNIT) -> list[Box]:
     """Every operation of the schedule as a box on the timeline (x0 and width in cost units)."""
-    starts = np.concatenate([[0.0], np.cumsum(tick_times(s, forward, backward, weight))[:-1]])
-    widths = {"F": forward, "B": backward + (0.0 if s.split else weight), "W": weight}
-    fields = {"F": ("fwd_mb", "fwd_chunk"), "B": ("bwd_mb", "bwd_chunk"), "W": ("w_mb", "w_chunk")}
+    starts = np.concatenate([[0.0], np.cumsum(tick_times(s, costs))[:-1]])
+    fused = costs.recompute + costs.backward + costs.weight
+    widths = {"F": costs.forward, "R": costs.recompute, "B": costs.backward if s.split else fused, "W": costs.weight}
+    fields = {k: (f"{k.lower()}_mb", f"{k.lower()}_chunk") for k in "FRBW"}
+    fields.update(F=("fwd_mb", "fwd_chunk"), B=("bwd_mb", "bwd_chunk"))
     out = []
     for t in range(s.ticks):
         for stage in range(s.stages):
@@ -66,11 +70,12 @@ def boxes(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: floa
 def compiled_costs(preset: str = "tiny-llama", stages: int = 4, rows: int = 8, **overrides) -> dict:
     """What a microbatch's operations cost on one stage, read off the compiled programs (XLA's cost analysis, in
     flops) of one chunk of `preset` cut into `stages` (`rows` rows of seq_len tokens, fp32, one device): the
-    forward F, the split backward's B (which re-runs the chunk from its input, as the executor's does) and W,
-    and the fused backward (B and W in one). {"forward", "backward", "weight", "fused"} in units of F, and under
-    "weight_dots" how many matmuls of each program make a tapped weight's gradient: dot_generals of its jaxpr
-    (nested ones included) whose result has the shape of one layer of a tapped weight (or, batched over the
-    layers, of all of them)."""
+    forward F; the split backward's R (the chunk re-run from its input, keeping its VJP's residuals), B (the
+    input gradient from those) and W (the weight gradients from B's stash); and the fused backward (all three
+    in one, as 1F1B's). Returns the `Costs` in units of F, and "fused", and under "weight_dots" how many
+    matmuls of each program make a tapped weight's gradient: dot_generals of its jaxpr (nested ones
+    included) whose result has the shape of one layer of a tapped weight (or, batched over the layers, of all
+    of them)."""
     import jax
     import jax.numpy as jnp
 
@@ -78,32 +83,42 @@ def compiled_costs(preset: str = "tiny-llama", stages: int = 4, rows: int = 8, *
     from jaxllm.models import taps, transformer
 
     m = build_config(None, {"model.preset": preset, "precision.compute": "float32", **overrides}).model
-    params, names = transformer.init_params(m, jax.random.PRNGKey(0)), transformer.param_names(m)
-    chunk = jax.tree.map(lambda a: a[:a.shape[0] // stages], params["blocks"])
-    x = jnp.ones((rows, m.seq_len, m.d_model), jnp.float32)
+    params = jax.eval_shape(lambda: transformer.init_params(m, jax.random.PRNGKey(0)))  # shapes only: compiled,
+    names = transformer.param_names(m)  # never run, so a real model's stage costs nothing to measure
+    layers = lambda a: max(1, a.shape[0] // stages)  # at least one layer
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers(a),) + a.shape[1:], a.dtype), params["blocks"])
+    x = jax.ShapeDtypeStruct((rows, m.seq_len, m.d_model), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(m.seq_len), x.shape[:2])
     run = lambda ch, x: transformer.blocks(ch, x, positions, jnp.ones(x.shape[:2], jnp.int32), m, jnp.float32)[0]
     t = taps.Taps(names["blocks"])
 
-    def split_input(ch, x, dy):
+    def split_vjp(ch, x):  # as the executor's R: the tapped weights closed over, their probes differentiated
         tapped, rest = t.split(ch)
         probes = t.probes(tapped, x.shape[:2], x.dtype)
-        return jax.vjp(lambda pr, re, x: run(t.join(tapped, pr, re), x), probes, rest, x)[1](dy)
+        return jax.vjp(lambda pr, re, x: run(t.join(tapped, pr, re), x), probes, rest, x)[1]
+
+    pull = jax.eval_shape(split_vjp, chunk, x)
+    structure, residuals = jax.tree.structure(pull), jax.tree.leaves(pull)
 
     def split_weights(ch, x, dy):
         tapped, _ = t.split(ch)
         return t.weight_grads(tapped, jax.tree.map(lambda a: a + 1, t.probes(tapped, x.shape[:2], x.dtype)))
 
-    programs = {"forward": lambda ch, x, dy: run(ch, x), "backward": split_input, "weight": split_weights,
-                "fused": lambda ch, x, dy: jax.vjp(run, ch, x)[1](dy)}
+    programs = {"forward": (lambda ch, x: run(ch, x), (chunk, x)),
+                "recompute": (lambda ch, x: jax.tree.leaves(split_vjp(ch, x)), (chunk, x)),
+                "backward": (lambda res, dy: jax.tree.unflatten(structure, res)(dy), (residuals, x)),
+                "weight": (split_weights, (chunk, x, x)),
+                "fused": (lambda ch, x, dy: jax.vjp(run, ch, x)[1](dy), (chunk, x, x))}
     shapes = {s for a in jax.tree.leaves(t.split(chunk)[0]) for s in (a.shape, a.shape[1:])}
     flops, dots = {}, {}
-    for name, fn in programs.items():
-        cost = jax.jit(fn).lower(chunk, x, x).compile().cost_analysis()
+    for name, (fn, args) in programs.items():
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
         flops[name] = float((cost[0] if isinstance(cost, list) else cost)["flops"])
         dots[name] = sum(tuple(eqn.outvars[0].aval.shape) in shapes
-                         for eqn in _equations(jax.make_jaxpr(fn)(chunk, x, x).jaxpr) if eqn.primitive.name == "dot_general")
-    return {**{name: f / flops["forward"] for name, f in flops.items()}, "weight_dots": dots}
+                         for eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr) if eqn.primitive.name == "dot_general")
+    unit = lambda name: flops[name] / flops["forward"]
+    return {"costs": Costs(1.0, unit("recompute"), unit("backward"), unit("weight")), "fused": unit("fused"),
+            "weight_dots": dots}
 
 
 def _equations(jaxpr):
@@ -117,6 +132,19 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
+def compare(p: int, m: int, costs: Costs) -> dict:
+    """{schedule: {ticks, time, bubble}} of every schedule that can run at p stages, m microbatches
+    (interleaved with v = 2), under `costs`."""
+    out = {}
+    for name in SCHEDULES:
+        try:
+            s = make_schedule(name, p, m, 2 if name == "interleaved" else 1)
+        except ValueError:
+            continue
+        out[name] = {"ticks": s.ticks, "time": float(tick_times(s, costs).sum()), "bubble": bubble_fraction(s, costs)}
+    return out
+
+
 def depth_bound(s: Schedule) -> tuple[str, int] | None:
     """The known bound on the activation buffer depth: 2p−1 for 1F1B, m for GPipe (None: no simple one)."""
     if s.name == "1f1b":
@@ -126,18 +154,17 @@ def depth_bound(s: Schedule) -> tuple[str, int] | None:
     return None
 
 
-def summary(s: Schedule, forward: float, backward: float, weight: float) -> dict:
+def summary(s: Schedule, costs: Costs) -> dict:
     """The numbers the CLI prints (and writes as JSON)."""
     bound = depth_bound(s)
-    costs = (forward, backward, weight)
     return {
         "schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "virtual": s.chunks,
-        "forward": forward, "backward": backward, "weight": weight, "ticks": s.ticks,
-        "time": float(tick_times(s, *costs).sum()),
-        "bubble_table": bubble_fraction(s, *costs),
+        **dataclasses.asdict(costs), "ticks": s.ticks,
+        "time": float(tick_times(s, costs).sum()),
+        "bubble_table": bubble_fraction(s, costs),
         "bubble_formula": bubble_formula(s),
         "formula": FORMULAS.get(s.name, "(p-1)/(v*m+p-1)" if s.chunks > 1 else "(p-1)/(m+p-1)"),
-        "idle_in_span": float(idle_in_span(s, *costs).max()),
+        "idle_in_span": float(idle_in_span(s, costs).max()),
         "act_depth": s.act_depth,
         "stash_depth": s.stash_depth,
         "act_depth_bound": bound[1] if bound else None,
@@ -152,7 +179,8 @@ def describe(r: dict) -> str:
              else "")
     return "\n".join([
         f"schedule {r['schedule']}: p={r['stages']} stages, m={r['microbatches']} microbatches{v}; "
-        f"forward {r['forward']:g}, backward {r['backward']:g}, weight gradients {r['weight']:g}",
+        f"costs per microbatch and stage: forward {r['forward']:.3g}, recompute {r['recompute']:.3g}, "
+        f"input gradient {r['backward']:.3g}, weight gradients {r['weight']:.3g}",
         f"ticks: {r['ticks']} (time {r['time']:g})",
         f"bubble: {r['bubble_table']:.4f} from the table, {r['bubble_formula']:.4f} from {r['formula']} "
         f"(at unit costs); a stage idles at most {r['idle_in_span']:g} between its first and last operation",
@@ -161,20 +189,22 @@ def describe(r: dict) -> str:
     ])
 
 
-def draw(s: Schedule, costs: tuple[float, float, float], path: str) -> None:
-    """Write the timeline of `s` as a PNG at `path` (costs: forward, backward, weight gradients)."""
+def draw(s: Schedule, costs: Costs, path: str) -> None:
+    """Write the timeline of `s` as a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cmaps = {"F": plt.get_cmap("Blues"), "B": plt.get_cmap("Oranges"), "W": plt.get_cmap("Greens")}
-    labels = {"F": "forward", "B": "backward (B)" if s.split else "backward", "W": "weight gradients (W)"}
+    cmaps = {"F": plt.get_cmap("Blues"), "R": plt.get_cmap("Purples"), "B": plt.get_cmap("Oranges"),
+             "W": plt.get_cmap("Greens")}
+    labels = {"F": "forward", "R": "recompute (R)", "B": "input gradient (B)" if s.split else "backward",
+              "W": "weight gradients (W)"}
     shade = lambda c: 0.45 + 0.4 * c / max(s.chunks - 1, 1)  # chunk 0 light, the last chunk dark
-    total = float(tick_times(s, *costs).sum())
-    all_boxes = boxes(s, *costs)
+    total = float(tick_times(s, costs).sum())
+    all_boxes = boxes(s, costs)
     fig, ax = plt.subplots(figsize=(min(max(6.0, 0.35 * len(all_boxes) / s.stages), 40.0), 0.6 * s.stages + 1.5))
-    for x in np.cumsum(tick_times(s, *costs))[:-1]:
+    for x in np.cumsum(tick_times(s, costs))[:-1]:
         ax.axvline(x, color="0.9", lw=0.5, zorder=0)
     fontsize = 7 if len(all_boxes) / s.stages <= 40 else 5
     for bx in all_boxes:
@@ -184,15 +214,15 @@ def draw(s: Schedule, costs: tuple[float, float, float], path: str) -> None:
                 color="white" if shade(bx.chunk) > 0.7 else "black")
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmaps[k](shade(c)),
                              label=labels[k] + (f" chunk {c}" if s.chunks > 1 else ""))
-               for k in ("FBW" if s.split else "FB") for c in range(s.chunks)]
+               for k in ("FRBW" if s.split else "FB") for c in range(s.chunks)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(range(s.stages), [f"stage {i}" for i in range(s.stages)])
     ax.set_ylim(s.stages - 0.5, -0.5)  # stage 0 on top
     ax.set_xlim(0, total)
-    ax.set_xlabel("time (forward = {:g}, backward = {:g}, weight gradients = {:g} per microbatch per stage)"
-                  .format(*costs))
+    ax.set_xlabel(f"time (per microbatch per stage: forward {costs.forward:g}, recompute {costs.recompute:g}, "
+                  f"input gradient {costs.backward:g}, weight gradients {costs.weight:g})")
     v = f", v={s.chunks}" if s.chunks > 1 else ""
-    ax.set_title(f"{s.name}: p={s.stages}, m={s.microbatches}{v}; bubble {bubble_fraction(s, *costs):.1%}")
+    ax.set_title(f"{s.name}: p={s.stages}, m={s.microbatches}{v}; bubble {bubble_fraction(s, costs):.1%}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -208,11 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages p (mesh.pp; default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("--virtual", type=int, default=1, help="model chunks per stage v (interleaved; default 1)")
-    parser.add_argument("--forward", type=float, default=1.0, help="relative cost of a forward (default 1)")
+    parser.add_argument("--forward", type=float, default=1.0, help="relative cost of a forward, F (default 1)")
+    parser.add_argument("--recompute", type=float, default=1.0,
+                        help="relative cost of re-running a stage from its input, R (default 1)")
     parser.add_argument("--backward", type=float, default=1.0,
                         help="relative cost of a backward's input gradient, B (default 1)")
-    parser.add_argument("--weight", type=float, default=1.0,
-                        help="relative cost of a backward's weight gradients, W (default 1; a fused backward costs B+W)")
+    parser.add_argument("--weight", type=float, default=1.0, help="relative cost of a backward's weight "
+                        "gradients, W (default 1; a fused backward costs R+B+W)")
+    parser.add_argument("--costs-from", metavar="PRESET", default=None,
+                        help="take the costs from one stage of this model preset, compiled (XLA's flop counts)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also print every schedule's bubble and time at these p, m and costs (interleaved: v=2)")
     parser.add_argument("--out", default=None, help="PNG path (default: pipeline-<schedule>-p<P>-m<M>[-v<V>].png)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON on the last line")
     args = parser.parse_args(argv)
@@ -220,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in (("--stages", args.stages), ("--microbatches", args.microbatches)):
             if value < 1:
                 raise ValueError(f"{name}: must be at least 1, got {value}")
-        if min(args.forward, args.backward, args.weight) <= 0:
-            raise ValueError(f"--forward, --backward and --weight must be positive, got {args.forward:g}, "
-                             f"{args.backward:g} and {args.weight:g}")
+        costs = Costs(args.forward, args.recompute, args.backward, args.weight)
+        if min(dataclasses.astuple(costs)) <= 0:
+            raise ValueError(f"--forward, --recompute, --backward and --weight must be positive, got {costs}")
         s = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -230,11 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out or default_path(args.schedule, args.stages, args.microbatches, args.virtual)
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-    costs = (args.forward, args.backward, args.weight)
+    if args.costs_from:
+        costs = compiled_costs(args.costs_from, args.stages)["costs"]
     draw(s, costs, path)
-    result = dict(summary(s, *costs), png=path)
+    result = dict(summary(s, costs), png=path)
     print(describe(result))
     print(f"png: {path}")
+    if args.compare:
+        result["compare"] = compare(args.stages, args.microbatches, costs)
+        print("\n".join(f"  {name:12s} {r['ticks']:4d} ticks  time {r['time']:7.2f}  bubble {r['bubble']:.4f}"
+                        for name, r in result["compare"].items()))
     if args.json:
         print(json.dumps(result))
     return 0

@@ -172,39 +172,74 @@ class _Stage:
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
-    def backward_input(self, kind, c, i, x_in, dy):
-        """B of a split backward: as `backward`, but with the tapped projection weights closed over, so it makes
-        no gradient for them; their probes' cotangents, the W stash, come out instead (`models/taps.py`).
-        (input gradient, the rest's chunk gradients, shared gradients, loss share, metric shares, aux, stash)."""
-        chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
-        tapped, rest = self.taps.split(chunk)
+    def chunk_vjp(self, c, x, mb):
+        """The VJP of chunk c on x with respect to its tapped weights' probes, its other weights and x (the
+        tapped weights closed over, so none of their gradients is made): (pullback, y, aux). The chunk's
+        auxiliary objective (MoE losses) is its second output, pulled back with cotangent 1."""
+        tapped, rest = self.taps.split(self.chunk_of(self.used_stack, c))
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
+
+        def chunk(pr, re, x):
+            y, aux = self.run_joined(self.taps.join(tapped, pr, self.join(re, self.chunk_of(self.stack_f, c))),
+                                     c, x, mb)
+            return (y, self.aux_fn(aux, self.aux_weight)), aux
+
+        (y, _), pull, aux = jax.vjp(chunk, probes, rest, x, has_aux=True)
+        return pull, y, aux
+
+    def recompute(self, kind, c, i, x_in, kept):
+        """R of a split backward: chunk c re-run from its saved input (on the first global stage: from the
+        embedding), keeping what its backward needs. (residuals, output, aux: the chunk's and the embedding's);
+        when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
+        set is ever kept, updated in place rather than through a slot buffer's copies."""
+        mb = self.microbatch(i)
+
+        def idle():
+            return (*kept, self.no_aux)
+
+        def first():
+            x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
+            pull, y, more = self.chunk_vjp(c, x, mb)
+            return jax.tree.leaves(pull), y, jax.tree.map(jnp.add, aux, more)
+
+        def other():
+            pull, y, aux = self.chunk_vjp(c, x_in, mb)
+            return jax.tree.leaves(pull), y, aux
+
         cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-        aux_obj = lambda y, aux: ((y, self.aux_fn(aux, self.aux_weight)), aux)
-        full = lambda pr, re: self.taps.join(tapped, pr, self.join(re, self.chunk_of(self.stack_f, c)))
-        run = lambda pr, re, x: self.run_joined(full(pr, re), c, x, mb)
+        residuals, y, aux = jax.lax.switch(kind, [idle, first, other, other])
+        return residuals, y, cast(aux)
+
+    def backward_input(self, kind, c, i, residuals, y, dy):
+        """B of a split backward: the pullback R kept, from the output gradient (on the last global stage: from
+        the loss, the head re-run on R's output y; on the first, on through the embedding). (input gradient,
+        the untapped weights' chunk gradients, shared gradients, loss share, metric shares, the head's aux,
+        W stash)."""
+        pull, mb = jax.tree.unflatten(self.residual_structure, residuals), self.microbatch(i)
+        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
         none = jnp.float32(0)
 
         def idle():
-            return (self.zeros_x, _zeros_like(rest, jnp.float32), self.no_shared, none, self.no_metrics, self.no_aux,
-                    probes)
+            return (self.zeros_x, self.no_rest, self.no_shared, none, self.no_metrics, self.no_aux,
+                    self.no_stash)
 
         def first():
-            _, pull, aux = jax.vjp(lambda pr, re, sh: aux_obj(*self.embedded(sh, mb, lambda x: run(pr, re, x))),
-                                   probes, rest, self.used_shared, has_aux=True)
-            stash, g_rest, g_shared = pull((dy, jnp.float32(1)))
-            return self.zeros_x, cast(g_rest), cast(g_shared), none, self.no_metrics, cast(aux), stash
+            stash, g_rest, dx = pull((dy, jnp.float32(1)))
+            embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
+                *self.embed_fn(self.join(sh, self.shared_f), mb))
+            (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
+            return self.zeros_x, cast(g_rest), cast(g_shared), none, self.no_metrics, self.no_aux, stash
 
         def middle():
-            _, pull, aux = jax.vjp(lambda pr, re, x: aux_obj(*run(pr, re, x)), probes, rest, x_in, has_aux=True)
             stash, g_rest, dx = pull((dy, jnp.float32(1)))
-            return dx, cast(g_rest), self.no_shared, none, self.no_metrics, cast(aux), stash
+            return dx, cast(g_rest), self.no_shared, none, self.no_metrics, self.no_aux, stash
 
         def final():
-            stage = lambda pr, re, sh, x: self.with_loss(sh, *run(pr, re, x), mb)
-            objective, pull, (loss, metrics, aux) = jax.vjp(stage, probes, rest, self.used_shared, x_in, has_aux=True)
-            stash, g_rest, g_shared, dx = pull(jnp.ones_like(objective))
-            return dx, cast(g_rest), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux), stash
+            head = lambda sh, y: self.with_loss(sh, y, self.no_aux, mb)
+            objective, pull_head, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, has_aux=True)
+            g_shared, dy_chunk = pull_head(jnp.ones_like(objective))
+            stash, g_rest, dx = pull((dy_chunk.astype(y.dtype), jnp.float32(1)))
+            return dx, cast(g_rest), cast(g_shared), loss.astype(jnp.float32), metrics, cast(more), stash
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
@@ -247,26 +282,36 @@ class _Stage:
     # ---- the loop
 
     def tick(self, carry, rows):
-        acts, grads_in, stash_buf, g_stack, g_shared, loss, metrics, aux = carry
+        acts, grads_in, split, g_stack, g_shared, loss, metrics, aux = carry
         r = {f: rows[self.s, k] for k, f in enumerate(FIELDS)}
         y = self.forward(self.kind_of(r["fwd_mb"], r["fwd_chunk"], True), r["fwd_chunk"], r["fwd_mb"],
                          acts[jnp.maximum(r["fwd_slot"], 0)])
-        args = (self.kind_of(r["bwd_mb"], r["bwd_chunk"], False), r["bwd_chunk"], r["bwd_mb"],
-                acts[jnp.maximum(r["bwd_slot"], 0)], grads_in[jnp.maximum(r["bwd_grad_slot"], 0)])
+        kind, dy = self.kind_of(r["bwd_mb"], r["bwd_chunk"], False), grads_in[jnp.maximum(r["bwd_grad_slot"], 0)]
         if self.schedule.split:
-            dx, g_chunk, g_sh, l, ms, a, stash = self.backward_input(*args)
-            stash_buf = jax.tree.map(lambda b, x, n: self.store(b, r["stash_slot"], x, n), stash_buf, stash,
-                                     self.stash_names, is_leaf=_is_names)
-            w_stash = jax.tree.map(lambda b: b[jnp.maximum(r["w_slot"], 0)], stash_buf)
-            g_stack = _add_at(g_stack, jnp.maximum(r["w_chunk"], 0), self.backward_weights(r["w_mb"], r["w_chunk"],
-                                                                                          w_stash))
+            split, (dx, g_chunk, g_sh, l, ms, a), g_w = self.split_slots(r, acts, split, kind, dy)
+            g_stack = _add_at(g_stack, jnp.maximum(r["w_chunk"], 0), g_w)
         else:
-            dx, g_chunk, g_sh, l, ms, a = self.backward(*args)
+            dx, g_chunk, g_sh, l, ms, a = self.backward(kind, r["bwd_chunk"], r["bwd_mb"],
+                                                        acts[jnp.maximum(r["bwd_slot"], 0)], dy)
         g_stack = _add_at(g_stack, jnp.maximum(r["bwd_chunk"], 0), g_chunk)
         g_stack, g_shared = self.pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
         acts, grads_in = self.exchange(r, y, dx, acts, grads_in)
         add = functools.partial(jax.tree.map, jnp.add)
-        return (acts, grads_in, stash_buf, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
+        return (acts, grads_in, split, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
+
+    def split_slots(self, r, acts, buffers, kind, dy):
+        """R, B and W of a split backward on their buffers (R's residuals and output, the W stash): (buffers,
+        B's results with R's aux added, W's gradients)."""
+        residuals, y, stash_buf = buffers
+        at = lambda slot: jnp.maximum(slot, 0)
+        residuals, y, aux = self.recompute(self.kind_of(r["r_mb"], r["r_chunk"], False), r["r_chunk"], r["r_mb"],
+                                           acts[at(r["r_slot"])], (residuals, y))
+        *out, stash = self.backward_input(kind, r["bwd_chunk"], r["bwd_mb"], residuals, y, dy)
+        out[-1] = jax.tree.map(jnp.add, out[-1], aux)
+        stash_buf = jax.tree.map(lambda b, x, n: self.store(b, r["stash_slot"], x, n), stash_buf, stash,
+                                 self.stash_names, is_leaf=_is_names)
+        g_w = self.backward_weights(r["w_mb"], r["w_chunk"], jax.tree.map(lambda b: b[at(r["w_slot"])], stash_buf))
+        return (residuals, y, stash_buf), out, g_w
 
     def run(self, stack, shared, stack_f, shared_f, mbs, count, aux_weight):
         stack, stack_f = (jax.tree.map(lambda a: a[:, 0], t) for t in (stack, stack_f))  # [v, Lc, ...]: this stage's
@@ -285,9 +330,9 @@ class _Stage:
         depth = lambda n: (n,) + x_shape.shape
         acts = self.pin(jnp.zeros(depth(self.schedule.act_depth), x_shape.dtype), ACT)
         grads_in = self.pin(jnp.zeros(depth(self.schedule.grad_depth), x_shape.dtype), ACT)
-        stash_buf = self.stash_buffer(stack)
+        split = self.split_buffers(stack)
         g_stack, g_shared = self.pin_grads(f32(stack), f32(shared))
-        start = (acts, grads_in, stash_buf, g_stack, g_shared, jnp.float32(0), self.no_metrics, self.no_aux)
+        start = (acts, grads_in, split, g_stack, g_shared, jnp.float32(0), self.no_metrics, self.no_aux)
         (_, _, _, g_stack, g_shared, loss, metrics, aux), _ = jax.lax.scan(self.tick, start,
                                                                            jnp.asarray(self.schedule.table))
         loss, metrics, aux, g_shared = jax.lax.psum((loss, metrics, aux, g_shared), AXIS)
@@ -295,16 +340,23 @@ class _Stage:
             loss, metrics, aux, g_shared, g_stack = jax.lax.psum((loss, metrics, aux, g_shared, g_stack), BATCH_AXES)
         return loss, metrics, aux, jax.tree.map(lambda a: a[:, None], g_stack), g_shared
 
-    def stash_buffer(self, stack):
-        """The W stash buffer: [stash_depth, ...] of each probe's cotangent (None without a split backward)."""
+    def split_buffers(self, stack):
+        """A split backward's buffers (None without one): the residuals and output of the one R kept, the W stash
+        [stash_depth, ...] of each probe's cotangent. Sets the zeros the idle slots return."""
         if not self.schedule.split:
-            self.stash_names = None
             return None
-        tapped, _ = self.taps.split(self.chunk_of(stack, 0))
+        assert self.schedule.residual_depth == 1, "a split schedule keeps one R's residuals at a time"
+        tapped, rest = self.taps.split(self.chunk_of(stack, 0))
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
         self.stash_names = self.taps.stash_names(probes)
-        return jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
-                            probes, self.stash_names, is_leaf=_is_names)
+        self.no_stash, self.no_rest = probes, _zeros_like(rest, jnp.float32)
+        pull = jax.eval_shape(lambda c, i: self.chunk_vjp(c, self.zeros_x, self.microbatch(i))[0], jnp.int32(0),
+                              jnp.int32(0))
+        self.residual_structure = jax.tree.structure(pull)
+        residuals = [jnp.zeros(a.shape, a.dtype) for a in jax.tree.leaves(pull)]
+        stash_buf = jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
+                                 probes, self.stash_names, is_leaf=_is_names)
+        return residuals, self.zeros_x, stash_buf
 
 
 def _is_names(x) -> bool:

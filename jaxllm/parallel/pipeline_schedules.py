@@ -55,8 +55,8 @@ import numpy as np
 from jaxllm import stack
 from jaxllm.errors import ConfigError
 
-FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "bwd_mb", "bwd_chunk", "bwd_slot", "bwd_grad_slot", "stash_slot",
-          "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind", "below_slot", "above_kind",
+FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "r_mb", "r_chunk", "r_slot", "bwd_mb", "bwd_chunk",
+          "bwd_slot", "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind", "below_slot", "above_kind",
           "above_slot", "self_kind", "self_slot")
 SIDES = ("below", "above", "self")  # where an arriving value comes from: stage s−1, s+1, this stage
 NOTHING, OUTPUT, GRADIENT = 0, 1, 2  # what a stage sends (and so what arrives)
@@ -76,6 +76,7 @@ class Schedule:
     grad_depth: int  # gradient buffer slots per stage
     placement: str = "loop"  # "loop": chunk c of stage s is global stage c·p + s; "v": s, then 2p−1−s
     stash_depth: int = 0  # W stash slots per stage (0: the backward is not split)
+    residual_depth: int = 0  # slots for R's residuals per stage
 
     @property
     def ticks(self) -> int:
@@ -153,69 +154,74 @@ def interleaved_order(p: int, m: int, s: int, v: int) -> list[tuple[str, int, in
 
 
 def zero_bubble_orders(p: int, m: int, placement: str, inflight, stashed: int) -> list[list[tuple[str, int, int]]]:
-    """Every stage's order of F, B and W, built greedily one tick at a time (one operation per stage per
-    tick): a B whose gradient has arrived (the earliest microbatch, the later chunk first); else, unless
-    `stashed` W stashes wait, a forward, while the stage holds fewer than `inflight(s)` chunk inputs (a
-    chunk-1 forward of the V always goes: it is on its way to the turn, and holding it back could starve
-    the B it waits for); else the oldest W.
+    """Every stage's order of F, R, B and W, built greedily one tick at a time (one operation per stage per
+    tick). R re-runs a chunk's forward from its saved input and keeps what its backward needs (the executor
+    keeps stage inputs, not activations); B, the input gradient, then needs nothing but the arriving gradient,
+    and W the stash B left. A stage picks: a B whose R is done and whose gradient has arrived (the earliest
+    microbatch, the later chunk first); else, holding no R's residuals, an R whose downstream stage has run
+    its own (its gradient is a tick or two away); else, unless `stashed` W stashes wait, a forward, while the
+    stage holds fewer than `inflight(s)` chunk inputs (a chunk-1 forward of the V always goes: it is on its
+    way to the turn, and holding it back could starve the B it waits for); else the oldest W.
 
-    ZB-H1 (placement "loop", inflight p − s as 1F1B, stashed p) runs in 3m + p − 1 ticks, a third of
-    1F1B's bubble; ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 6m + p − 1 ticks with no stage idle
-    between its first operation and its last (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"), as the
-    tests check for p ≤ 4; it is a greedy order, not the paper's handcrafted one (at p = 8, m = 32 it takes
-    two ticks more).
+    At unit costs ZB-H1 (placement "loop", inflight p − s as 1F1B, stashed p) runs in 4m + p − 1 ticks and
+    ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first
+    operation and its last: the schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose
+    (p−1)/(3m+p−1) and (p−1)/(6m+p−1) count three operations, with R added off the critical path. It is a
+    greedy order, not the paper's handcrafted one; the tests check it for p ≤ 8, m ≤ 16.
     """
     v = 2 if placement == "v" else 1
-    last = p * v - 1
-    fwd, bwd = {}, {}  # (microbatch, global stage) -> tick
+    done = {kind: {} for kind in "FRBW"}  # kind -> {(microbatch, global stage): tick}
     orders = [[] for _ in range(p)]
-    next_fwd = [[0] * v for _ in range(p)]
-    held = [0] * p  # chunk inputs a stage holds (forward run, backward not yet)
-    waiting_w = [[] for _ in range(p)]
+    state = [{"next_fwd": [0] * v, "held": 0, "residuals": 0, "waiting_w": []} for _ in range(p)]
     tick, idle = 0, 0
-    while sum(map(len, orders)) < 3 * m * p * v:
+    while sum(map(len, orders)) < 4 * m * p * v:
         progress = False
         for s in range(p):
-            op = _next_op(s, tick, p, m, v, placement, last, fwd, bwd, next_fwd, held[s] < inflight(s),
-                          waiting_w[s], stashed)
+            op = _next_op(s, tick, p, m, v, placement, done, state[s], inflight(s), stashed)
             if op is None:
                 continue
             kind, i, c = op
-            g = global_stage(placement, p, s, c)
+            done[kind][(i, global_stage(placement, p, s, c))] = tick
             orders[s].append(op)
             progress = True
+            st = state[s]
             if kind == "F":
-                fwd[(i, g)], held[s] = tick, held[s] + 1
-                next_fwd[s][c] += 1
+                st["held"] += 1
+                st["next_fwd"][c] += 1
+            elif kind == "R":
+                st["residuals"] += 1
             elif kind == "B":
-                bwd[(i, g)], held[s] = tick, held[s] - 1
-                waiting_w[s].append((i, c))
+                st["held"], st["residuals"] = st["held"] - 1, st["residuals"] - 1
+                st["waiting_w"].append((i, c))
             else:
-                waiting_w[s].pop(0)
+                st["waiting_w"].pop(0)
         idle = 0 if progress else idle + 1
-        if idle > 1:  # two ticks without progress: nothing is in flight any more
+        if idle > 2:  # three ticks without progress: nothing is in flight any more
             raise ValueError(f"zero-bubble orders for p={p}, m={m} deadlock at tick {tick}")
         tick += 1
     return orders
 
 
-def _next_op(s, tick, p, m, v, placement, last, fwd, bwd, next_fwd, may_enter, waiting_w, stashed):
+def _next_op(s, tick, p, m, v, placement, done, st, inflight, stashed):
     """The operation stage s picks at `tick` (see `zero_bubble_orders`), or None."""
-    ready_b = []
-    for c in range(v):
-        g = global_stage(placement, p, s, c)
-        for i in range(m):
-            if (i, g) in fwd and (i, g) not in bwd:
-                if (fwd[(i, g)] if g == last else bwd.get((i, g + 1), tick)) < tick:
-                    ready_b.append((i, -c))
+    last = p * v - 1
+    before = lambda kind, i, g: done[kind].get((i, g), tick) < tick  # done at an earlier tick
+    chunks = [(c, global_stage(placement, p, s, c)) for c in range(v)]
+    ready_b = [(i, -c) for c, g in chunks for i in range(m) if before("R", i, g) and (i, g) not in done["B"]
+               and (g == last or before("B", i, g + 1))]
     if ready_b:
         i, c = min(ready_b)
         return "B", i, -c
-    for c in reversed(range(v) if len(waiting_w) < stashed else []):
-        g, i = global_stage(placement, p, s, c), next_fwd[s][c]
-        if i < m and (g == 0 or fwd.get((i, g - 1), tick) < tick) and (may_enter or c > 0):
+    ready_r = [(i, -c) for c, g in chunks for i in range(m) if before("F", i, g) and (i, g) not in done["R"]
+               and (g == last or before("R", i, g + 1))]
+    if ready_r and st["residuals"] == 0:
+        i, c = min(ready_r)
+        return "R", i, -c
+    for c, g in reversed(chunks if len(st["waiting_w"]) < stashed else []):
+        i = st["next_fwd"][c]
+        if i < m and (g == 0 or before("F", i, g - 1)) and (st["held"] < inflight or c > 0):
             return "F", i, c
-    return ("W",) + waiting_w[0] if waiting_w else None
+    return ("W",) + st["waiting_w"][0] if st["waiting_w"] else None
 
 
 # ---------------------------------------------------------------- orders -> table
@@ -240,22 +246,27 @@ def _slots(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return out, depth
 
 
-def _ready(kind: str, i: int, g: int, last: int, tick: int, done: dict) -> bool:
-    """Whether operation `kind` of microbatch i on global stage g may run at `tick`: its input was made at an
-    earlier tick (the last stage's backward may share its forward's tick in the fused schedules, whose
-    forward there is skipped; with one operation per tick it cannot anyway)."""
+def _ready(kind: str, i: int, g: int, last: int, tick: int, done: dict, split: bool) -> bool:
+    """Whether operation `kind` of microbatch i on global stage g may run at `tick`: its inputs were made at
+    earlier ticks (in the fused schedules the last stage's backward may share its forward's tick: its forward
+    there is skipped, the backward re-runs the stage)."""
+    before = lambda k, g: done[k].get((i, g), tick) < tick
     if kind == "F":
-        return g == 0 or done["F"].get((i, g - 1), tick) < tick
+        return g == 0 or before("F", g - 1)
+    if kind == "R":
+        return before("F", g)
+    if kind == "B" and split:
+        return before("R", g) and (g == last or before("B", g + 1))
     if kind == "B":
-        return done["F"].get((i, g), tick + 1) <= tick if g == last else done["B"].get((i, g + 1), tick) < tick
-    return done["B"].get((i, g), tick) < tick
+        return done["F"].get((i, g), tick + 1) <= tick if g == last else before("B", g + 1)
+    return before("B", g)
 
 
 def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) -> tuple[list, dict]:
     """Run each stage down its order as early as the data allows: one operation per tick (`one_op`), or one
     forward and one backward. (rows: per tick and stage {kind: (microbatch, chunk)}, done: kind -> {(i, g): tick})."""
     last = p * v - 1
-    done = {"F": {}, "B": {}, "W": {}}
+    done = {kind: {} for kind in "FRBW"}
     at = [0] * p
     rows = []
     while any(at[s] < len(orders[s]) for s in range(p)):
@@ -265,7 +276,7 @@ def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) 
                 kind, i, c = orders[s][at[s]]
                 g = global_stage(placement, p, s, c)
                 slot = "op" if one_op else kind
-                if slot in row[s] or not _ready(kind, i, g, last, len(rows), done):
+                if slot in row[s] or not _ready(kind, i, g, last, len(rows), done, one_op):
                     break
                 row[s][slot], row[s][kind] = kind, (i, c)
                 done[kind][(i, g)] = len(rows)
@@ -284,30 +295,32 @@ def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int
     last = p * v - 1
     rows, done = _run(name, orders, placement, p, v, one_op)
     # Buffers. The input of global stage g > 0 arrives the tick after g−1's forward and lives until g's
-    # backward; the output gradient of g < last arrives the tick after g+1's backward and lives until g's
-    # backward; the W stash lives from the backward to the W.
+    # backward (its R when split); the output gradient of g < last arrives the tick after g+1's backward and
+    # lives until g's backward; R's residuals live from the R to the B, the W stash from the B to the W.
     where = lambda g: stage_of(placement, p, g)[0]
-    act, grad, stash = ([[] for _ in range(p)] for _ in range(3))
+    act, grad, residual, stash = ([[] for _ in range(p)] for _ in range(4))
     for (i, g), t in done["B"].items():
         if g > 0:
-            act[where(g)].append((done["F"][(i, g - 1)] + 1, t, (i, g)))
+            act[where(g)].append((done["F"][(i, g - 1)] + 1, done["R"].get((i, g), t), (i, g)))
         if g < last:
             grad[where(g)].append((done["B"][(i, g + 1)] + 1, t, (i, g)))
         if (i, g) in done["W"]:
+            residual[where(g)].append((done["R"][(i, g)], t, (i, g)))
             stash[where(g)].append((t, done["W"][(i, g)], (i, g)))
-    slots, depths = [{}, {}, {}], [0, 0, 0]
-    for k, per_stage in enumerate((act, grad, stash)):
+    slots, depths = [{}, {}, {}, {}], [0, 0, 0, 0]
+    for k, per_stage in enumerate((act, grad, residual, stash)):
         for s in range(p):
             got, depth = _slots(per_stage[s])
             slots[k].update(got)
             depths[k] = max(depths[k], depth)
     table = _table(rows, slots, placement, p, last)
-    return Schedule(name, p, v, m, table, max(depths[0], 1), max(depths[1], 1), placement, depths[2])
+    return Schedule(name, p, v, m, table, max(depths[0], 1), max(depths[1], 1), placement, depths[3], depths[2])
 
 
 def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.ndarray:
-    """The int32 [ticks, stages, FIELDS] table of a run (`_run`) with its slots (activation, gradient, stash)."""
-    act_slot, grad_slot, stash_slot = slots
+    """The int32 [ticks, stages, FIELDS] table of a run (`_run`) with its slots (activation, gradient, residual,
+    stash)."""
+    act_slot, grad_slot, res_slot, stash_slot = slots
     table = np.full((len(rows), p, len(FIELDS)), -1, np.int32)
     col = {f: k for k, f in enumerate(FIELDS)}
     table[:, :, [col[f] for f in FIELDS if f.startswith("send_") or f.endswith("_kind")]] = NOTHING
@@ -335,12 +348,19 @@ def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.nda
                     table[t, s, col["fwd_slot"]] = act_slot[(i, g)]
                 if g < last:  # its output arrives at global stage g+1's stage at the end of this tick
                     send(t, s, g + 1, OUTPUT, act_slot[(i, g + 1)])
+            if "R" in ops:
+                i, c = ops["R"]
+                g = global_stage(placement, p, s, c)
+                table[t, s, col["r_mb"]], table[t, s, col["r_chunk"]] = i, c
+                if g > 0:
+                    table[t, s, col["r_slot"]] = act_slot[(i, g)]
             if "B" in ops:
                 i, c = ops["B"]
                 g = global_stage(placement, p, s, c)
                 table[t, s, col["bwd_mb"]], table[t, s, col["bwd_chunk"]] = i, c
-                if g > 0:
+                if g > 0 and (i, g) not in res_slot:  # a fused backward re-runs the stage from its input
                     table[t, s, col["bwd_slot"]] = act_slot[(i, g)]
+                if g > 0:
                     send(t, s, g - 1, GRADIENT, grad_slot[(i, g - 1)])
                 if g < last:
                     table[t, s, col["bwd_grad_slot"]] = grad_slot[(i, g)]
@@ -433,53 +453,64 @@ def check_config(m, t, shape: dict) -> list[str]:
 # ---------------------------------------------------------------- what a table costs
 
 
-def op_times(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
-    """[ticks, stages] busy time of each stage in each tick when a microbatch costs `forward` (F), `backward`
-    (B, the input gradient) and `weight` (W, the weight gradients) on a whole stage, a chunk 1/v of that.
-    A fused schedule's backward costs B + W."""
-    f = (s.field("fwd_mb") >= 0) * forward
-    b = (s.field("bwd_mb") >= 0) * (backward + (0.0 if s.split else weight))
-    w = (s.field("w_mb") >= 0) * weight
-    return (f + b + w) / s.chunks
+@dataclass(frozen=True)
+class Costs:
+    """What a microbatch's operations cost on a whole stage (on a chunk, 1/v of that): the forward F, the
+    recomputation R, the input gradient B, the weight gradients W. A fused backward is all three of R, B, W."""
+
+    forward: float = 1.0
+    recompute: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.recompute + self.backward + self.weight
 
 
-def tick_times(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
+UNIT = Costs()
+
+
+def op_times(s: Schedule, costs: Costs = UNIT) -> np.ndarray:
+    """[ticks, stages] busy time of each stage in each tick."""
+    fused = costs.recompute + costs.backward + costs.weight
+    busy = ((s.field("fwd_mb") >= 0) * costs.forward + (s.field("r_mb") >= 0) * costs.recompute
+            + (s.field("bwd_mb") >= 0) * (costs.backward if s.split else fused) + (s.field("w_mb") >= 0) * costs.weight)
+    return busy / s.chunks
+
+
+def tick_times(s: Schedule, costs: Costs = UNIT) -> np.ndarray:
     """How long each tick takes: its busiest stage's work (stages wait for each other only at the exchange
     that ends the tick)."""
-    return op_times(s, forward, backward, weight).max(axis=1)
+    return op_times(s, costs).max(axis=1)
 
 
-def bubble_fraction(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> float:
+def bubble_fraction(s: Schedule, costs: Costs = UNIT) -> float:
     """The share of stage-time spent idle over the step: 1 − (work per stage) / makespan."""
-    work = s.microbatches * (forward + backward + weight)
-    return 1.0 - work / float(tick_times(s, forward, backward, weight).sum())
+    return 1.0 - s.microbatches * costs.total / float(tick_times(s, costs).sum())
 
 
-def idle_in_span(s: Schedule, forward: float = 1.0, backward: float = 1.0, weight: float = 1.0) -> np.ndarray:
-    """[stages] idle time of each stage between the start of its first operation and the end of its last: the
-    bubble of the zero-bubble paper, which leaves out the staircase at the start and the end of a step
-    (hidden there by overlapping steps; here every step ends with the optimizer)."""
-    busy = op_times(s, forward, backward, weight)
-    ends = np.cumsum(tick_times(s, forward, backward, weight))
-    starts = ends - tick_times(s, forward, backward, weight)
+def idle_in_span(s: Schedule, costs: Costs = UNIT) -> np.ndarray:
+    """[stages] idle time of each stage between the start of its first operation and the end of its last (the
+    zero-bubble paper's bubble, which leaves out the staircase at the start and the end of a step: hidden
+    there by overlapping steps, here every step ends with the optimizer)."""
+    busy, ticks = op_times(s, costs), tick_times(s, costs)
+    starts = np.cumsum(ticks) - ticks
     out = []
     for stage in range(s.stages):
-        ticks = np.flatnonzero(busy[:, stage] > 0)
-        first, last = ticks[0], ticks[-1]
+        used = np.flatnonzero(busy[:, stage] > 0)
+        first, last = used[0], used[-1]
         out.append(float(starts[last] + busy[last, stage] - starts[first] - busy[first:last + 1, stage].sum()))
     return np.asarray(out)
 
 
 def bubble_formula(s: Schedule) -> float:
-    """The closed form of the step's bubble at unit costs (F = B = W): (p−1)/(m+p−1) for GPipe and 1F1B;
-    (p−1)/(v·m+p−1) with v chunks (interleaved); (p−1)/(3m+p−1) for ZB-H1 (the paper's (p−1)(T_F+T_B−T_W)
-    of idle time per stage); (p−1)/(6m+p−1) for ZB-V, whose stages are never idle inside their span (the
-    paper's (p−1)(T_F+T_B−2T_W) = 0): what is left is the staircase of the step's start and end."""
+    """The closed form of the step's bubble at unit costs (F = R = B = W): (p−1)/(m+p−1) for GPipe and 1F1B;
+    (p−1)/(v·m+p−1) with v chunks (interleaved); (p−1)/(4m+p−1) for ZB-H1 and (p−1)/(8m+p−1) for ZB-V, whose
+    four operations per microbatch and chunk leave only the staircase of the step's start: p−1 ticks."""
     p, m, v = s.stages, s.microbatches, s.chunks
-    if s.name == "zb_h1":
-        return (p - 1) / (3 * m + p - 1)
-    if s.name == "zb_v":
-        return (p - 1) / (6 * m + p - 1)
+    if s.split:
+        return (p - 1) / (4 * v * m + p - 1)
     return (p - 1) / (v * m + p - 1)
 
 
