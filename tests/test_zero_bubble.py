@@ -64,22 +64,22 @@ def test_zero_bubble_matches_the_reference(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt2"])
-def test_split_backward_costs_and_the_bubbles_they_give(preset):
-    """One chunk (2 of 8 layers) compiled: R and B have none of the weight-gradient matmuls the fused backward
-    has, W one per tapped weight (attention's four, the MLP's two or three); by XLA's flop counts W is below
-    what re-running the forward would add (it recomputes nothing) and R, B and W together do the fused
-    backward's work. With these costs, at pp4 and m = 8, ZB-V's bubble is below interleaved 1F1B's (v = 2) and
-    ZB-H1's below 1F1B's. (XLA:CPU's counts leave out some fused work: flops are compared with margins.)"""
+def test_split_backward_costs_and_what_they_give(preset):
+    """One layer compiled: R and B have none of the weight-gradient matmuls the fused backward has, W one per
+    tapped weight (attention's four, the MLP's two or three); by XLA's flop counts R, B and W together do the
+    fused backward's work and W recomputes nothing. With these costs, at pp4 and m = 8, ZB-V takes less time
+    than interleaved 1F1B (v = 2) with a smaller bubble, and ZB-H1 less than 1F1B."""
     from tools.pipeline import compare, compiled_costs
 
-    c = compiled_costs(preset, **{"model.n_layers": 8, "model.seq_len": 64})
+    c = compiled_costs(preset)
     dots, costs = c["weight_dots"], c["costs"]
     assert dots["forward"] == dots["recompute"] == dots["backward"] == 0 < dots["fused"], dots
     assert dots["weight"] == (6 if preset == "tiny-gpt2" else 7), dots
+    assert costs.recompute + costs.backward + costs.weight == pytest.approx(c["fused"], rel=0.05), c
     assert 0.3 < costs.weight < c["fused"] - costs.recompute, c
-    assert costs.recompute + costs.backward + costs.weight >= 0.95 * c["fused"], c
-    bubbles = {name: r["bubble"] for name, r in compare(4, 8, costs).items()}
-    assert bubbles["zb_v"] < bubbles["interleaved"] and bubbles["zb_h1"] < bubbles["1f1b"], (costs, bubbles)
+    r = compare(4, 8, costs)
+    for fast, slow in (("zb_v", "interleaved"), ("zb_h1", "1f1b")):
+        assert r[fast]["time"] < r[slow]["time"] and r[fast]["bubble"] < r[slow]["bubble"], (costs, r)
 
 
 MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8, "mesh.pp": 2}

@@ -67,49 +67,20 @@ def boxes(s: Schedule, costs: Costs = UNIT) -> list[Box]:
     return out
 
 
-def compiled_costs(preset: str = "tiny-llama", stages: int = 4, rows: int = 8, **overrides) -> dict:
-    """What a microbatch's operations cost on one stage, read off the compiled programs (XLA's cost analysis, in
-    flops) of one chunk of `preset` cut into `stages` (`rows` rows of seq_len tokens, fp32, one device): the
-    forward F; the split backward's R (the chunk re-run from its input, keeping its VJP's residuals), B (the
-    input gradient from those) and W (the weight gradients from B's stash); and the fused backward (all three
-    in one, as 1F1B's). Returns the `Costs` in units of F, and "fused", and under "weight_dots" how many
-    matmuls of each program make a tapped weight's gradient: dot_generals of its jaxpr (nested ones
-    included) whose result has the shape of one layer of a tapped weight (or, batched over the layers, of all
-    of them)."""
+def compiled_costs(preset: str = "tiny-llama", rows: int = 8, **overrides) -> dict:
+    """What a microbatch's operations cost on a stage, read off compiled programs (XLA's cost analysis, in
+    flops) of one layer of `preset` (`rows` rows of seq_len tokens, fp32, one device; shapes only, so a real
+    model's layer costs nothing to measure; one layer, since the cost analysis counts a loop's body once and a
+    stage's costs are its layers' sum): the forward F; the split backward's R (the layer re-run from its
+    input, keeping its VJP's residuals; as a middle stage's, which keeps no output, so its last matmul is not
+    run), B (the input gradient from those) and W (the weight gradients from B's stash); and the fused
+    backward (all three in one, as 1F1B's). Returns {"costs": `Costs` in units of F, "fused": the fused
+    backward in units of F, "weight_dots": how many matmuls of each program make a tapped weight's
+    gradient: dot_generals of its jaxpr (nested ones included) whose result has the shape of a tapped
+    weight (one layer's, or all layers' batched)}."""
     import jax
-    import jax.numpy as jnp
 
-    from jaxllm.config import build_config
-    from jaxllm.models import taps, transformer
-
-    m = build_config(None, {"model.preset": preset, "precision.compute": "float32", **overrides}).model
-    params = jax.eval_shape(lambda: transformer.init_params(m, jax.random.PRNGKey(0)))  # shapes only: compiled,
-    names = transformer.param_names(m)  # never run, so a real model's stage costs nothing to measure
-    layers = lambda a: max(1, a.shape[0] // stages)  # at least one layer
-    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct((layers(a),) + a.shape[1:], a.dtype), params["blocks"])
-    x = jax.ShapeDtypeStruct((rows, m.seq_len, m.d_model), jnp.float32)
-    positions = jnp.broadcast_to(jnp.arange(m.seq_len), x.shape[:2])
-    run = lambda ch, x: transformer.blocks(ch, x, positions, jnp.ones(x.shape[:2], jnp.int32), m, jnp.float32)[0]
-    t = taps.Taps(names["blocks"])
-
-    def split_vjp(ch, x):  # as the executor's R: the tapped weights closed over, their probes differentiated
-        tapped, rest = t.split(ch)
-        probes = t.probes(tapped, x.shape[:2], x.dtype)
-        return jax.vjp(lambda pr, re, x: run(t.join(tapped, pr, re), x), probes, rest, x)[1]
-
-    pull = jax.eval_shape(split_vjp, chunk, x)
-    structure, residuals = jax.tree.structure(pull), jax.tree.leaves(pull)
-
-    def split_weights(ch, x, dy):
-        tapped, _ = t.split(ch)
-        return t.weight_grads(tapped, jax.tree.map(lambda a: a + 1, t.probes(tapped, x.shape[:2], x.dtype)))
-
-    programs = {"forward": (lambda ch, x: run(ch, x), (chunk, x)),
-                "recompute": (lambda ch, x: jax.tree.leaves(split_vjp(ch, x)), (chunk, x)),
-                "backward": (lambda res, dy: jax.tree.unflatten(structure, res)(dy), (residuals, x)),
-                "weight": (split_weights, (chunk, x, x)),
-                "fused": (lambda ch, x, dy: jax.vjp(run, ch, x)[1](dy), (chunk, x, x))}
-    shapes = {s for a in jax.tree.leaves(t.split(chunk)[0]) for s in (a.shape, a.shape[1:])}
+    programs, shapes = _layer_programs(preset, rows, overrides)
     flops, dots = {}, {}
     for name, (fn, args) in programs.items():
         cost = jax.jit(fn).lower(*args).compile().cost_analysis()
@@ -119,6 +90,40 @@ def compiled_costs(preset: str = "tiny-llama", stages: int = 4, rows: int = 8, *
     unit = lambda name: flops[name] / flops["forward"]
     return {"costs": Costs(1.0, unit("recompute"), unit("backward"), unit("weight")), "fused": unit("fused"),
             "weight_dots": dots}
+
+
+def _layer_programs(preset: str, rows: int, overrides: dict):
+    """({name: (function, abstract arguments)} of one layer's F, R, B, W and fused backward, the shapes of its
+    tapped weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.config import build_config
+    from jaxllm.models import taps, transformer
+
+    m = build_config(None, {"model.preset": preset, "precision.compute": "float32", **overrides}).model
+    params = jax.eval_shape(lambda: transformer.init_params(m, jax.random.PRNGKey(0)))
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), params["blocks"])
+    x = jax.ShapeDtypeStruct((rows, m.seq_len, m.d_model), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(m.seq_len), x.shape[:2])
+    run = lambda ch, x: transformer.blocks(ch, x, positions, jnp.ones(x.shape[:2], jnp.int32), m, jnp.float32)[0]
+    t = taps.Taps(transformer.param_names(m)["blocks"])
+
+    def pullback(ch, x):  # as the executor's R: the tapped weights closed over, their probes differentiated
+        tapped, rest = t.split(ch)
+        probes = t.probes(tapped, x.shape[:2], x.dtype)
+        return jax.vjp(lambda pr, re, x: run(t.join(tapped, pr, re), x), probes, rest, x)[1]
+
+    pull = jax.eval_shape(pullback, layer, x)
+    stash = jax.eval_shape(lambda ch: t.probes(t.split(ch)[0], x.shape[:2], x.dtype), layer)  # an argument:
+    programs = {  # constant stashes would let XLA merge equal matmuls
+        "forward": (run, (layer, x)),
+        "recompute": (lambda ch, x: jax.tree.leaves(pullback(ch, x)), (layer, x)),
+        "backward": (lambda res, dy: jax.tree.unflatten(jax.tree.structure(pull), res)(dy),
+                     (jax.tree.leaves(pull), x)),
+        "weight": (lambda ch, st: t.weight_grads(t.split(ch)[0], st), (layer, stash)),
+        "fused": (lambda ch, x, dy: jax.vjp(run, ch, x)[1](dy), (layer, x, x))}
+    return programs, {s for a in jax.tree.leaves(t.split(layer)[0]) for s in (a.shape, a.shape[1:])}
 
 
 def _equations(jaxpr):
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     if args.costs_from:
-        costs = compiled_costs(args.costs_from, args.stages)["costs"]
+        costs = compiled_costs(args.costs_from)["costs"]
     draw(s, costs, path)
     result = dict(summary(s, costs), png=path)
     print(describe(result))

@@ -141,7 +141,8 @@ class Taps:
         """Zero probes {x, dy} for each tapped weight [R, ...]: [R, batch, seq, input dims] and [R, batch, seq,
         output dims] of the weight as used (KV heads repeated up to tp where `sharding.weight` repeats them)."""
         def one(names, w):
-            used = jax.eval_shape(lambda a: weight(a, names[LEAD:], dtype), w[0]).shape
+            one_layer = jax.ShapeDtypeStruct(w.shape[LEAD:], w.dtype)
+            used = jax.eval_shape(lambda a: weight(a, names[LEAD:], dtype), one_layer).shape
             k = contracted(names)
             lead = (w.shape[0], *rows)
             return {"x": jnp.zeros(lead + used[:k], dtype), "dy": jnp.zeros(lead + used[k:], dtype)}

@@ -189,7 +189,8 @@ class _Stage:
 
     def recompute(self, kind, c, i, x_in, kept):
         """R of a split backward: chunk c re-run from its saved input (on the first global stage: from the
-        embedding), keeping what its backward needs. (residuals, output, aux: the chunk's and the embedding's);
+        embedding), keeping what its backward needs. (residuals, output (on the last global stage only, for the
+        head), aux: the chunk's and the embedding's);
         when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
         set is ever kept, updated in place rather than through a slot buffer's copies."""
         mb = self.microbatch(i)
@@ -199,15 +200,19 @@ class _Stage:
 
         def first():
             x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
-            pull, y, more = self.chunk_vjp(c, x, mb)
-            return jax.tree.leaves(pull), y, jax.tree.map(jnp.add, aux, more)
+            pull, _, more = self.chunk_vjp(c, x, mb)
+            return jax.tree.leaves(pull), self.zeros_x, jax.tree.map(jnp.add, aux, more)
 
-        def other():
+        def middle():  # the output is not kept (only the head needs it), so its last matmul is not run
+            pull, _, aux = self.chunk_vjp(c, x_in, mb)
+            return jax.tree.leaves(pull), self.zeros_x, aux
+
+        def final():
             pull, y, aux = self.chunk_vjp(c, x_in, mb)
             return jax.tree.leaves(pull), y, aux
 
         cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-        residuals, y, aux = jax.lax.switch(kind, [idle, first, other, other])
+        residuals, y, aux = jax.lax.switch(kind, [idle, first, middle, final])
         return residuals, y, cast(aux)
 
     def backward_input(self, kind, c, i, residuals, y, dy):
