@@ -2,18 +2,18 @@
 of the zero-bubble pipelines, `parallel/pipeline.py`).
 
 A projection y = x·W (`layers.column_parallel`, `layers.row_parallel`) gives W the gradient Σ_rows x ⊗ dy, where dy
-is y's cotangent. To compute that later, the pipeline's B runs the VJP of a chunk with its projection weights closed
-over (so no weight gradient is made) and each projected weight as a `Tap`: the weight with two zero probes, one like
-the projection's input and one like its output. `layers` passes x through `keep` and y through `pass_back`, whose
-VJPs make the probes' cotangents x itself and dy. Those cotangents, stacked over the chunk's layers by the scan's
-transpose, are the "W stash"; `Taps.weight_grads` turns a stash into the weights' gradients (W): one contraction
-over the rows per weight, pulled back through the weight's cast and layout (`sharding.weight`), so the result is
-the gradient the fused backward computes, added up in another order.
+is y's cotangent. To compute that later, the pipeline's R takes the VJP of a chunk with its projection weights
+closed over (so its pullback makes no weight gradient) and each projected weight as a `Tap`: the weight with two zero
+probes, one like the projection's input and one like its output. `layers` passes x through `keep` and y through
+`pass_back`, whose VJPs make the probes' cotangents x itself and dy. B runs the pullback; the probes' cotangents,
+stacked over the chunk's layers by the scan's transpose, are the "W stash"; `Taps.weight_grads` turns a stash into
+the weights' gradients (W): one contraction over the rows per weight, pulled back through the weight's cast and
+layout (`sharding.weight`), so the result is the gradient the fused backward computes, added up in another order.
 
 What the stash holds, per token and layer: each projection's input and output, in the compute dtype; the input of
-Q, K and V (and of the gated MLP's gate and up) is the same x, kept once per weight. Under `model.remat` B still
-recomputes what the remat policy drops (the stash is made by B, after its recomputation), and W recomputes nothing.
-Every other parameter of the chunk (norms, biases, routers, experts) gets its gradient in B, as before.
+Q, K and V (and of the gated MLP's gate and up) is the same x, kept once per weight (`stash_elements` counts them).
+Under `model.remat` the pullback recomputes, in B, what the remat policy dropped in R; W recomputes nothing. Every
+other parameter of the chunk (norms, biases, routers, experts) gets its gradient in B, as in a fused backward.
 """
 
 from __future__ import annotations

@@ -15,22 +15,27 @@ tick t+1.
 
 Two kinds of tick. The fused schedules (gpipe, 1f1b, interleaved) give each stage one
 forward slot and one backward slot per tick (so a stage never waits on its neighbour's
-slower kind of work), and their backward computes the weight gradients too. The
-zero-bubble schedules (zb_h1, zb_v) split the backward in two, B (the input gradient, on
-the critical path) and W (the weight gradients, from what B left in the "W stash"), and
-give each stage one operation per tick: F, B or W, so that W fills the ticks a stage
-would otherwise wait.
+slower kind of work), and their backward re-runs the stage from its saved input and
+computes the weight gradients too. The zero-bubble schedules (zb_h1, zb_v) split that
+backward in three: R (re-run the chunk from its input, keeping its VJP), B (the input
+gradient, on the critical path) and W (the weight gradients, from what B left in the "W
+stash"), and give each stage one operation per tick, F, R, B or W, so that W fills the
+ticks a stage would otherwise wait and R runs before the gradient arrives. (The paper's B
+keeps activations instead of re-running; here R is B's share of the re-run, off the
+critical path.)
 
 A generator writes each stage's work as an ordered list of operations; `lockstep` then
 runs every stage down its list as early as the data allows and records:
 
 - `fwd_mb`, `fwd_chunk`: the microbatch and chunk run forward (−1: none);
+- `r_mb`, `r_chunk`: the same for R (zero-bubble schedules only), `r_slot` the activation
+  slot it re-runs from;
 - `bwd_mb`, `bwd_chunk`: the same for the backward (B);
 - `w_mb`, `w_chunk`: the same for the weight gradients (W; zero-bubble schedules only);
 - `fwd_slot`: the activation buffer slot holding that forward's input;
-- `bwd_slot`, `bwd_grad_slot`: the slots holding the saved input and the output
-  gradient of that backward; `stash_slot`: where B leaves its W stash, `w_slot`: where
-  W reads it;
+- `bwd_slot`, `bwd_grad_slot`: the slots holding the saved input (a fused backward's)
+  and the output gradient of that backward; `stash_slot`: where B leaves its W stash,
+  `w_slot`: where W reads it;
 - `send_up`, `send_down`: what the stage sends to s+1 and to s−1 (`NOTHING`, `OUTPUT`:
   its forward's output, `GRADIENT`: its backward's input gradient);
 - `below_kind`, `below_slot`: what arrives from stage s−1 at the end of the tick (`OUTPUT`
@@ -42,8 +47,9 @@ runs every stage down its list as early as the data allows and records:
 The first global stage reads tokens, not a buffer; the last one computes the loss,
 so its backward needs no gradient and its forward has nothing to send (the executor
 skips it: the backward recomputes the stage anyway). Slots are given out interval by
-interval (arrival to backward; backward to W for the stash), so a buffer's depth is the
-most inputs alive at once on any stage: the executor's memory comes straight from the table.
+interval (arrival to backward, or to R; backward to W for the stash), so a buffer's depth is
+the most inputs alive at once on any stage: the executor's memory comes straight from the
+table.
 """
 
 from __future__ import annotations
