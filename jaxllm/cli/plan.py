@@ -566,8 +566,8 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     E = _dtype_bytes(compute_dtype)
     slot = b * s * m.d_model * E
     last = segments(m)[-1]  # the pipelined segment
-    stash_slot = (b * m.seq_len * E * last.repeats // (pp * sch.chunks)
-                  * taps.stash_elements(transformer.param_table(m)["blocks"][last.blocks], int(mesh_shape.get("tp", 1))))
+    per_token = taps.stash_elements(transformer.param_table(m)["blocks"][last.blocks], int(mesh_shape.get("tp", 1)))
+    stash_slot = b * m.seq_len * E * last.repeats // (pp * sch.chunks) * per_token
     stash = ({"stash_depth": sch.stash_depth, "stash_slot_bytes": stash_slot,
               "stash_bytes": (sch.stash_depth + 2) * stash_slot} if sch.split else {})
     return {**out, **stash, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,

@@ -164,8 +164,8 @@ class _Stage:
             return self.zeros_x, _zeros_like(chunk, jnp.float32), self.no_shared, none, self.no_metrics, self.no_aux
 
         def first():
-            _, pull, aux = jax.vjp(lambda ch, sh: aux_obj(*self.embedded(sh, mb, lambda x: self.run_chunk(ch, c, x, mb))),
-                                   chunk, self.used_shared, has_aux=True)
+            stage = lambda ch, sh: aux_obj(*self.embedded(sh, mb, lambda x: self.run_chunk(ch, c, x, mb)))
+            _, pull, aux = jax.vjp(stage, chunk, self.used_shared, has_aux=True)
             g_chunk, g_shared = pull((dy, jnp.float32(1)))
             return self.zeros_x, cast(g_chunk), cast(g_shared), none, self.no_metrics, cast(aux)
 

@@ -61,9 +61,9 @@ import numpy as np
 from jaxllm import stack
 from jaxllm.errors import ConfigError
 
-FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "r_mb", "r_chunk", "r_slot", "bwd_mb", "bwd_chunk",
-          "bwd_slot", "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind", "below_slot", "above_kind",
-          "above_slot", "self_kind", "self_slot")
+FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "r_mb", "r_chunk", "r_slot", "bwd_mb", "bwd_chunk", "bwd_slot",
+          "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind",
+          "below_slot", "above_kind", "above_slot", "self_kind", "self_slot")
 SIDES = ("below", "above", "self")  # where an arriving value comes from: stage s−1, s+1, this stage
 NOTHING, OUTPUT, GRADIENT = 0, 1, 2  # what a stage sends (and so what arrives)
 
@@ -512,8 +512,9 @@ def idle_in_span(s: Schedule, costs: Costs = UNIT) -> np.ndarray:
 
 def bubble_formula(s: Schedule) -> float:
     """The closed form of the step's bubble at unit costs (F = R = B = W): (p−1)/(m+p−1) for GPipe and 1F1B;
-    (p−1)/(v·m+p−1) with v chunks (interleaved); (p−1)/(4m+p−1) for ZB-H1 and (p−1)/(8m+p−1) for ZB-V, whose
-    four operations per microbatch and chunk leave only the staircase of the step's start: p−1 ticks."""
+    (p−1)/(v·m+p−1) with v chunks (interleaved); (p−1)/(4m+p−1) for ZB-H1 and (p−1)/(8m+p−1) for ZB-V,
+    whose four operations per microbatch and chunk leave only the staircase of the step's start: p−1
+    ticks."""
     p, m, v = s.stages, s.microbatches, s.chunks
     if s.split:
         return (p - 1) / (4 * v * m + p - 1)

@@ -325,8 +325,9 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
               + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg))
               + preference.check_config(cfg))
     if {"attention", "mlp"} & fp8.covered_groups(cfg.precision) and t.pp_schedule in SPLIT and shape["pp"] > 1:
-        raise ConfigError(f"precision.matmul=fp8 with train.pp_schedule='{t.pp_schedule}' is not supported yet (its W "
-                          "computes the weight gradients in the compute dtype); use pp_schedule='1f1b' or 'interleaved'")
+        raise ConfigError(f"precision.matmul=fp8 with train.pp_schedule='{t.pp_schedule}' is not supported yet (its "
+                          "W computes the weight gradients in the compute dtype); use pp_schedule='1f1b' or "
+                          "'interleaved'")
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
