@@ -214,6 +214,10 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     # the bias's load through the pipeline's backward; per-microbatch routing statistics: no balance loss
     "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2,
                                "train.microbatches": 2}, {**SEGMENTED, "model.moe.balance_weight": 0.0}),
+    # the same through ZB-H1's split backward: R's forward carries the chunk's statistics, B the head's
+    "pp2_ep2_dp2_segmented_zb_h1": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2,
+                                     "train.microbatches": 2, "train.pp_schedule": "zb_h1"},
+                                    {**SEGMENTED, "model.moe.balance_weight": 0.0}),
 }
 
 

@@ -37,16 +37,16 @@ two uses of tied embeddings.
 Collectives per call (per device; b·t·d activations of one microbatch, E bytes each):
 2 collective-permutes per tick, b·t·d·E bytes each, over the schedule's ticks
 (2(m+p−1)−1 for GPipe, m+2(p−1) for 1F1B, 4m+p−1 for ZB-H1 and 8m+p−1 for ZB-V: one
-operation per tick, so most permutes carry nothing the receiver keeps); then one all-reduce over pp of the loss and
-the embedding/head gradients, and under ZeRO-0/1 one all-reduce over the batch axes of
+operation per tick, so most permutes carry nothing the receiver keeps); then one
+all-reduce over pp of the loss and the embedding/head gradients, and under ZeRO-0/1 one all-reduce over the batch axes of
 all gradients. Under ZeRO-2/3 the gradients are reduce-scattered over fsdp into the
 sharded accumulators every tick, and under ZeRO-3 each forward, backward and R slot
 all-gathers the chunk's weights over fsdp (W needs no weights gathered: its gradient is
-a contraction of the stash), unless `gather_once`: then the stage's
-weights are gathered once (in the compute dtype) before the loop. With v > 1 the
-[v, p, L/(p·v)] view of the layer stack (chunk 1 reversed for the V) is not the contiguous
-split the weights are stored in, so at the island's edge the partitioner moves most of each stage's weights
-in (all-to-all over pp) and their gradients back, once per step.
+a contraction of the stash), unless `gather_once`: then the stage's weights are gathered
+once (in the compute dtype) before the loop. With v > 1 the [v, p, L/(p·v)] view of the
+layer stack (chunk 1 reversed for the V) is not the contiguous split the weights are
+stored in, so at the island's edge the partitioner moves most of each stage's weights in
+(all-to-all over pp) and their gradients back, once per step.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _zeros_like(tree, dtype=None):
 
 
 class _Stage:
-    """One stage's program inside the island: the tick loop and its forward, backward and W slots."""
+    """One stage's program inside the island: the tick loop and its slots (forward and backward, or forward, R, B
+    and W)."""
 
     def __init__(self, schedule: Schedule, inner: Layout, batch_manual: bool, **seams):
         self.schedule, self.inner, self.batch_manual = schedule, inner, batch_manual
@@ -204,6 +205,7 @@ class _Stage:
         when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
         set is ever kept, updated in place rather than through a slot buffer's copies."""
         mb = self.microbatch(i)
+        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
         def idle():
             return (*kept, self.no_aux)
@@ -211,19 +213,17 @@ class _Stage:
         def first():
             x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
             pull, _, more = self.chunk_vjp(c, x, mb)
-            return jax.tree.leaves(pull), self.zeros_x, jax.tree.map(jnp.add, aux, more)
+            return jax.tree.leaves(pull), self.zeros_x, cast(jax.tree.map(jnp.add, aux, more))
 
         def middle():  # the output is not kept (only the head needs it), so its last matmul is not run
             pull, _, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), self.zeros_x, aux
+            return jax.tree.leaves(pull), self.zeros_x, cast(aux)
 
         def final():
             pull, y, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), y, aux
+            return jax.tree.leaves(pull), y, cast(aux)
 
-        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
-        residuals, y, aux = jax.lax.switch(kind, [idle, first, middle, final])
-        return residuals, y, cast(aux)
+        return jax.lax.switch(kind, [idle, first, middle, final])
 
     def backward_input(self, kind, c, i, residuals, y, dy):
         """B of a split backward: the pullback R kept, from the output gradient (on the last global stage: from
