@@ -173,7 +173,9 @@ def zero_bubble_orders(p: int, m: int, placement: str, inflight, stashed: int) -
     ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first
     operation and its last: the schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose
     (p−1)/(3m+p−1) and (p−1)/(6m+p−1) count three operations, with R added off the critical path. It is a
-    greedy order, not the paper's handcrafted one; the tests check it for p ≤ 8, m ≤ 16.
+    greedy order, not the paper's handcrafted one: the tests check it at p ≤ 8, m ≤ 16; the V needs m ≥ 2p−1
+    to keep its stages busy through their span (at p=4 it idles half a tick at m=16, and at p=8, m=32 it
+    takes five ticks more than 8m + p − 1).
     """
     v = 2 if placement == "v" else 1
     done = {kind: {} for kind in "FRBW"}  # kind -> {(microbatch, global stage): tick}
