@@ -5,16 +5,18 @@ Builds the table `jaxllm/parallel/pipeline_schedules.py` builds for training (th
 
 - writes a PNG timeline: one row per stage (stage 0 on top), time along x. Each tick is
   as wide as its `tick_times` (the busiest stage's work); inside a tick a stage runs its
-  forward box (width F/v), then its backward box (width (B+W)/v, fused), or in the
-  zero-bubble schedules its one operation: F, B (the input gradient, width B/v) or W (the
-  weight gradients, width W/v). Forwards are blue, backwards orange, W green, darker for
-  later chunks (interleaved, ZB-V), with the microbatch number in each box; idle time is
-  left blank;
-- prints the bubble fraction measured on the table next to the closed form
-  ((p−1)/(m+p−1), (p−1)/(v·m+p−1) with v chunks, (p−1)/(3m+p−1) for ZB-H1,
-  (p−1)/(6m+p−1) for ZB-V), the most idle time inside one stage's span (the
+  forward box (width F/v), then its backward box (width (R+B+W)/v, fused), or in the
+  zero-bubble schedules its one operation: F, R (the re-run, width R/v), B (the input
+  gradient) or W (the weight gradients). Forwards are blue, R purple, backwards orange,
+  W green, darker for later chunks (interleaved, ZB-V), with the microbatch number in
+  each box; idle time is left blank. Costs are per microbatch and stage, 1 each unless
+  given (`--forward` ..., or `--costs-from PRESET`: one layer's, compiled);
+- prints the bubble fraction measured on the table next to the closed form at unit costs
+  ((p−1)/(m+p−1), (p−1)/(v·m+p−1) with v chunks, (p−1)/(4m+p−1) for ZB-H1,
+  (p−1)/(8m+p−1) for ZB-V), the most idle time inside one stage's span (the
   zero-bubble paper's bubble), and the buffer depths (the most stage inputs any stage
-  holds at once, at most 2p−1 for 1F1B and m for GPipe; W stashes for zero-bubble).
+  holds at once, at most 2p−1 for 1F1B and m for GPipe; W stashes for zero-bubble);
+  with `--compare`, every schedule's time and bubble at the same p, m and costs.
 
 With --json the last stdout line is a JSON object of those numbers. A combination the
 trainer would refuse (e.g. interleaved with microbatches not a multiple of stages)
@@ -33,8 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxllm.parallel.pipeline_schedules import (SCHEDULES, UNIT, Costs, Schedule, bubble_formula, bubble_fraction,
-                                                idle_in_span,
-                                                make_schedule, tick_times)
+                                                idle_in_span, make_schedule, tick_times)
 
 FORMULAS = {"zb_h1": "(p-1)/(4m+p-1)", "zb_v": "(p-1)/(8m+p-1)"}
 

@@ -536,7 +536,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
       backward and output gradients waiting for it (parallel/pipeline_schedules.py);
     - the executor sends 2 collective-permutes per tick (forward output downstream, input gradient
       upstream), one slot each: 2 × ticks per step;
-    - the bubble from the table (`bubble_fraction`, unit costs: F = B = W) beside its closed form
+    - the bubble from the table (`bubble_fraction`, unit costs: F = R = B = W) beside its closed form
       (`bubble_formula`);
     - with a split backward (zb_h1, zb_v) the W stash (`models/taps.py`): one slot holds a chunk's stash for
       one microbatch, b·seq_len·E times the tapped projections' input and output elements per token
@@ -549,9 +549,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     "collective_permute": {"count", "bytes_per_call", "bytes"}, and with a split backward "stash_depth",
     "stash_slot_bytes", "stash_bytes".
     """
-    from jaxllm.models import taps, transformer
     from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
-    from jaxllm.stack import segments
 
     m, t = model_cfg, train_cfg
     pp = int(mesh_shape.get("pp", 1))
@@ -565,17 +563,24 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     s = m.seq_len // split if m.seq_len % split == 0 else m.seq_len  # not divisible: replicated (sharding.py)
     E = _dtype_bytes(compute_dtype)
     slot = b * s * m.d_model * E
-    last = segments(m)[-1]  # the pipelined segment
-    per_token = taps.stash_elements(transformer.param_table(m)["blocks"][last.blocks], int(mesh_shape.get("tp", 1)))
-    stash_slot = b * m.seq_len * E * last.repeats // (pp * sch.chunks) * per_token
-    stash = ({"stash_depth": sch.stash_depth, "stash_slot_bytes": stash_slot,
-              "stash_bytes": (sch.stash_depth + 2) * stash_slot} if sch.split else {})
+    stash = _stash(m, sch, b, E, int(mesh_shape.get("tp", 1))) if sch.split else {}
     return {**out, **stash, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
             "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch)},
             "act_depth": sch.act_depth, "grad_depth": sch.grad_depth, "b": b, "s": s, "d": m.d_model,
             "dtype": str(getattr(compute_dtype, "name", compute_dtype)), "dtype_bytes": E, "slot_bytes": slot,
             "buffer_bytes": (sch.act_depth + sch.grad_depth) * slot,
             "collective_permute": {"count": 2 * sch.ticks, "bytes_per_call": slot, "bytes": 2 * sch.ticks * slot}}
+
+
+def _stash(m, sch, b: int, E: int, tp: int) -> dict:
+    """The W stash of a split backward per device (see `pipeline_theory`)."""
+    from jaxllm.models import taps, transformer
+    from jaxllm.stack import segments
+
+    last = segments(m)[-1]  # the pipelined segment
+    per_token = taps.stash_elements(transformer.param_table(m)["blocks"][last.blocks], tp)
+    slot = b * m.seq_len * E * last.repeats // (sch.stages * sch.chunks) * per_token
+    return {"stash_depth": sch.stash_depth, "stash_slot_bytes": slot, "stash_bytes": (sch.stash_depth + 2) * slot}
 
 
 def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
@@ -994,8 +999,8 @@ def _format_pipeline(pl: dict) -> list[str]:
     cp, bub = pl["collective_permute"], pl["bubble"]
     slots = pl["act_depth"] + pl["grad_depth"]
     lines = ["", f"pipeline (pp={pl['pp']}, {pl['schedule']}, v={pl['v']}, m={pl['m']})",
-             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (forward = backward = weight "
-             f"gradients), closed form {bub['formula']:.4f}",
+             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (unit costs), closed form "
+             f"{bub['formula']:.4f}",
              f"  buffers: {pl['act_depth']} stage input(s) kept + {pl['grad_depth']} gradient slot(s) = {slots} × "
              f"b={pl['b']} × s={pl['s']} × d={pl['d']} × {pl['dtype_bytes']} B ({pl['dtype']}) = "
              f"{format_bytes(pl['buffer_bytes'])} per device"]
