@@ -159,10 +159,12 @@ def test_each_loss_and_its_gradients_equal_torch(models, tmp_path, loss):
 
 
 MESHES = {
-    "dp2_fsdp2_tp2_zero3": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3},
+    "dp2_fsdp2_tp2_zero3": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3, "train.loss_chunk": 16},
     "zero1_island_2_microbatches": {"mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": 1, "train.microbatches": 2},
     "pp2_dp4": {"mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2},
-    "sp4_ring": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_load_balance": True, "train.loss_chunk": 16},
+    # (not with the chunked loss: XLA:CPU runs its head-gradient loop beside the ring's, and their collectives can
+    # interleave differently on different devices: a deadlock, see docs/design-notes.md)
+    "sp4_ring": {"mesh.sp": 4, "mesh.dp": 2, "model.cp_load_balance": True},
     "zero3_island_fp32_reduce": {"mesh.fsdp": 2, "mesh.dp": 2, "train.zero_stage": 3, "train.microbatches": 2,
                                  "precision.grad_reduce": "float32"},
 }
