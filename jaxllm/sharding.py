@@ -222,7 +222,12 @@ def heads_as_used(kv_heads: int, tp: int) -> int:
     return tp if kv_heads < tp and tp % kv_heads == 0 else kv_heads
 
 
+def is_names(x) -> bool:
+    """Whether x is one leaf's logical names (a tuple of strings): `is_leaf` for trees of names."""
+    return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
+
+
 def tree_shardings(names_tree, shapes_tree, layout: Layout, rules: Rules):
     """NamedShardings for a tree of arrays given a matching tree of logical names."""
     return jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names_tree, shapes_tree,
-                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+                        is_leaf=is_names)

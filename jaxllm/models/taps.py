@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxllm import sharding
 from jaxllm.models import lora
-from jaxllm.sharding import weight
+from jaxllm.sharding import is_names, weight
 
 LEAD = 1  # a pipeline chunk's leaves carry one stacking dimension, the layer repeats
 
@@ -76,10 +76,6 @@ def pass_back(y: jax.Array, node) -> jax.Array:
     return _pass_back(y, node.dy) if is_tap(node) else y
 
 
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
-
-
 def is_tapped(path, names: tuple[str, ...]) -> bool:
     """Whether the weight at `path` of a block (logical `names`, the layer dimension first) is tapped: the
     projections of attention and of a dense MLP (`lora.TARGETS`: the weights `layers` uses through
@@ -119,23 +115,22 @@ class Taps:
 
     def __init__(self, names):
         self.names = names
+        self.structure = jax.tree.structure(names, is_leaf=is_names)
+        self.mask = self.structure.flatten_up_to(jax.tree_util.tree_map_with_path(is_tapped, names, is_leaf=is_names))
 
     def split(self, chunk):
         """(tapped weights, the rest): two trees like `chunk`, each None where the other holds a leaf."""
-        structure = jax.tree.structure(self.names, is_leaf=_is_names)
-        mask = structure.flatten_up_to(jax.tree_util.tree_map_with_path(is_tapped, self.names, is_leaf=_is_names))
-        leaves = structure.flatten_up_to(chunk)
-        tapped = [a if k else None for k, a in zip(mask, leaves)]
-        rest = [None if k else a for k, a in zip(mask, leaves)]
-        return structure.unflatten(tapped), structure.unflatten(rest)
+        leaves = self.structure.flatten_up_to(chunk)
+        tapped = [a if k else None for k, a in zip(self.mask, leaves)]
+        rest = [None if k else a for k, a in zip(self.mask, leaves)]
+        return self.structure.unflatten(tapped), self.structure.unflatten(rest)
 
     def _each(self, fn, *trees):
         """fn(names, *leaves) over the tapped positions (None elsewhere)."""
-        structure = jax.tree.structure(self.names, is_leaf=_is_names)
-        names = structure.flatten_up_to(self.names)
-        columns = [structure.flatten_up_to(t) for t in trees]
+        names = self.structure.flatten_up_to(self.names)
+        columns = [self.structure.flatten_up_to(t) for t in trees]
         out = [None if leaves[0] is None else fn(n, *leaves) for n, *leaves in zip(names, *columns)]
-        return structure.unflatten(out)
+        return self.structure.unflatten(out)
 
     def probes(self, tapped, rows: tuple[int, int], dtype):
         """Zero probes {x, dy} for each tapped weight [R, ...]: [R, batch, seq, input dims] and [R, batch, seq,

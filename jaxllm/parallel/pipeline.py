@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.pipeline_schedules import FIELDS, GRADIENT, OUTPUT, SIDES, Schedule, global_stage
-from jaxllm.sharding import BATCH_AXES, Layout, constrain, use_layout
+from jaxllm.sharding import BATCH_AXES, Layout, constrain, is_names, use_layout
 
 AXIS = "pp"
 ACT = ("batch", "residual_seq", "embed")  # a stage's input and output: the residual stream
@@ -88,6 +88,10 @@ def _add_at(acc, c, grads):
     structure = jax.tree.structure(acc)
     out = [a if g is None else a.at[c].add(g) for a, g in zip(jax.tree.leaves(acc), structure.flatten_up_to(grads))]
     return structure.unflatten(out)
+
+
+def _f32(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
 def _zeros_like(tree, dtype=None):
@@ -157,7 +161,6 @@ class _Stage:
         output gradient (on the last global stage: the loss, and the chunk's auxiliary objective, cotangent 1).
         (input gradient, chunk gradients, shared gradients, loss share, metric shares, aux)."""
         chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
-        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
         aux_obj = lambda y, aux: ((y, self.aux_fn(aux, self.aux_weight)), aux)  # the chunk's aux. objective beside y
         none = jnp.float32(0)
 
@@ -168,18 +171,18 @@ class _Stage:
             stage = lambda ch, sh: aux_obj(*self.embedded(sh, mb, lambda x: self.run_chunk(ch, c, x, mb)))
             _, pull, aux = jax.vjp(stage, chunk, self.used_shared, has_aux=True)
             g_chunk, g_shared = pull((dy, jnp.float32(1)))
-            return self.zeros_x, cast(g_chunk), cast(g_shared), none, self.no_metrics, cast(aux)
+            return self.zeros_x, _f32(g_chunk), _f32(g_shared), none, self.no_metrics, _f32(aux)
 
         def middle():
             _, pull, aux = jax.vjp(lambda ch, x: aux_obj(*self.run_chunk(ch, c, x, mb)), chunk, x_in, has_aux=True)
             g_chunk, dx = pull((dy, jnp.float32(1)))
-            return dx, cast(g_chunk), self.no_shared, none, self.no_metrics, cast(aux)
+            return dx, _f32(g_chunk), self.no_shared, none, self.no_metrics, _f32(aux)
 
         def final():
             stage = lambda ch, sh, x: self.with_loss(sh, *self.run_chunk(ch, c, x, mb), mb)
             objective, pull, (loss, metrics, aux) = jax.vjp(stage, chunk, self.used_shared, x_in, has_aux=True)
             g_chunk, g_shared, dx = pull(jnp.ones_like(objective))
-            return dx, cast(g_chunk), cast(g_shared), loss.astype(jnp.float32), metrics, cast(aux)
+            return dx, _f32(g_chunk), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(aux)
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
@@ -205,7 +208,6 @@ class _Stage:
         when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
         set is ever kept, updated in place rather than through a slot buffer's copies."""
         mb = self.microbatch(i)
-        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
         def idle():
             return (*kept, self.no_aux)
@@ -213,15 +215,15 @@ class _Stage:
         def first():
             x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
             pull, _, more = self.chunk_vjp(c, x, mb)
-            return jax.tree.leaves(pull), self.zeros_x, cast(jax.tree.map(jnp.add, aux, more))
+            return jax.tree.leaves(pull), self.zeros_x, _f32(jax.tree.map(jnp.add, aux, more))
 
         def middle():  # the output is not kept (only the head needs it), so its last matmul is not run
             pull, _, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), self.zeros_x, cast(aux)
+            return jax.tree.leaves(pull), self.zeros_x, _f32(aux)
 
         def final():
             pull, y, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), y, cast(aux)
+            return jax.tree.leaves(pull), y, _f32(aux)
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
@@ -231,7 +233,6 @@ class _Stage:
         the untapped weights' chunk gradients, shared gradients, loss share, metric shares, the head's aux,
         W stash)."""
         pull, mb = jax.tree.unflatten(self.residual_structure, residuals), self.microbatch(i)
-        cast = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
         none = jnp.float32(0)
 
         def idle():
@@ -243,26 +244,26 @@ class _Stage:
             embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
                 *self.embed_fn(self.join(sh, self.shared_f), mb))
             (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
-            return self.zeros_x, cast(g_rest), cast(g_shared), none, self.no_metrics, self.no_aux, stash
+            return self.zeros_x, _f32(g_rest), _f32(g_shared), none, self.no_metrics, self.no_aux, stash
 
         def middle():
             stash, g_rest, dx = pull((dy, jnp.float32(1)))
-            return dx, cast(g_rest), self.no_shared, none, self.no_metrics, self.no_aux, stash
+            return dx, _f32(g_rest), self.no_shared, none, self.no_metrics, self.no_aux, stash
 
         def final():
             head = lambda sh, y: self.with_loss(sh, y, self.no_aux, mb)
             objective, pull_head, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, has_aux=True)
             g_shared, dy_chunk = pull_head(jnp.ones_like(objective))
             stash, g_rest, dx = pull((dy_chunk.astype(y.dtype), jnp.float32(1)))
-            return dx, cast(g_rest), cast(g_shared), loss.astype(jnp.float32), metrics, cast(more), stash
+            return dx, _f32(g_rest), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more), stash
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
     def backward_weights(self, i, c, stash):
         """W of a split backward: the tapped weights' gradients of chunk c from a stash (zeros when i < 0)."""
         tapped, _ = self.taps.split(self.chunk_of(self.used_stack, c))
-        grads = lambda: self.taps.weight_grads(tapped, stash)
-        return jax.lax.cond(i >= 0, grads, lambda: _zeros_like(jax.eval_shape(grads)))
+        return jax.lax.cond(i >= 0, lambda: self.taps.weight_grads(tapped, stash),
+                            lambda: _zeros_like(tapped, jnp.float32))
 
     # ---- buffers and the exchange
 
@@ -279,19 +280,24 @@ class _Stage:
     def exchange(self, r, y, dx, acts, grads_in):
         """The buffers after the exchange that ends the tick: what this stage sends up (to s+1) and down (to s−1)
         as the table's send_up and send_down say, and what arrives from s−1, from s+1 and from itself stored as
-        the table's below_*, above_* and self_* say (OUTPUT into the activations, GRADIENT into the gradients)."""
+        the table's below_*, above_* and self_* say (OUTPUT into the activations, GRADIENT into the gradients).
+        Only the (side, kind) pairs the table ever names are stored: two for the fused schedules."""
         p, ring = self.p, self.schedule.ring
         nothing = jnp.zeros_like(y)
         up = jax.lax.select_n(r["send_up"], nothing, y, dx)
         down = jax.lax.select_n(r["send_down"], nothing, y, dx)
-        arrived = {
-            "below": jax.lax.ppermute(up, AXIS, [(j, j + 1) for j in range(p - 1)] + ([(p - 1, 0)] if ring else [])),
-            "above": jax.lax.ppermute(down, AXIS, [(j, j - 1) for j in range(1, p)] + ([(0, p - 1)] if ring else [])),
-            "self": jax.lax.select_n(r["self_kind"], nothing, y, dx)}
+        to_above = [(j, j + 1) for j in range(p - 1)] + ([(p - 1, 0)] if ring else [])
+        to_below = [(j, j - 1) for j in range(1, p)] + ([(0, p - 1)] if ring else [])
+        arrived = {"below": lambda: jax.lax.ppermute(up, AXIS, to_above),
+                   "above": lambda: jax.lax.ppermute(down, AXIS, to_below),
+                   "self": lambda: jax.lax.select_n(r["self_kind"], nothing, y, dx)}
         for side in SIDES:
-            kind, slot = r[side + "_kind"], r[side + "_slot"]
-            acts = self.store(acts, jnp.where(kind == OUTPUT, slot, -1), arrived[side], ACT)
-            grads_in = self.store(grads_in, jnp.where(kind == GRADIENT, slot, -1), arrived[side], ACT)
+            kinds = self.schedule.arrivals(side)
+            value, slot = (arrived[side]() if kinds else None), r[side + "_slot"]
+            if OUTPUT in kinds:
+                acts = self.store(acts, jnp.where(r[side + "_kind"] == OUTPUT, slot, -1), value, ACT)
+            if GRADIENT in kinds:
+                grads_in = self.store(grads_in, jnp.where(r[side + "_kind"] == GRADIENT, slot, -1), value, ACT)
         return acts, grads_in
 
     # ---- the loop
@@ -324,7 +330,7 @@ class _Stage:
         *out, stash = self.backward_input(kind, r["bwd_chunk"], r["bwd_mb"], residuals, y, dy)
         out[-1] = jax.tree.map(jnp.add, out[-1], aux)
         stash_buf = jax.tree.map(lambda b, x, n: self.store(b, r["stash_slot"], x, n), stash_buf, stash,
-                                 self.stash_names, is_leaf=_is_names)
+                                 self.stash_names, is_leaf=is_names)
         g_w = self.backward_weights(r["w_mb"], r["w_chunk"], jax.tree.map(lambda b: b[at(r["w_slot"])], stash_buf))
         return (residuals, y, stash_buf), out, g_w
 
@@ -338,15 +344,15 @@ class _Stage:
         x_shape, aux_shape = jax.eval_shape(lambda: self.embed_fn(self.join(self.used_shared, self.shared_f),
                                                                   self.microbatch(0)))
         self.zeros_x, self.rows = jnp.zeros(x_shape.shape, x_shape.dtype), x_shape.shape[:2]
-        f32 = lambda tree: _zeros_like(tree, jnp.float32)
-        self.no_metrics = f32(jax.eval_shape(lambda: self.loss_fn(self.join(self.used_shared, self.shared_f),
+        zeros32 = lambda tree: _zeros_like(tree, jnp.float32)
+        self.no_metrics = zeros32(jax.eval_shape(lambda: self.loss_fn(self.join(self.used_shared, self.shared_f),
                                                                    self.zeros_x, self.microbatch(0))[1]))
-        self.no_aux, self.no_shared = f32(aux_shape), f32(self.used_shared)
+        self.no_aux, self.no_shared = zeros32(aux_shape), zeros32(self.used_shared)
         depth = lambda n: (n,) + x_shape.shape
         acts = self.pin(jnp.zeros(depth(self.schedule.act_depth), x_shape.dtype), ACT)
         grads_in = self.pin(jnp.zeros(depth(self.schedule.grad_depth), x_shape.dtype), ACT)
         split = self.split_buffers(stack)
-        g_stack, g_shared = self.pin_grads(f32(stack), f32(shared))
+        g_stack, g_shared = self.pin_grads(zeros32(stack), zeros32(shared))
         start = (acts, grads_in, split, g_stack, g_shared, jnp.float32(0), self.no_metrics, self.no_aux)
         (_, _, _, g_stack, g_shared, loss, metrics, aux), _ = jax.lax.scan(self.tick, start,
                                                                            jnp.asarray(self.schedule.table))
@@ -370,12 +376,8 @@ class _Stage:
         self.residual_structure = jax.tree.structure(pull)
         residuals = [jnp.zeros(a.shape, a.dtype) for a in jax.tree.leaves(pull)]
         stash_buf = jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
-                                 probes, self.stash_names, is_leaf=_is_names)
+                                 probes, self.stash_names, is_leaf=is_names)
         return residuals, self.zeros_x, stash_buf
-
-
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(e, str) for e in x)
 
 
 def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,

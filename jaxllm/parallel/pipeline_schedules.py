@@ -105,6 +105,10 @@ class Schedule:
     def global_stage(self, stage: int, chunk: int) -> int:
         return global_stage(self.placement, self.stages, stage, chunk)
 
+    def arrivals(self, side: str) -> set[int]:
+        """The kinds of value (OUTPUT, GRADIENT) that ever arrive from `side` ("below", "above", "self")."""
+        return {int(k) for k in np.unique(self.field(side + "_kind"))} - {NOTHING}
+
 
 def global_stage(placement: str, p: int, s, c):
     """The global stage of chunk c on stage s (works on ints and on arrays)."""

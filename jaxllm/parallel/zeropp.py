@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.errors import ConfigError
 from jaxllm.ops.quantize import dequantize, quantize
 from jaxllm.stack import has_moe
-from jaxllm.sharding import BATCH_AXES, Layout, manual_spec, use_layout
+from jaxllm.sharding import BATCH_AXES, Layout, is_names, manual_spec, use_layout
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,6 @@ def island(accumulate: Callable, params, batch: dict, norm, names, layout: Layou
     `accumulate(params, batch, norm)` sums over the microbatches of the rows it is given, under
     `layout` (the batch axes manual) with the use-site gather on; params enter as their stored shards."""
     mesh = layout.mesh
-    is_names = lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x)
     specs = jax.tree.map(lambda n, w: manual_spec(n, layout.params, mesh, w.shape, set(BATCH_AXES)), names, params,
                          is_leaf=is_names)
     inner = dataclasses.replace(layout, use_site_gather=use_site_gather(plan))

@@ -37,7 +37,7 @@ from jaxllm import stack as stack_lib
 from jaxllm.models import lora, mtp, taps, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
-from jaxllm.sharding import Layout, constrain, logical_spec, use_layout, with_rule
+from jaxllm.sharding import Layout, constrain, is_names, logical_spec, use_layout, with_rule
 from jaxllm.train.objectives import Objective, finish, zero_metrics
 
 
@@ -179,7 +179,7 @@ def _island_specs(key: str, rules, g: Paths, names, shapes):
     return jax.tree.map(
         lambda n, a: jax.sharding.PartitionSpec(*(None,) * (2 * lead),
                                                 *logical_spec(tuple(n[lead:]), rules, mesh, a.shape[lead:])),
-        pick(names), pick(shapes), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+        pick(names), pick(shapes), is_leaf=is_names)
 
 
 def _pipelined_params(tree, m):

@@ -42,7 +42,7 @@ from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import SPLIT, make_schedule
 from jaxllm.schema import Config
-from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, param_rules, use_layout
+from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
 from jaxllm.train import bias_balance, gradients, guard, offload, preference
 from jaxllm.train.gradients import Paths, constrain_tree
 from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, finish, grpo
@@ -100,7 +100,7 @@ def _shardings(cfg: Config, layout: Layout, tx) -> Shardings:
 
     def of(rules, part=True):
         tree = jax.tree.map(lambda n, s: layout.sharding(n, rules, s.shape), names, shapes,
-                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+                            is_leaf=is_names)
         return lora.split(tree, mask)[0] if part else tree
 
     update_rules = sharded if stage >= 1 else layout.params
