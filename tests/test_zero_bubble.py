@@ -81,6 +81,31 @@ def test_split_backward_costs_and_what_they_give(preset):
         assert r[fast]["time"] < r[slow]["time"] and r[fast]["bubble"] < r[slow]["bubble"], (costs, r)
 
 
+def test_r_keeps_what_its_weights_cannot_give_again():
+    """R's residuals split by dependence (`pipeline._given_by`): what depends on the weights alone (here their
+    bf16 casts inside a scan over layers) is made again from the weights, equal to what the pullback held; what
+    depends on the input is kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.parallel.pipeline import _given_by
+
+    def layers(w, x):
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl.astype(jnp.bfloat16)), None), x, w)[0]
+
+    residuals = lambda w, x: jax.tree.leaves(jax.vjp(layers, w, x)[1])
+    w, x = jax.random.normal(jax.random.PRNGKey(0), (3, 4, 4)), jnp.ones((2, 4), jnp.bfloat16)
+    rebuilt, rebuild, shapes = _given_by(residuals, w, x)
+    held = residuals(w, x)
+    assert [a.shape for a in held] == [s.shape for s in shapes] and 0 < sum(rebuilt) < len(held), rebuilt
+    again = iter(rebuild(w))
+    for a, is_rebuilt in zip(held, rebuilt):
+        assert is_rebuilt == (a.shape == w.shape)  # the casts of the weights, nothing that saw x
+        if is_rebuilt:
+            assert (next(again) == a).all()
+    assert next(again, None) is None
+
+
 MEMORY = {"model.seq_len": 64, "train.global_batch": 64, "train.microbatches": 8, "mesh.pp": 2}
 
 

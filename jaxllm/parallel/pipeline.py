@@ -52,14 +52,21 @@ stored in, so at the island's edge the partitioner moves most of each stage's we
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.parallel.pipeline_schedules import FIELDS, GRADIENT, OUTPUT, SIDES, Schedule, global_stage
 from jaxllm.sharding import BATCH_AXES, Layout, constrain, is_names, use_layout
+
+try:  # no public API splits a program by dependence (`_given_by`)
+    from jax._src.interpreters import partial_eval as pe
+except ImportError:
+    pe = None
 
 AXIS = "pp"
 ACT = ("batch", "residual_seq", "embed")  # a stage's input and output: the residual stream
@@ -96,6 +103,28 @@ def _f32(tree):
 
 def _zeros_like(tree, dtype=None):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
+
+def _given_by(fn, known, *unknown):
+    """Which of the outputs of `fn(known, *unknown)` (a list of arrays) depend on `known` alone, and how to make
+    just those from `known`: (mask, rebuild(known) -> those outputs, every output's shape). JAX's own partial
+    evaluation (the split `jax.linearize` makes) and dead-code elimination, on the traced program: R's
+    pullback holds the chunk's weights as used (cast, gathered), which B can make again instead of the loop
+    carrying a copy of them from R to B."""
+    closed = jax.make_jaxpr(fn)(known, *unknown)
+    n_known = len(jax.tree.leaves(known))
+    unknowns = [False] * n_known + [True] * (len(closed.jaxpr.invars) - n_known)
+    shapes = [v.aval for v in closed.jaxpr.outvars]
+    try:  # internal API (checked on JAX 0.10): where it has moved, keep every residual (more memory, same numbers)
+        known_part, _, out_unknown, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
+        n_out = out_unknown.count(False)  # the known part's outputs: these, then what the unknown part needs
+        used = [True] * n_out + [False] * (len(known_part.jaxpr.outvars) - n_out)
+        pruned, _ = pe.dce_jaxpr(known_part.jaxpr, used, instantiate=True)
+        run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, known_part.consts))
+    except (AttributeError, TypeError, ValueError) as e:
+        warnings.warn(f"pipeline: R keeps the weights it used (this JAX cannot split a program by dependence: {e})")
+        return [False] * len(shapes), lambda k: [], shapes
+    return [not u for u in out_unknown], lambda k: run(*jax.tree.leaves(k)), shapes
+
 
 
 class _Stage:
@@ -186,11 +215,11 @@ class _Stage:
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
-    def chunk_vjp(self, c, x, mb):
-        """The VJP of chunk c on x with respect to its tapped weights' probes, its other weights and x (the
-        tapped weights closed over, so none of their gradients is made): (pullback, y, aux). The chunk's
-        auxiliary objective (MoE losses) is its second output, pulled back with cotangent 1."""
-        tapped, rest = self.taps.split(self.chunk_of(self.used_stack, c))
+    def chunk_vjp(self, weights, c, x, mb):
+        """The VJP of chunk c (its trained `weights`) on x with respect to its tapped weights' probes, its other
+        weights and x (the tapped weights closed over, so none of their gradients is made): (pullback, y, aux).
+        The chunk's auxiliary objective (MoE losses) is its second output, pulled back with cotangent 1."""
+        tapped, rest = self.taps.split(weights)
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
 
         def chunk(pr, re, x):
@@ -203,36 +232,43 @@ class _Stage:
 
     def recompute(self, kind, c, i, x_in, kept):
         """R of a split backward: chunk c re-run from its saved input (on the first global stage: from the
-        embedding), keeping what its backward needs. (residuals, output (on the last global stage only, for the
-        head), aux: the chunk's and the embedding's);
+        embedding), keeping what its backward needs but the weights can give again (`kept_residuals`).
+        (residuals, output (on the last global stage only, for the head), aux: the chunk's and the embedding's);
         when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
         set is ever kept, updated in place rather than through a slot buffer's copies."""
-        mb = self.microbatch(i)
+        mb, weights = self.microbatch(i), self.chunk_of(self.used_stack, c)
+        kept_of = lambda pull: [a for a, again in zip(jax.tree.leaves(pull), self.rebuilt) if not again]
 
         def idle():
             return (*kept, self.no_aux)
 
         def first():
             x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
-            pull, _, more = self.chunk_vjp(c, x, mb)
-            return jax.tree.leaves(pull), self.zeros_x, _f32(jax.tree.map(jnp.add, aux, more))
+            pull, _, more = self.chunk_vjp(weights, c, x, mb)
+            return kept_of(pull), self.zeros_x, _f32(jax.tree.map(jnp.add, aux, more))
 
         def middle():  # the output is not kept (only the head needs it), so its last matmul is not run
-            pull, _, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), self.zeros_x, _f32(aux)
+            pull, _, aux = self.chunk_vjp(weights, c, x_in, mb)
+            return kept_of(pull), self.zeros_x, _f32(aux)
 
         def final():
-            pull, y, aux = self.chunk_vjp(c, x_in, mb)
-            return jax.tree.leaves(pull), y, _f32(aux)
+            pull, y, aux = self.chunk_vjp(weights, c, x_in, mb)
+            return kept_of(pull), y, _f32(aux)
 
         return jax.lax.switch(kind, [idle, first, middle, final])
+
+    def pullback(self, c, kept):
+        """R's pullback of chunk c from the residuals it kept and those its weights give again."""
+        again = iter(self.rebuild(self.chunk_of(self.used_stack, c)))
+        kept = iter(kept)
+        return jax.tree.unflatten(self.residual_structure, [next(again if a else kept) for a in self.rebuilt])
 
     def backward_input(self, kind, c, i, residuals, y, dy):
         """B of a split backward: the pullback R kept, from the output gradient (on the last global stage: from
         the loss, the head re-run on R's output y; on the first, on through the embedding). (input gradient,
         the untapped weights' chunk gradients, shared gradients, loss share, metric shares, the head's aux,
         W stash)."""
-        pull, mb = jax.tree.unflatten(self.residual_structure, residuals), self.microbatch(i)
+        mb = self.microbatch(i)
         none = jnp.float32(0)
 
         def idle():
@@ -240,21 +276,21 @@ class _Stage:
                     self.no_stash)
 
         def first():
-            stash, g_rest, dx = pull((dy, jnp.float32(1)))
+            stash, g_rest, dx = self.pullback(c, residuals)((dy, jnp.float32(1)))
             embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
                 *self.embed_fn(self.join(sh, self.shared_f), mb))
             (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
             return self.zeros_x, _f32(g_rest), _f32(g_shared), none, self.no_metrics, self.no_aux, stash
 
         def middle():
-            stash, g_rest, dx = pull((dy, jnp.float32(1)))
+            stash, g_rest, dx = self.pullback(c, residuals)((dy, jnp.float32(1)))
             return dx, _f32(g_rest), self.no_shared, none, self.no_metrics, self.no_aux, stash
 
         def final():
             head = lambda sh, y: self.with_loss(sh, y, self.no_aux, mb)
             objective, pull_head, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, has_aux=True)
             g_shared, dy_chunk = pull_head(jnp.ones_like(objective))
-            stash, g_rest, dx = pull((dy_chunk.astype(y.dtype), jnp.float32(1)))
+            stash, g_rest, dx = self.pullback(c, residuals)((dy_chunk.astype(y.dtype), jnp.float32(1)))
             return dx, _f32(g_rest), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more), stash
 
         return jax.lax.switch(kind, [idle, first, middle, final])
@@ -371,10 +407,13 @@ class _Stage:
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
         self.stash_names = self.taps.stash_names(probes)
         self.no_stash, self.no_rest = probes, _zeros_like(rest, jnp.float32)
-        pull = jax.eval_shape(lambda c, i: self.chunk_vjp(c, self.zeros_x, self.microbatch(i))[0], jnp.int32(0),
-                              jnp.int32(0))
-        self.residual_structure = jax.tree.structure(pull)
-        residuals = [jnp.zeros(a.shape, a.dtype) for a in jax.tree.leaves(pull)]
+        leaves = lambda weights, c, x, i: jax.tree.leaves(self.chunk_vjp(weights, c, x, self.microbatch(i))[0])
+        self.rebuilt, self.rebuild, shapes = _given_by(leaves, self.chunk_of(self.used_stack, 0), jnp.int32(0),
+                                                       self.zeros_x, jnp.int32(0))
+        self.residual_structure = jax.tree.structure(jax.eval_shape(
+            lambda c, i: self.chunk_vjp(self.chunk_of(self.used_stack, c), c, self.zeros_x, self.microbatch(i))[0],
+            jnp.int32(0), jnp.int32(0)))
+        residuals = [jnp.zeros(a.shape, a.dtype) for a, again in zip(shapes, self.rebuilt) if not again]
         stash_buf = jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
                                  probes, self.stash_names, is_leaf=is_names)
         return residuals, self.zeros_x, stash_buf
