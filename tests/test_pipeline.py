@@ -44,7 +44,7 @@ def run_table(s):
     acts = [[None] * s.act_depth for _ in range(p)]
     grads = [[None] * s.grad_depth for _ in range(p)]
     stash = [[None] * max(s.stash_depth, 1) for _ in range(p)]
-    fwd, rec, bwd, wgt = {}, {}, {}, {}
+    fwd, rec, bwd, wgt, pieces = {}, {}, {}, {}, {}
     residuals = [None] * p
     for t in range(s.ticks):
         out, back = [None] * p, [None] * p
@@ -80,11 +80,16 @@ def run_table(s):
                 if s.split:
                     assert stash[st][f["stash_slot"][t, st]] in wgt or stash[st][f["stash_slot"][t, st]] is None
                     stash[st][f["stash_slot"][t, st]] = (i, g)
-            i, c = f["w_mb"][t, st], f["w_chunk"][t, st]
-            if i >= 0:
-                g = s.global_stage(st, c)
-                assert bwd[(i, g)] < t and stash[st][f["w_slot"][t, st]] == (i, g) and (i, g) not in wgt
-                wgt[(i, g)] = t
+            for w in ("w", "w2"):  # W in pieces, in order, from the stash B left, in up to two slots a tick
+                i, c = f[w + "_mb"][t, st], f[w + "_chunk"][t, st]
+                if i >= 0:
+                    g = s.global_stage(st, c)
+                    assert bwd[(i, g)] < t and stash[st][f[w + "_slot"][t, st]] == (i, g) and (i, g) not in wgt
+                    assert f[w + "_first"][t, st] == pieces.get((i, g), 0) and f[w + "_count"][t, st] > 0
+                    pieces[(i, g)] = f[w + "_first"][t, st] + f[w + "_count"][t, st]
+                    assert pieces[(i, g)] <= s.pieces
+                    if pieces[(i, g)] == s.pieces:
+                        wgt[(i, g)] = t
         for st in range(p):  # the exchange at the end of the tick
             for side, src in (("below", st - 1), ("above", st + 1), ("self", st)):
                 kind, slot = f[side + "_kind"][t, st], f[side + "_slot"][t, st]

@@ -28,7 +28,7 @@ global_batch/(microbatches·dp·fsdp·ep). Then
     pipeline_bubble_measured = 1 - microbatches · t_stage_microbatch / t_step
 
 is the share of the step a stage is not computing, reported next to the schedule
-table's `pipeline_bubble_table` (`bubble_fraction` at unit costs: F = R = B = W, a fused backward 3). The stage
+table's `pipeline_bubble_table` (`bubble_fraction` at the model's per-layer costs, `transformer.layer_costs`). The stage
 includes the embedding and the head, which only the first and last stages run, so it
 over-estimates a middle stage's work (and under-estimates the bubble); the step's
 optimizer update and the send/receive between stages count as bubble. On fake CPU
@@ -114,7 +114,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.errors import ConfigError
     from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
-    from jaxllm.parallel.pipeline_schedules import bubble_fraction, make_schedule
+    from jaxllm.parallel.pipeline_schedules import bubble_fraction
+    from jaxllm.train.step import pipeline_schedule
     from jaxllm.train.loop import flops_per_token, peak_flops, resolve
     from jaxllm.batch import from_windows, global_arrays
     from jaxllm.models.layers import matmul_precision
@@ -245,8 +246,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     if stage_window:
         t_stage = statistics.median(stage_times)
         out["pipeline_bubble_measured"] = 1.0 - t.microbatches * t_stage / out["jaxllm"]["step_time_s"]
-        out["pipeline_bubble_table"] = bubble_fraction(make_schedule(t.pp_schedule, shape["pp"], t.microbatches,
-                                                                     t.pp_virtual))  # at unit costs
+        out["pipeline_bubble_table"] = bubble_fraction(pipeline_schedule(cfg.model, t, shape["pp"]),
+                                                       transformer.layer_costs(cfg.model))
         out["pipeline"] = {"schedule": t.pp_schedule, "stages": shape["pp"], "virtual": t.pp_virtual,
                            "microbatches": t.microbatches, "stage_layers": scfg.model.n_layers,
                            "stage_rows": scfg.train.global_batch, "stage_devices": n_stage,

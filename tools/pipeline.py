@@ -34,8 +34,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxllm.config import PRESETS
 from jaxllm.parallel.pipeline_schedules import (SCHEDULES, UNIT, Costs, Schedule, bubble_formula, bubble_fraction,
-                                                idle_in_span, make_schedule, tick_times)
+                                                check, idle_in_span, make_schedule, model_chunks, tick_times)
 
 FORMULAS = {"zb_h1": "(p-1)/(4m+p-1)", "zb_v": "(p-1)/(8m+p-1)"}
 
@@ -53,9 +54,10 @@ def boxes(s: Schedule, costs: Costs = UNIT) -> list[Box]:
     """Every operation of the schedule as a box on the timeline (x0 and width in cost units)."""
     starts = np.concatenate([[0.0], np.cumsum(tick_times(s, costs))[:-1]])
     fused = costs.recompute + costs.backward + costs.weight
-    widths = {"F": costs.forward, "R": costs.recompute, "B": costs.backward if s.split else fused, "W": costs.weight}
-    fields = {k: (f"{k.lower()}_mb", f"{k.lower()}_chunk") for k in "FRBW"}
-    fields.update(F=("fwd_mb", "fwd_chunk"), B=("bwd_mb", "bwd_chunk"))
+    widths = {"F": costs.forward, "R": costs.recompute, "B": costs.backward if s.split else fused,
+              "W": costs.weight / s.pieces}  # a W slot runs w_count pieces
+    fields = {"F": ("fwd_mb", "fwd_chunk"), "R": ("r_mb", "r_chunk"), "B": ("bwd_mb", "bwd_chunk"),
+              "W": ("w_mb", "w_chunk"), "W2": ("w2_mb", "w2_chunk")}
     out = []
     for t in range(s.ticks):
         for stage in range(s.stages):
@@ -63,8 +65,10 @@ def boxes(s: Schedule, costs: Costs = UNIT) -> list[Box]:
             for kind, (mb, chunk) in fields.items():
                 i = s.field(mb)[t, stage]
                 if i >= 0:
-                    out.append(Box(stage, x, widths[kind] / s.chunks, kind, int(i), int(s.field(chunk)[t, stage])))
-                    x += widths[kind] / s.chunks
+                    w = kind.lower() + "_count"
+                    width = widths[kind[0]] / s.chunks * (s.field(w)[t, stage] if kind[0] == "W" else 1)
+                    out.append(Box(stage, x, width, kind[0], int(i), int(s.field(chunk)[t, stage])))
+                    x += width
     return out
 
 
@@ -138,13 +142,19 @@ def _equations(jaxpr):
                     yield from _equations(inner)
 
 
-def compare(p: int, m: int, costs: Costs) -> dict:
+def pieces(layers: int | None, p: int, v: int) -> int:
+    """W's pieces per chunk: one per layer where `layers` splits into p·v equal chunks, else one (W whole)."""
+    return layers // (p * v) if layers and layers % (p * v) == 0 else 1
+
+
+def compare(p: int, m: int, costs: Costs, layers: int | None = None) -> dict:
     """{schedule: {ticks, time, bubble}} of every schedule that can run at p stages, m microbatches
-    (interleaved with v = 2), under `costs`."""
+    (interleaved with v = 2), built for and measured at `costs`, with W in one piece per layer of `layers`."""
     out = {}
     for name in SCHEDULES:
+        v = model_chunks(name, 2 if name == "interleaved" else 1)
         try:
-            s = make_schedule(name, p, m, 2 if name == "interleaved" else 1)
+            s = make_schedule(name, p, m, 2 if name == "interleaved" else 1, costs, pieces(layers, p, v))
         except ValueError:
             continue
         out[name] = {"ticks": s.ticks, "time": float(tick_times(s, costs).sum()), "bubble": bubble_fraction(s, costs)}
@@ -253,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                         "gradients, W (default 1; a fused backward costs R+B+W)")
     parser.add_argument("--costs-from", metavar="PRESET", default=None,
                         help="take the costs from one stage of this model preset, compiled (XLA's flop counts)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the model's pipelined layers: the zero-bubble tables run W in pieces of one layer "
+                        "(default: the preset's with --costs-from, else W whole)")
     parser.add_argument("--compare", action="store_true",
                         help="also print every schedule's bubble and time at these p, m and costs (interleaved: v=2)")
     parser.add_argument("--out", default=None, help="PNG path (default: pipeline-<schedule>-p<P>-m<M>[-v<V>].png)")
@@ -265,21 +278,26 @@ def main(argv: list[str] | None = None) -> int:
         costs = Costs(args.forward, args.recompute, args.backward, args.weight)
         if min(dataclasses.astuple(costs)) <= 0:
             raise ValueError(f"--forward, --recompute, --backward and --weight must be positive, got {costs}")
-        s = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual)
+        check(args.schedule, args.stages, args.microbatches, args.virtual)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     path = args.out or default_path(args.schedule, args.stages, args.microbatches, args.virtual)
     if os.path.dirname(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
+    layers = args.layers
     if args.costs_from:
         costs = compiled_costs(args.costs_from)["costs"]
+        layers = layers or PRESETS[args.costs_from]["n_layers"]
+    v = model_chunks(args.schedule, args.virtual)
+    s = make_schedule(args.schedule, args.stages, args.microbatches, args.virtual, costs,
+                      pieces(layers, args.stages, v))
     draw(s, costs, path)
     result = dict(summary(s, costs), png=path)
     print(describe(result))
     print(f"png: {path}")
     if args.compare:
-        result["compare"] = compare(args.stages, args.microbatches, costs)
+        result["compare"] = compare(args.stages, args.microbatches, costs, layers)
         print("\n".join(f"  {name:12s} {r['ticks']:4d} ticks  time {r['time']:7.2f}  bubble {r['bubble']:.4f}"
                         for name, r in result["compare"].items()))
     if args.json:

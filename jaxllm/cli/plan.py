@@ -549,7 +549,8 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     "collective_permute": {"count", "bytes_per_call", "bytes"}, and with a split backward "stash_depth",
     "stash_slot_bytes", "stash_bytes".
     """
-    from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction, make_schedule
+    from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
+    from jaxllm.train.step import pipeline_schedule
 
     m, t = model_cfg, train_cfg
     pp = int(mesh_shape.get("pp", 1))
@@ -557,7 +558,7 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
            "params": stage_params(m, pp, int(mesh_shape.get("ep", 1))), "assumes": PIPELINE_ASSUMES}
     if pp == 1:
         return out
-    sch = make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
+    sch = pipeline_schedule(m, t, pp)
     split = mesh_shape.get("sp", 1) * (mesh_shape.get("tp", 1) if t.sequence_parallel else 1)
     b = microbatch_rows(t, mesh_shape)
     s = m.seq_len // split if m.seq_len % split == 0 else m.seq_len  # not divisible: replicated (sharding.py)

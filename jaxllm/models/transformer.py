@@ -225,6 +225,15 @@ def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) 
     return total
 
 
+def layer_costs(m: ModelConfig) -> pipeline_schedules.Costs:
+    """What a layer's forward, recomputation, input gradient and weight gradients cost, from its flops per token
+    (the zero-bubble tables are built for these): its matmuls (2 per weight), attention's scores and values
+    over the whole sequence (4 · seq_len · width, as XLA computes them), and the MLP's last matmul, which a
+    middle stage's R does not run."""
+    matmul = 2 * count_params(m, embeddings=False, active=True) / m.n_layers
+    return pipeline_schedules.layer_costs(matmul, 4 * m.seq_len * attention.score_width(m), 2 * m.d_model * m.d_ff)
+
+
 def _init_leaf(m: ModelConfig, key: jax.Array, leaf: Leaf):
     if leaf.init == "zeros":
         return jnp.zeros(leaf.shape, jnp.float32)

@@ -295,11 +295,19 @@ class _Stage:
 
         return jax.lax.switch(kind, [idle, first, middle, final])
 
-    def backward_weights(self, i, c, stash):
-        """W of a split backward: the tapped weights' gradients of chunk c from a stash (zeros when i < 0)."""
+    def backward_weights(self, g_stack, c, first, count, stash):
+        """W of a split backward: the tapped weights' gradients of chunk c from a stash, for its layers
+        [first, first + count) (in the table's pieces), added layer by layer into the accumulators `g_stack`
+        ([v, Lc, ...]; none when count is 0)."""
         tapped, _ = self.taps.split(self.chunk_of(self.used_stack, c))
-        return jax.lax.cond(i >= 0, lambda: self.taps.weight_grads(tapped, stash),
-                            lambda: _zeros_like(tapped, jnp.float32))
+        per_piece = self.repeats // self.schedule.pieces
+
+        def layer(k, acc):
+            one = lambda tree: jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, k, 1), tree)
+            grads = self.taps.weight_grads(one(tapped), one(stash))
+            return _add_at(acc, (c, k), jax.tree.map(lambda g: g[0], grads))
+
+        return jax.lax.fori_loop(first * per_piece, (first + count) * per_piece, layer, g_stack)
 
     # ---- buffers and the exchange
 
@@ -345,8 +353,7 @@ class _Stage:
                          acts[jnp.maximum(r["fwd_slot"], 0)])
         kind, dy = self.kind_of(r["bwd_mb"], r["bwd_chunk"], False), grads_in[jnp.maximum(r["bwd_grad_slot"], 0)]
         if self.schedule.split:
-            split, (dx, g_chunk, g_sh, l, ms, a), g_w = self.split_slots(r, acts, split, kind, dy)
-            g_stack = _add_at(g_stack, jnp.maximum(r["w_chunk"], 0), g_w)
+            split, (dx, g_chunk, g_sh, l, ms, a), g_stack = self.split_slots(r, acts, split, kind, dy, g_stack)
         else:
             dx, g_chunk, g_sh, l, ms, a = self.backward(kind, r["bwd_chunk"], r["bwd_mb"],
                                                         acts[jnp.maximum(r["bwd_slot"], 0)], dy)
@@ -356,9 +363,9 @@ class _Stage:
         add = functools.partial(jax.tree.map, jnp.add)
         return (acts, grads_in, split, g_stack, g_shared, loss + l, add(metrics, ms), add(aux, a)), None
 
-    def split_slots(self, r, acts, buffers, kind, dy):
+    def split_slots(self, r, acts, buffers, kind, dy, g_stack):
         """R, B and W of a split backward on their buffers (R's residuals and output, the W stash): (buffers,
-        B's results with R's aux added, W's gradients)."""
+        B's results with R's aux added, the accumulators with the two W slots' gradients added)."""
         residuals, y, stash_buf = buffers
         at = lambda slot: jnp.maximum(slot, 0)
         residuals, y, aux = self.recompute(self.kind_of(r["r_mb"], r["r_chunk"], False), r["r_chunk"], r["r_mb"],
@@ -367,8 +374,10 @@ class _Stage:
         out[-1] = jax.tree.map(jnp.add, out[-1], aux)
         stash_buf = jax.tree.map(lambda b, x, n: self.store(b, r["stash_slot"], x, n), stash_buf, stash,
                                  self.stash_names, is_leaf=is_names)
-        g_w = self.backward_weights(r["w_mb"], r["w_chunk"], jax.tree.map(lambda b: b[at(r["w_slot"])], stash_buf))
-        return (residuals, y, stash_buf), out, g_w
+        for w in ("w", "w2"):
+            stash_w = jax.tree.map(lambda b: b[at(r[w + "_slot"])], stash_buf)
+            g_stack = self.backward_weights(g_stack, at(r[w + "_chunk"]), at(r[w + "_first"]), r[w + "_count"], stash_w)
+        return (residuals, y, stash_buf), out, g_stack
 
     def run(self, stack, shared, stack_f, shared_f, mbs, count, aux_weight):
         stack, stack_f = (jax.tree.map(lambda a: a[:, 0], t) for t in (stack, stack_f))  # [v, Lc, ...]: this stage's
@@ -403,6 +412,7 @@ class _Stage:
         if not self.schedule.split:
             return None
         assert self.schedule.residual_depth == 1, "a split schedule keeps one R's residuals at a time"
+        assert self.repeats % self.schedule.pieces == 0, (self.repeats, self.schedule.pieces)  # W's pieces: layers
         tapped, rest = self.taps.split(self.chunk_of(stack, 0))
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
         self.stash_names = self.taps.stash_names(probes)

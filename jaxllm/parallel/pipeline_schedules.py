@@ -62,7 +62,8 @@ from jaxllm import stack
 from jaxllm.errors import ConfigError
 
 FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "r_mb", "r_chunk", "r_slot", "bwd_mb", "bwd_chunk", "bwd_slot",
-          "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "send_up", "send_down", "below_kind",
+          "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "w_first", "w_count", "w2_mb", "w2_chunk", "w2_slot", "w2_first",
+          "w2_count", "send_up", "send_down", "below_kind",
           "below_slot", "above_kind", "above_slot", "self_kind", "self_slot")
 SIDES = ("below", "above", "self")  # where an arriving value comes from: stage s−1, s+1, this stage
 NOTHING, OUTPUT, GRADIENT = 0, 1, 2  # what a stage sends (and so what arrives)
@@ -83,6 +84,7 @@ class Schedule:
     placement: str = "loop"  # "loop": chunk c of stage s is global stage c·p + s; "v": s, then 2p−1−s
     stash_depth: int = 0  # W stash slots per stage (0: the backward is not split)
     residual_depth: int = 0  # slots for R's residuals per stage
+    pieces: int = 1  # W of a chunk in this many pieces (its layers, or groups of them); a W slot runs w_count
 
     @property
     def ticks(self) -> int:
@@ -163,59 +165,89 @@ def interleaved_order(p: int, m: int, s: int, v: int) -> list[tuple[str, int, in
     return ops + [backward(k) for k in range(total - warmup, total)]
 
 
-def zero_bubble_orders(p: int, m: int, placement: str, inflight, stashed: int) -> list[list[tuple[str, int, int]]]:
-    """Every stage's order of F, R, B and W, built greedily one tick at a time (one operation per stage per
-    tick). R re-runs a chunk's forward from its saved input and keeps what its backward needs (the executor
-    keeps stage inputs, not activations); B, the input gradient, then needs nothing but the arriving gradient,
-    and W the stash B left. A stage picks: a B whose R is done and whose gradient has arrived (the earliest
-    microbatch, the later chunk first); else, holding no R's residuals, an R whose downstream stage has run
-    its own (its gradient is a tick or two away); else, unless `stashed` W stashes wait, a forward, while the
-    stage holds fewer than `inflight(s)` chunk inputs (a chunk-1 forward of the V always goes: it is on its
-    way to the turn, and holding it back could starve the B it waits for); else the oldest W.
+def zero_bubble_rows(p: int, m: int, placement: str, inflight, stashed: int, costs: "Costs", pieces: int):
+    """The zero-bubble schedules, built greedily one tick at a time: (rows, done) as `_run` makes them.
 
-    At unit costs ZB-H1 (placement "loop", inflight p − s as 1F1B, stashed p) runs in 4m + p − 1 ticks and
-    ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first
-    operation and its last: the schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose
-    (p−1)/(3m+p−1) and (p−1)/(6m+p−1) count three operations, with R added off the critical path. It is a
-    greedy order, not the paper's handcrafted one: the tests check it at p ≤ 8, m ≤ 16; the V needs m ≥ 2p−1
-    to keep its stages busy through their span (at p=4 it idles half a tick at m=16, and at p=8, m=32 it
-    takes five ticks more than 8m + p − 1).
+    Each tick a stage runs at most one of F, R and B, and fills the rest of the tick with W. R re-runs a chunk's
+    forward from its saved input and keeps what its backward needs (the executor keeps stage inputs, not
+    activations); B, the input gradient, then needs nothing but the arriving gradient, and W the stash B left.
+    A stage picks: a B whose R is done and whose gradient has arrived (the earliest microbatch, the later chunk
+    first); else, holding no R's residuals, an R whose downstream stage has run its own (its gradient is a tick
+    or two away); else, unless `stashed` W stashes wait, a forward, while the stage holds fewer than
+    `inflight(s)` chunk inputs (a chunk-1 forward of the V always goes: it is on its way to the turn, and
+    holding it back could starve the B it waits for). The tick lasts as long as the longest of these under
+    `costs`; then every stage fills what is left of it with W of its oldest stash, in `pieces` pieces (one per
+    layer of the chunk: each layer's weight gradients are separate), as many as fit, a whole W where no stage
+    runs anything else. So W takes up the time a stage would wait for the slowest operation of the tick.
+
+    At unit costs no piece fits beside another operation and W runs whole, as one operation: ZB-H1 (placement
+    "loop", inflight p − s as 1F1B, stashed p) runs in 4m + p − 1 ticks and ZB-V (placement "v", inflight
+    2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first operation and its last: the
+    schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose (p−1)/(3m+p−1) and (p−1)/(6m+p−1)
+    count three operations, with R added off the critical path. It is a greedy order, not the paper's
+    handcrafted one: the tests check it at p ≤ 8, m ≤ 16; the V needs m ≥ 2p−1 to keep its stages busy through
+    their span (at p=4 it idles half a tick at m=16, and at p=8, m=32 it takes five ticks more than 8m + p − 1).
     """
     v = 2 if placement == "v" else 1
-    done = {kind: {} for kind in "FRBW"}  # kind -> {(microbatch, global stage): tick}
-    orders = [[] for _ in range(p)]
+    cost = {"F": costs.forward / v, "R": costs.recompute / v, "B": costs.backward / v}
+    piece = costs.weight / v / pieces
+    done = {kind: {} for kind in "FRBW"}  # kind -> {(microbatch, global stage): tick} (W: its last piece's)
     state = [{"next_fwd": [0] * v, "held": 0, "residuals": 0, "waiting_w": []} for _ in range(p)]
-    tick, idle = 0, 0
-    while sum(map(len, orders)) < 4 * m * p * v:
-        progress = False
-        for s in range(p):
-            op = _next_op(s, tick, p, m, v, placement, done, state[s], inflight(s), stashed)
-            if op is None:
-                continue
-            kind, i, c = op
-            done[kind][(i, global_stage(placement, p, s, c))] = tick
-            orders[s].append(op)
-            progress = True
-            st = state[s]
-            if kind == "F":
-                st["held"] += 1
-                st["next_fwd"][c] += 1
-            elif kind == "R":
-                st["residuals"] += 1
-            elif kind == "B":
-                st["held"], st["residuals"] = st["held"] - 1, st["residuals"] - 1
-                st["waiting_w"].append((i, c))
-            else:
-                st["waiting_w"].pop(0)
-        idle = 0 if progress else idle + 1
+    rows, idle = [], 0
+    while len(done["W"]) < m * p * v:
+        tick = len(rows)
+        ops = [_next_op(s, tick, p, m, v, placement, done, state[s], inflight(s), stashed) for s in range(p)]
+        longest = max((cost[op[0]] for op in ops if op), default=piece * pieces)
+        row = [{} for _ in range(p)]
+        where = lambda s, c: global_stage(placement, p, s, c)
+        for s, op in enumerate(ops):
+            if op:
+                _take(op, s, tick, where, done, state[s], row[s])
+            room = (longest - cost[op[0]] if op else longest) / piece
+            _fill_w(s, tick, where, done, state[s], row[s], room, pieces)
+        idle = 0 if any(row) else idle + 1
         if idle > 2:  # three ticks without progress: nothing is in flight any more
-            raise ValueError(f"zero-bubble orders for p={p}, m={m} deadlock at tick {tick}")
-        tick += 1
-    return orders
+            raise ValueError(f"zero-bubble schedule for p={p}, m={m} deadlocks at tick {tick}")
+        rows.append(row)
+    return rows, done
+
+
+def _take(op, s, tick, where, done, st, row):
+    """Stage s runs F, R or B `op` = (kind, microbatch, chunk) at `tick` (`where(s, c)`: the global stage)."""
+    kind, i, c = op
+    done[kind][(i, where(s, c))] = tick
+    row[kind] = (i, c)
+    if kind == "F":
+        st["held"] += 1
+        st["next_fwd"][c] += 1
+    elif kind == "R":
+        st["residuals"] += 1
+    else:
+        st["held"], st["residuals"] = st["held"] - 1, st["residuals"] - 1
+        st["waiting_w"].append([i, c, 0])  # microbatch, chunk, pieces done
+
+
+def _fill_w(s, tick, where, done, st, row, room: float, pieces: int):
+    """Stage s runs as many of the `pieces` pieces of its waiting Ws (B done at an earlier tick) as fit in `room`
+    pieces' time, oldest first, from at most two of them (the table's two W slots, "W" and "W2")."""
+    for slot in ("W", "W2"):
+        if not st["waiting_w"]:
+            return
+        i, c, first = st["waiting_w"][0]
+        count = min(pieces - first, int(room + 1e-9))
+        if count <= 0 or done["B"][(i, where(s, c))] >= tick:
+            return
+        row[slot] = (i, c, first, count)
+        room -= count
+        st["waiting_w"][0][2] += count
+        if first + count < pieces:
+            return
+        st["waiting_w"].pop(0)
+        done["W"][(i, where(s, c))] = tick
 
 
 def _next_op(s, tick, p, m, v, placement, done, st, inflight, stashed):
-    """The operation stage s picks at `tick` (see `zero_bubble_orders`), or None."""
+    """The F, R or B stage s picks at `tick` (see `zero_bubble_rows`), or None."""
     last = p * v - 1
     before = lambda kind, i, g: done[kind].get((i, g), tick) < tick  # done at an earlier tick
     chunks = [(c, global_stage(placement, p, s, c)) for c in range(v)]
@@ -233,7 +265,7 @@ def _next_op(s, tick, p, m, v, placement, done, st, inflight, stashed):
         i = st["next_fwd"][c]
         if i < m and (g == 0 or before("F", i, g - 1)) and (st["held"] < inflight or c > 0):
             return "F", i, c
-    return ("W",) + st["waiting_w"][0] if st["waiting_w"] else None
+    return None
 
 
 # ---------------------------------------------------------------- orders -> table
@@ -258,25 +290,18 @@ def _slots(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return out, depth
 
 
-def _ready(kind: str, i: int, g: int, last: int, tick: int, done: dict, split: bool) -> bool:
-    """Whether operation `kind` of microbatch i on global stage g may run at `tick`: its inputs were made at
-    earlier ticks (in the fused schedules the last stage's backward may share its forward's tick: its forward
-    there is skipped, the backward re-runs the stage)."""
-    before = lambda k, g: done[k].get((i, g), tick) < tick
+def _ready(kind: str, i: int, g: int, last: int, tick: int, done: dict) -> bool:
+    """Whether the forward or backward (`kind` F or B) of microbatch i on global stage g may run at `tick` in a
+    fused schedule: its inputs were made at earlier ticks (the last stage's backward may share its forward's
+    tick: its forward there is skipped, the backward re-runs the stage)."""
     if kind == "F":
-        return g == 0 or before("F", g - 1)
-    if kind == "R":
-        return before("F", g)
-    if kind == "B" and split:
-        return before("R", g) and (g == last or before("B", g + 1))
-    if kind == "B":
-        return done["F"].get((i, g), tick + 1) <= tick if g == last else before("B", g + 1)
-    return before("B", g)
+        return g == 0 or done["F"].get((i, g - 1), tick) < tick
+    return done["F"].get((i, g), tick + 1) <= tick if g == last else done["B"].get((i, g + 1), tick) < tick
 
 
-def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) -> tuple[list, dict]:
-    """Run each stage down its order as early as the data allows: one operation per tick (`one_op`), or one
-    forward and one backward. (rows: per tick and stage {kind: (microbatch, chunk)}, done: kind -> {(i, g): tick})."""
+def _run(name: str, orders: list, placement: str, p: int, v: int) -> tuple[list, dict]:
+    """Run each stage down its order as early as the data allows, one forward and one backward per tick. (rows:
+    per tick and stage {kind: (microbatch, chunk)}, done: kind -> {(i, g): tick})."""
     last = p * v - 1
     done = {kind: {} for kind in "FRBW"}
     at = [0] * p
@@ -287,10 +312,9 @@ def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) 
             while at[s] < len(orders[s]):
                 kind, i, c = orders[s][at[s]]
                 g = global_stage(placement, p, s, c)
-                slot = "op" if one_op else kind
-                if slot in row[s] or not _ready(kind, i, g, last, len(rows), done, one_op):
+                if kind in row[s] or not _ready(kind, i, g, last, len(rows), done):
                     break
-                row[s][slot], row[s][kind] = kind, (i, c)
+                row[s][kind] = (i, c)
                 done[kind][(i, g)] = len(rows)
                 at[s] += 1
         if not any(row):
@@ -299,16 +323,21 @@ def _run(name: str, orders: list, placement: str, p: int, v: int, one_op: bool) 
     return rows, done
 
 
-def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int, placement: str = "loop",
-             one_op: bool = False) -> Schedule:
-    """Run each stage down its order as early as the data allows and lay the result out as a table with
-    buffer slots."""
-    p = len(orders)
+def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int, placement: str = "loop") -> Schedule:
+    """Run each stage down its order (one forward and one backward per tick) as early as the data allows and lay
+    the result out as a table with buffer slots."""
+    rows, done = _run(name, orders, placement, len(orders), v)
+    return _layout(name, rows, done, m, v, placement)
+
+
+def _layout(name: str, rows: list, done: dict, m: int, v: int, placement: str, pieces: int = 1) -> Schedule:
+    """The Schedule of a run (rows: per tick and stage {kind: (microbatch, chunk[, first piece, pieces])}, done:
+    kind -> {(i, g): tick}), with buffer slots."""
+    p = len(rows[0])
     last = p * v - 1
-    rows, done = _run(name, orders, placement, p, v, one_op)
     # Buffers. The input of global stage g > 0 arrives the tick after g−1's forward and lives until g's
     # backward (its R when split); the output gradient of g < last arrives the tick after g+1's backward and
-    # lives until g's backward; R's residuals live from the R to the B, the W stash from the B to the W.
+    # lives until g's backward; R's residuals live from the R to the B, the W stash from the B to the last W.
     where = lambda g: stage_of(placement, p, g)[0]
     act, grad, residual, stash = ([[] for _ in range(p)] for _ in range(4))
     for (i, g), t in done["B"].items():
@@ -326,7 +355,8 @@ def lockstep(name: str, orders: list[list[tuple[str, int, int]]], m: int, v: int
             slots[k].update(got)
             depths[k] = max(depths[k], depth)
     table = _table(rows, slots, placement, p, last)
-    return Schedule(name, p, v, m, table, max(depths[0], 1), max(depths[1], 1), placement, depths[3], depths[2])
+    return Schedule(name, p, v, m, table, max(depths[0], 1), max(depths[1], 1), placement, depths[3], depths[2],
+                    pieces)
 
 
 def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.ndarray:
@@ -336,6 +366,7 @@ def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.nda
     table = np.full((len(rows), p, len(FIELDS)), -1, np.int32)
     col = {f: k for k, f in enumerate(FIELDS)}
     table[:, :, [col[f] for f in FIELDS if f.startswith("send_") or f.endswith("_kind")]] = NOTHING
+    table[:, :, [col["w_count"], col["w2_count"]]] = 0
 
     def send(t, s, g_to, what, value_slot):
         to = stage_of(placement, p, g_to)[0]
@@ -378,22 +409,30 @@ def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.nda
                     table[t, s, col["bwd_grad_slot"]] = grad_slot[(i, g)]
                 if (i, g) in stash_slot:
                     table[t, s, col["stash_slot"]] = stash_slot[(i, g)]
-            if "W" in ops:
-                i, c = ops["W"]
-                table[t, s, col["w_mb"]], table[t, s, col["w_chunk"]] = i, c
-                table[t, s, col["w_slot"]] = stash_slot[(i, global_stage(placement, p, s, c))]
+            for kind in ("W", "W2"):
+                if kind in ops:
+                    i, c, first, count = ops[kind]
+                    w = kind.lower()
+                    table[t, s, [col[w + "_mb"], col[w + "_chunk"], col[w + "_first"], col[w + "_count"]]] = (
+                        i, c, first, count)
+                    table[t, s, col[w + "_slot"]] = stash_slot[(i, global_stage(placement, p, s, c))]
     return table
 
 
-def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, costs: "Costs | None" = None,
+                  pieces: int = 1) -> Schedule:
     """The table of schedule `name` (gpipe | 1f1b | interleaved | zb_h1 | zb_v) for p stages, m microbatches,
-    v chunks (interleaved; zb_v always has two, in a V)."""
+    v chunks (interleaved; zb_v always has two, in a V). The zero-bubble tables are built for `costs` (unit
+    costs by default), with W in `pieces` pieces per chunk (`zero_bubble_rows`)."""
     check(name, stages, microbatches, chunks)
     p, m, v = stages, microbatches, chunks
+    costs = costs or UNIT
     if name == "zb_h1":
-        return lockstep(name, zero_bubble_orders(p, m, "loop", lambda s: p - s, p), m, 1, one_op=True)
+        rows, done = zero_bubble_rows(p, m, "loop", lambda s: p - s, 2 * p, costs, pieces)
+        return _layout(name, rows, done, m, 1, "loop", pieces)
     if name == "zb_v":
-        return lockstep(name, zero_bubble_orders(p, m, "v", lambda s: 2 * p - 1, 2 * p), m, 2, "v", one_op=True)
+        rows, done = zero_bubble_rows(p, m, "v", lambda s: 2 * p - 1, 2 * p, costs, pieces)
+        return _layout(name, rows, done, m, 2, "v", pieces)
     if name == "gpipe":
         orders = [gpipe_order(p, m, s) for s in range(p)]
     elif name == "1f1b":
@@ -483,11 +522,20 @@ class Costs:
 UNIT = Costs()
 
 
+def layer_costs(matmul: float, attention: float, last_matmul: float) -> Costs:
+    """Costs in units of the forward from a layer's forward flops: its matmuls', attention's (scores and values)
+    and the last matmul's. The input gradient redoes each matmul once (against the weight) and attention twice,
+    the weight gradients each matmul once, R the forward but its last matmul."""
+    forward = matmul + attention
+    return Costs(1.0, (forward - last_matmul) / forward, (matmul + 2 * attention) / forward, matmul / forward)
+
+
 def op_times(s: Schedule, costs: Costs = UNIT) -> np.ndarray:
     """[ticks, stages] busy time of each stage in each tick."""
     fused = costs.recompute + costs.backward + costs.weight
     busy = ((s.field("fwd_mb") >= 0) * costs.forward + (s.field("r_mb") >= 0) * costs.recompute
-            + (s.field("bwd_mb") >= 0) * (costs.backward if s.split else fused) + (s.field("w_mb") >= 0) * costs.weight)
+            + (s.field("bwd_mb") >= 0) * (costs.backward if s.split else fused)
+            + (s.field("w_count") + s.field("w2_count")) / s.pieces * costs.weight)
     return busy / s.chunks
 
 

@@ -31,6 +31,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm import batch as batch_lib
+from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
 from jaxllm.models import base_quant, lora
@@ -40,7 +41,7 @@ from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import fp8
 from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
-from jaxllm.parallel.pipeline_schedules import SPLIT, make_schedule
+from jaxllm.parallel.pipeline_schedules import SPLIT, Schedule, make_schedule, model_chunks
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
 from jaxllm.train import bias_balance, gradients, guard, offload, preference
@@ -145,6 +146,13 @@ class StepFns:
         return batch_lib.abstract(rows, seq, self.batch_sharding, self.objective.fields)
 
 
+def pipeline_schedule(m, t, pp: int) -> Schedule:
+    """The pipeline's table: the zero-bubble ones built for this model's per-layer costs
+    (`transformer.layer_costs`), with W in one piece per layer (per repeat of the layer pattern) of a chunk."""
+    chunk_layers = stack_lib.segments(m)[-1].repeats // (pp * model_chunks(t.pp_schedule, t.pp_virtual))
+    return make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual, transformer.layer_costs(m), chunk_layers)
+
+
 def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> Paths:
     m, t, mesh = cfg.model, cfg.train, layout.mesh
     sp = mesh.shape["sp"]
@@ -154,8 +162,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         grad_rules=sh.grad_rules, batch_shards=batch_shards(dict(mesh.shape)),
         microbatch_sharding=NamedSharding(mesh, P(None, BATCH_AXES)),
         order=zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None,
-        schedule=(make_schedule(t.pp_schedule, mesh.shape["pp"], t.microbatches, t.pp_virtual)
-                  if mesh.shape["pp"] > 1 else None),
+        schedule=pipeline_schedule(m, t, mesh.shape["pp"]) if mesh.shape["pp"] > 1 else None,
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
         bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight,
         trainable=trained(m)[1], seed=t.seed)
