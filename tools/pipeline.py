@@ -6,11 +6,13 @@ Builds the table `jaxllm/parallel/pipeline_schedules.py` builds for training (th
 - writes a PNG timeline: one row per stage (stage 0 on top), time along x. Each tick is
   as wide as its `tick_times` (the busiest stage's work); inside a tick a stage runs its
   forward box (width F/v), then its backward box (width (R+B+W)/v, fused), or in the
-  zero-bubble schedules its one operation: F, R (the re-run, width R/v), B (the input
-  gradient) or W (the weight gradients). Forwards are blue, R purple, backwards orange,
-  W green, darker for later chunks (interleaved, ZB-V), with the microbatch number in
-  each box; idle time is left blank. Costs are per microbatch and stage, 1 each unless
-  given (`--forward` ..., or `--costs-from PRESET`: one layer's, compiled);
+  zero-bubble schedules at most one of F, R (the re-run, width R/v) and B (the input
+  gradient), then pieces of W (the weight gradients, W/v for a whole chunk). Forwards are
+  blue, R purple, backwards orange, W green, darker for later chunks (interleaved, ZB-V),
+  with the microbatch number in each box; idle time is left blank. Costs are per
+  microbatch and stage, 1 each unless given (`--forward` ..., or `--costs-from PRESET`:
+  one layer's, compiled), and the zero-bubble tables are built for them, with W in one
+  piece per layer of `--layers` (the preset's by default: as the trainer builds them);
 - prints the bubble fraction measured on the table next to the closed form at unit costs
   ((p−1)/(m+p−1), (p−1)/(v·m+p−1) with v chunks, (p−1)/(4m+p−1) for ZB-H1,
   (p−1)/(8m+p−1) for ZB-V), the most idle time inside one stage's span (the

@@ -50,6 +50,7 @@ of stdout is one JSON object (the dict `plan(cfg)` returns).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -536,19 +537,21 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
       backward and output gradients waiting for it (parallel/pipeline_schedules.py);
     - the executor sends 2 collective-permutes per tick (forward output downstream, input gradient
       upstream), one slot each: 2 × ticks per step;
-    - the bubble from the table (`bubble_fraction`, unit costs: F = R = B = W) beside its closed form
-      (`bubble_formula`);
+    - the bubble from the table (`bubble_fraction`) at unit costs (F = R = B = W) beside its closed form
+      (`bubble_formula`), and at this model's per-layer costs (`transformer.layer_costs`, which the
+      zero-bubble tables are built for);
     - with a split backward (zb_h1, zb_v) the W stash (`models/taps.py`): one slot holds a chunk's stash for
       one microbatch, b·seq_len·E times the tapped projections' input and output elements per token
       (`taps.stash_elements`) times the chunk's layers; the program holds stash_depth slots, the stash B is
       making and the zero probes it makes it from: (stash_depth + 2) slots.
 
     Returns {"enabled" (pp > 1), "note", "pp", "params" (`stage_params`), "assumes"} and, when enabled,
-    "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula"}, "act_depth", "grad_depth", "b", "s", "d",
+    "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula", "model_costs", "costs"}, "act_depth", "grad_depth", "b", "s", "d",
     "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
     "collective_permute": {"count", "bytes_per_call", "bytes"}, and with a split backward "stash_depth",
     "stash_slot_bytes", "stash_bytes".
     """
+    from jaxllm.models.transformer import layer_costs
     from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
     from jaxllm.train.step import pipeline_schedule
 
@@ -566,7 +569,8 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     slot = b * s * m.d_model * E
     stash = _stash(m, sch, b, E, int(mesh_shape.get("tp", 1))) if sch.split else {}
     return {**out, **stash, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
-            "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch)},
+            "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch),
+                       "model_costs": bubble_fraction(sch, layer_costs(m)), "costs": dataclasses.astuple(layer_costs(m))},
             "act_depth": sch.act_depth, "grad_depth": sch.grad_depth, "b": b, "s": s, "d": m.d_model,
             "dtype": str(getattr(compute_dtype, "name", compute_dtype)), "dtype_bytes": E, "slot_bytes": slot,
             "buffer_bytes": (sch.act_depth + sch.grad_depth) * slot,
@@ -1000,8 +1004,9 @@ def _format_pipeline(pl: dict) -> list[str]:
     cp, bub = pl["collective_permute"], pl["bubble"]
     slots = pl["act_depth"] + pl["grad_depth"]
     lines = ["", f"pipeline (pp={pl['pp']}, {pl['schedule']}, v={pl['v']}, m={pl['m']})",
-             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table (unit costs), closed form "
-             f"{bub['formula']:.4f}",
+             f"  {pl['ticks']} ticks; bubble {bub['table']:.4f} from the table at unit costs (closed form "
+             f"{bub['formula']:.4f}), {bub['model_costs']:.4f} at this model's per-layer costs "
+             f"(F : R : B : W = {' : '.join(f'{c:.2f}' for c in bub['costs'])})",
              f"  buffers: {pl['act_depth']} stage input(s) kept + {pl['grad_depth']} gradient slot(s) = {slots} × "
              f"b={pl['b']} × s={pl['s']} × d={pl['d']} × {pl['dtype_bytes']} B ({pl['dtype']}) = "
              f"{format_bytes(pl['buffer_bytes'])} per device"]

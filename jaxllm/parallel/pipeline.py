@@ -17,12 +17,14 @@ tick a stage reads its own row of the table (by `axis_index('pp')`) and:
    last global stage: the loss, the head's cotangent is 1) and the chunk's auxiliary
    objective (MoE losses, linear in its layers' router statistics, cotangent 1), adding
    the weight gradients into an accumulator and the statistics into a sum;
-   or, with the backward split (zb_h1, zb_v), three slots: R re-runs the chunk from its
+   or, with the backward split (zb_h1, zb_v), four slots: R re-runs the chunk from its
    saved input under `jax.vjp` with its projection weights tapped (`models/taps.py`) and
-   keeps the pullback (one set per stage: the schedule runs each B before the next R); B
-   pulls the output gradient back through it, making the input gradient, the other
-   weights' gradients and the W stash (each projection's input and output cotangent),
-   kept in a stash slot; W turns a stash into the projection weights' gradients;
+   keeps the pullback (one set per stage: the schedule runs each B before the next R),
+   less what the weights alone give (`_given_by`), which B makes again; B pulls the output
+   gradient back through it, making the input gradient, the other weights' gradients and
+   the W stash (each projection's input and output cotangent), kept in a stash slot; two W
+   slots each turn a range of a stash's layers (the table's pieces) into those layers'
+   projection weight gradients, added into the accumulator layer by layer;
 3. exchange: one `ppermute` sends to stage s+1 and one to s−1 what the table says (a forward
    output or an input gradient: downstream and upstream for the loop placement, both ways
    in the V); what arrives from each side, and what a stage keeps of its own at the V's
@@ -36,13 +38,13 @@ two uses of tied embeddings.
 
 Collectives per call (per device; b·t·d activations of one microbatch, E bytes each):
 2 collective-permutes per tick, b·t·d·E bytes each, over the schedule's ticks
-(2(m+p−1)−1 for GPipe, m+2(p−1) for 1F1B, 4m+p−1 for ZB-H1 and 8m+p−1 for ZB-V: one
-operation per tick, so most permutes carry nothing the receiver keeps); then one
+(2(m+p−1)−1 for GPipe, m+2(p−1) for 1F1B, 4m+p−1 for ZB-H1 and 8m+p−1 for ZB-V at unit
+costs: one operation per tick, so most permutes carry nothing the receiver keeps); then one
 all-reduce over pp of the loss and the embedding/head gradients, and under ZeRO-0/1 one all-reduce over the batch axes of
 all gradients. Under ZeRO-2/3 the gradients are reduce-scattered over fsdp into the
-sharded accumulators every tick, and under ZeRO-3 each forward, backward and R slot
-all-gathers the chunk's weights over fsdp (W needs no weights gathered: its gradient is
-a contraction of the stash), unless `gather_once`: then the stage's weights are gathered
+sharded accumulators every tick, and under ZeRO-3 each forward, backward, R and B slot
+all-gathers the chunk's weights over fsdp (B for the weights as used that R did not keep;
+W needs no weights gathered: its gradient is a contraction of the stash), unless `gather_once`: then the stage's weights are gathered
 once (in the compute dtype) before the loop. With v > 1 the [v, p, L/(p·v)] view of the
 layer stack (chunk 1 reversed for the V) is not the contiguous split the weights are
 stored in, so at the island's edge the partitioner moves most of each stage's weights in

@@ -19,23 +19,27 @@ slower kind of work), and their backward re-runs the stage from its saved input 
 computes the weight gradients too. The zero-bubble schedules (zb_h1, zb_v) split that
 backward in three: R (re-run the chunk from its input, keeping its VJP), B (the input
 gradient, on the critical path) and W (the weight gradients, from what B left in the "W
-stash"), and give each stage one operation per tick, F, R, B or W, so that W fills the
-ticks a stage would otherwise wait and R runs before the gradient arrives. (The paper's B
-keeps activations instead of re-running; here R is B's share of the re-run, off the
-critical path.)
+stash"), and give each stage at most one of F, R and B per tick and the rest of the tick
+for W, in pieces, so that W fills the time a stage would otherwise wait and R runs before
+the gradient arrives (`zero_bubble_rows`; the tables are built for the operations' costs).
+(The paper's B keeps activations instead of re-running; here R is B's share of the re-run,
+off the critical path.)
 
-A generator writes each stage's work as an ordered list of operations; `lockstep` then
-runs every stage down its list as early as the data allows and records:
+For the fused schedules a generator writes each stage's work as an ordered list of
+operations and `lockstep` runs every stage down its list as early as the data allows; the
+zero-bubble ones are built tick by tick. Either way the table records:
 
 - `fwd_mb`, `fwd_chunk`: the microbatch and chunk run forward (−1: none);
 - `r_mb`, `r_chunk`: the same for R (zero-bubble schedules only), `r_slot` the activation
   slot it re-runs from;
 - `bwd_mb`, `bwd_chunk`: the same for the backward (B);
-- `w_mb`, `w_chunk`: the same for the weight gradients (W; zero-bubble schedules only);
+- `w_mb`, `w_chunk`: the same for the weight gradients (W; zero-bubble schedules only), of
+  pieces `w_first` to `w_first + w_count` (a chunk's W is `pieces` pieces, one per layer or
+  group of layers); `w2_*` a second W slot, so a tick can finish one stash and start the next;
 - `fwd_slot`: the activation buffer slot holding that forward's input;
 - `bwd_slot`, `bwd_grad_slot`: the slots holding the saved input (a fused backward's)
   and the output gradient of that backward; `stash_slot`: where B leaves its W stash,
-  `w_slot`: where W reads it;
+  `w_slot`, `w2_slot`: where W reads it;
 - `send_up`, `send_down`: what the stage sends to s+1 and to s−1 (`NOTHING`, `OUTPUT`:
   its forward's output, `GRADIENT`: its backward's input gradient);
 - `below_kind`, `below_slot`: what arrives from stage s−1 at the end of the tick (`OUTPUT`
@@ -47,7 +51,7 @@ runs every stage down its list as early as the data allows and records:
 The first global stage reads tokens, not a buffer; the last one computes the loss,
 so its backward needs no gradient and its forward has nothing to send (the executor
 skips it: the backward recomputes the stage anyway). Slots are given out interval by
-interval (arrival to backward, or to R; backward to W for the stash), so a buffer's depth is
+interval (arrival to backward, or to R; backward to its last W piece for the stash), so a buffer's depth is
 the most inputs alive at once on any stage: the executor's memory comes straight from the
 table.
 """
@@ -62,9 +66,9 @@ from jaxllm import stack
 from jaxllm.errors import ConfigError
 
 FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "r_mb", "r_chunk", "r_slot", "bwd_mb", "bwd_chunk", "bwd_slot",
-          "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "w_first", "w_count", "w2_mb", "w2_chunk", "w2_slot", "w2_first",
-          "w2_count", "send_up", "send_down", "below_kind",
-          "below_slot", "above_kind", "above_slot", "self_kind", "self_slot")
+          "bwd_grad_slot", "stash_slot", "w_mb", "w_chunk", "w_slot", "w_first", "w_count", "w2_mb", "w2_chunk",
+          "w2_slot", "w2_first", "w2_count", "send_up", "send_down", "below_kind", "below_slot", "above_kind",
+          "above_slot", "self_kind", "self_slot")
 SIDES = ("below", "above", "self")  # where an arriving value comes from: stage s−1, s+1, this stage
 NOTHING, OUTPUT, GRADIENT = 0, 1, 2  # what a stage sends (and so what arrives)
 
@@ -428,7 +432,7 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1, co
     p, m, v = stages, microbatches, chunks
     costs = costs or UNIT
     if name == "zb_h1":
-        rows, done = zero_bubble_rows(p, m, "loop", lambda s: p - s, 2 * p, costs, pieces)
+        rows, done = zero_bubble_rows(p, m, "loop", lambda s: p - s, p + 2, costs, pieces)
         return _layout(name, rows, done, m, 1, "loop", pieces)
     if name == "zb_v":
         rows, done = zero_bubble_rows(p, m, "v", lambda s: 2 * p - 1, 2 * p, costs, pieces)
