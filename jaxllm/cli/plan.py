@@ -546,8 +546,8 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
       making and the zero probes it makes it from: (stash_depth + 2) slots.
 
     Returns {"enabled" (pp > 1), "note", "pp", "params" (`stage_params`), "assumes"} and, when enabled,
-    "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula", "model_costs", "costs"}, "act_depth", "grad_depth", "b", "s", "d",
-    "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
+    "schedule", "p", "v", "m", "ticks", "bubble": {"table", "formula", "model_costs", "costs"}, "act_depth",
+    "grad_depth", "b", "s", "d", "dtype", "dtype_bytes", "slot_bytes", "buffer_bytes",
     "collective_permute": {"count", "bytes_per_call", "bytes"}, and with a split backward "stash_depth",
     "stash_slot_bytes", "stash_bytes".
     """
@@ -568,9 +568,10 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     E = _dtype_bytes(compute_dtype)
     slot = b * s * m.d_model * E
     stash = _stash(m, sch, b, E, int(mesh_shape.get("tp", 1))) if sch.split else {}
+    costs = layer_costs(m)
     return {**out, **stash, "schedule": sch.name, "p": pp, "v": sch.chunks, "m": sch.microbatches, "ticks": sch.ticks,
             "bubble": {"table": bubble_fraction(sch), "formula": bubble_formula(sch),
-                       "model_costs": bubble_fraction(sch, layer_costs(m)), "costs": dataclasses.astuple(layer_costs(m))},
+                       "model_costs": bubble_fraction(sch, costs), "costs": dataclasses.astuple(costs)},
             "act_depth": sch.act_depth, "grad_depth": sch.grad_depth, "b": b, "s": s, "d": m.d_model,
             "dtype": str(getattr(compute_dtype, "name", compute_dtype)), "dtype_bytes": E, "slot_bytes": slot,
             "buffer_bytes": (sch.act_depth + sch.grad_depth) * slot,

@@ -44,8 +44,9 @@ all-reduce over pp of the loss and the embedding/head gradients, and under ZeRO-
 all gradients. Under ZeRO-2/3 the gradients are reduce-scattered over fsdp into the
 sharded accumulators every tick, and under ZeRO-3 each forward, backward, R and B slot
 all-gathers the chunk's weights over fsdp (B for the weights as used that R did not keep;
-W needs no weights gathered: its gradient is a contraction of the stash), unless `gather_once`: then the stage's weights are gathered
-once (in the compute dtype) before the loop. With v > 1 the [v, p, L/(p·v)] view of the
+W needs no weights gathered: its gradient is a contraction of the stash), unless
+`gather_once`: then the stage's weights are gathered once (in the compute dtype) before
+the loop. With v > 1 the [v, p, L/(p·v)] view of the
 layer stack (chunk 1 reversed for the V) is not the contiguous split the weights are
 stored in, so at the island's edge the partitioner moves most of each stage's weights in
 (all-to-all over pp) and their gradients back, once per step.
@@ -106,6 +107,7 @@ def _f32(tree):
 def _zeros_like(tree, dtype=None):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree)
 
+
 def _given_by(fn, known, *unknown):
     """Which of the outputs of `fn(known, *unknown)` (a list of arrays) depend on `known` alone, and how to make
     just those from `known`: (mask, rebuild(known) -> those outputs, every output's shape). JAX's own partial
@@ -126,7 +128,6 @@ def _given_by(fn, known, *unknown):
         warnings.warn(f"pipeline: R keeps the weights it used (this JAX cannot split a program by dependence: {e})")
         return [False] * len(shapes), lambda k: [], shapes
     return [not u for u in out_unknown], lambda k: run(*jax.tree.leaves(k)), shapes
-
 
 
 class _Stage:
@@ -234,7 +235,7 @@ class _Stage:
 
     def recompute(self, kind, c, i, x_in, kept):
         """R of a split backward: chunk c re-run from its saved input (on the first global stage: from the
-        embedding), keeping what its backward needs but the weights can give again (`kept_residuals`).
+        embedding), keeping what its backward needs but what the weights alone give (`_given_by`).
         (residuals, output (on the last global stage only, for the head), aux: the chunk's and the embedding's);
         when idle, `kept` (residuals, output) as they are: the schedule runs each B before the next R, so one
         set is ever kept, updated in place rather than through a slot buffer's copies."""

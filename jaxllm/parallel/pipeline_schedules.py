@@ -51,9 +51,9 @@ zero-bubble ones are built tick by tick. Either way the table records:
 The first global stage reads tokens, not a buffer; the last one computes the loss,
 so its backward needs no gradient and its forward has nothing to send (the executor
 skips it: the backward recomputes the stage anyway). Slots are given out interval by
-interval (arrival to backward, or to R; backward to its last W piece for the stash), so a buffer's depth is
-the most inputs alive at once on any stage: the executor's memory comes straight from the
-table.
+interval (arrival to backward, or to R; backward to its last W piece for the stash), so a
+buffer's depth is the most inputs alive at once on any stage: the executor's memory comes
+straight from the table.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def zero_bubble_rows(p: int, m: int, placement: str, inflight, stashed: int, cos
     runs anything else. So W takes up the time a stage would wait for the slowest operation of the tick.
 
     At unit costs no piece fits beside another operation and W runs whole, as one operation: ZB-H1 (placement
-    "loop", inflight p − s as 1F1B, stashed p) runs in 4m + p − 1 ticks and ZB-V (placement "v", inflight
+    "loop", inflight p − s as 1F1B, stashed p + 2) runs in 4m + p − 1 ticks and ZB-V (placement "v", inflight
     2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first operation and its last: the
     schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose (p−1)/(3m+p−1) and (p−1)/(6m+p−1)
     count three operations, with R added off the critical path. It is a greedy order, not the paper's
@@ -197,13 +197,13 @@ def zero_bubble_rows(p: int, m: int, placement: str, inflight, stashed: int, cos
     piece = costs.weight / v / pieces
     done = {kind: {} for kind in "FRBW"}  # kind -> {(microbatch, global stage): tick} (W: its last piece's)
     state = [{"next_fwd": [0] * v, "held": 0, "residuals": 0, "waiting_w": []} for _ in range(p)]
+    where = lambda s, c: global_stage(placement, p, s, c)
     rows, idle = [], 0
     while len(done["W"]) < m * p * v:
         tick = len(rows)
         ops = [_next_op(s, tick, p, m, v, placement, done, state[s], inflight(s), stashed) for s in range(p)]
         longest = max((cost[op[0]] for op in ops if op), default=piece * pieces)
         row = [{} for _ in range(p)]
-        where = lambda s, c: global_stage(placement, p, s, c)
         for s, op in enumerate(ops):
             if op:
                 _take(op, s, tick, where, done, state[s], row[s])
