@@ -109,15 +109,15 @@ def _zeros_like(tree, dtype=None):
 
 
 def _given_by(fn, known, *unknown):
-    """Which of the outputs of `fn(known, *unknown)` (a list of arrays) depend on `known` alone, and how to make
-    just those from `known`: (mask, rebuild(known) -> those outputs, every output's shape). JAX's own partial
+    """Which of the leaves of `fn(known, *unknown)` (a pytree of arrays) depend on `known` alone, and how to make
+    just those from `known`: (mask over the leaves, rebuild(known) -> those leaves, the output's shapes as a
+    pytree like it). JAX's own partial
     evaluation (the split `jax.linearize` makes) and dead-code elimination, on the traced program: R's
     pullback holds the chunk's weights as used (cast, gathered), which B can make again instead of the loop
     carrying a copy of them from R to B."""
-    closed = jax.make_jaxpr(fn)(known, *unknown)
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(known, *unknown)
     n_known = len(jax.tree.leaves(known))
     unknowns = [False] * n_known + [True] * (len(closed.jaxpr.invars) - n_known)
-    shapes = [v.aval for v in closed.jaxpr.outvars]
     try:  # internal API (checked on JAX 0.10): where it has moved, keep every residual (more memory, same numbers)
         known_part, _, out_unknown, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
         n_out = out_unknown.count(False)  # the known part's outputs: these, then what the unknown part needs
@@ -126,7 +126,7 @@ def _given_by(fn, known, *unknown):
         run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, known_part.consts))
     except (AttributeError, TypeError, ValueError) as e:
         warnings.warn(f"pipeline: R keeps the weights it used (this JAX cannot split a program by dependence: {e})")
-        return [False] * len(shapes), lambda k: [], shapes
+        return [False] * len(closed.jaxpr.outvars), lambda k: [], shapes
     return [not u for u in out_unknown], lambda k: run(*jax.tree.leaves(k)), shapes
 
 
@@ -420,13 +420,12 @@ class _Stage:
         probes = self.taps.probes(tapped, self.rows, self.zeros_x.dtype)
         self.stash_names = self.taps.stash_names(probes)
         self.no_stash, self.no_rest = probes, _zeros_like(rest, jnp.float32)
-        leaves = lambda weights, c, x, i: jax.tree.leaves(self.chunk_vjp(weights, c, x, self.microbatch(i))[0])
-        self.rebuilt, self.rebuild, shapes = _given_by(leaves, self.chunk_of(self.used_stack, 0), jnp.int32(0),
+        pullback = lambda weights, c, x, i: self.chunk_vjp(weights, c, x, self.microbatch(i))[0]
+        self.rebuilt, self.rebuild, shapes = _given_by(pullback, self.chunk_of(self.used_stack, 0), jnp.int32(0),
                                                        self.zeros_x, jnp.int32(0))
-        self.residual_structure = jax.tree.structure(jax.eval_shape(
-            lambda c, i: self.chunk_vjp(self.chunk_of(self.used_stack, c), c, self.zeros_x, self.microbatch(i))[0],
-            jnp.int32(0), jnp.int32(0)))
-        residuals = [jnp.zeros(a.shape, a.dtype) for a, again in zip(shapes, self.rebuilt) if not again]
+        self.residual_structure = jax.tree.structure(shapes)
+        residuals = [jnp.zeros(a.shape, a.dtype) for a, again in zip(jax.tree.leaves(shapes), self.rebuilt)
+                     if not again]
         stash_buf = jax.tree.map(lambda a, n: self.pin(jnp.zeros((self.schedule.stash_depth,) + a.shape, a.dtype), n),
                                  probes, self.stash_names, is_leaf=is_names)
         return residuals, self.zeros_x, stash_buf

@@ -385,26 +385,25 @@ def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.nda
         assert table[t, to, col[side + "_kind"]] == NOTHING, "two values on one channel"
         table[t, to, col[side + "_kind"]], table[t, to, col[side + "_slot"]] = what, value_slot
 
+    def put(t, s, prefix, op):  # an operation's microbatch and chunk; (microbatch, global stage)
+        i, c = op[:2]
+        table[t, s, col[prefix + "_mb"]], table[t, s, col[prefix + "_chunk"]] = i, c
+        return i, global_stage(placement, p, s, c)
+
     for t, row in enumerate(rows):
         for s, ops in enumerate(row):
             if "F" in ops:
-                i, c = ops["F"]
-                g = global_stage(placement, p, s, c)
-                table[t, s, col["fwd_mb"]], table[t, s, col["fwd_chunk"]] = i, c
+                i, g = put(t, s, "fwd", ops["F"])
                 if g > 0:
                     table[t, s, col["fwd_slot"]] = act_slot[(i, g)]
                 if g < last:  # its output arrives at global stage g+1's stage at the end of this tick
                     send(t, s, g + 1, OUTPUT, act_slot[(i, g + 1)])
             if "R" in ops:
-                i, c = ops["R"]
-                g = global_stage(placement, p, s, c)
-                table[t, s, col["r_mb"]], table[t, s, col["r_chunk"]] = i, c
+                i, g = put(t, s, "r", ops["R"])
                 if g > 0:
                     table[t, s, col["r_slot"]] = act_slot[(i, g)]
             if "B" in ops:
-                i, c = ops["B"]
-                g = global_stage(placement, p, s, c)
-                table[t, s, col["bwd_mb"]], table[t, s, col["bwd_chunk"]] = i, c
+                i, g = put(t, s, "bwd", ops["B"])
                 if g > 0 and (i, g) not in res_slot:  # a fused backward re-runs the stage from its input
                     table[t, s, col["bwd_slot"]] = act_slot[(i, g)]
                 if g > 0:
@@ -413,13 +412,11 @@ def _table(rows: list, slots: list, placement: str, p: int, last: int) -> np.nda
                     table[t, s, col["bwd_grad_slot"]] = grad_slot[(i, g)]
                 if (i, g) in stash_slot:
                     table[t, s, col["stash_slot"]] = stash_slot[(i, g)]
-            for kind in ("W", "W2"):
-                if kind in ops:
-                    i, c, first, count = ops[kind]
-                    w = kind.lower()
-                    table[t, s, [col[w + "_mb"], col[w + "_chunk"], col[w + "_first"], col[w + "_count"]]] = (
-                        i, c, first, count)
-                    table[t, s, col[w + "_slot"]] = stash_slot[(i, global_stage(placement, p, s, c))]
+            for w in ("w", "w2"):  # the two W slots: pieces first .. first + count of a stash
+                if w.upper() in ops:
+                    i, g = put(t, s, w, ops[w.upper()])
+                    table[t, s, col[w + "_first"]], table[t, s, col[w + "_count"]] = ops[w.upper()][2:]
+                    table[t, s, col[w + "_slot"]] = stash_slot[(i, g)]
     return table
 
 
