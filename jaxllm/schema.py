@@ -333,7 +333,7 @@ class TrainConfig:
                                    "forward one backward, at most 2·pp−1 stage inputs kept), `interleaved` "
                                    "(Megatron's interleaved 1F1B; `microbatches` a multiple of `pp`), or the "
                                    "zero-bubble schedules, whose backward is split into a re-run, the input gradient "
-                                   "and the weight gradients, one operation a tick: `zb_h1` (1F1B's in-flight count) "
+                                   "and the weight gradients, the last in pieces filling each tick: `zb_h1` (1F1B's in-flight count) "
                                    "and `zb_v` (two chunks per stage in a V); see docs/pipeline.md")
     pp_virtual: int = key(1, "model chunks per stage for `interleaved` (the bubble shrinks roughly by this factor; "
                              "each step then moves stage weights between stages, see docs/design-notes.md); the "

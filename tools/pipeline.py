@@ -154,9 +154,9 @@ def compare(p: int, m: int, costs: Costs, layers: int | None = None) -> dict:
     (interleaved with v = 2), built for and measured at `costs`, with W in one piece per layer of `layers`."""
     out = {}
     for name in SCHEDULES:
-        v = model_chunks(name, 2 if name == "interleaved" else 1)
+        virtual = 2 if name == "interleaved" else 1
         try:
-            s = make_schedule(name, p, m, 2 if name == "interleaved" else 1, costs, pieces(layers, p, v))
+            s = make_schedule(name, p, m, virtual, costs, pieces(layers, p, model_chunks(name, virtual)))
         except ValueError:
             continue
         out[name] = {"ticks": s.ticks, "time": float(tick_times(s, costs).sum()), "bubble": bubble_fraction(s, costs)}
