@@ -44,9 +44,12 @@ def shard_bytes(folder: Path) -> dict:
 
 # ---------------------------------------------------------------- formats and prepare-data
 
-def test_the_same_texts_in_four_formats_give_the_same_shards(tmp_path):
+def test_the_same_texts_in_every_format_give_the_same_shards(tmp_path):
+    """Text files, JSONL, Parquet, an Arrow IPC stream (datasets' save_to_disk) and an Arrow IPC file (Feather v2,
+    lz4-compressed, in several record batches, as pandas' to_feather and polars' write_ipc write it)."""
     import datasets
     import pyarrow as pa
+    import pyarrow.feather as feather
     import pyarrow.parquet as pq
 
     docs = texts(120)
@@ -55,9 +58,12 @@ def test_the_same_texts_in_four_formats_give_the_same_shards(tmp_path):
     for i, t in enumerate(docs):
         (folder / f"{i:04d}.txt").write_text(t)
     sources = {"text": folder, "jsonl": write_jsonl(tmp_path / "docs.jsonl", docs),
-               "parquet": tmp_path / "docs.parquet", "arrow": tmp_path / "arrow"}
+               "parquet": tmp_path / "docs.parquet", "arrow": tmp_path / "arrow", "feather": tmp_path / "docs.arrow"}
     pq.write_table(pa.table({"text": docs}), sources["parquet"], row_group_size=25)  # five units
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(sources["arrow"]))
+    feather.write_feather(pa.table({"id": range(len(docs)), "text": docs}), sources["feather"], compression="lz4",
+                          chunksize=25)
+    assert pa.ipc.open_file(sources["feather"]).num_record_batches == 5
     made = {}
     for i, (kind, source) in enumerate(sources.items()):
         job = prepare.Job(source=str(source), tokenizer="byte", val_percent=20, shard_tokens=1500, name="d",

@@ -193,14 +193,7 @@ def _strings(unit: Unit, values: list, text_key: str) -> Iterator[str]:
 def _arrow(unit: Unit, text_key: str) -> Iterator[str]:
     pa = _pyarrow()
     try:
-        source = pa.memory_map(unit.path)
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:  # the random-access file format
-            source.seek(0)
-            reader = pa.ipc.open_file(source)
-            reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        for batch in reader:
+        for batch in _record_batches(pa, pa.memory_map(unit.path)):
             if text_key not in batch.schema.names:
                 raise DataError(f"{unit.path}: no column {text_key!r} (columns: {', '.join(batch.schema.names)}); "
                                 "set the text key (data.text_key, --text-key) to the column holding the text")
@@ -208,3 +201,15 @@ def _arrow(unit: Unit, text_key: str) -> Iterator[str]:
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{unit.path}: not a readable Arrow file ({str(e).splitlines()[0]}); remake or remove it") \
             from None
+
+
+def _record_batches(pa, source) -> Iterator:
+    """The record batches of an Arrow IPC stream (what `datasets` writes) or IPC file (Feather v2, what
+    `pyarrow.ipc.new_file`, pandas' `to_feather` and polars' `write_ipc` write), compressed or not."""
+    try:
+        stream = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:  # the random-access file format starts with its magic, not a stream message
+        source.seek(0)
+        file = pa.ipc.open_file(source)
+        stream = (file.get_batch(i) for i in range(file.num_record_batches))
+    yield from stream
