@@ -199,37 +199,52 @@ def _unattributed(row) -> float:
     return 1 - sum(v for k, v in row.items() if k.startswith("time/") and k != "time/wall_s") / row["time/wall_s"]
 
 
+def _cut_after_first_row(wandb_file) -> None:
+    """Cut an offline W&B file as a kill cuts it when W&B's service had written step 1 and no later row: inside
+    the record that follows step 1's (W&B writes each step's summary, then its history; the third
+    `grad_norm` in the file is step 2's summary). Checked with W&B's own reader."""
+    data = wandb_file.read_bytes()
+    third = [m.start() for m in re.finditer(b"grad_norm", data)][2]
+    wandb_file.write_bytes(data[:third])
+    assert sorted(_history(_wandb_records(wandb_file.parents[2])[0])) == [1]
+
+
 @pytest.mark.slow
 def test_a_run_accounts_for_its_time_traces_its_steps_and_logs_to_wandb_and_its_resumption_continues(tmp_path):
+    """A row every 2 steps and a trace of step 3, a step that is neither logged nor checkpointed; then the run is
+    resumed as after a kill that lost W&B's rows after step 1 and the checkpoint of step 4."""
     run_dir = tmp_path / "run"
-    summary = train(_config(run_dir, **{"run.profile_steps": [2, 1]}))
+    summary = train(_config(run_dir, **{"run.profile_steps": [3, 1], "train.log_every": 2}))
     rows = _rows(run_dir)
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == [1, 2, 4]
     assert max(_unattributed(r) for r in steps) <= 0.02, [_unattributed(r) for r in steps]
-    first, _, third, _ = steps
+    first, second, fourth = steps
     assert first["time/compile_s"] > 0.1 and first["time/setup_s"] > 0 and first["time/data_s"] > 0
-    assert third["time/eval_s"] > 0 and third["time/checkpoint_s"] > 0 and third["time/profile_s"] > 0  # step 2's
-    assert steps[1]["time/eval_s"] == 0 and all(r["memory/host_peak_bytes"] > 2**20 for r in steps)
+    assert fourth["time/eval_s"] > 0 and fourth["time/checkpoint_s"] > 0 and fourth["time/profile_s"] > 0
+    assert second["time/eval_s"] == 0 and all(r["memory/host_peak_bytes"] > 2**20 for r in steps)
     whole = summary["time"]  # the end counts what follows the last row too (its validation and checkpoint)
-    assert whole["wall_s"] > sum(r["time/wall_s"] for r in steps) and whole["eval_s"] > third["time/eval_s"]
+    assert whole["wall_s"] > sum(r["time/wall_s"] for r in steps) and whole["eval_s"] > fourth["time/eval_s"]
     assert sum(whole[f"{c}_s"] for c in goodput.CATEGORIES) >= 0.98 * whole["wall_s"]
 
-    assert set(SCOPES) <= _scopes_in_trace(run_dir, [2])
+    assert set(SCOPES) <= _scopes_in_trace(run_dir, [3])
 
     [records] = _wandb_records(run_dir)
     before = _by_step(rows)
-    assert _history(records) == before and sorted(before) == [1, 2, 3, 4]  # every row, every number, its step
+    assert _history(records) == before and sorted(before) == [1, 2, 4]  # every row, every number, its step
     [started] = [r["run"] for r in records if r["type"] == "run"]
     config = {k: v for k, v in started["config"]["update"].items() if k != "_wandb"}
     assert config == json.loads(json.dumps(to_dict(build_config(str(run_dir / "config.toml")))))
     assert started["tags"] == ["observability"] and started["display_name"] == "run"
 
-    shutil.rmtree(run_dir / "checkpoints" / "4")  # killed after logging step 4, before its checkpoint was written
-    train(_config(run_dir, **{"train.resume": True}))
+    # killed after logging step 4, before its checkpoint was written, W&B's service holding rows 2 and 4 unwritten
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    _cut_after_first_row(next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")))
+    train(_config(run_dir, **{"train.resume": True, "train.log_every": 2}))
     first, second = _wandb_records(run_dir)
     ids = {r["run"]["run_id"] for records in (first, second) for r in records if r["type"] == "run"}
     assert ids == {(run_dir / "wandb_id").read_text()}  # one W&B run
     after = _by_step(_rows(run_dir))
-    assert _history(second) == {s: after[s] for s in (3, 4)}  # the steps after the restored one only
     assert sorted(after) == [1, 2, 3, 4] and {s: after[s] for s in (1, 2)} == {s: before[s] for s in (1, 2)}
+    # every step of metrics.jsonl once across the two files: the restored step 2 sent again, step 1 not
+    assert _history(first) == {1: after[1]} and _history(second) == {s: after[s] for s in (2, 3, 4)}

@@ -497,14 +497,15 @@ def _train_steps(run: _Run, state, start: int, should_stop):
         signum = pending if _at_boundary(run.cfg, step) else None
         saving = signum is not None or (t.checkpoint_every > 0 and (step % t.checkpoint_every == 0 or step == t.steps))
         logging_now = step == start + 1 or step % max(t.log_every, 1) == 0 or step == t.steps or signum is not None
-        if logging_now or saving or run.profiler.due(step):
+        fetched = logging_now or saving or run.profiler.due(step)
+        if fetched:
             with clock.timing("step"):
                 metrics = jax.device_get(metrics)  # waits for the step
         if logging_now or saving:  # a checkpoint is saved only after its loss was seen finite
             row = _log_step(run, step, metrics, write=logging_now)
             _check_finite(run, row)
         with clock.timing("step"):
-            _watch_skips(run, step, metrics, wait=logging_now or saving)
+            _watch_skips(run, step, metrics, wait=fetched)
         with clock.timing("profile"):
             if run.profiler.due(step):
                 run.profiler.stop()

@@ -59,7 +59,8 @@ class MetricsWriter:
     rows it trains again); every row is flushed so a crash loses at most the row being written.
     TensorBoard's events are written from a queue by a background thread, so a killed run's last
     rows may never reach its event files: a resumed run (`resumed=True`) hides every earlier event
-    (`purge_step=1`) and writes metrics.jsonl's rows to TensorBoard again.
+    (`purge_step=1`) and writes metrics.jsonl's rows to TensorBoard again. W&B likewise gets the rows it lacks
+    (its mirror knows which: `wandb_log.Mirror`).
     """
 
     def __init__(self, run_dir: str, tensorboard: bool = True, resumed: bool = False, wandb=None):
@@ -76,6 +77,9 @@ class MetricsWriter:
             if resumed and os.path.getsize(self.path):
                 for row in read_metrics(run_dir):
                     self._add_scalars(row)
+        if resumed and wandb is not None and os.path.getsize(self.path):
+            for row in read_metrics(run_dir):  # the mirror sends only the steps W&B lacks
+                self._send_to_wandb(row)
 
     def _end_torn_line(self):
         """A crash mid-write can leave a line without '\\n'; terminate it so our first row stays intact."""
@@ -97,7 +101,10 @@ class MetricsWriter:
             self._add_scalars(plain)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in plain.items() if k != "step" and _is_number(v)}, step=plain["step"])
+            self._send_to_wandb(plain)
+
+    def _send_to_wandb(self, row: dict) -> None:
+        self._wandb.log({k: v for k, v in row.items() if k != "step" and _is_number(v)}, step=row["step"])
 
     def _add_scalars(self, row: dict) -> None:
         for key, value in row.items():

@@ -4,19 +4,29 @@ Each row written to metrics.jsonl goes to W&B at its step (W&B merges rows of on
 its validation row, into one), the same numbers TensorBoard gets. `offline` writes the W&B run into
 RUN_DIR/wandb for `wandb sync` later; `online` streams it (after `wandb login`).
 
-The W&B run's id is kept in RUN_DIR/wandb_id. A resumed run (`train.resume`) opens the same W&B run and logs
-the steps after its checkpoint only. Online, W&B keeps the values the stopped run had logged past that
-checkpoint for the steps trained again (it drops rows at a step it has seen); a deterministic run logs the same
-values there, but for the timing columns.
+The W&B run's id is kept in RUN_DIR/wandb_id. A resumed run (`train.resume`) opens the same W&B run and first
+sends what W&B lacks of metrics.jsonl: a run killed hard (SIGKILL, a lost node) loses the rows W&B's service had
+not yet written, so W&B can end several steps before the restored checkpoint. What W&B holds is read back:
+online, every step before the resumed run's starting step (W&B drops a row at an earlier step anyway); offline,
+the steps in the run's earlier offline files, read with W&B's own reader (`wandb leet inspect`). Those steps are
+not sent again, so each step lands in one offline file and `wandb sync` of them all gives every step once.
+W&B keeps the values the stopped run had logged past the checkpoint for the steps trained again; a
+deterministic run logs the same values there, but for the timing columns.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib.util
+import json
+import logging
 import os
+import subprocess
+import sys
 
 from jaxllm.errors import ConfigError, UserError
 
+log = logging.getLogger("jaxllm")
 ID_FILE = "wandb_id"
 MODES = ("off", "online", "offline")
 
@@ -34,13 +44,14 @@ def check_config(cfg) -> None:
 
 
 class Mirror:
-    """The W&B run a MetricsWriter sends each row's numbers to."""
+    """The W&B run a MetricsWriter sends each row's numbers to, but for the steps W&B holds already (`held`)."""
 
-    def __init__(self, run):
-        self.run = run
+    def __init__(self, run, held=frozenset()):
+        self.run, self.held = run, held
 
     def log(self, numbers: dict, step: int) -> None:
-        self.run.log(numbers, step=step)
+        if step not in self.held:
+            self.run.log(numbers, step=step)
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -57,6 +68,7 @@ def open_run(cfg, config: dict, resumed: bool) -> Mirror | None:
     if resumed and os.path.isfile(path):
         with open(path) as f:
             run_id = f.read().strip()
+    earlier = _offline_files(r.dir, run_id) if run_id and r.wandb == "offline" else []
     try:
         run = wandb.init(mode=r.wandb, dir=r.dir, id=run_id, resume="allow" if resumed else None,
                          project=r.wandb_project, entity=r.wandb_entity or None,
@@ -67,4 +79,25 @@ def open_run(cfg, config: dict, resumed: bool) -> Mirror | None:
                         "`wandb login`, or set run.wandb=offline (and `wandb sync` later) or off") from None
     with open(path, "w") as f:
         f.write(run.id)
-    return Mirror(run)
+    if r.wandb == "online":
+        return Mirror(run, range(run.starting_step))  # W&B takes no step before its next one
+    return Mirror(run, frozenset().union(*map(_steps_in, earlier)))
+
+
+def _offline_files(run_dir: str, run_id: str) -> list[str]:
+    """The offline W&B files of run `run_id` in run_dir, one per earlier (resumed) run."""
+    return sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb")))
+
+
+def _steps_in(path: str) -> set[int]:
+    """The steps an offline W&B file holds, read by W&B's own reader, which reads a file torn by a kill up to
+    its last whole record. Unreadable: none, with a warning (then steps can reach W&B twice)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "wandb")  # the wandb of this environment
+    try:
+        out = subprocess.run([beside if os.path.isfile(beside) else "wandb", "leet", "inspect", "--json", path], capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+        records = [json.loads(line) for line in out.splitlines() if line.strip()]
+        return {int(r["history"]["step"]["num"]) for r in records if r.get("type") == "history"}
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as e:
+        log.warning("W&B: cannot read %s (%s); its steps are sent again", path, e)
+        return set()
