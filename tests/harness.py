@@ -61,8 +61,15 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 
 
 def compile_flags(n_devices: int) -> str:
+    """The tests' XLA flags for n fake CPU devices, plus any other flag the caller's XLA_FLAGS sets: so
+    `XLA_FLAGS=--xla_cpu_max_isa=AVX2 pytest` runs every test, command lines included, as on a CPU without
+    AVX-512 (XLA:CPU's code, so its rounding, differs by instruction set: that is how a machine of the other
+    vendor can be tried here)."""
     emitters = ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ()
-    return " ".join((f"--xla_force_host_platform_device_count={n_devices}",) + COMPILE_FLAGS + emitters)
+    ours = (f"--xla_force_host_platform_device_count={n_devices}",) + COMPILE_FLAGS + emitters
+    names = {f.split("=")[0] for f in ours}
+    theirs = tuple(f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in names)
+    return " ".join(ours + theirs)
 
 
 def subprocess_env(n_devices: int = 8) -> dict:

@@ -126,14 +126,25 @@ def test_the_gsm8k_command_runs_on_a_tiny_model(llama_with_tokenizer, tmp_path):
 @pytest.mark.slow
 def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
     """The same GRPO run on 2 processes × 4 devices (dp2 × fsdp2 × tp2, ZeRO-3, over jax.distributed) and on one
-    device: the same completions and rewards at every rollout (the second sampled after two updates), and the
-    same losses, gradient norms and KL."""
+    device: the same completions and rewards at every rollout (the second sampled after two updates); step 1's
+    loss, gradient norm and KL at the equivalence tolerance, later steps' within what Adam makes of rounding.
+
+    Later steps start from parameters that differ by what AdamW made of step 1's difference. Its step
+    lr·m̂/(√v̂ + ε) has slope up to lr/ε in the gradient, and a coordinate whose exact gradient is 0 holds
+    rounding noise in one run and an exact 0 in the other (here the k3 term at π = π_ref: the policy's and the
+    reference's log-probabilities come from two programs that round differently). At the default ε = 1e-8, noise
+    of 2e-9 moves such a coordinate by lr/6 in one run only: measured on an Intel Xeon, one embedding row 1.5e-3
+    apart after step 1 while every gradient leaf agreed to 4e-7, and step 2's gradient norm 2.5e-5 apart. So the
+    runs use ε = 1e-6 (as harness.warm does for the steps tests run in process), and each later step is allowed
+    the equivalence tolerance plus lr/ε · 2^-24 per update before it: one float32 rounding of an O(1) term,
+    through Adam's steepest slope, relative to O(1) parameters."""
     from test_multiprocess import Procs, _free_port
 
     from jaxllm.config import to_toml
 
     config = tmp_path / "grpo.toml"
-    config.write_text(to_toml(build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0})))
+    cfg = build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0, "train.eps": 1e-6})
+    config.write_text(to_toml(cfg))
     procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
     mesh = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"]
     for pid in (0, 1):
@@ -143,14 +154,16 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
     procs.start("one", ["-m", "jaxllm", "train", "--config", str(config), f"run.dir={tmp_path / 'one'}"], n_devices=1)
     procs.wait()
     multi, one = rows(tmp_path / "multi"), rows(tmp_path / "one")
-    assert [r["step"] for r in multi] == [r["step"] for r in one] == [1, 2, 3, 4]
+    assert [r["step"] for r in multi] == [1, 2, 3, 4] == [r["step"] for r in one]
+    per_update = cfg.train.lr / cfg.train.eps * 2.0 ** -24
     for a, b in zip(multi, one):
         for k in ("reward_mean", "reward_std", "completion_len", "zero_std_frac", "truncated_frac", "padding_frac"):
             assert a[k] == b[k], (k, a, b)
+        slack = (a["step"] - 1) * per_update
         for k in ("grad_norm", "kl"):
-            assert abs(a[k] - b[k]) <= 1e-5 * abs(b[k]), (k, a, b)
+            assert abs(a[k] - b[k]) <= (1e-5 + slack) * abs(b[k]), (k, a, b)
         # the loss is a mean of per-token terms of order 1 that cancel on fresh rollouts: compared absolutely
-        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 + slack, (a, b)
     assert multi[2]["reward_mean"] != multi[0]["reward_mean"]  # the second rollout came from updated parameters
 
 
