@@ -247,6 +247,26 @@ def test_starting_from_a_changed_checkpoint_is_refused_naming_the_array(uninterr
             train(cfg)  # the step before is intact
 
 
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_reading_a_changed_checkpoint_is_one_line_naming_the_run(command, uninterrupted, tmp_path):
+    """`jaxllm generate --from RUN` and `jaxllm hf export RUN OUT` on a run whose newest checkpoint changed after
+    its save: one line naming the run, the step and its other checkpoints (not init.from, which the user did not
+    set), no line of Orbax's, exit 2 and nothing written."""
+    _, done = uninterrupted
+    run_dir = tmp_path / "run"
+    shutil.copytree(done, run_dir)
+    flipped_bit(os.path.join(ckpt.checkpoint_dir(str(run_dir)), "6"))
+    argv = {"generate": ["generate", "--from", str(run_dir), "--prompt", "def"],
+            "export": ["hf", "export", str(run_dir), str(tmp_path / "out")]}[command]
+    done = subprocess.run([sys.executable, "-m", "jaxllm", *argv], cwd=REPO, env=subprocess_env(8),
+                          capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0] == (f"error: {run_dir} step 6: array params/embed/tok does not match the checksum saved with it "
+                        "(its stored data changed after the save); its other checkpoints: 2, 4"), lines
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
 def test_no_good_checkpoint_is_one_line_exit_2_and_nothing_moved(uninterrupted, tmp_path, capsys):
     _, done = uninterrupted
     run_dir = tmp_path / "run"

@@ -14,6 +14,7 @@ Detected: missing or truncated array files, unreadable metadata, interrupted sav
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -33,11 +34,23 @@ def checkpoint_dir(run_dir: str) -> str:
 
 
 def open_manager(run_dir: str, keep: int, read_only: bool = False) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        checkpoint_dir(run_dir),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not read_only,
-                                             create=not read_only, read_only=read_only),
-    )
+    with _quiet("absl") if read_only else contextlib.nullcontext():  # Orbax's notices of what read-only implies
+        return ocp.CheckpointManager(
+            checkpoint_dir(run_dir),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=not read_only,
+                                                 create=not read_only, read_only=read_only),
+        )
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """`logger` says only errors while the block runs."""
+    quieted, level = logging.getLogger(logger), logging.getLogger(logger).level
+    quieted.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        quieted.setLevel(level)
 
 
 def _entries(run_dir: str) -> tuple[list[int], list[str]]:
@@ -132,16 +145,19 @@ def restore_newest(run_dir: str, target, check_meta, verify: bool = True) -> tup
 
 def read_params(run_dir: str, step: int | None, abstract_params, verify: bool = True):
     """The parameters of run_dir's checkpoint `step` (None: the newest), laid out as `abstract_params` says,
-    whatever else the checkpoint holds (`init.from = "run:DIR[@STEP]"`); `verify`: checked against the
-    checksums saved with them."""
+    whatever else the checkpoint holds (`init.from = "run:DIR[@STEP]"`, `jaxllm generate --from DIR`); `verify`:
+    checked against the checksums saved with them. CheckpointError naming the run and the step; the caller
+    says which of the user's settings named them."""
     steps, _ = _entries(run_dir)
     if step is None and not steps or step is not None and step not in steps:
-        raise CheckpointError(f"init.from: {checkpoint_dir(run_dir)} has no checkpoint "
-                              f"{'at all' if step is None else step}; its steps are {steps or 'none'}")
+        raise CheckpointError(f"{checkpoint_dir(run_dir)} has no checkpoint {'at all' if step is None else step}; "
+                              f"its steps are {steps or 'none'}")
     target = {"params": abstract_params}
     restore = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                      partial_restore=True)
     step = steps[0] if step is None else step
+    others = sorted(set(steps) - {step})
+    other = f"; its other checkpoints: {', '.join(map(str, others))}" if others else ""
     mngr = open_manager(run_dir, keep=1, read_only=True)
     try:
         restored = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
@@ -149,10 +165,10 @@ def read_params(run_dir: str, step: int | None, abstract_params, verify: bool = 
             checksums.verify(restored, read_meta(mngr, step).get("checksums", {}))
         return restored["params"]
     except CheckpointError as e:
-        raise CheckpointError(f"init.from: {run_dir} step {step}: {e}") from None
+        raise CheckpointError(f"{run_dir} step {step}: {e}{other}") from None
     except Exception as e:
-        raise CheckpointError(f"init.from: {run_dir} step {step}: its parameters are unreadable "
-                              f"({_first_line(e)})") from None
+        raise CheckpointError(f"{run_dir} step {step}: its parameters are unreadable ({_first_line(e)}){other}") \
+            from None
     finally:
         mngr.close()
 

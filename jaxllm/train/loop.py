@@ -26,7 +26,7 @@ from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.data import dataset, prefetch
-from jaxllm.errors import ConfigError, Stopped, TrainingDiverged, UserError
+from jaxllm.errors import CheckpointError, ConfigError, Stopped, TrainingDiverged, UserError
 from jaxllm.eval import run as eval_run, tasks as eval_tasks
 from jaxllm.generate import generate
 from jaxllm.interop import hf, peft
@@ -165,7 +165,10 @@ def _source_params(cfg: Config, fns):
         run_dir, step = split_run_source(source)
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=sh),
                               transformer.param_shapes(lora.base_model(m)), fns.base_shardings)  # as saved: fp32
-        base = ckpt.read_params(run_dir, step, target, cfg.train.checkpoint_checksums)
+        try:
+            base = ckpt.read_params(run_dir, step, target, cfg.train.checkpoint_checksums)
+        except CheckpointError as e:
+            raise CheckpointError(f"init.from: {e}") from None
     params = fns.with_adapters(base)
     return peft.load_adapter(cfg.init.adapter, params, m) if cfg.init.adapter else params
 
