@@ -3,16 +3,19 @@
 Tables (no JAX): each runs symbolically (`test_pipeline.run_table`: every F, B and W once, every read finds
 what it should, W after its B from the stash slot B filled); at unit costs (F = B = W) the step's bubble is
 the closed form and the idle time inside a stage's span is the paper's (p−1)(T_F+T_B−T_W) for ZB-H1 and
-(p−1)(T_F+T_B−2T_W) = 0 for ZB-V. Executor (8 fake CPU devices, fp32): one step's loss and gradients equal
+(p−1)(T_F+T_B−2T_W) = 0 for ZB-V but where docs/pipeline.md lists it otherwise, over every p ≤ 8 and m ≤ 24. Executor (8 fake CPU devices, fp32): one step's loss and gradients equal
 the independent reference for both schedules on pp2×dp4, pp4×dp2 and pp2×fsdp2×tp2 with 4 microbatches and
 on pp4×dp2 with 8. Compiled programs: B and W together cost what the fused backward costs, B alone
 less (it makes no weight gradient) and W no more than a forward (it recomputes nothing); temporaries stay
 within 1F1B's plus the W stash `jaxllm plan` predicts. (The one-line refusals are in test_pipeline.py's BAD.)
 """
 
+import re
+from fractions import Fraction
+
 import pytest
 
-from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
+from harness import REPO, assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
 from jaxllm.cli.plan import pipeline_theory
 from jaxllm.hlo import memory_summary
 from jaxllm.parallel.pipeline_schedules import Costs, bubble_formula, bubble_fraction, idle_in_span, make_schedule
@@ -40,6 +43,34 @@ def test_tables_run_and_their_bubbles_are_the_papers(name, p, m):
     assert idle.max() == pytest.approx(p - 1 if name == "zb_h1" else 0.0)
     # stage inputs held: at most 1F1B's in-flight count (p; the V's inputs are chunk inputs, one more per chunk)
     assert s.act_depth <= (p if name == "zb_h1" else 2 * p + 1)
+
+
+def _documented_exceptions() -> dict:
+    """docs/pipeline.md's table of the (p, m) where ZB-V idles inside a span: (idle per stage, ticks, bubble)."""
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| ([\d.· ]+) \| (\d+) \([+-]\d+\) \| (\d+)/(\d+) \|$",
+                      (REPO / "docs" / "pipeline.md").read_text(), re.M)
+    return {(int(p), int(m)): ([float(x) for x in idle.split(" · ")], int(ticks), Fraction(int(a), int(b)))
+            for p, m, idle, ticks, a, b in rows}
+
+
+def test_every_table_up_to_8_stages_and_24_microbatches_has_the_bubble_the_docs_give():
+    """At unit costs, over p = 2…8: ZB-H1 for m = p…24 idles p−1−s ticks in stage s's span and its step's bubble
+    is (p−1)/(4m+p−1); ZB-V for m = 2p−1…24 idles nowhere in a span with bubble (p−1)/(8m+p−1), or exactly as the
+    docs' table lists it."""
+    listed = _documented_exceptions()
+    assert len(listed) == 26
+    for p in range(2, 9):
+        for m in range(p, 25):
+            s = make_schedule("zb_h1", p, m)
+            assert idle_in_span(s).tolist() == [p - 1 - stage for stage in range(p)], (p, m)
+            assert bubble_fraction(s) == pytest.approx(Fraction(p - 1, 4 * m + p - 1)), (p, m)
+        for m in range(2 * p - 1, 25):
+            s = make_schedule("zb_v", p, m)
+            idle, ticks, bubble = listed.pop((p, m), ([0.0] * p, 8 * m + p - 1, Fraction(p - 1, 8 * m + p - 1)))
+            assert (idle_in_span(s).tolist(), s.ticks) == (idle, ticks), (p, m)
+            assert Fraction(s.ticks - 8 * m, s.ticks) == bubble and bubble_fraction(s) == pytest.approx(bubble), (p, m)
+            assert s.act_depth <= 2 * p + 1, (p, m)
+    assert not listed, f"pairs the docs list but no table has: {sorted(listed)}"
 
 
 def config(family: str, **over):

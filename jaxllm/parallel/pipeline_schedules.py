@@ -185,12 +185,13 @@ def zero_bubble_rows(p: int, m: int, placement: str, inflight, stashed: int, cos
     runs anything else. So W takes up the time a stage would wait for the slowest operation of the tick.
 
     At unit costs no piece fits beside another operation and W runs whole, as one operation: ZB-H1 (placement
-    "loop", inflight p − s as 1F1B, stashed p + 2) runs in 4m + p − 1 ticks and ZB-V (placement "v", inflight
-    2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its first operation and its last: the
-    schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose (p−1)/(3m+p−1) and (p−1)/(6m+p−1)
-    count three operations, with R added off the critical path. It is a greedy order, not the paper's
-    handcrafted one: the tests check it at p ≤ 8, m ≤ 16; the V needs m ≥ 2p−1 to keep its stages busy through
-    their span (at p=4 it idles half a tick at m=16, and at p=8, m=32 it takes five ticks more than 8m + p − 1).
+    "loop", inflight p − s as 1F1B, stashed p + 2) runs in 4m + p − 1 ticks with p − 1 − s idle ticks in stage s's
+    span, and ZB-V (placement "v", inflight 2p − 1, stashed 2p) in 8m + p − 1 with no stage idle between its
+    first operation and its last: the schedules of Qi et al. 2024 ("Zero Bubble Pipeline Parallelism"), whose
+    (p−1)/(3m+p−1) and (p−1)/(6m+p−1) count three operations, with R added off the critical path. It is a greedy
+    order, not the paper's handcrafted one: ZB-H1 holds that for p ≤ 8, m = p … 24; the V needs m ≥ 2p−1 to keep
+    its stages busy, and even then 26 of the 119 pairs p ≤ 8, m ≤ 24 idle inside a span or take longer, where the
+    last microbatches' backward slips behind the R's it waits for (docs/pipeline.md lists them, the tests check).
     """
     v = 2 if placement == "v" else 1
     cost = {"F": costs.forward / v, "R": costs.recompute / v, "B": costs.backward / v}
