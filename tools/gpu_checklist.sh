@@ -8,6 +8,9 @@
 #   offload_{none,host}    the step's argument and host bytes without and with host offload (jaxllm plan)
 #   comm_lab               the all-reduce algorithms on this machine's GPUs (tools.comm_lab)
 #   mfu_llama1b_cudnn      the LLaMA-1B step with cuDNN's fused attention (no plain peer: it has dense attention)
+#   profile_llama1b, profile_llama1b_cudnn  where the LLaMA-1B step's GPU time goes, dense and cuDNN attention
+#                          (tools.profile_step: by op, by category and by part of the model, and the GPU's idle
+#                          time; the trace and the program's HLO under OUT_DIR/<name>/)
 #   mla_llama1b            the same stack with latent attention (DeepSeek-V3's head sizes), bf16, no plain peer
 #   mla_decode             the decode step with the latent cache beside the grouped-query one (tools.bench_decode)
 #   lora_llama1b, qlora_llama1b  the cuDNN LLaMA-1B step with LoRA r=8 adapters, on a bf16 and an nf4 base (QLoRA
@@ -44,6 +47,9 @@ check comm_lab 45 $py -m tools.comm_lab --max-mib 64 --repeats 3 --out "$out/com
 mla="model.attention=mla model.mla.q_lora_rank=1536 model.mla.kv_lora_rank=512 model.mla.qk_nope_head_dim=128 \
   model.mla.qk_rope_head_dim=64 model.mla.v_head_dim=128"
 check mfu_llama1b_cudnn 120 $py -m tools.bench $llama model.attention_impl=cudnn --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check profile_llama1b 120 $py -m tools.profile_step $llama --steps 5 --warmup 2 --top 25 --out "$out/profile_llama1b" --json
+check profile_llama1b_cudnn 120 $py -m tools.profile_step $llama model.attention_impl=cudnn --steps 5 --warmup 2 --top 25 \
+  --out "$out/profile_llama1b_cudnn" --json
 check mla_llama1b 150 $py -m tools.bench $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check mla_decode 150 $py -m tools.bench_decode --prompt 2048 --new 65 --rows 16 --json
 check lora_llama1b 120 $py -m tools.bench $llama model.attention_impl=cudnn model.lora.rank=8 --no-baseline --steps 5 --warmup 2 --windows 3 --json
