@@ -160,8 +160,8 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
         for k in ("reward_mean", "reward_std", "completion_len", "zero_std_frac", "truncated_frac", "padding_frac"):
             assert a[k] == b[k], (k, a, b)
         slack = (a["step"] - 1) * per_update
-        for k in ("grad_norm", "kl"):
-            assert abs(a[k] - b[k]) <= (1e-5 + slack) * abs(b[k]), (k, a, b)
+        for k in ("grad_norm", "kl"):  # step 1's KL is 0 up to the rounding of two programs: 1e-9 absolute
+            assert abs(a[k] - b[k]) <= (1e-5 + slack) * abs(b[k]) + 1e-9, (k, a, b)
         # the loss is a mean of per-token terms of order 1 that cancel on fresh rollouts: compared absolutely
         assert abs(a["loss"] - b["loss"]) <= 1e-6 + slack, (a, b)
     assert multi[2]["reward_mean"] != multi[0]["reward_mean"]  # the second rollout came from updated parameters

@@ -41,13 +41,16 @@ def test_a_checkpoint_from_before_train_state_resumes_as_the_old_code_trained(ol
     assert "resumed from step 2" in done.stderr
     rows = _rows(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # Steps 3 and 4, trained again from the migrated state, are what the old code logged: the losses bit for bit,
-    # the gradient norms to float32 rounding. XLA:CPU's last bits depend on the host: on the machine of
-    # 2026-11-24 the old code itself (5274dd5, run afresh with these flags) logs a step-1 gradient norm 1 ulp
-    # away from the one this fixture recorded, and the resumed step 4 lands 1 ulp away too.
-    assert [r["loss"] for r in rows[2:]] == [r["loss"] for r in old_rows[2:]]
+    # Steps 3 and 4, trained again from the migrated state, are what the old code logged, to float32 rounding:
+    # the fixture was recorded on another host, and XLA:CPU's last bits depend on the host's instruction set (on
+    # the machine of 2026-11-24 the old code itself, 5274dd5 run afresh, logs a step-1 gradient norm 1 ulp away
+    # from the fixture's). Step 3 is a forward pass from the restored state, step 4 one update of an Adam that
+    # two steps have warmed (no coordinate left at a near-zero second moment): a few ulps, not Adam's
+    # amplification of a cold first step (tests/test_grpo_run.py).
+    ulps = 4 * np.finfo(np.float32).eps
     for new, old in zip(rows[2:], old_rows[2:]):
-        assert abs(new["grad_norm"] - old["grad_norm"]) <= 4 * np.finfo(np.float32).eps * old["grad_norm"], (new, old)
+        for key in ("loss", "grad_norm"):
+            assert abs(new[key] - old[key]) <= ulps * abs(old[key]), (key, new, old)
     mngr = ocp.CheckpointManager(run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(read_only=True))
     saved = mngr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
                                                       meta=ocp.args.JsonRestore()))
