@@ -29,6 +29,29 @@ from jaxllm.schema import FAMILIES, Config, TrainConfig, table_keys
 from jaxllm.train import optimizer, profiling, step, wandb_log
 
 
+# The shipped configs are package data, found next to this module, so they work from a checkout and installed.
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.toml")
+
+
+def shipped_configs() -> list[str]:
+    """The names `--config NAME` accepts: the .toml files of jaxllm/configs/, without the suffix."""
+    return sorted(f[:-len(".toml")] for f in os.listdir(CONFIG_DIR) if f.endswith(".toml"))
+
+
+def config_path(value: str | None) -> str:
+    """The file a config name means: none given, the default; a NAME (no slash, no .toml suffix), the shipped
+    jaxllm/configs/NAME.toml, so an installed jaxllm needs no checkout; anything else, a path."""
+    if value is None:
+        return DEFAULT_CONFIG
+    if "/" in value or os.sep in value or value.endswith(".toml"):
+        return value
+    if value not in shipped_configs():
+        raise ConfigError(f"--config {value}: no shipped config of that name; choose from "
+                          f"{', '.join(shipped_configs())}, or give a TOML file's path")
+    return os.path.join(CONFIG_DIR, f"{value}.toml")
+
+
 # Presets fill model fields; keys the user sets explicitly win over them.
 _GPT2 = dict(family="gpt2", vocab_size=50257, seq_len=1024)
 _LLAMA = dict(family="llama", vocab_size=128256, seq_len=2048, rope_theta=500000.0)

@@ -19,7 +19,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.config import validate
 from jaxllm.models import transformer
 from jaxllm.parallel import allreduce as A
-from jaxllm.hlo import collective_report, permute_bytes_by_device
+from jaxllm.plan.hlo import collective_report, permute_bytes_by_device
 
 POWER_OF_TWO_ONLY = ("halving_doubling", "butterfly")
 
@@ -202,7 +202,7 @@ def test_bad_allreduce_settings_are_refused_in_one_line(over, message):
 def test_the_planner_reports_the_bytes_each_device_sends_beside_the_formula(algorithm):
     """jaxllm plan on dp2 × fsdp4 (ZeRO-1): the compiled step's most-sending device sends the formula's bytes
     for 4Φ of fp32 gradients, plus the padding of each bucket to a multiple of 8 and the loss's scalars."""
-    from jaxllm.cli.plan import format_table, plan
+    from jaxllm.plan import format_table, plan
 
     report = plan(ddp_config("dp2xfsdp4_zero1", algorithm))
     a = report["allreduce"]

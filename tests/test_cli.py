@@ -13,7 +13,7 @@ import zipfile
 import pytest
 
 from harness import REPO
-from jaxllm import cli
+from jaxllm import cli, config
 from jaxllm.cli.main import COMMANDS, main
 from jaxllm.errors import ConfigError
 
@@ -68,21 +68,21 @@ def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
 
 
 def test_config_names_resolve_to_the_shipped_files():
-    assert cli.config_path("tiny_llama") == str(REPO / "jaxllm" / "configs" / "tiny_llama.toml")
-    assert cli.config_path(None) == cli.DEFAULT_CONFIG == str(REPO / "jaxllm" / "configs" / "default.toml")
-    assert cli.config_path("mine.toml") == "mine.toml" and cli.config_path("runs/x/config") == "runs/x/config"
-    assert {"default", "tiny_llama", "sft"} <= set(cli.shipped_configs())
+    assert config.config_path("tiny_llama") == str(REPO / "jaxllm" / "configs" / "tiny_llama.toml")
+    assert config.config_path(None) == config.DEFAULT_CONFIG == str(REPO / "jaxllm" / "configs" / "default.toml")
+    assert config.config_path("mine.toml") == "mine.toml" and config.config_path("runs/x/config") == "runs/x/config"
+    assert {"default", "tiny_llama", "sft"} <= set(config.shipped_configs())
     cfg = cli.load_config(argparse.Namespace(config="tiny_llama", overrides=["train.steps=7"]))
     assert cfg.model.family == "llama" and cfg.train.steps == 7
 
 
 def test_an_unknown_config_name_is_one_line_naming_the_choices(capsys):
     with pytest.raises(ConfigError, match="tiny_llama"):
-        cli.config_path("tiny-llama")
+        config.config_path("tiny-llama")
     code, out, err = _call(["plan", "--config", "tiny-llama"], capsys)
     assert code == 2
     assert err.splitlines() == [f"error: --config tiny-llama: no shipped config of that name; choose from "
-                                f"{', '.join(cli.shipped_configs())}, or give a TOML file's path"]
+                                f"{', '.join(config.shipped_configs())}, or give a TOML file's path"]
 
 
 def test_the_wheel_holds_the_jaxllm_package_its_configs_and_the_script(tmp_path):
@@ -100,8 +100,8 @@ def test_the_wheel_holds_the_jaxllm_package_its_configs_and_the_script(tmp_path)
     (wheel,) = (tmp_path / "dist").glob("jaxllm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"jaxllm"}, names
-    assert {f"jaxllm/configs/{c}.toml" for c in cli.shipped_configs()} <= set(names)
-    assert {"jaxllm/__main__.py", "jaxllm/cli/main.py", "jaxllm/hlo.py"} <= set(names)
+    assert {f"jaxllm/configs/{c}.toml" for c in config.shipped_configs()} <= set(names)
+    assert {"jaxllm/__main__.py", "jaxllm/cli/main.py", "jaxllm/plan/hlo.py"} <= set(names)
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[console_scripts]\njaxllm = jaxllm.cli.main:main" in text, text

@@ -1,4 +1,4 @@
-"""jaxllm.hlo against programs whose collectives we know, on 8 fake CPU devices.
+"""jaxllm.plan.hlo against programs whose collectives we know, on 8 fake CPU devices.
 
 Each program is a shard_map over one axis of 8 devices with a (16,16) f32
 local block (1 KiB), so expected bytes are easy to state exactly.
@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxllm.hlo import (  # noqa: E402
+from jaxllm.plan.hlo import (  # noqa: E402
     KINDS, collective_report, collectives_per_step, format_bytes, memory_summary)
 
 BLOCK = 16 * 16 * 4  # bytes of one local (16,16) f32 block

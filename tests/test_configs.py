@@ -15,7 +15,7 @@ import tomllib
 import pytest
 
 from harness import CORPUS, REPO
-from jaxllm.cli import CONFIG_DIR
+from jaxllm.config import CONFIG_DIR
 from jaxllm.config import build_config, to_dict
 from jaxllm.train.loop import resolve, train
 

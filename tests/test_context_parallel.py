@@ -29,8 +29,8 @@ from jaxllm.ops.masking import Masking
 from jaxllm.parallel import ring_attention
 from jaxllm.parallel.load_balance import visible_blocks, zigzag_order
 from jaxllm.sharding import Layout, param_rules, use_layout
-from jaxllm.hlo import collectives_per_step, memory_summary
-from jaxllm.cli.plan import attention_memory_theory
+from jaxllm.plan.attention import attention_memory_theory
+from jaxllm.plan.hlo import collectives_per_step, memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 

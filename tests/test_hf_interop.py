@@ -152,7 +152,7 @@ def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
     assert attention.head_dim(cfg.model) == 24 != cfg.model.d_model // cfg.model.n_heads
     shapes = transformer.param_shapes(cfg.model)
     assert shapes["blocks"][0]["attn"]["wq"].shape == (2, 64, 4, 24)
-    from jaxllm.cli.plan import attention_memory_theory
+    from jaxllm.plan.attention import attention_memory_theory
 
     one_device = {a: 1 for a in ("pp", "dp", "fsdp", "ep", "sp", "tp")}
     assert attention_memory_theory(cfg.model, cfg.train, one_device, "float32")["head_dim"] == 24
@@ -179,8 +179,8 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
     from transformers import AutoModelForCausalLM
 
     from jaxllm.data.loader import window_starts
+    import jaxllm
     from jaxllm.train.loop import prepare, train
-    from jaxllm.cli import hf as hf_tool
 
     path, run_dir = models["qwen2"], str(tmp_path / "run")
     over = {"init.from": f"hf:{path}", "model.seq_len": SEQ, "mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2,
@@ -198,7 +198,7 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
         ref = float(model(input_ids=torch.as_tensor(windows), labels=torch.as_tensor(windows)).loss)
     assert abs(first["loss"] - ref) <= 1e-4 * abs(ref)
 
-    hf_tool.export(run_dir, str(tmp_path / "out"))
+    jaxllm.load(run_dir).export(str(tmp_path / "out"))
     out = str(tmp_path / "out")
     assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "qwen2"
     assert np.abs(our_logits(out) - H.reference_logits(out, TOKENS)).max() <= 1e-4
@@ -220,13 +220,13 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
 def test_two_process_export_equals_one_process(models, tmp_path):
     """jaxllm hf import, then export from one process and from 2 processes × 4 devices over jax.distributed
     (fsdp=8, ZeRO-3: every tensor is gathered across the processes): the same files, bitwise."""
+    import jaxllm
     from test_multiprocess import Procs, _free_port
-    from jaxllm.cli import hf as hf_tool
 
     run_dir = str(tmp_path / "run")
-    hf_tool.import_(models["mixtral"], run_dir, ["model.seq_len=64", "mesh.fsdp=8", "mesh.dp=1",
+    jaxllm.import_hf(models["mixtral"], run_dir, ["model.seq_len=64", "mesh.fsdp=8", "mesh.dp=1",
                                                   "train.zero_stage=3", "train.global_batch=8"])
-    hf_tool.export(run_dir, str(tmp_path / "one"), max_shard_size="40KB")
+    jaxllm.load(run_dir).export(str(tmp_path / "one"), max_shard_size="40KB")
     procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
     for pid in (0, 1):
         procs.start(f"export{pid}", ["-m", "jaxllm", "hf", "export", run_dir, str(tmp_path / "two"),

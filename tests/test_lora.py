@@ -141,7 +141,7 @@ def _keys(keys: dict) -> list[str]:
 
 
 def _logits(run_dir: str, tokens):
-    from jaxllm.cli.hf import step_fns_for
+    from jaxllm.api import step_fns_for
     from jaxllm.train.loop import checkpoint_params
 
     cfg = build_config(os.path.join(run_dir, "config.toml"), {"run.dir": run_dir})
@@ -160,12 +160,12 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tm
     run = str(tmp_path / "run")
     keys = H.one_step_run(llama, run, 32, **LORA, **sft_keys(tmp_path), **{
         "train.steps": 20, "train.checkpoint_every": 20, "train.lr": 1e-2, "train.warmup_steps": 0})
-    from jaxllm.cli.hf import export
-    from jaxllm.train.loop import train
+    import jaxllm
 
-    train(build_config(None, keys))  # as `jaxllm train` and `jaxllm hf export [--adapter]` do, in this process
-    export(run, str(tmp_path / "adapter"), adapter=True)
-    export(run, str(tmp_path / "merged"))
+    jaxllm.train(build_config(None, keys))  # as `jaxllm train` and `jaxllm hf export [--adapter]` do
+    model = jaxllm.load(run)
+    model.export(str(tmp_path / "adapter"), adapter=True)
+    model.export(str(tmp_path / "merged"))
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 16, 0)
     ours = _logits(run, tokens)
     model = peft.PeftModel.from_pretrained(H._load(llama), str(tmp_path / "adapter")).eval()
@@ -176,7 +176,7 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tm
     assert np.abs(H.reference_logits(llama, tokens) - theirs).max() > 1e-2  # the adapters did change the model
     assert stored_params(os.path.join(run, "checkpoints", "20", "state")) == {"a", "b"}
 
-    from jaxllm.cli.hf import step_fns_for
+    from jaxllm.api import step_fns_for
     from jaxllm.train.loop import initial_state
 
     again = build_config(os.path.join(run, "config.toml"), {"init.adapter": str(tmp_path / "adapter")})
@@ -284,7 +284,8 @@ def test_nf4_codes_are_the_published_values_and_each_block_is_within_its_bound()
 def test_the_planner_counts_the_compiled_arguments_of_lora_and_qlora():
     """tiny-llama on fsdp=8 ZeRO-3: the planner's state and step arguments per device equal the compiled step's
     argument bytes (within 1%) for LoRA and QLoRA."""
-    from jaxllm.cli.plan import compile_step, finetune_state
+    from jaxllm.plan.compiled import compile_step
+    from jaxllm.plan.finetune import finetune_state
 
     for quant in ("none", "nf4"):
         cfg = equivalence_config("tiny-llama", **LORA, **{"mesh.fsdp": 8, "train.zero_stage": 3,
@@ -301,7 +302,8 @@ def test_lora_state_of_a_llama_1b_shape():
     """LLaMA-1B's shape compiled only (8 fake devices, fsdp=8 ZeRO-3, bf16, r = 8 on all seven targets): LoRA's
     argument bytes are at most 20% of full fine-tuning's, and QLoRA-nf4 stores the adapted weights in about a
     quarter of their bf16 bytes."""
-    from jaxllm.cli.plan import compile_step, finetune_state
+    from jaxllm.plan.compiled import compile_step
+    from jaxllm.plan.finetune import finetune_state
 
     keys = {"model.preset": "llama-1b", "model.seq_len": 256, "train.global_batch": 8, "mesh.fsdp": 8,
             "train.zero_stage": 3, "precision.compute": "bfloat16", "model.lora.rank": 8}

@@ -21,7 +21,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.train import loop
 from jaxllm.train.loop import train
 from jaxllm.train.step import make_step_fns
-from jaxllm.hlo import memory_summary
+from jaxllm.plan.hlo import memory_summary
 
 DEEP = {"model.n_layers": 16, "train.global_batch": 8}  # tiny-llama's width, 16 layers
 
@@ -163,7 +163,7 @@ def test_the_planner_counts_the_offloaded_state_and_shows_the_remat_group():
     """jaxllm plan: host bytes per device = the parameters' and optimizer state's shards (fp32: Φ·4 over fsdp
     for each of params, mu, nu at ZeRO-3), none without offload; the resolved group of the stage chunk, and
     beside the step's temporaries those of the same step without groups (as planning that config reports)."""
-    from jaxllm.cli.plan import format_table, plan
+    from jaxllm.plan import format_table, plan
 
     over = {"mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 3, **DEEP, "model.remat": "full", "model.remat_group": -1}
     on = plan(H.equivalence_config("tiny-llama", **over, **OFFLOAD))

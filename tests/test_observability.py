@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import pytest
 from jax.profiler import ProfileData
 
-from jaxllm.cli import CONFIG_DIR
-from jaxllm.config import build_config, to_dict
+from jaxllm.config import CONFIG_DIR, build_config, to_dict
 from jaxllm.train import goodput, metrics as metrics_lib, profiling
 from jaxllm.train.loop import _dispatch, train
 

@@ -24,7 +24,7 @@ from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models import transformer
 from jaxllm.parallel.pipeline_schedules import (FIELDS, GRADIENT, NOTHING, OUTPUT, Costs, bubble_formula,
                                                 bubble_fraction, make_schedule, tick_times)
-from jaxllm.hlo import memory_summary
+from jaxllm.plan.hlo import memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 

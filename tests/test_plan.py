@@ -21,9 +21,11 @@ from harness import subprocess_env
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
-from jaxllm.hlo import KINDS
-from jaxllm.cli.plan import (_format_attention, _format_attention_compiled, attention_compiled, attention_memory_theory,
-                             format_table, matmul_operands, permute_dtypes, plan, tensor_parallel_theory)
+from jaxllm.plan import format_table, plan
+from jaxllm.plan.attention import attention_compiled, attention_memory_theory
+from jaxllm.plan.hlo import KINDS, matmul_operands, permute_dtypes
+from jaxllm.plan.report import _format_attention, _format_attention_compiled
+from jaxllm.plan.tensor_parallel import tensor_parallel_theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

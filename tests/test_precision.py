@@ -171,7 +171,7 @@ def test_too_many_skips_in_a_row_end_the_run_in_one_line(tmp_path, monkeypatch):
 
 def reductions_by_dtype(cfg) -> dict:
     """{(kind, dtype): bytes per step} of the compiled gradient path's reduce-scatters and all-reduces."""
-    from jaxllm.hlo import bytes_by_kind_and_dtype, executed_collectives
+    from jaxllm.plan.hlo import bytes_by_kind_and_dtype, executed_collectives
 
     ops = executed_collectives(H.lower_loss_and_grads(H.step_fns(cfg)).compile().as_text())[0]
     return {k: b for k, b in bytes_by_kind_and_dtype(ops).items() if k[0] in ("reduce-scatter", "all-reduce")}

@@ -28,13 +28,22 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _imports(source: str, modules: dict) -> list[tuple[str, bool]]:
+# The API's names are re-exported lazily, so that `import jaxllm` (and with it `jaxllm --help`) loads no JAX: the
+# root package's `__getattr__` (PEP 562) and the callable `jaxllm.train` package's `__call__` import the API when a
+# name is first used, after every module has loaded. Those imports are no edge of the import graph.
+LAZY_REEXPORTS = {"__getattr__", "__call__"}
+
+
+def _imports(source: str, modules: dict, lazy: frozenset = frozenset()) -> list[tuple[str, bool]]:
     """(imported jaxllm module, whether the import is inside a function) for every import in the source, those
-    under `if TYPE_CHECKING:` included (a cycle hidden there is still one)."""
+    under `if TYPE_CHECKING:` included (a cycle hidden there is still one); imports inside a function named in
+    `lazy` are left out."""
     tree, found = ast.parse(source), []
 
     def visit(node, local):
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef) and child.name in lazy:
+                continue
             inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             names = []
             if isinstance(child, ast.Import):
@@ -48,9 +57,15 @@ def _imports(source: str, modules: dict) -> list[tuple[str, bool]]:
     return found
 
 
+def _lazy(name: str) -> frozenset:
+    """The functions of module `name` whose imports are lazy re-exports (a package's, the root's or jaxllm.train's)."""
+    return frozenset(LAZY_REEXPORTS) if name in ("jaxllm", "jaxllm.train") else frozenset()
+
+
 def _graph(include_local: bool = True) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: {m for m, local in _imports(path.read_text(), modules) if m != name and (include_local or not local)}
+    return {name: {m for m, local in _imports(path.read_text(), modules, _lazy(name))
+                   if m != name and (include_local or not local)}
             for name, path in modules.items()}
 
 
@@ -84,7 +99,7 @@ def test_imports_point_downward_and_none_hides_in_a_function():
     modules = _modules()
     layer = lambda name: next((l for l in LAYERS if name.startswith(f"jaxllm.{l}")), None)
     for name, path in modules.items():
-        for target, local in _imports(path.read_text(), modules):
+        for target, local in _imports(path.read_text(), modules, _lazy(name)):
             if target == name:
                 continue
             # the command line imports lazily, so `jaxllm --help` and a config error answer without loading JAX

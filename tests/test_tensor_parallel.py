@@ -25,8 +25,9 @@ from jaxllm.config import build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.sharding import Layout, activation_rules, param_rules, use_layout
-from jaxllm.hlo import collectives_per_step, computations
-from jaxllm.cli.plan import plan, tensor_parallel_theory
+from jaxllm.plan import plan
+from jaxllm.plan.hlo import collectives_per_step, computations
+from jaxllm.plan.tensor_parallel import tensor_parallel_theory
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 

@@ -14,7 +14,7 @@ from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models.transformer import padded_vocab
 from jaxllm.models import transformer
 from jaxllm.train.optimizer import decay_mask, make_optimizer, muon_dimensions
-from jaxllm.hlo import memory_summary
+from jaxllm.plan.hlo import memory_summary
 
 BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 8,
         "mesh.dp": 1, "train.warmup_steps": 0}

@@ -16,8 +16,8 @@ from fractions import Fraction
 import pytest
 
 from harness import REPO, assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
-from jaxllm.cli.plan import pipeline_theory
-from jaxllm.hlo import memory_summary
+from jaxllm.plan.hlo import memory_summary
+from jaxllm.plan.pipeline import pipeline_theory
 from jaxllm.parallel.pipeline_schedules import Costs, bubble_formula, bubble_fraction, idle_in_span, make_schedule
 from test_pipeline import compiled, run_table
 

@@ -22,7 +22,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from jaxllm.ops.quantize import dequantize, quantize
 from jaxllm.parallel import zeropp
-from jaxllm.hlo import bytes_by_kind_and_dtype, dtype_of, executed_collectives
+from jaxllm.plan.hlo import bytes_by_kind_and_dtype, dtype_of, executed_collectives
 
 QMAX = 127
 
@@ -287,7 +287,7 @@ def test_the_planner_shows_the_bytes_drop_as_predicted():
     quantization and the gradient all-to-alls against their elements in fp32, both at (1 + 4/256) / 4 within
     1% (the small leaves' fp32 gathers and the blocks' padding); with hpZ the compiled step's arguments are
     the ZeRO-3 theory over dp × fsdp."""
-    from jaxllm.cli.plan import format_table, plan
+    from jaxllm.plan import format_table, plan
 
     report = plan(zpp_config(FSDP8, weights=True, grads=True))
     z = report["zeropp"]

@@ -321,12 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
-    from jaxllm import cli
-    from jaxllm.config import build_config
+    from jaxllm.config import build_config, config_path
     from jaxllm.errors import UserError
 
     try:
-        cfg = build_config(cli.config_path(args.config), args.overrides)
+        cfg = build_config(config_path(args.config), args.overrides)
         result = bench(cfg, steps=args.steps, warmup=args.warmup, windows=args.windows, baseline=args.baseline)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,12 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _state(config: str, overrides: list[str]):
     """(config, step functions, the run's initial state) of `config` with `overrides`."""
-    from jaxllm import cli
+    from jaxllm.config import build_config, config_path
     from jaxllm.mesh import make_mesh
     from jaxllm.train.loop import resolve
     from jaxllm.train.step import make_step_fns
 
-    cfg = cli.load_config(argparse.Namespace(config=config, overrides=overrides))
+    cfg = build_config(config_path(config), overrides)
     _, shape, _ = resolve(cfg)
     fns = make_step_fns(cfg, make_mesh(shape, cfg))
     return cfg, fns, fns.init(cfg.train.seed)

@@ -53,7 +53,7 @@ def measure(name: str, fn, elements: int, repeats: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxllm.hlo import collective_report, permute_bytes_by_device
+    from jaxllm.plan.hlo import collective_report, permute_bytes_by_device
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",))

@@ -32,7 +32,7 @@ def heldout_preference(run_dir: Path, pairs: Path) -> dict:
     the run's reference, as the run's validation computes them."""
     import jax
 
-    from jaxllm.cli.hf import step_fns_for
+    from jaxllm.api import step_fns_for
     from jaxllm.config import build_config
     from jaxllm.data import dataset
     from jaxllm.train import loop, preference

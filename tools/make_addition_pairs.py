@@ -41,12 +41,9 @@ def pair(chat: dict, rng, swap: bool = False, answer: str | None = None) -> dict
 
 def greedy_replies(run_dir: str, chats_file: Path) -> list[str]:
     """A run's greedy reply to every chat of a file (as `jaxllm exact-match` generates them)."""
-    from jaxllm.cli.exact_match import accuracy, requests
-    from jaxllm.cli.generate import load
+    import jaxllm
 
-    cfg, tokenizer, fns, params = load(run_dir, None, [])
-    prompts, replies = requests(cfg, tokenizer, str(chats_file), 0)
-    return accuracy(cfg, tokenizer, fns, params, prompts, replies, 8, 256)[1]
+    return jaxllm.load(run_dir).exact_match(str(chats_file), max_new_tokens=8, batch=256).texts
 
 
 def write(out: Path, shuffled: bool = False, model: str | None = None) -> dict:

@@ -512,8 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
-    from jaxllm import cli
-    from jaxllm.config import build_config
+    from jaxllm.config import build_config, config_path
     from jaxllm.errors import UserError
 
     try:
@@ -522,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = json.load(f)
             result.update(analyze(args.from_dir, result["steps"], result["traced_step_ms"] / 1e3))
         else:
-            cfg = build_config(cli.config_path(args.config), args.overrides)
+            cfg = build_config(config_path(args.config), args.overrides)
             result = profile(cfg, steps=args.steps, warmup=args.warmup, out_dir=args.out)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,7 +51,7 @@ def build(overrides: dict, config: str | None):
 def measure(config: str | None, overrides: dict, rounds: int, steps: int) -> list[dict]:
     import jax
 
-    from jaxllm.hlo import memory_summary
+    from jaxllm.plan.hlo import memory_summary
 
     runs = []
     for remat, group, memory, compute in ROWS:

@@ -36,12 +36,13 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 
-from jaxllm import cli
+from jaxllm.config import CONFIG_DIR
+from jaxllm.errors import run
 from jaxllm.errors import UserError
 from tools import scaling_fit, scaling_report
 from tools.scaling_report import N_NOTE
 
-CONFIG = os.path.join(cli.CONFIG_DIR, "scaling.toml")
+CONFIG = os.path.join(CONFIG_DIR, "scaling.toml")
 SIZES = ("2x32", "2x48", "3x64", "3x96", "4x128")  # the shipped study: N from 26k to 0.8M
 BUDGETS = (3e11, 1e12, 3e12)
 CHECK_BUDGET = 6e12
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     commands = {"run": sweep, "fit": fit, "check": check}
-    return cli.run(lambda: commands[args.command](args))
+    return run(lambda: commands[args.command](args))
 
 
 if __name__ == "__main__":

@@ -38,17 +38,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    from jaxllm.cli.generate import load
-    from jaxllm.data import chat as chat_lib
-    from jaxllm.eval import requests, run as run_lib, tasks as tasks_lib
+    import jaxllm
+    from jaxllm.eval import tasks as tasks_lib
 
     tasks = [tasks_lib.load_task(path) for path in args.tasks]  # every file checked before the model loads
-    cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
-    chat = None
-    if args.apply_chat_template:
-        template = chat_lib.load_template(cfg.data.chat_template, tokenizer, cfg.data.chat_template_kwargs)
-        chat = requests.Chat(template, args.fewshot_as_multiturn)
-    results, samples = run_lib.evaluate_all(tasks, tokenizer, fns, params, cfg, chat)
+    model = jaxllm.load(args.source, args.step, args.overrides)
+    results, samples = model.evaluate(tasks, chat_template=args.apply_chat_template,
+                                      fewshot_as_multiturn=args.fewshot_as_multiturn)
     print(f"{'task':<24} {'metric':<30} value")
     for name, values in results.items():
         for metric, value in values.items():

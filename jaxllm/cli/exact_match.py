@@ -13,7 +13,6 @@ ones): accuracy before fine-tuning. Prints `exact_match K/N = P%`; a problem is 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
 
@@ -36,54 +35,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def requests(cfg, tokenizer, path: str, limit: int) -> tuple[list, list]:
-    """(prompt ids, reference replies) of the file's lines."""
-    from jaxllm.data import chat
-    from jaxllm.data.examples import prompt_and_reply, read_lines
-
-    d = cfg.data
-    template = functools.cache(lambda: chat.load_template(d.chat_template, tokenizer, d.chat_template_kwargs))
-    prompts, replies = [], []
-    for where, _, _, obj in read_lines(path):
-        ids, reply = prompt_and_reply(obj, where, cfg.data, template, tokenizer)
-        prompts.append([int(i) for i in ids])
-        replies.append(reply)
-        if limit and len(prompts) == limit:
-            break
-    return prompts, replies
-
-
-def accuracy(cfg, tokenizer, fns, params, prompts, replies, max_new_tokens: int, batch: int) -> tuple[int, list]:
-    """(matches, generated texts)."""
-    from jaxllm.errors import DataError
-    from jaxllm.generate import generate
-    from jaxllm.models import transformer
-    from jaxllm.train.loop import completion_text
-
-    room = transformer.max_positions(cfg.model) - max(len(p) for p in prompts)
-    if room < 1:
-        raise DataError(f"--data: a prompt of {max(len(p) for p in prompts)} tokens leaves no room in the model's "
-                        f"{transformer.max_positions(cfg.model)} positions; shorten the prompts")
-    if max_new_tokens > room:
-        log.info("the longest prompt leaves room for %d new tokens (model.max_positions); generating that many", room)
-        max_new_tokens = room
-    texts = []
-    for i in range(0, len(prompts), batch):
-        done = generate(params, cfg, prompts[i:i + batch], max_new_tokens, on=fns, temperature=0.0,
-                        stop_ids=tokenizer.stop_ids)
-        texts += [completion_text(tokenizer, [], c.tokens) for c in done]
-    return sum(t.strip() == r.strip() for t, r in zip(texts, replies)), texts
-
-
 def run(args) -> None:
-    from jaxllm.cli.generate import load
+    import jaxllm
 
-    cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
-    prompts, replies = requests(cfg, tokenizer, args.data, args.limit)
-    hits, texts = accuracy(cfg, tokenizer, fns, params, prompts, replies, args.max_new_tokens, args.batch)
-    for prompt, text, reply in list(zip(prompts, texts, replies))[:3]:
-        log.info("e.g. %r -> %r (reference %r)", tokenizer.decode(np.asarray(prompt, np.uint32)), text, reply)
-    print(f"exact_match {hits}/{len(prompts)} = {100 * hits / len(prompts):.1f}%")
+    model = jaxllm.load(args.source, args.step, args.overrides)
+    result = model.exact_match(args.data, limit=args.limit, max_new_tokens=args.max_new_tokens, batch=args.batch)
+    for prompt, text, reply in list(zip(result.prompts, result.texts, result.replies))[:3]:
+        log.info("e.g. %r -> %r (reference %r)", model.tokenizer.decode(np.asarray(prompt, np.uint32)), text, reply)
+    print(f"exact_match {result.matches}/{len(result.prompts)} = {100 * result.accuracy:.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from jaxllm import cli
@@ -38,53 +37,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(source: str, step: int | None, overrides: list[str]):
-    """(config, tokenizer, step functions on this mesh, parameters) of a run directory or hf:DIR."""
-    import jax
-
-    from jaxllm.config import build_config, parse_overrides
-    from jaxllm.errors import ConfigError
-    from jaxllm.interop import hf
-    from jaxllm.mesh import initialize_distributed
-    from jaxllm.train.loop import checkpoint_params, initial_state, resolve
-    from jaxllm.cli.hf import step_fns_for
-
-    # generation keeps the parameters on the device, wherever the run stored them between steps
-    given = {**cli.OWN_PROCESSES, "memory.offload_params": False, "memory.offload_optimizer": False,
-             **parse_overrides(list(overrides))}
-    if source.startswith("hf:"):
-        cfg = hf.config_for(source[3:], {"data.tokenizer": source, **given})
-    elif os.path.isfile(os.path.join(source, "config.toml")):
-        cfg = build_config(os.path.join(source, "config.toml"), {"run.dir": source, **given})
-    else:
-        raise ConfigError(f"--from {source}: not a run directory (no config.toml) nor hf:DIR")
-    initialize_distributed(cfg.distributed)
-    tokenizer, _, _ = resolve(cfg)
-    fns = step_fns_for(cfg)
-    if source.startswith("hf:"):
-        params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
-    elif step == 0:  # the run's starting parameters: its init.from, or its seed's random ones
-        params = initial_state(cfg, fns).params
-    else:  # a LoRA run's: its adapters on its base
-        params = checkpoint_params(cfg, fns, source, step)
-    log.info("model from %s on %d %s device(s), compute %s", source, jax.device_count(), jax.devices()[0].platform,
-             cfg.precision.compute)
-    return cfg, tokenizer, fns, params
-
-
 def run(args) -> None:
-    from jaxllm.generate import generate
-    from jaxllm.train.loop import completion_text
+    import jaxllm
 
-    cfg, tokenizer, fns, params = load(args.source, args.step, args.overrides)
-    prompts = [list(tokenizer.encode(p)) or [tokenizer.eot] for p in args.prompt]
+    model = jaxllm.load(args.source, args.step, args.overrides)
     timings = {}
-    done = generate(params, cfg, prompts, args.max_new_tokens, on=fns, temperature=0.0 if args.greedy else
-                    args.temperature, top_k=args.top_k, top_p=args.top_p, stop_ids=tokenizer.stop_ids, seed=args.seed,
-                    timings=timings)
-    for ids, c in zip(prompts, done):
-        print(completion_text(tokenizer, ids, c.tokens))
-    n = sum(len(c.tokens) for c in done)
+    done = model.generate(args.prompt, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, timings=timings)
+    for g in done:
+        print(g.text)
+    n = sum(len(g.tokens) for g in done)
     log.info("%d new tokens in %.2f s: %.1f tokens/s (compiling took %.1f s)", n, timings["run_s"],
              n / timings["run_s"], timings["compile_s"])
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from jaxllm import cli
@@ -47,88 +46,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def step_fns_for(cfg):
-    import jax
+def run(args) -> None:
+    import jaxllm
 
-    from jaxllm.config import validate
-    from jaxllm.mesh import make_mesh
-    from jaxllm.train.step import make_step_fns
-
-    shape, _ = validate(cfg, jax.device_count())
-    return make_step_fns(cfg, make_mesh(shape, cfg))
-
-
-def import_(hf_dir: str, run_dir: str, overrides: list[str]) -> None:
-    import jax.numpy as jnp
-
-    from jaxllm.config import parse_overrides, to_dict, to_toml
-    from jaxllm.errors import ConfigError
-    from jaxllm.interop import hf
-    from jaxllm.train import checkpoint as ckpt
-    from jaxllm.train.state import PARAMS_ONLY
-
-    given = {"run.dir": run_dir, **parse_overrides(overrides)}
-    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-        given.setdefault("data.tokenizer", f"hf:{hf_dir}")
-    cfg = hf.config_for(hf_dir, given)
-    if cfg.model.lora.rank:  # a LoRA run's checkpoints hold adapters, its base is read from init.from each time
-        raise ConfigError("model.lora: adapters need no import; train with init.from=hf:DIR and the model.lora keys")
-    if os.path.exists(run_dir) and os.listdir(run_dir):
-        raise ConfigError(f"{run_dir}: exists and is not empty; choose a new run directory")
-    fns = step_fns_for(cfg)
-    params = hf.load_params(hf_dir, cfg.model, fns.state_shardings.params)
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
-    mngr = ckpt.open_manager(run_dir, keep=1)
-    meta = {"config": to_dict(cfg), "step": 0, "state_fields": list(PARAMS_ONLY)}
-    ckpt.save(mngr, 0, {"step": jnp.int32(0), "params": params}, meta, checked=cfg.train.checkpoint_checksums)
-    mngr.wait_until_finished()
-    mngr.close()
-    log.info("imported %s into %s (step 0, parameters only); train it with: jaxllm train --config "
-             "%s train.resume=true", hf_dir, run_dir, os.path.join(run_dir, "config.toml"))
-
-
-def export(run_dir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str = "5GB", overrides: list[str] = (), adapter: bool = False) -> None:
-    from jaxllm.config import build_config, parse_overrides
-    from jaxllm.errors import ConfigError
-    from jaxllm.interop import hf, hf_config, peft
-    from jaxllm.mesh import initialize_distributed
-    from jaxllm.models import lora
-    from jaxllm.train.loop import checkpoint_params
-
-    if not os.path.isfile(os.path.join(run_dir, "config.toml")):
-        raise ConfigError(f"{run_dir}: no config.toml; give a jaxllm run directory")
-    cfg = build_config(os.path.join(run_dir, "config.toml"),
-                       {"run.dir": run_dir, **cli.OWN_PROCESSES, **parse_overrides(list(overrides))})
-    hf_config.exportable(cfg.model)
-    initialize_distributed(cfg.distributed)
-    if adapter and not cfg.model.lora.rank:
-        raise ConfigError(f"--adapter: {run_dir} trains no adapters (model.lora.rank = 0); export without --adapter")
-    fns = step_fns_for(cfg)
-    params = checkpoint_params(cfg, fns, run_dir, step)
-    source = cfg.init.from_[3:] if cfg.init.from_.startswith("hf:") else None
-    if adapter:
-        peft.save_adapter(params, cfg.model, out_dir, source)
-        log.info("exported %s's adapters to %s (PEFT)", run_dir, out_dir)
+    if args.command == "import":
+        config = jaxllm.import_hf(args.hf_dir, args.run_dir, args.overrides)
+        log.info("imported %s into %s (step 0, parameters only); train it with: jaxllm train --config %s "
+                 "train.resume=true", args.hf_dir, args.run_dir, config)
         return
-    tokenizer = cfg.data.tokenizer[3:] if cfg.data.tokenizer.startswith("hf:") else None
-    dtype = dtype or (hf.source_dtype(source) if source else "float32")
-    if cfg.model.lora.rank:  # the adapters merged into their weights: a plain model of the base's architecture
-        params = peft.merged(params)
-    hf.save_pretrained(params, lora.base_model(cfg.model), out_dir, dtype=dtype, max_shard_size=max_shard_size,
-                       source=source, tokenizer=tokenizer)
-    log.info("exported %s to %s (%s)%s", run_dir, out_dir, dtype,
-             "" if tokenizer else "; the run used no Hugging Face tokenizer, so the export has none")
+    model = jaxllm.load(args.run_dir, args.step, args.overrides)
+    model.export(args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, adapter=args.adapter)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse_with_overrides(parser(), argv)
-    if args.command == "import":
-        return cli.run(lambda: import_(args.hf_dir, args.run_dir, args.overrides))
-    return cli.run(lambda: export(args.run_dir, args.out_dir, args.step, args.dtype, args.max_shard_size,
-                                  args.overrides, args.adapter))
+    return cli.run(lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ def main(argv: list[str] | None = None, prog: str = "jaxllm train") -> int:
     args = cli.config_parser(prog, __doc__.splitlines()[0]).parse_args(argv)
 
     def go():
-        from jaxllm.train.loop import train
+        import jaxllm
 
-        train(cli.load_config(args))
+        jaxllm.train(cli.load_config(args))
 
     return cli.run(go)
 

@@ -44,6 +44,21 @@ def loglikelihoods(fns, params, pairs: list[tuple[list[int], list[int]]], seq: i
     return out.tolist()
 
 
+def logits(fns, params, texts: list[list[int]], seq: int, rows: int) -> list[np.ndarray]:
+    """fp32 logits [len(ids), vocabulary] of each token-id list, `rows` lists a batch (`StepFns.logits`)."""
+    if max(len(ids) for ids in texts) > seq:
+        raise DataError(f"a text of {max(len(ids) for ids in texts)} tokens does not fit model.seq_len={seq}; "
+                        "shorten it or raise model.seq_len")
+    out = []
+    for start in range(0, len(texts), rows):
+        which = texts[start:start + rows]
+        built = [request_row(ids + [0], [], seq) for ids in which] + [request_row([0], [], seq)] * (rows - len(which))
+        batch = {k: np.stack([r[k] for r in built]) for k in batch_lib.FIELDS}
+        values = _on_host(fns.logits(params, batch_lib.global_arrays(batch, fns.batch_sharding)))
+        out += [np.asarray(values[r, :len(ids)]) for r, ids in enumerate(which)]
+    return out
+
+
 def _on_host(x: jax.Array) -> np.ndarray:
     """The whole array on this host: every process's rows gathered where several processes hold them."""
     if jax.process_count() == 1:

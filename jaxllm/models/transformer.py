@@ -549,6 +549,14 @@ def target_logp(params: dict, batch: dict, m: ModelConfig, dtype, temperature: f
     return head_logp(params, x, batch["targets"], m, dtype, temperature)[0]
 
 
+def batch_logits(params: dict, batch: dict, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits [batch, seq, vocabulary] of a batch's inputs at its positions and segments (the padded
+    vocabulary's columns cut off)."""
+    x = embed(params, batch["inputs"], batch["positions"], m, dtype)
+    x, _ = blocks(params["blocks"], x, batch["positions"], batch["segment_ids"], m, dtype)
+    return head_logits(params, x, m, dtype)[..., :m.vocab_size]
+
+
 def zero_aux(m: ModelConfig) -> dict:
     """The blocks' auxiliary terms of no layer: the start of a sum over layers and microbatches."""
     return moe_lib.zero_stats(m) if stack_lib.has_moe(m) else {}

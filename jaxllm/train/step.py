@@ -138,6 +138,7 @@ class StepFns:
     loss_and_grads: Callable  # (params, batch) -> (loss, metrics, grads), the step's own gradient path
     eval_loss: Callable  # (params, batch) -> (sum, count, metric sums) on validation (`eval_loss`)
     token_logp: Callable  # (params, batch) -> [batch, seq] log-probabilities of the targets (GRPO)
+    logits: Callable  # (params, batch) -> [batch, seq, vocabulary] fp32 logits of the inputs
     abstract_state: Any
     schedule: Any = None  # the pipeline's Schedule table when mesh.pp > 1
 
@@ -231,6 +232,14 @@ def token_logp(params, batch: dict, g: Paths):
         return logp if g.order is None else logp[:, np.argsort(g.order)]
 
 
+def logits(params, batch: dict, g: Paths):
+    """fp32 logits [batch, seq, vocabulary] of the batch's inputs, in the batch's own order: the trainer's
+    forward pass (`jaxllm.load(...).logits`)."""
+    with matmul_precision(g.dtype, g.fp8), use_layout(g.layout):
+        out = transformer.batch_logits(params, gradients.in_model_order(batch, g), g.model, g.dtype)
+        return out if g.order is None else out[:, np.argsort(g.order)]
+
+
 def init_state(seed: int, *, cfg: Config, tx) -> TrainState:
     return start_state(transformer.init_params(cfg.model, jax.random.key(seed)), cfg=cfg, tx=tx)
 
@@ -298,6 +307,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
                           out_shardings=replicated),
         token_logp=jax.jit(functools.partial(token_logp, g=g), in_shardings=(sh.params, batch_sh),
                            out_shardings=batch_sh),
+        logits=jax.jit(functools.partial(logits, g=g), in_shardings=(sh.params, batch_sh), out_shardings=batch_sh),
         abstract_state=abstract_state, schedule=g.schedule)
 
 

@@ -1,4 +1,4 @@
-"""Per-device collectives and memory of one compiled step, read from XLA's output.
+"""The compiled-program readers: collectives, memory and matmuls of one compiled step, from XLA's output.
 
 The planner compiles a train step and needs two numbers per layout: how much
 memory a device holds and how much it communicates per step. Both come from the
@@ -14,6 +14,11 @@ version annotates loops whose trip count it can prove with
 instruction (verified for `lax.scan(length=N)` and `lax.fori_loop(0, N, ...)`);
 a data-dependent `lax.while_loop` has no such annotation and is counted as one
 trip, reported in `collective_report(...)["unknown_trip_loops"]`.
+
+Besides the collectives: the element types a program's collective-permutes move (`permute_dtypes`),
+its matmuls by runner and operand types (`matmul_operands`), a compiled executable's memory
+(`memory_summary`) and `format_bytes`. This module imports no JAX; tests and tools read compiled
+programs with it too.
 """
 
 from __future__ import annotations
@@ -273,6 +278,52 @@ def permute_bytes_by_device(hlo_text: str, n_devices: int) -> list[int]:
 def collectives_per_step(hlo_text: str) -> dict[str, dict]:
     """{kind: {"count", "bytes"}} for all five kinds; see `collective_report`."""
     return collective_report(hlo_text)["collectives"]
+
+
+_HLO_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64"}
+
+
+def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
+    """Element types (as numpy names) of the compiled collective-permutes that move `elements` values."""
+    comps, _ = computations(hlo_text)
+    found = set()
+    for ins in (i for instrs in comps.values() for i in instrs):
+        if ins["opcode"] in ("collective-permute", "collective-permute-start"):
+            for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", ins["type"]):
+                if math.prod(int(x) for x in dims.split(",") if x) == elements:
+                    found.add(_HLO_DTYPES.get(dtype, dtype))
+    return sorted(found)
+
+
+_MATMUL_LINE = re.compile(r"\s(dot|custom-call)\(([^)]*)\)")
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?([a-z]\w*)\[")
+
+
+def matmul_operands(hlo_text: str) -> dict[str, int]:
+    """The compiled program's matmuls counted by what runs them and their two operands' element types, e.g.
+    {"dot bf16×bf16": 6, "__cublas$lt$matmul$f8 f8e4m3fn×f8e4m3fn": 18}: `dot`s and the cuBLAS calls
+    (custom calls whose target names a gemm or matmul) that XLA rewrote them into. This is how one reads
+    whether `precision.matmul = "fp8"` reached an fp8 GEMM or was widened back (XLA:CPU widens every one).
+    Instructions are counted as written, a loop body once; operands are looked up by name, since
+    `as_text()` prints them without their types."""
+    lines = hlo_text.splitlines()
+    element = {m.group(1): m.group(2) for m in map(_DEFINED.match, lines) if m}
+    found: dict[str, int] = {}
+    for line in lines:
+        m = _MATMUL_LINE.search(line)
+        if not m:
+            continue
+        runner = m.group(1)
+        if runner == "custom-call":
+            target = _CALL_TARGET.search(line)
+            if not target or not re.search(r"gemm|matmul", target.group(1), re.I):
+                continue
+            runner = target.group(1)
+        names = re.findall(r"%?([\w.\-]+)\s*(?:,|$)", m.group(2).strip())[:2]
+        key = f"{runner} {'×'.join(element.get(n, '?') for n in names)}"
+        found[key] = found.get(key, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def memory_summary(compiled) -> dict:
