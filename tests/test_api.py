@@ -40,7 +40,8 @@ def page(tmp_path_factory):
 def test_the_pages_blocks_run_and_say_what_the_page_says(page):
     assert len(blocks(PAGE.read_text())) == 6
     result, model = page["result"], page["model"]
-    assert result.final_step == 80 and result.last_row["step"] == 80 and result.last_row["loss"] < 3.0
+    first = json.loads((page["where"] / "runs" / "api" / "metrics.jsonl").read_text().splitlines()[0])
+    assert result.final_step == 80 and result.last_row["step"] == 80 and result.last_row["loss"] < first["loss"] - 1
     assert result.run_dir == "runs/api" and (page["where"] / "runs" / "api" / "checkpoints" / "80").is_dir()
     gens = model.generate(["def ", "import "], max_new_tokens=12, temperature=0)
     assert [g.text[:4] for g in gens] == ["def ", "impo"] and all(len(g.tokens) <= 12 for g in gens)
