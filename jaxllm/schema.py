@@ -663,7 +663,7 @@ def _cell(text: str) -> str:
 
 
 def reference_markdown() -> str:
-    """The configuration reference (tools/docs_hooks.py puts it into docs/configuration.md): a `## section`
+    """The configuration reference (tools/dev/docs_hooks.py puts it into docs/configuration.md): a `## section`
     heading per section, nested ones (`model.moe`) after their parent, each with its docstring and a table of its
     keys' types, defaults and meanings."""
     lines = []

@@ -10,7 +10,7 @@
   compiled is read back by the next (two processes of one run, a run and its resumption).
   The test process itself compiles each program once (`harness.compile_each_program_once`) and
   keeps it across test files until it holds half the memory mappings Linux allows.
-- JAXLLM_COMPILE_LEDGER=DIR records every compile for `python -m tools.compile_ledger DIR`.
+- JAXLLM_COMPILE_LEDGER=DIR records every compile for `python -m tools.dev.compile_ledger DIR`.
 - The `slow` marker: `python -m pytest -m "not slow"` is the fast tier for development.
 - pytest-xdist workers (pyproject's addopts) inherit the controller's environment, so they share its
   compilation cache folder, which only the controller (the process that made it) removes at the end.
@@ -30,8 +30,8 @@ for _flag in compile_flags(8).split():
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 compile_each_program_once()
-if os.environ.get("JAXLLM_COMPILE_LEDGER"):  # where the compile time goes: python -m tools.compile_ledger
-    from tools.compile_ledger import install
+if os.environ.get("JAXLLM_COMPILE_LEDGER"):  # where the compile time goes: python -m tools.dev.compile_ledger
+    from tools.dev.compile_ledger import install
 
     install(os.environ["JAXLLM_COMPILE_LEDGER"])
 

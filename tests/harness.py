@@ -13,7 +13,7 @@ independent references, the equivalence tolerances and subprocess environments.
   contract's fields (`jaxllm/batch.py`, plus any the step's objective needs) and lay the
   parameters and the batch out as the step wants them.
 - `reference(model_cfg)` is the loss and gradients of the model written independently of
-  `jaxllm/models/` (`tools/plain_gpt.py`, `tools/plain_llama.py`) on `tokens()`, from
+  `jaxllm/models/` (`tools/reference/plain_gpt.py`, `tools/reference/plain_llama.py`) on `tokens()`, from
   jaxllm's own initial parameters.
 """
 
@@ -78,11 +78,11 @@ def subprocess_env(n_devices: int = 8) -> dict:
     a noticeable time to compile; JAX's default threshold is 1 s)."""
     # Multi-device programs are compiled afresh: XLA:CPU reads a program back from the persistent cache
     # without the order between the collectives inside its loops and those outside, and it can hang
-    # (tools/xla_cpu_cache_hang.py, docs/design-notes.md), so only one-device programs come from the cache.
+    # (tools/dev/xla_cpu_cache_hang.py, docs/design-notes.md), so only one-device programs come from the cache.
     cache = os.environ.get("JAXLLM_TEST_CACHE_DIR", "") if n_devices == 1 else ""
     path = str(REPO)
     if os.environ.get("JAXLLM_COMPILE_LEDGER"):  # the command line records its compiles too
-        from tools.compile_ledger import SITE
+        from tools.dev.compile_ledger import SITE
 
         path = f"{SITE}{os.pathsep}{path}"
     return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", XLA_FLAGS=compile_flags(n_devices),
@@ -189,7 +189,7 @@ def memory_maps() -> tuple[int, int]:
         return held, int(f.read())
 
 
-# Measured by `python -m tools.compile_ledger`: one test file adds at most about 16,500 mappings
+# Measured by `python -m tools.dev.compile_ledger`: one test file adds at most about 16,500 mappings
 # (test_context_parallel.py), so freeing at the first file end past half of Linux's 65,530 leaves the
 # largest file room to spare (docs/design-notes.md).
 MAP_SHARE = 0.5
@@ -286,7 +286,7 @@ def reference(m):
 
     from jaxllm.models import transformer
 
-    from tools.bench import plain_model
+    from tools.reference import plain_model
 
     key = repr(m)
     if key not in _references:
@@ -305,6 +305,7 @@ def reference(m):
 # ---------------------------------------------------------------- comparing
 
 
+# Not chex.assert_trees_all_close (elementwise): the contract is per leaf in norms, and a failure prints them.
 def leaf_errors(a, b) -> dict:
     """Per gradient leaf (by tree path): ||a - b|| and ||b||, in float64."""
     import jax
@@ -320,10 +321,10 @@ def leaf_errors(a, b) -> dict:
 def assert_matches(loss, grads, ref, loss_rtol: float = LOSS_RTOL, grad_rtol: float = GRAD_RTOL) -> None:
     """The equivalence contract: |loss - ref| <= 1e-5 |ref| and, per gradient leaf,
     ||g - ref|| <= 1e-4 ||ref|| + 1e-8. `ref` is (params, loss, grads) as `reference` returns it."""
-    import jax
+    import chex
 
     _, ref_loss, ref_grads = ref
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    chex.assert_trees_all_equal_structs(grads, ref_grads)
     assert abs(float(loss) - ref_loss) <= loss_rtol * abs(ref_loss), (float(loss), ref_loss)
     bad = {k: (d, n) for k, (d, n) in leaf_errors(grads, ref_grads).items() if d > grad_rtol * n + GRAD_ATOL}
     assert not bad, f"gradient leaves off the reference (||a-b||, ||b||): {bad}"

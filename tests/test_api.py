@@ -10,6 +10,7 @@ import json
 import os
 import re
 
+import chex
 import pytest
 
 from harness import REPO
@@ -46,7 +47,7 @@ def test_the_pages_blocks_run_and_say_what_the_page_says(page):
     gens = model.generate(["def ", "import "], max_new_tokens=12, temperature=0)
     assert [g.text[:4] for g in gens] == ["def ", "impo"] and all(len(g.tokens) <= 12 for g in gens)
     assert page["good"] > page["bad"]  # a run of 80 steps on Python source prefers `import os`
-    assert page["row"].shape == (9, model.cfg.model.vocab_size)
+    chex.assert_shape(page["row"], (9, model.cfg.model.vocab_size))
     assert set(page["evaluation"].results) == {"imports"} and len(page["evaluation"].samples["imports"]) == 2
     assert {"config.json", "model.safetensors"} <= set(os.listdir(page["where"] / "runs" / "api-hf"))
 

@@ -1,4 +1,5 @@
-"""tools/plain_gpt.py computes what jaxllm computes (so the bench's baseline is honest), and tools.bench runs."""
+"""tools/reference/plain_gpt.py computes what jaxllm computes (so the bench's baseline is honest), and
+tools.bench.train_step runs."""
 
 import functools
 import json
@@ -6,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from harness import step_fns, subprocess_env, train_step
 from jaxllm.config import build_config, validate
 from jaxllm.models import transformer
 from jaxllm.train.state import TrainState
-from tools.bench import plain_model
+from tools.reference import plain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Adam's first update is lr·g/(|g| + eps): with eps ≫ |g| it is ≈ lr·g (times 1/2 in warm-up), so comparing
@@ -49,8 +51,7 @@ def test_plain_baseline_step_matches_jaxllm(family):
     new_state, metrics = train_step(fns, state, tokens)
 
     plain_old = module.from_jaxllm(old)
-    assert (jax.tree.map(jnp.shape, plain_old)
-            == jax.tree.map(jnp.shape, jax.eval_shape(lambda k: module.init_params(c, k), jax.random.key(0))))
+    chex.assert_trees_all_equal_shapes(plain_old, jax.eval_shape(lambda k: module.init_params(c, k), jax.random.key(0)))
     tx = module.make_optimizer(lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
                                min_lr_ratio=t.min_lr_ratio, b1=t.beta1, b2=t.beta2, eps=t.eps,
                                weight_decay=t.weight_decay, grad_clip=t.grad_clip)
@@ -73,7 +74,7 @@ def test_bench_cli_runs_both(family):
     env = subprocess_env(1)  # one CPU device
     args = [f"model.family={family}", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=0",
             "model.d_ff=64", "model.seq_len=16", "train.global_batch=2"]
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", *args, "--steps", "2", "--warmup", "1",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.train_step", *args, "--steps", "2", "--warmup", "1",
                            "--windows", "1", "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,7 +86,7 @@ def test_bench_cli_runs_both(family):
 
 
 def test_bench_config_error_exits_2(capsys):
-    from tools.bench import main
+    from tools.bench.train_step import main
 
     assert main(["model.d_model=64", "model.n_heads=3"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -93,7 +94,7 @@ def test_bench_config_error_exits_2(capsys):
 
 
 def test_baseline_only_where_the_plain_model_applies():
-    from tools.bench import baseline_unavailable
+    from tools.bench.train_step import baseline_unavailable
 
     def cfg(**over):
         return build_config(None, {**TINY, **over})
@@ -114,8 +115,8 @@ def test_bench_pipeline_reports_measured_and_table_bubble():
     p, mb = 2, 4
     args = ["model.preset=tiny-gpt2", "model.n_layers=4", f"mesh.pp={p}", "mesh.dp=1", f"train.microbatches={mb}",
             "train.global_batch=8", "model.seq_len=32", "model.vocab_size=257", "precision.compute=float32"]
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", *args, "--no-baseline", "--steps", "1", "--warmup",
-                           "1", "--windows", "1", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.train_step", *args, "--no-baseline", "--steps", "1",
+                           "--warmup", "1", "--windows", "1", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -129,7 +130,7 @@ def test_bench_pipeline_reports_measured_and_table_bubble():
 
 
 def test_stage_config_is_one_stage_one_microbatch():
-    from tools.bench import stage_config
+    from tools.bench.train_step import stage_config
 
     cfg = build_config(None, {**TINY, "model.n_layers": 8, "mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2,
                               "train.microbatches": 4, "train.global_batch": 16, "train.pp_schedule": "interleaved",

@@ -1,7 +1,7 @@
 """bf16, the default precision, on every parallel form: the project's rule for low-precision equivalence.
 
 bf16 cannot meet the fp32 contract, so the rule is relative (docs/design-notes.md): with `f` the
-fp32 reference (tools/plain_llama.py) and err(x) = ||x - f|| / ||f|| per gradient leaf,
+fp32 reference (tools/reference/plain_llama.py) and err(x) = ||x - f|| / ||f|| per gradient leaf,
 
     err(bf16 on the mesh) <= 2 · err(bf16 on one device) + 1e-3    for every leaf,
 

@@ -1,7 +1,7 @@
 """The suite's own compile machinery: each XLA program compiled once per test process
 (`harness.compile_each_program_once`), freed near Linux's limit on memory mappings, the ledger that
-says where compile time goes (`tools/compile_ledger.py`), and the XLA:CPU bug that keeps
-multi-device programs out of JAX's persistent cache (`tools/xla_cpu_cache_hang.py`)."""
+says where compile time goes (`tools/dev/compile_ledger.py`), and the XLA:CPU bug that keeps
+multi-device programs out of JAX's persistent cache (`tools/dev/xla_cpu_cache_hang.py`)."""
 
 import subprocess
 import sys
@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import harness
 from harness import REPO, subprocess_env
-from tools import compile_ledger, xla_cpu_cache_hang
+from tools.dev import compile_ledger, xla_cpu_cache_hang
 
 
 def fresh_jit():

@@ -29,7 +29,7 @@ SHRUNK = {  # file -> the keys that shrink its model
 
 
 # The fine-tuning configs name their data on the command line (sft.toml) or after a script wrote it
-# (sft_addition.toml, tools/make_addition.py): a small chat file stands in.
+# (sft_addition.toml, tools/examples/make_addition.py): a small chat file stands in.
 DATA_GIVEN = {"sft.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
               "sft_addition.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "chats.jsonl")},
               "arith_format.toml": {"data.source": os.path.join(REPO, "tests", "fixtures", "gsm8k.jsonl")},

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -254,7 +255,8 @@ def test_prepare_data_errors_leave_nothing(tmp_path):
 
 def test_window_starts():
     a = window_starts(10_000, seed=1, step=5, global_batch=64, seq_len=32)
-    assert a.dtype == np.int64 and a.shape == (64,)
+    chex.assert_shape(a, (64,))
+    assert a.dtype == np.int64
     assert np.array_equal(a, window_starts(10_000, 1, 5, 64, 32))
     assert not np.array_equal(a, window_starts(10_000, 1, 6, 64, 32))
     assert not np.array_equal(a, window_starts(10_000, 2, 5, 64, 32))
@@ -319,7 +321,8 @@ def test_eval_batch():
     windows = lambda b: np.concatenate([np.asarray(b["inputs"]), np.asarray(b["targets"])[:, -1:]], axis=1)
     batches = [windows(eval_batch(tokens, i, 3, 8, 31, sharding)) for i in range(3)]
     rows = np.concatenate(batches)
-    assert batches[0].shape == (8, 32) and batches[0].dtype == np.int32
+    chex.assert_shape(batches[0], (8, 32))
+    assert batches[0].dtype == np.int32
     assert rows[0, 0] == 0 and rows[-1, -1] == tokens[-1]  # spans the whole stream
     assert set(np.diff(rows[:, 0])) <= {433, 434}  # evenly spaced: (10000-32)/23 = 433.4
     assert all(np.array_equal(r, tokens[r[0]:r[0] + 32]) for r in rows)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,8 +233,8 @@ def test_document_masking_keeps_other_documents_bitwise_and_off_is_todays_batch(
     windows = np.stack([np.asarray(plain.corpus.train[s:s + 65], np.int32) for s in starts])
     today = {"inputs": windows[:, :-1], "targets": windows[:, 1:], "segment_ids": np.ones((4, 64), np.int32),
              "positions": np.tile(np.arange(64, dtype=np.int32), (4, 1)), "loss_mask": np.ones((4, 64), np.float32)}
-    assert all(np.array_equal(a[k], today[k]) and a[k].dtype == today[k].dtype for k in today)  # off: as before
-    assert all(np.array_equal(a[k], b[k]) for k in ("inputs", "targets", "loss_mask"))
+    chex.assert_trees_all_equal({k: a[k] for k in today}, today, strict=True)  # off: as before (strict: dtypes too)
+    chex.assert_trees_all_equal(*({k: x[k] for k in ("inputs", "targets", "loss_mask")} for x in (a, b)))
     row = int(np.argmax(b["segment_ids"].max(1) >= 3))  # a row with three or more documents
     assert b["segment_ids"][row].max() >= 3
     m = equivalence_config("tiny-llama", **{"model.seq_len": 64}).model

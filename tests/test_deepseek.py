@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +50,8 @@ def test_the_config_reads_as_latent_attention_segments_and_routing(model):
     assert (transformer.shared_d_ff(m), e.d_ff, e.shared_gate) == (32, 32, False)
     _, params = hf.load_pretrained(model)
     bias = np.asarray(params["blocks"][1]["moe"]["router_bias"])  # the routing buffers, read into the parameters
-    assert bias.shape == (2, 8) and np.abs(bias).min() > 0
+    chex.assert_shape(bias, (2, 8))
+    assert np.abs(bias).min() > 0
 
 
 def test_yarn_with_mscale_all_dim_equals_transformers(tmp_path):
@@ -99,7 +101,7 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
     assert sum(a.nbytes for a in jax.tree.leaves(built)) == m.n_layers * rows * slots * per_token
     assert cache.cache_bytes(m, rows, slots, jnp.float32, None) == m.n_layers * rows * slots * per_token
     assert [set(block) for block in built] == [{"k"}, {"k"}]  # no per-head keys or values
-    assert cache.per_token(m) == (32, "kv_lora_rank + qk_rope_head_dim = 24 + 8")  # what tools.plan prints
+    assert cache.per_token(m) == (32, "kv_lora_rank + qk_rope_head_dim = 24 + 8")  # what jaxllm plan prints
 
 
 @pytest.mark.slow
@@ -172,5 +174,4 @@ def test_prediction_layers_are_written_and_read_under_deepseeks_names(model, tmp
     assert np.abs(H.reference_logits(out, TOKENS) - ours).max() <= 1e-4
     back_cfg, back = hf.load_pretrained(out)
     assert back_cfg.model.mtp_depth == 1
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(back, params)

@@ -1,9 +1,10 @@
-"""The README, the docs site's pages and BENCHMARKS.md stay true to the code.
+"""The README, the docs site's pages, BENCHMARKS.md and the READMEs under tools/ stay true to the code.
 
 - The README is the short front door: at most 15 KB.
-- Every file, tool, config and `jaxllm` subcommand a page names exists.
+- Every file, tool, config and `jaxllm` subcommand a page names exists: `python -m tools.a.b` is a file
+  tools/a/b.py, and a module named in backticks (`tools.a.b`, `tools.a.name`) is a file or a name in one.
 - Every configuration key a page names (`train.steps`, in backticks) is a key of the schema; the
-  reference page itself is generated from the schema (`tools/docs_hooks.py`), and every field there
+  reference page itself is generated from the schema (`tools/dev/docs_hooks.py`), and every field there
   has its meaning written (tests/test_config_reference.py).
 - Every page is in the site's navigation (mkdocs.yml), and `mkdocs build --strict` in `.ci/run` checks
   the links between them.
@@ -25,7 +26,8 @@ from jaxllm.schema import Config
 README = (REPO / "README.md").read_text()
 BENCHMARKS = (REPO / "BENCHMARKS.md").read_text()
 PAGES = {p.relative_to(REPO).as_posix(): p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
-DOCUMENTS = {"README.md": README, "BENCHMARKS.md": BENCHMARKS, **PAGES}
+TOOL_READMES = {p.relative_to(REPO).as_posix(): p.read_text() for p in sorted((REPO / "tools").glob("*/README.md"))}
+DOCUMENTS = {"README.md": README, "BENCHMARKS.md": BENCHMARKS, **PAGES, **TOOL_READMES}
 SECTIONS = {f.name for f in dataclasses.fields(Config)}
 
 
@@ -49,6 +51,20 @@ def names_code(name: str) -> bool:
         except ImportError:
             continue
         return all((obj := getattr(obj, rest, None)) is not None for rest in parts[cut:])
+    return False
+
+
+def names_a_tool(name: str) -> bool:
+    """Whether dotted `name` (`tools.bench.train_step`, `tools.reference.plain_model`) is a module under tools/, or a
+    function, class or constant at the top of one."""
+    parts = name.split(".")
+    for cut in range(len(parts), 1, -1):
+        base = REPO.joinpath(*parts[:cut])
+        for file in (base.with_suffix(".py"), base / "__init__.py"):
+            if file.exists():
+                rest = parts[cut:]
+                return not rest or (len(rest) == 1 and re.search(rf"^(?:def |class )?{rest[0]}\b", file.read_text(), re.M)
+                                    is not None)
     return False
 
 
@@ -88,11 +104,14 @@ def test_pages_name_only_config_keys_that_exist(name):
 def test_pages_name_only_files_and_commands_that_exist(name):
     text = DOCUMENTS[name]
     paths = set(re.findall(r"\b((?:tests|tools|jaxllm|docs|experiments)/[a-z0-9_/.-]+\.(?:py|toml|md|sh|png))", text))
-    paths |= {f"tools/{m}.py" for m in re.findall(r"python -m tools\.([a-z_0-9]+)", text)}
+    paths |= {f"tools/{m.replace('.', '/')}.py" for m in re.findall(r"python -m tools\.([a-z_0-9]+(?:\.[a-z_0-9]+)*)", text)}
     paths |= {f"tests/{n}" for n in re.findall(r"(?<![\w/])(test_\w+\.py)\b", text)}  # named bare
     paths |= {f"jaxllm/configs/{n}.toml" for n in re.findall(r"--config ([a-z_0-9]+)(?![\w/.])", text)}
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing, f"{name} names files that do not exist: {missing}"
+    modules = set(re.findall(r"(?<![\w./:-])(tools\.[a-z_0-9]+(?:\.[a-z_0-9]+)*)", code_of(text)))
+    assert all(map(names_a_tool, modules)), f"{name} names modules under tools/ that do not exist: " \
+        f"{sorted(m for m in modules if not names_a_tool(m))}"
     commands = set(re.findall(r"(?<![\w./-])jaxllm ([a-z][a-z-]*)(?![\w/])", code_of(text)))
     assert commands <= set(COMMANDS), f"{name} names jaxllm subcommands that do not exist: {commands - set(COMMANDS)}"
 
@@ -108,7 +127,8 @@ def test_every_benchmark_section_names_the_command_that_measured_it():
     assert len(measured) >= 4
     for section in measured:
         title = section.splitlines()[0]
-        tools = set(re.findall(r"python -m tools\.(\w+)", section)) | set(re.findall(r"tools/(\w+)\.(?:py|sh)", section))
+        tools = ({m.replace(".", "/") for m in re.findall(r"python -m tools\.([\w.]*\w)", section)}
+                 | set(re.findall(r"tools/([\w/]+)\.(?:py|sh)", section)))
         commands = set(re.findall(r"\bjaxllm (plan|train)\b", section))
         assert tools or commands, f"BENCHMARKS.md section '{title}' names no script under tools/ nor a jaxllm command"
         assert all(any((REPO / "tools" / f"{t}.{ext}").exists() for ext in ("py", "sh")) for t in tools), (title, tools)

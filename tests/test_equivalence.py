@@ -1,7 +1,7 @@
 """Every data-parallel mesh and ZeRO stage computes the same numbers as the independent reference
 (fp32, 8 fake CPU devices).
 
-The reference is the model written without jaxllm (`tools/plain_gpt.py`, `tools/plain_llama.py`;
+The reference is the model written without jaxllm (`tools/reference/plain_gpt.py`, `tools/reference/plain_llama.py`;
 `harness.reference`), from jaxllm's own initial parameters: one step's loss within 1e-5 and each
 gradient leaf within 1e-4 of it (`harness.assert_matches`), on one device and on meshes
 {dp=8, fsdp=8, dp=2×fsdp=4} × ZeRO stages × {with, without} accumulation. Then a whole optimizer
@@ -11,6 +11,7 @@ from the registry (`harness.step_fns`); ZeRO stages 0 and 1 share a gradient pro
 differ only in the optimizer state's layout, which the one-step test covers), see `same_program`.
 """
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -69,8 +70,7 @@ def test_initial_params_bitwise_equal(family, mesh):
     ref_params = reference(config(family, "one", 0, 1).model)[0]
     for stage in (0, 3):
         state = fns_for(family, mesh, same_program(mesh, stage), 2).init(0)
-        for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(state.params, ref_params)
 
 
 # every mesh at every stage, each family on every mesh and at every stage

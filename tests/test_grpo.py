@@ -144,7 +144,7 @@ def test_the_step_minimises_grpo_on_the_model():
     metrics and gradients are the formula applied to the plain reference model's log-probabilities."""
     from harness import BATCH, SEQ as T, assert_matches, equivalence_config, loss_metrics_and_grads, step_fns, tokens
     from jaxllm.models import transformer
-    from tools.bench import plain_model
+    from tools.reference import plain_model
 
     temperature, rng = 0.7, np.random.default_rng(5)
     m = equivalence_config("tiny-llama").model
@@ -207,7 +207,7 @@ def test_token_logp_is_the_plain_models_at_the_temperature(mesh):
     reference model's log-probabilities of the targets at temperature 0.7."""
     from harness import as_batch, equivalence_config, step_fns, tokens
     from jaxllm.models import transformer
-    from tools.bench import plain_model
+    from tools.reference import plain_model
 
     m = equivalence_config("tiny-llama").model
     module, c = plain_model(m)

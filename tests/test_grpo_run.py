@@ -169,7 +169,7 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
-    """The README's example shortened to 150 GRPO steps (seed 2), through tools.grpo_study as a user runs it:
+    """The README's example shortened to 150 GRPO steps (seed 2), through tools.studies.grpo_arith as a user runs it:
     the issue's bar for this variant, GRPO's last 20 steps at 0.4 or more while the control, whose rewards
     are shuffled within each group, stays at or below 0.15 (the study's three seeds are at 0.45, 0.52 and
     0.61 over steps 131-150: BENCHMARKS.md "GRPO"). Then 20 steps from the same format model with a reward
@@ -182,8 +182,9 @@ def test_the_arith_example_runs_and_rewards_steer_the_policy(tmp_path):
                               timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
 
-    cli("tools.grpo_study", "--seeds", "2", "--steps", "150", "--out", str(out), f"--format-data={tmp_path / 'arith'}")
-    from tools.grpo_study import rewards
+    cli("tools.studies.grpo_arith", "--seeds", "2", "--steps", "150", "--out", str(out),
+        f"--format-data={tmp_path / 'arith'}")
+    from tools.studies.grpo_arith import rewards
 
     grpo, control = rewards(out / "grpo_seed2"), rewards(out / "control_seed2")
     assert len(grpo) == len(control) == 150 and (out / "rewards.png").is_file()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,10 +47,7 @@ def file_tensors(path: str) -> dict:
 
 
 def assert_bitwise(a: dict, b: dict):
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert a[key][0] == b[key][0], key
-        np.testing.assert_array_equal(a[key][1], b[key][1], err_msg=key)
+    chex.assert_trees_all_equal(a, b)  # the same names; per name the same dtype name and the same bits
 
 
 @pytest.mark.parametrize("family", H.FAMILIES)
@@ -98,8 +96,7 @@ def test_sharded_source_loads_like_the_single_file(models, tmp_path):
     assert os.path.isfile(os.path.join(sharded, hf.INDEX))
     _, a = hf.load_pretrained(models["llama3"])
     _, b = hf.load_pretrained(sharded)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
 
 
 def test_gpt2_files_without_the_transformer_prefix_load_alike(models, tmp_path):
@@ -118,8 +115,7 @@ def test_gpt2_files_without_the_transformer_prefix_load_alike(models, tmp_path):
               str(bare / hf.SINGLE))
     _, a = hf.load_pretrained(models["gpt2"])
     _, b = hf.load_pretrained(str(bare))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b)
 
 
 def test_export_writes_shards_with_an_index(models, tmp_path):
@@ -141,8 +137,7 @@ def test_loading_onto_fsdp4_tp2_equals_one_device(family, models):
     _, single = hf.load_pretrained(models[family])
     split = [x for x in jax.tree.leaves(sharded) if len(x.sharding.device_set) > 1 and not x.is_fully_replicated]
     assert len(split) > len(jax.tree.leaves(sharded)) // 2  # most leaves really are read in blocks
-    for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(sharded, single)
 
 
 def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
@@ -151,7 +146,7 @@ def test_free_head_dim_imports_and_reaches_the_plan(tmp_path):
     cfg = hf.config_for(path, {"model.seq_len": SEQ})
     assert attention.head_dim(cfg.model) == 24 != cfg.model.d_model // cfg.model.n_heads
     shapes = transformer.param_shapes(cfg.model)
-    assert shapes["blocks"][0]["attn"]["wq"].shape == (2, 64, 4, 24)
+    chex.assert_shape(shapes["blocks"][0]["attn"]["wq"], (2, 64, 4, 24))
     from jaxllm.plan.attention import attention_memory_theory
 
     one_device = {a: 1 for a in ("pp", "dp", "fsdp", "ep", "sp", "tp")}
@@ -249,9 +244,9 @@ FREE_HEAD_DIM_MESHES = {  # head_dim 24 with d_model 64 and 8 heads: projections
                                   for m in FREE_HEAD_DIM_MESHES])
 def test_free_head_dim_on_meshes_equals_the_reference(mesh):
     """A model whose head_dim is not d_model / n_heads: loss and gradients on Ulysses and collective-matmul
-    meshes equal the plain reference's (tools/plain_llama.py with the same head_dim)."""
+    meshes equal the plain reference's (tools/reference/plain_llama.py with the same head_dim)."""
     cfg = equivalence_config("tiny-llama", **{"model.head_dim": 24, **FREE_HEAD_DIM_MESHES[mesh]})
     ref = reference(cfg.model)
-    assert ref[0]["blocks"][0]["attn"]["wq"].shape == (2, 64, 8, 24)
+    chex.assert_shape(ref[0]["blocks"][0]["attn"]["wq"], (2, 64, 8, 24))
     loss, grads = loss_and_grads(step_fns(cfg), ref[0])
     assert_matches(loss, grads, ref)

@@ -1,7 +1,7 @@
 """`data.tokenizer = "hf:DIR"`: a Hugging Face tokenizer folder read with the `tokenizers` library.
 
 - encode and decode equal transformers' AutoTokenizer (the reference, a test dependency only) on the
-  committed fixtures (tools/make_hf_tokenizer.py): a LLaMA-3 style one whose post-processor adds BOS,
+  committed fixtures (tools/examples/make_hf_tokenizer.py): a LLaMA-3 style one whose post-processor adds BOS,
   a GPT-2 style one without BOS, and a Gemma style one (SentencePiece-style BPE with byte fallback, which
   transformers' GemmaTokenizer rebuilds its pipeline for); also with variants of tokenizer_config.json, and a WordPiece tokenizer
   whose decode cleans up spaces.
@@ -108,8 +108,8 @@ def test_encode_and_decode_equal_autotokenizer(name, auto):
 
 
 def test_fixtures_are_what_the_script_makes(tmp_path):
-    """tools/make_hf_tokenizer.py rewrites the committed fixtures byte for byte (deterministic, offline)."""
-    from tools import make_hf_tokenizer
+    """tools/examples/make_hf_tokenizer.py rewrites the committed fixtures byte for byte (deterministic, offline)."""
+    from tools.examples import make_hf_tokenizer
 
     assert make_hf_tokenizer.main([str(tmp_path)]) == 0
     for folder in FIXTURES.values():

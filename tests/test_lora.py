@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,7 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.interop import peft as peft_io
 from jaxllm.models import lora, transformer
-from tools import make_addition
+from tools.examples import make_addition
 
 LORA = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,7 +261,8 @@ def test_nf4_codes_are_the_published_values_and_each_block_is_within_its_bound()
 
     w = jax.random.normal(jax.random.key(0), (2, 256, 24))  # [layers, embed, out]: blocks along embed
     q = base_quant.quantize(w, "nf4", axis=-2, double_quant=False)
-    assert q.codes.dtype == jnp.uint8 and q.codes.shape == (2, 128, 24) and q.scale.shape == (2, 4, 24)  # 2 a byte
+    chex.assert_shape([q.codes, q.scale], [(2, 128, 24), (2, 4, 24)])
+    assert q.codes.dtype == jnp.uint8  # 2 a byte
     absmax = np.abs(np.asarray(w)).reshape(2, 4, 64, 24).max(axis=2)
     np.testing.assert_allclose(np.asarray(q.scale), absmax, rtol=1e-6)
     deq = np.asarray(base_quant.dequantize(q, jnp.float32))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import chex
 import jax
-import numpy as np
 import pytest
 
 import harness as H
@@ -108,7 +108,7 @@ def test_offload_changes_no_bit_and_the_step_keeps_the_state_on_the_host(zero, m
 
     fns, on, state = run(**OFFLOAD)
     _, off, _ = run()
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)))
+    chex.assert_trees_all_equal(on, off)
     compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(H.BATCH, H.SEQ)).compile()
     state_in, state_out = compiled.input_shardings[0][0], compiled.output_shardings[0]
     for shardings in (state_in.params, state_in.opt_state, state_out.params, state_out.opt_state,

@@ -1,4 +1,4 @@
-"""Tests for jaxllm.train.metrics and tools.plot."""
+"""Tests for jaxllm.train.metrics and tools.dev.plot."""
 
 import glob
 import json
@@ -241,7 +241,7 @@ def test_plot_metrics_no_val_rows_custom_out(tmp_path):
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "tools.plot", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "tools.dev.plot", *args], cwd=REPO, capture_output=True, text=True, timeout=60
     )
 
 

@@ -9,7 +9,7 @@ ep ∈ {2, 4, 8} and top-k ∈ {1, 2}, dropless and with a small capacity, and i
 program must move tokens by all-to-all and never gather expert weights.
 
 The model: one step's loss and gradients of the whole objective equal the independent dense
-MoE (tools/plain_llama.py) on expert-parallel meshes; at the default capacity, meshes with
+MoE (tools/reference/plain_llama.py) on expert-parallel meshes; at the default capacity, meshes with
 equal batch shards drop the same pairs; MoE with sp > 1 is refused in one line.
 """
 
@@ -180,7 +180,7 @@ def model_config(over: dict):
 
 def reference_for(model_keys: dict):
     """(params, LM loss, gradients of the whole objective) on one device: the independent reference
-    (tools/plain_llama.py) where it has the model, else jaxllm on one device."""
+    (tools/reference/plain_llama.py) where it has the model, else jaxllm on one device."""
     cfg = model_config(model_keys)
     if cfg.model.family == "llama" and cfg.model.pattern == ["moe"] and not any(k in ROUTING for k in model_keys):
         return reference(cfg.model)

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,8 +71,7 @@ def test_fused_expert_tensors_read_like_per_expert_ones(models, tmp_path):
     cfg, per_expert = hf.load_pretrained(models["qwen3_moe"])
     _fused(models["qwen3_moe"], str(tmp_path / "fused"), cfg.model)
     _, fused = hf.load_pretrained(str(tmp_path / "fused"))
-    for x, y in zip(jax.tree.leaves(per_expert), jax.tree.leaves(fused)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(per_expert, fused)
 
 
 def _unrolled(params: dict, m) -> dict:

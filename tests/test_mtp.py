@@ -1,6 +1,6 @@
 """Multi-token prediction (`model.mtp_depth`, `train.mtp_weight`; `models/mtp.py`) against the plain reference
-(`tools/plain_llama.py`'s `mtp_losses`, written from DeepSeek-V3 §2.2 with nothing of jaxllm's): the loss and every
-gradient on one device (dense and MoE stacks) and on context- and tensor-parallel meshes; which positions each
+(`tools/reference/plain_llama.py`'s `mtp_losses`, written from DeepSeek-V3 §2.2 with nothing of jaxllm's): the loss
+and every gradient on one device (dense and MoE stacks) and on context- and tensor-parallel meshes; which positions each
 module predicts in packed and masked rows; the logged parts of the loss; the refusals. The DeepSeek-shaped model
 with MTP on ep, tp and pp meshes is tests/test_deepseek.py's; D = 0's numbers are the earlier code's bitwise
 (tests/test_state.py resumes checkpoints saved before MTP existed to the losses they logged)."""
@@ -30,7 +30,7 @@ def config(preset: str = "tiny-llama", **over):
 
 def plain_reference(cfg):
     """(params, loss, gradients) of the plain model with its prediction modules, at jaxllm's initial params."""
-    from tools.bench import plain_model
+    from tools.reference import plain_model
 
     module, c = plain_model(cfg.model)
     c = dataclasses.replace(c, mtp_weight=cfg.train.mtp_weight)

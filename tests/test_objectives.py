@@ -14,7 +14,7 @@ from harness import (BATCH, LOSS_RTOL, SEQ, assert_matches, equivalence_config, 
                      tiers, tokens)
 from jaxllm.models import transformer
 from jaxllm.train.objectives import WEIGHTED_TOKENS
-from tools.bench import plain_model
+from tools.reference import plain_model
 
 MESHES = {  # name -> (preset, overrides): each moves rows another way
     "one_device": ("tiny-llama", {}),

@@ -4,8 +4,8 @@ Tables (no JAX): every generated table is a valid program for the executor (each
 forward and backward exactly once, dependencies one tick apart, every slot read holds
 what the table put there), its bubble equals the formula, and its buffer depth is the
 bound the issue states. Executor (8 fake CPU devices, fp32): one step's loss and
-gradients equal the independent reference (the 8-layer model in tools/plain_gpt.py or
-tools/plain_llama.py), for GPipe and 1F1B on every pair of pp ∈ {2, 4} and microbatches
+gradients equal the independent reference (the 8-layer model in tools/reference/plain_gpt.py or
+tools/reference/plain_llama.py), for GPipe and 1F1B on every pair of pp ∈ {2, 4} and microbatches
 ∈ {4, 8}, interleaved with v = 2, 3D meshes (pp2×fsdp2×tp2 at ZeRO-0, 2 and 3, pp2×dp2×tp2), and
 remat and the chunked loss inside stages. Then the compiled programs: 1F1B's temporaries flat
 in microbatches and below GPipe's by at least the buffer slots the tables save, and ZeRO-3's

@@ -1,4 +1,4 @@
-"""tools/pipeline.py: the schedule drawn as a PNG timeline, its numbers, and its refusals."""
+"""tools/studies/pipeline.py: the schedule drawn as a PNG timeline, its numbers, and its refusals."""
 
 import json
 import os
@@ -9,15 +9,15 @@ import pytest
 
 from harness import subprocess_env
 from jaxllm.parallel.pipeline_schedules import Costs, bubble_formula, make_schedule
-from tools.pipeline import boxes
+from tools.studies.pipeline import boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_tool(*args, cwd=REPO):
     env = subprocess_env(1)
-    return subprocess.run([sys.executable, "-m", "tools.pipeline", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "tools.studies.pipeline", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2),
@@ -52,7 +52,7 @@ def test_cli_default_path(tmp_path):
 
 
 def test_cli_bad_combination_exits_2_and_writes_nothing(tmp_path, capsys):
-    from tools.pipeline import main
+    from tools.studies.pipeline import main
 
     out = tmp_path / "bad.png"
     assert main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual", "2",

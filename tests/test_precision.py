@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from jaxllm.train import guard
 from jaxllm.train.loop import train
 
 
-def leaves_equal(a, b) -> bool:
+def leaves_equal(a, b) -> bool:  # for `assert not`; the equalities are chex.assert_trees_all_equal
     return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
@@ -62,7 +63,7 @@ def test_dynamic_loss_scaling_in_fp32_changes_no_bit(zero, mb, pp):
     assert [float(m["loss_scale"]) for m in ms] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 17, 2.0 ** 17, 2.0 ** 18]
     assert [m["loss"] for m in ms] == [m["loss"] for m in ref] and float(ref[0]["loss_scale"]) == 1.0
     assert [m["grad_norm"] for m in ms] == [m["grad_norm"] for m in ref]  # (Adam and clipping would hide a missing unscale)
-    assert leaves_equal(states[-1], ref_states[-1])
+    chex.assert_trees_all_equal(states[-1], ref_states[-1])
 
 
 @pytest.mark.slow  # the fast tier keeps issue 18 within +15 s
@@ -78,7 +79,7 @@ def test_fp16_from_a_scale_of_2_40_skips_until_it_fits_then_trains():
     first = skipped.index(False)
     assert 10 < first < 25 and sum(skipped[first:]) <= 2, skipped  # after it fits, an overflow or two at most
     for i in range(first):
-        assert leaves_equal(states[i], start), f"skipped step {i + 1} changed the state"
+        chex.assert_trees_all_equal(states[i], start, custom_message=f"skipped step {i + 1} changed the state")
         assert float(ms[i]["loss_scale"]) == 2.0 ** (40 - i) and ms[i]["lr"] == ms[0]["lr"]
     assert not leaves_equal(states[first], start) and ms[first + 1]["lr"] > ms[first]["lr"]
     assert int(ms[first]["skipped_total"]) == first and ms[-1]["loss"] < ms[first]["loss"] - 0.1
@@ -108,12 +109,13 @@ def test_a_nan_and_a_spike_are_skipped_and_the_run_goes_on_as_without_them():
     good = [H.tokens(s) for s in (0, 2, 3, 4, 5, 6, 7)]
     state, ms, states = run_steps(fns, [good[0], nan, *good[1:5], spike, *good[5:]])
     assert [bool(m["skipped"]) for m in ms] == [False, True, False, False, False, False, True, False, False]
-    assert leaves_equal(states[1], states[0]) and leaves_equal(states[6], states[5])
+    chex.assert_trees_all_equal(states[1], states[0])
+    chex.assert_trees_all_equal(states[6], states[5])
     assert float(ms[6]["loss"]) > 1.5 * float(np.median([ms[i]["loss"] for i in (2, 3, 4, 5)]))
     assert np.isfinite(np.asarray(state.guard.history)).all() and int(state.guard.history_len) == 7
     assert int(state.step) == 9 and int(state.applied) == 7 and int(ms[-1]["skipped_total"]) == 2
     ref_state, ref, _ = run_steps(fns, good)
-    assert leaves_equal((state.params, state.opt_state), (ref_state.params, ref_state.opt_state))
+    chex.assert_trees_all_equal((state.params, state.opt_state), (ref_state.params, ref_state.opt_state))
     assert [m["loss"] for i, m in enumerate(ms) if i not in (1, 6)] == [m["loss"] for m in ref]
 
 

@@ -424,7 +424,7 @@ def test_a_run_logs_the_rewards_validates_and_resumes_mid_epoch_bitwise(tmp_path
 
 
 def test_the_example_pairs_reject_the_models_own_mistake_and_the_control_swaps_half(tmp_path):
-    from tools import make_addition_pairs as m
+    from tools.examples import make_addition_pairs as m
 
     rng = np.random.default_rng(0)
     chat = {"messages": [{"role": "user", "content": "37+45"}, {"role": "assistant", "content": "82"}]}

@@ -1,4 +1,4 @@
-"""tools/profile_step.py: the CPU step's profile adds up, and a GPU-shaped trace is read as a GPU trace.
+"""tools/bench/profile_step.py: the CPU step's profile adds up, and a GPU-shaped trace is read as a GPU trace.
 
 The GPU trace here is written by hand in the layout jax's Perfetto export gives a CUDA device (a `/device:GPU:0`
 process, one thread per stream, kernels named by their CUDA names with `hlo_op` and `hlo_module` in their args,
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from harness import subprocess_env
-from tools import profile_step as ps
+from tools.bench import profile_step as ps
 
 TINY = {"model.family": "llama", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
         "model.d_ff": 128, "model.seq_len": 32, "model.vocab_size": 257, "train.global_batch": 4,
@@ -25,7 +25,7 @@ TINY = {"model.family": "llama", "model.n_layers": 2, "model.d_model": 64, "mode
 
 def test_cpu_profile_adds_up_and_finds_the_matmuls(tmp_path):
     """The command line on one CPU device: every op's time in one category and one part, the matmuls found."""
-    cmd = [sys.executable, "-m", "tools.profile_step", *(f"{k}={v}" for k, v in TINY.items()), "--steps", "2",
+    cmd = [sys.executable, "-m", "tools.bench.profile_step", *(f"{k}={v}" for k, v in TINY.items()), "--steps", "2",
            "--warmup", "1", "--out", str(tmp_path), "--json"]
     done = subprocess.run(cmd, env=subprocess_env(1), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
 """One device equals the independent references, and the references catch the bugs they are for.
 
-`tools/plain_gpt.py` and `tools/plain_llama.py` (with its dense mixture of experts) share no code
+`tools/reference/plain_gpt.py` and `tools/reference/plain_llama.py` (with its dense mixture of experts) share no code
 with `jaxllm/models/`. jaxllm's one-device loss and gradients equal theirs (fp32, loss within
 1e-5, each gradient leaf within 1e-4 relative + 1e-8), for GPT-2, LLaMA with grouped-query
 attention, and MoE (top-2 and top-1 with a shared expert, dropless, auxiliary losses included).

@@ -1,4 +1,4 @@
-"""The scaling-law study (`tools/scaling.py`, `tools/scaling_fit.py`, `tools/scaling_report.py`).
+"""The scaling-law study (`tools/studies/scaling.py`, with `scaling_fit.py` and `scaling_report.py` beside it).
 
 - The fits recover known exponents: points drawn from L(N, D) = E + A/N^α + B/D^β with 0.5% noise, for two
   sets of true values, give α, β and the allocation exponent a = β/(α+β) inside their bootstrap intervals
@@ -26,7 +26,7 @@ from harness import CORPUS, REPO, subprocess_env, unmeasured
 from jaxllm.config import build_config
 from jaxllm.errors import UserError
 from jaxllm.models.transformer import count_params
-from tools import scaling, scaling_fit
+from tools.studies import scaling, scaling_fit
 
 CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)  # Hoffmann et al. 2022's fit
 OTHER = dict(E=0.9, A=60.0, B=900.0, alpha=0.5, beta=0.4)
@@ -189,7 +189,7 @@ TINY = ["--sizes", "1x16", "--budgets", "8e7", "1.6e8", *TINY_KEYS]
 
 def sweep(out, kill: str | None = None) -> subprocess.CompletedProcess:
     env = {**subprocess_env(1), **({"JAXLLM_TEST_KILL": kill} if kill else {})}
-    return subprocess.run([sys.executable, "-m", "tools.scaling", "run", "--out", str(out), *TINY], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tools.studies.scaling", "run", "--out", str(out), *TINY], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -17,7 +17,7 @@ from jaxllm.config import build_config
 from jaxllm.data import dataset, packing
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.models import transformer
-from tools.bench import plain_model
+from tools.reference import plain_model
 
 BYTE = get_tokenizer("byte")
 SFT_SEQ, ROWS = 128, 8

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import chex
 import numpy as np
 import pytest
 
@@ -319,7 +320,7 @@ def test_epochs_visit_every_row_once_in_an_order_of_seed_and_epoch():
         assert sorted(seen[seen != packing.EMPTY].tolist()) == list(range(n)) and (seen == packing.EMPTY).sum() == 2
     first = [packing.step_rows(n, b, 0, s) for s in range(2 * per)]
     assert not np.array_equal(first[0], first[per])  # another epoch, another order
-    assert all(np.array_equal(first[s], packing.step_rows(n, b, 0, s)) for s in range(2 * per))
+    chex.assert_trees_all_equal(first, [packing.step_rows(n, b, 0, s) for s in range(2 * per)])
     assert not np.array_equal(first[0], packing.step_rows(n, b, 1, 0))
 
 

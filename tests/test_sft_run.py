@@ -183,7 +183,7 @@ def test_the_addition_example_learns(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout
 
-    cli("tools.make_addition", str(data))
+    cli("tools.examples.make_addition", str(data))
     cli("jaxllm", "train", "--config", "sft_addition", f"data.source={data / 'train.jsonl'}",
         f"run.dir={run_dir}", "train.epochs=2", "train.eval_every=1000", "run.progress=false")
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]

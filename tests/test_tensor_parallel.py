@@ -1,7 +1,7 @@
 """Tensor parallelism, Megatron sequence parallelism and collective matmuls over `tp` (fp32, 8 fake CPU devices).
 
-Equivalence: one step's loss and gradients equal the independent reference (tools/plain_gpt.py,
-tools/plain_llama.py; see harness.py) on tp ∈ {2, 4, 8} (alone, on 2, 4 and 8 devices),
+Equivalence: one step's loss and gradients equal the independent reference (tools/reference/plain_gpt.py,
+tools/reference/plain_llama.py; see harness.py) on tp ∈ {2, 4, 8} (alone, on 2, 4 and 8 devices),
 tp=2×fsdp=4 at ZeRO-3 and dp=2×tp=4, each with sequence parallelism off, on, and on with
 collective matmuls (each family on every mesh and in every mode). tiny-llama has 8 query heads
 and 4 KV heads, so tp=8 is grouped-query attention with fewer KV heads than tp; multi-query

@@ -1,5 +1,6 @@
 """Options of the step: precision, remat policies, optimizers (incl. Muon on stacked weights), config parsing."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +58,7 @@ def test_remat_policies_give_the_same_gradients(remat):
     l0, g0 = loss_and_grads(plain, params, tokens())
     l1, g1 = loss_and_grads(fns, params, tokens())
     assert float(l0) == pytest.approx(float(l1), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(g0, g1, rtol=1e-5, atol=1e-7)
 
 
 def test_save_named_keeps_more_than_full_remat_and_less_than_none():

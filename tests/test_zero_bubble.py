@@ -106,7 +106,7 @@ def test_split_backward_costs_and_what_they_give(preset):
     fused backward's work and W recomputes nothing. With tables built for these costs, at pp4 and m = 8 with
     four layers a stage (W in four pieces), ZB-H1 and ZB-V take less time than interleaved 1F1B (v = 2) with a
     smaller bubble; ZB-H1 owes that to the pieces (W whole, one operation a tick, it does not)."""
-    from tools.pipeline import compare, compiled_costs
+    from tools.studies.pipeline import compare, compiled_costs
 
     c = compiled_costs(preset)
     dots, costs = c["weight_dots"], c["costs"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,7 +64,8 @@ def test_the_blockwise_bound_holds_element_by_element_and_zero_blocks_stay_zero(
     x = heavy_tailed(shape)
     q, s = quantize(jnp.asarray(x), block)
     back = np.asarray(dequantize(q, s, shape), np.float64)
-    assert q.dtype == jnp.int8 and s.dtype == jnp.float32 and q.shape == (-(-x.size // block), block)
+    chex.assert_shape(q, (-(-x.size // block), block))
+    assert q.dtype == jnp.int8 and s.dtype == jnp.float32
     assert np.all(np.isfinite(back))
     assert np.all(np.abs(back - x) <= block_max(x, block) / 254 * SLACK)
     assert np.all(back.reshape(-1)[: x.size // 5 // block * block] == 0)  # the all-zero blocks

@@ -1,7 +1,7 @@
 """Pipeline schedules as tables: which microbatch each stage runs forward and backward at each tick.
 
 Plain Python and numpy, no JAX: a schedule is data that `parallel/pipeline.py` executes
-and `tools/pipeline.py` draws.
+and `tools/studies/pipeline.py` draws.
 
 The model's layers are split into p·v chunks ("global stages" g = 0 ... p·v−1); device
 (stage) s holds chunks c = 0 ... v−1. Where each chunk sits is the schedule's `placement`:

@@ -120,7 +120,7 @@ def _format_remat(r: dict) -> list[str]:
     effect = (f", without groups {format_bytes(r['temp_bytes_without_group'])} "
               f"({r['temp_bytes'] / r['temp_bytes_without_group']:.2f}×)" if "temp_bytes_without_group" in r else "")
     lines = ["", f"activation recomputation: remat={r['remat']}, {group}; compiled temporaries "
-             f"{format_bytes(r['temp_bytes'])}{effect} (python -m tools.remat_table compares the settings)",
+             f"{format_bytes(r['temp_bytes'])}{effect} (python -m tools.studies.remat_table compares the settings)",
              f"  {'seeds':<12}{'activation memory':<34}{'compute':>14}"]
     return lines + [f"  {name:<12}{memory:<34}{compute:>14}" for name, memory, compute in SEEDS_REMAT]
 

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# tools/bench/gpu_checklist.sh OUT_DIR: the accelerator checks BENCHMARKS.md records, in one run on one GPU.
+# Each check writes OUT_DIR/<name>.log (and .json where the tool has --json) and a failed check does not
+# stop the others. Run from a checkout: PYTHONPATH=. is set here. ONLY=REGEX runs the checks it matches.
+# LLaMA-1B runs at seq_len 1024, batch 4: at 2048 its O(t²) attention (fp32 scores) does not fit 139 GiB.
+#   mfu_llama1b, mfu_gpt2  MFU of the bf16 train step against tools/reference/plain_* (tools.bench.train_step)
+#   fp8_llama1b            the fp8 step's matmuls by runner and operand type (jaxllm plan), and its speed
+#   offload_{none,host}    the step's argument and host bytes without and with host offload (jaxllm plan)
+#   comm_lab               the all-reduce algorithms on this machine's GPUs (tools.studies.comm_lab)
+#   mfu_llama1b_cudnn      the LLaMA-1B step with cuDNN's fused attention (no plain peer: it has dense attention)
+#   profile_llama1b, profile_llama1b_cudnn  where the LLaMA-1B step's GPU time goes, dense and cuDNN attention
+#                          (tools.bench.profile_step: by op, by category and by part of the model, and the GPU's idle
+#                          time; the trace and the program's HLO under OUT_DIR/<name>/)
+#   mla_llama1b            the same stack with latent attention (DeepSeek-V3's head sizes), bf16, no plain peer
+#   mla_decode             the decode step with the latent cache beside the grouped-query one (tools.bench.decode)
+#   lora_llama1b, qlora_llama1b  the cuDNN LLaMA-1B step with LoRA r=8 adapters, on a bf16 and an nf4 base (QLoRA
+#                          needs qwix: carry its wheel where the machine has none)
+#   dpo_llama1b, simpo_llama1b  12 steps of the LLaMA-1B preference step on the addition pairs packed in rows, with
+#                          chunked attention (cuDNN's takes no packed segments; dense, with the reference's copy
+#                          beside the state, ran out of the H100's memory):
+#                          DPO (a reference forward pass per batch) beside SimPO (none); their tokens/s in the logs
+set -u
+out=${1:?usage: tools/bench/gpu_checklist.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+check() {  # check NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && return
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - start)) s"
+  tail -n 1 "$out/$name.log" | grep '^{' >"$out/$name.json" || rm -f "$out/$name.json"
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; \
+  $py -c 'import jax, sys; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'; } >"$out/machine.log" 2>&1
+bf16="precision.compute=bfloat16"
+llama="model.preset=llama-1b model.seq_len=1024 train.global_batch=4 $bf16"
+check mfu_llama1b 150 $py -m tools.bench.train_step $llama --steps 5 --warmup 2 --windows 3 --json
+check mfu_gpt2 90 $py -m tools.bench.train_step model.preset=gpt2-124m train.global_batch=16 $bf16 --steps 10 --warmup 2 --windows 3 --json
+check fp8_llama1b 90 $py -m jaxllm plan $llama precision.matmul=fp8 --json
+check fp8_llama1b_bench 150 $py -m tools.bench.train_step $llama precision.matmul=fp8 --steps 5 --warmup 2 --windows 3 --json
+check offload_none 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_batch=16 $bf16 --json
+check offload_host 60 $py -m jaxllm plan model.preset=gpt2-124m train.global_batch=16 $bf16 \
+  memory.offload_optimizer=true memory.offload_params=true --json
+check comm_lab 45 $py -m tools.studies.comm_lab --max-mib 64 --repeats 3 --out "$out/comm_lab"
+mla="model.attention=mla model.mla.q_lora_rank=1536 model.mla.kv_lora_rank=512 model.mla.qk_nope_head_dim=128 \
+  model.mla.qk_rope_head_dim=64 model.mla.v_head_dim=128"
+check mfu_llama1b_cudnn 120 $py -m tools.bench.train_step $llama model.attention_impl=cudnn --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check profile_llama1b 120 $py -m tools.bench.profile_step $llama --steps 5 --warmup 2 --top 25 --out "$out/profile_llama1b" --json
+check profile_llama1b_cudnn 120 $py -m tools.bench.profile_step $llama model.attention_impl=cudnn --steps 5 --warmup 2 --top 25 \
+  --out "$out/profile_llama1b_cudnn" --json
+check mla_llama1b 150 $py -m tools.bench.train_step $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check mla_decode 150 $py -m tools.bench.decode --prompt 2048 --new 65 --rows 16 --json
+check lora_llama1b 120 $py -m tools.bench.train_step $llama model.attention_impl=cudnn model.lora.rank=8 --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check qlora_llama1b 120 $py -m tools.bench.train_step $llama model.attention_impl=cudnn model.lora.rank=8 model.lora.base_quant=nf4 --no-baseline --steps 5 --warmup 2 --windows 3 --json
+$py -c "from pathlib import Path; from tools.examples import make_addition_pairs as m; m.write(Path('$out/pairs'))" >/dev/null 2>&1
+pairs="train.objective=dpo data.format=preference data.source=$out/pairs/train.jsonl data.pack=true data.val_percent=0 \
+  train.steps=12 train.log_every=1 train.warmup_steps=1 train.checkpoint_every=0 run.sample_tokens=0 run.progress=false \
+  model.attention_impl=chunked"
+check dpo_llama1b 150 $py -m jaxllm train $llama $pairs run.dir=$out/dpo_run
+check simpo_llama1b 150 $py -m jaxllm train $llama $pairs dpo.loss=simpo run.dir=$out/simpo_run
