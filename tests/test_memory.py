@@ -95,12 +95,15 @@ def memory_kinds(shardings) -> set:
     return {s.memory_kind for s in jax.tree.leaves(shardings)}
 
 
-@pytest.mark.parametrize("zero, microbatches", H.tiers([(0, 1), (1, 1), (2, 2), (3, 2)], fast=[(3, 2)]))
-def test_offload_changes_no_bit_and_the_step_keeps_the_state_on_the_host(zero, microbatches):
-    """3 steps on dp2 × fsdp2 with the optimizer state and the parameters in host memory and without."""
+@pytest.mark.parametrize("zero, microbatches, lora", H.tiers([(0, 1, 0), (1, 1, 0), (2, 2, 0), (3, 2, 0), (3, 2, 4)],
+                                                              fast=[(3, 2, 0)]))
+def test_offload_changes_no_bit_and_the_step_keeps_the_state_on_the_host(zero, microbatches, lora):
+    """3 steps on dp2 × fsdp2 with the optimizer state and the parameters in host memory and without; and with
+    LoRA adapters (rank 4): the frozen base, the adapters and their optimizer state on the host."""
     def run(**over):
         fns = H.step_fns(H.equivalence_config("tiny-llama", **{"mesh.dp": 2, "mesh.fsdp": 2, "train.zero_stage": zero,
-                                                               "train.microbatches": microbatches, **over}))
+                                                               "train.microbatches": microbatches,
+                                                               "model.lora.rank": lora, **over}))
         state = fns.init(0)
         for step in range(3):
             state, metrics = H.train_step(fns, state, H.tokens(step))

@@ -256,8 +256,6 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
                                   "yet; turn them off"),
         (m.moe.bias_update_rate, "model.lora with model.moe.bias_update_rate is not supported yet (the base, its "
                                  "routing bias too, is frozen); set it 0"),
-        (cfg.memory.offload_params or cfg.memory.offload_optimizer,
-         "model.lora with memory offload is not supported yet; the adapters' state is small: turn offload off"),
     ]
     for refused, why in refusals:
         if refused:
