@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from harness import assert_matches, equivalence_config, loss_and_grads, step_fns
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.interop import peft as peft_io
@@ -52,10 +52,14 @@ def test_fresh_adapters_leave_the_first_loss_bitwise_and_train_only_the_adapters
 
 MESHES = {"fsdp8_zero3": {"mesh.fsdp": 8, "train.zero_stage": 3},
           "dp2_tp4_sp": {"mesh.dp": 2, "mesh.tp": 4, "train.sequence_parallel": True},
-          "pp2_dp4_1f1b": {"mesh.pp": 2, "mesh.dp": 4, "train.pp_schedule": "1f1b", "train.microbatches": 2}}
+          "pp2_dp4_1f1b": {"mesh.pp": 2, "mesh.dp": 4, "train.pp_schedule": "1f1b", "train.microbatches": 2},
+          # the projections as rings of partial matmuls (the tp island), the adapters beside them
+          "dp2_tp4_sp_collective": {"mesh.dp": 2, "mesh.tp": 4, "train.sequence_parallel": True,
+                                    "model.collective_matmul": True}}
 
 
-@pytest.mark.parametrize("mesh", ["fsdp8_zero3", "dp2_tp4_sp"])  # pp and cp: with dropout, below
+@pytest.mark.parametrize("mesh", tiers(["fsdp8_zero3", "dp2_tp4_sp", "dp2_tp4_sp_collective"],
+                                       fast=("fsdp8_zero3", "dp2_tp4_sp")))  # pp and cp: with dropout, below
 def test_adapters_on_a_mesh_equal_one_device(mesh):
     one = step_fns(equivalence_config("tiny-llama", **LORA))
     params = jax.device_get(with_random_b(one.init(0).params))
@@ -396,7 +400,7 @@ def test_dropout_keeps_each_input_with_its_probability_and_one_mask_per_token_si
 
 
 DROPOUT_MESHES = {"fsdp8_zero3": MESHES["fsdp8_zero3"], "dp2_tp4_sp": MESHES["dp2_tp4_sp"],
-                  "pp2_dp4_1f1b": MESHES["pp2_dp4_1f1b"],
+                  "pp2_dp4_1f1b": MESHES["pp2_dp4_1f1b"], "dp2_tp4_sp_collective": MESHES["dp2_tp4_sp_collective"],
                   # context parallelism (zig-zag) with tp, ZeRO-1 and the accumulation island
                   "sp2_zigzag_tp2_dp2_zero1": {"mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.cp_load_balance": True,
                                                "train.zero_stage": 1, "train.microbatches": 2}}

@@ -73,8 +73,9 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
     """
     ws = [lora.base(taps.weight_of(w), names, dtype, weight) for w, names in weights]
     layout = current_layout()
-    if layout is not None and layout.collective_matmul:
-        return collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
+    if layout is not None and layout.collective_matmul:  # the adapters beside the ring, left to the compiler
+        ys = collective_matmul.all_gather_matmul(x, ws, [names for _, names in weights], layout)
+        return [_with_adapter(y, x, node, names, 1, dtype) for y, (node, names) in zip(ys, weights)]
     # the whole sequence enters the region (under sequence parallelism: the all-gather is here)
     x = constrain(x, ("batch", "seq", "embed"))
     return [_with_adapter(_project(group, x, w, node, 1), x, node, names, 1, dtype)
@@ -102,7 +103,8 @@ def row_parallel(h: jax.Array, w: jax.Array, names: tuple[str, ...], dtype, grou
     node, w = w, lora.base(taps.weight_of(w), names, dtype, weight)
     layout = current_layout()
     if layout is not None and layout.collective_matmul:
-        return collective_matmul.matmul_reduce_scatter(h, w, names, layout)
+        y = collective_matmul.matmul_reduce_scatter(h, w, names, layout)
+        return _with_adapter(y, h, node, names, w.ndim - 1, dtype)
     return _with_adapter(_project(group, h, w, node, w.ndim - 1), h, node, names, w.ndim - 1, dtype)
 
 

@@ -251,7 +251,6 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
                                                  "supported yet (their tokens are dispatched without their salt); "
                                                  "set dropout 0 or drop 'experts'"),
         (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
-        (m.collective_matmul, "model.lora with model.collective_matmul=true is not supported yet; set it false"),
         (zeropp_plan is not None, "model.lora with train.zeropp or precision.grad_reduce=float32 is not supported "
                                   "yet; turn them off"),
         (m.moe.bias_update_rate, "model.lora with model.moe.bias_update_rate is not supported yet (the base, its "
