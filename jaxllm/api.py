@@ -81,9 +81,10 @@ def train(config) -> RunResult:
     """Train as `config` says (a Config, a dict of dotted keys over the shipped default, or a TOML file)."""
     cfg = config_of(config)
     summary = run_training(cfg)
-    rows = [r for r in metrics.read_metrics(cfg.run.dir) if "loss" in r] if os.path.isfile(
-        os.path.join(cfg.run.dir, metrics.METRICS_FILE)) else []  # only process 0 writes it
-    return RunResult(summary["run_dir"], rows[-1]["step"] if rows else summary["steps"], rows[-1] if rows else {})
+    written = os.path.isfile(os.path.join(cfg.run.dir, metrics.METRICS_FILE))  # by process 0 only
+    rows = [r for r in metrics.read_metrics(cfg.run.dir) if "loss" in r] if written else []
+    last = rows[-1] if rows else {}
+    return RunResult(summary["run_dir"], last.get("step", summary["steps"]), last)
 
 
 def import_hf(hf_dir: str, run_dir: str, overrides=()) -> str:
