@@ -163,10 +163,14 @@ BAD = {
                                      "interleaved"),
     "virtual_without_pp": ({"train.pp_virtual": 2}, "mesh.pp"),
     "unknown_schedule": ({"mesh.pp": 2, "train.pp_schedule": "zigzag"}, "train.pp_schedule"),
-    "context_parallel_inside": ({"mesh.pp": 2, "mesh.sp": 2, "train.microbatches": 4}, "mesh.sp=2"),
-    "collective_matmul_inside": ({"mesh.pp": 2, "mesh.tp": 2, "train.microbatches": 4,
-                                  "train.sequence_parallel": True, "model.collective_matmul": True},
-                                 "collective_matmul"),
+    # islands inside the stages run on every stage; what runs on one stage alone must hold none
+    "context_parallel_and_leading_layers": ({"mesh.pp": 2, "mesh.sp": 2, "train.microbatches": 4, "model.n_layers": 9,
+                                             "model.segments": [{"layers": 1, "pattern": ["dense"]},
+                                                                {"layers": 8, "pattern": ["dense"]}]},
+                                            "layers before the pipelined segment"),
+    "collective_matmul_and_mtp": ({"mesh.pp": 2, "mesh.tp": 2, "train.microbatches": 4, "model.mtp_depth": 1,
+                                   "train.sequence_parallel": True, "model.collective_matmul": True},
+                                  "model.mtp_depth=1"),
 }
 
 
@@ -255,6 +259,34 @@ MESHES_3D = {  # name -> (axes and options, ZeRO stage, families)
 def test_3d_parallel_matches_the_reference(mesh, family):
     axes, stage, _ = MESHES_3D[mesh]
     assert_matches_the_reference(family, **axes, **{"train.zero_stage": stage, "train.microbatches": 4})
+
+
+# Islands inside the stages (context parallelism over sp, collective matmuls over tp): every stage runs its chunk
+# at every tick (`pipeline.islands_inside`), under each schedule and attention strategy.
+ISLANDS_INSIDE = {  # name -> (axes and options, families)
+    "pp2_sp2_dp2_1f1b_ring": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.dp": 2}, ("llama", "gpt2")),
+    "pp2_sp2_tp2_zero1_ring_zigzag": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.tp": 2, "train.sequence_parallel": True,
+                                       "train.zero_stage": 1, "model.cp_load_balance": True}, ("llama",)),
+    "pp2_sp2_fsdp2_zero3_ulysses_interleaved": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.fsdp": 2, "train.zero_stage": 3,
+                                                 "model.cp_strategy": "ulysses", "train.pp_schedule": "interleaved",
+                                                 "train.pp_virtual": 2}, ("llama",)),
+    "pp2_sp4_gpipe_allgather": ({"mesh.pp": 2, "mesh.sp": 4, "train.pp_schedule": "gpipe",
+                                 "model.cp_strategy": "allgather"}, ("gpt2",)),
+    "pp2_sp2_tp2_zero3_zb_v_zigzag": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.tp": 2, "train.sequence_parallel": True,
+                                       "train.zero_stage": 3, "train.pp_schedule": "zb_v",
+                                       "model.cp_load_balance": True}, ("llama",)),
+    "pp2_sp2_fsdp2_zero3_zb_h1_ulysses": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.fsdp": 2, "train.zero_stage": 3,
+                                           "train.pp_schedule": "zb_h1", "model.cp_strategy": "ulysses"}, ("gpt2",)),
+    "pp2_tp2_dp2_collective_matmul": ({"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2, "train.sequence_parallel": True,
+                                       "model.collective_matmul": True}, ("llama",)),
+}
+
+
+@pytest.mark.parametrize("mesh,family", tiers([(m, f) for m, (_, fams) in ISLANDS_INSIDE.items() for f in fams],
+                                              {("pp2_sp2_dp2_1f1b_ring", "llama")}))
+def test_islands_inside_the_stages_match_the_reference(mesh, family):
+    axes, _ = ISLANDS_INSIDE[mesh]
+    assert_matches_the_reference(family, **{"train.microbatches": 4, **axes})
 
 
 # remat policies and the chunked loss inside pipeline stages

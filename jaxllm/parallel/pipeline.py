@@ -32,7 +32,11 @@ tick a stage reads its own row of the table (by `axis_index('pp')`) and:
 
 Each slot's work is a `lax.switch` on the kind of stage (idle, first, middle, last), so a
 branch may hold collectives over tp or fsdp: every member of such a group sits on the
-same stage and takes the same branch. Embedding and head weights are replicated over
+same stage and takes the same branch. Not so the islands a chunk may hold (ring attention over
+sp, collective matmuls over tp): their collective-permutes wait for every device of the mesh on
+XLA:CPU. With those (`islands_inside`) every stage runs its chunk at every tick, idle ones on
+zeros and pulled back from zeros, and only the embedding before it and the head after it are
+switched on the kind (the slots' `_uniform` forms). Embedding and head weights are replicated over
 `pp`; their gradients (and the loss) are summed over `pp` at the end, which also adds the
 two uses of tied embeddings.
 
@@ -74,6 +78,13 @@ except ImportError:
 AXIS = "pp"
 ACT = ("batch", "residual_seq", "embed")  # a stage's input and output: the residual stream
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
+
+
+def islands_inside(inner: Layout) -> bool:
+    """Whether a chunk holds shard_map islands of its own (ring attention over sp, collective matmuls over tp).
+    Their collective-permutes wait for every device of the mesh on XLA:CPU, so no stage may skip them in a branch
+    the others do not take: the chunk then runs on every stage at every tick (`_Stage.backward_uniform`)."""
+    return inner.mesh.shape["sp"] > 1 or inner.collective_matmul
 
 
 def to_chunks(stack, stages: int, chunks: int, placement: str = "loop"):
@@ -139,6 +150,7 @@ class _Stage:
         self.__dict__.update(seams)
         self.p, self.v = schedule.stages, schedule.chunks
         self.last = self.p * self.v - 1
+        self.uniform = islands_inside(inner)
 
     # ---- the model's pieces on this stage
 
@@ -184,9 +196,67 @@ class _Stage:
     def forward(self, kind, c, i, x_in):
         """The forward slot: the output to send on (the last global stage skips its forward)."""
         chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
+        if self.uniform:  # every stage runs the chunk, on what its kind gives it
+            x, _ = self.chunk_input(kind, x_in, mb)
+            return jnp.where((kind == FIRST) | (kind == MIDDLE), self.run_chunk(chunk, c, x, mb)[0], self.zeros_x)
         first = lambda: self.embedded(self.used_shared, mb, lambda x: self.run_chunk(chunk, c, x, mb))[0]
         middle = lambda: self.run_chunk(chunk, c, x_in, mb)[0]
         return jax.lax.switch(kind, [lambda: self.zeros_x, first, middle, lambda: self.zeros_x])
+
+    # ---- the slots when the chunk holds islands (`islands_inside`): the chunk outside the switch on the kind
+
+    def chunk_input(self, kind, x_in, mb):
+        """(the chunk's input, the embedding's aux): the embedding on the first global stage, x_in elsewhere (zeros
+        when idle)."""
+        embed = lambda: self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
+        given = lambda: (x_in, self.no_aux_as_made)
+        idle = lambda: (self.zeros_x, self.no_aux_as_made)
+        return jax.lax.switch(kind, [idle, embed, given, given])
+
+    def head_cotangent(self, kind, y, dy, mb):
+        """On the last global stage the head and the loss after the chunk's output y: (the output's cotangent,
+        shared gradients, loss share, metric shares, the head's aux); elsewhere dy and nothing (zeros when
+        idle)."""
+        none = jnp.float32(0)
+
+        def head():
+            head = lambda sh, y: self.with_loss(sh, y, self.no_aux_as_made, mb)
+            objective, pull, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, has_aux=True)
+            g_shared, dy_head = pull(jnp.ones_like(objective))
+            return dy_head.astype(y.dtype), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more)
+
+        given = lambda: (dy, self.no_shared, none, self.no_metrics, self.no_aux)
+        idle = lambda: (jnp.zeros_like(dy), self.no_shared, none, self.no_metrics, self.no_aux)
+        return jax.lax.switch(kind, [idle, given, given, head])
+
+    def embedding_grads(self, kind, dx, mb):
+        """On the first global stage the shared weights' gradients through the embedding (and its aux objective,
+        cotangent 1) from the chunk's input gradient dx; zeros elsewhere."""
+        def first():
+            embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
+                *self.embed_fn(self.join(sh, self.shared_f), mb))
+            (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
+            return _f32(g_shared)
+
+        return jax.lax.switch(jnp.where(kind == FIRST, 1, 0), [lambda: self.no_shared, first])
+
+    def backward_uniform(self, kind, c, i, x_in, dy):
+        """The fused backward slot with the chunk outside the switch: the chunk re-run under `jax.vjp` on every
+        stage (idle ones on zeros, pulled back from zeros); the embedding before it and the head after it switched
+        on the kind. The chunk's aux objective is pulled back with cotangent 1 apart from the head's and the
+        embedding's (the objective is linear in the blocks' aux terms)."""
+        chunk, mb = self.chunk_of(self.used_stack, c), self.microbatch(i)
+        live = kind != IDLE
+        x, aux_embed = self.chunk_input(kind, x_in, mb)
+        aux_obj = lambda y, aux: ((y, self.aux_fn(aux, self.aux_weight)), aux)
+        (y, _), pull, aux = jax.vjp(lambda ch, x: aux_obj(*self.run_chunk(ch, c, x, mb)), chunk, x, has_aux=True)
+        dy, g_shared, loss, metrics, more = self.head_cotangent(kind, y, dy, mb)
+        g_chunk, dx = pull((dy, live.astype(jnp.float32)))
+        g_shared = jax.tree.map(jnp.add, g_shared, self.embedding_grads(kind, dx, mb))
+        aux = jax.tree.map(lambda a, e, m: jnp.where(live, a.astype(jnp.float32) + e + m, 0), aux,
+                           _f32(aux_embed), more)
+        dx = jnp.where((kind == MIDDLE) | (kind == LAST), dx, self.zeros_x)
+        return dx, _f32(g_chunk), g_shared, loss, metrics, aux
 
     def backward(self, kind, c, i, x_in, dy):
         """The fused backward slot: the chunk re-run under `jax.vjp` from its saved input, pulled back from the
@@ -258,7 +328,20 @@ class _Stage:
             pull, y, aux = self.chunk_vjp(weights, c, x_in, mb)
             return kept_of(pull), y, _f32(aux)
 
+        if self.uniform:
+            return self.recompute_uniform(kind, c, x_in, mb, weights, kept, kept_of)
         return jax.lax.switch(kind, [idle, first, middle, final])
+
+    def recompute_uniform(self, kind, c, x_in, mb, weights, kept, kept_of):
+        """R with the chunk outside the switch: every stage re-runs its chunk (idle ones on zeros, keeping what
+        they kept), the embedding before it switched on the kind."""
+        live = kind != IDLE
+        x, aux_embed = self.chunk_input(kind, x_in, mb)
+        pull, y, aux = self.chunk_vjp(weights, c, x, mb)
+        residuals = [jnp.where(live, new, old) for new, old in zip(kept_of(pull), kept[0])]
+        y = jnp.where(kind == LAST, y, jnp.where(live, self.zeros_x, kept[1]))
+        aux = jax.tree.map(lambda a, e: jnp.where(live, a + e, 0), _f32(aux), _f32(aux_embed))
+        return residuals, y, aux
 
     def pullback(self, c, kept):
         """R's pullback of chunk c from the residuals it kept and those its weights give again."""
@@ -296,7 +379,20 @@ class _Stage:
             stash, g_rest, dx = self.pullback(c, residuals)((dy_chunk.astype(y.dtype), jnp.float32(1)))
             return dx, _f32(g_rest), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more), stash
 
+        if self.uniform:
+            return self.backward_input_uniform(kind, c, mb, residuals, y, dy)
         return jax.lax.switch(kind, [idle, first, middle, final])
+
+    def backward_input_uniform(self, kind, c, mb, residuals, y, dy):
+        """B with the pullback outside the switch: every stage pulls back (idle ones from zeros), the head before
+        it and the embedding after it switched on the kind."""
+        live = kind != IDLE
+        dy, g_shared, loss, metrics, more = self.head_cotangent(kind, y, dy, mb)
+        stash, g_rest, dx = self.pullback(c, residuals)((dy, live.astype(jnp.float32)))
+        g_shared = jax.tree.map(jnp.add, g_shared, self.embedding_grads(kind, dx, mb))
+        stash = jax.tree.map(lambda a, none: jnp.where(live, a, none), stash, self.no_stash)
+        dx = jnp.where((kind == MIDDLE) | (kind == LAST), dx, self.zeros_x)
+        return dx, _f32(g_rest), g_shared, loss, metrics, more, stash
 
     def backward_weights(self, g_stack, c, first, count, stash):
         """W of a split backward: the tapped weights' gradients of chunk c from a stash, for its layers
@@ -358,8 +454,9 @@ class _Stage:
         if self.schedule.split:
             split, (dx, g_chunk, g_sh, l, ms, a), g_stack = self.split_slots(r, acts, split, kind, dy, g_stack)
         else:
-            dx, g_chunk, g_sh, l, ms, a = self.backward(kind, r["bwd_chunk"], r["bwd_mb"],
-                                                        acts[jnp.maximum(r["bwd_slot"], 0)], dy)
+            backward = self.backward_uniform if self.uniform else self.backward
+            dx, g_chunk, g_sh, l, ms, a = backward(kind, r["bwd_chunk"], r["bwd_mb"],
+                                                   acts[jnp.maximum(r["bwd_slot"], 0)], dy)
         g_stack = _add_at(g_stack, jnp.maximum(r["bwd_chunk"], 0), g_chunk)
         g_stack, g_shared = self.pin_grads(g_stack, jax.tree.map(jnp.add, g_shared, g_sh))
         acts, grads_in = self.exchange(r, y, dx, acts, grads_in)
@@ -396,6 +493,7 @@ class _Stage:
         self.no_metrics = zeros32(jax.eval_shape(lambda: self.loss_fn(self.join(self.used_shared, self.shared_f),
                                                                    self.zeros_x, self.microbatch(0))[1]))
         self.no_aux, self.no_shared = zeros32(aux_shape), zeros32(self.used_shared)
+        self.no_aux_as_made = _zeros_like(aux_shape)
         depth = lambda n: (n,) + x_shape.shape
         acts = self.pin(jnp.zeros(depth(self.schedule.act_depth), x_shape.dtype), ACT)
         grads_in = self.pin(jnp.zeros(depth(self.schedule.grad_depth), x_shape.dtype), ACT)

@@ -489,18 +489,27 @@ def check_config(m, t, shape: dict) -> list[str]:
         check(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    # The islands' ppermutes inside a stage's branch wait for every device of the mesh on XLA:CPU,
-    # while only that stage's devices take the branch: they hang (docs/design-notes.md).
+    _check_islands_inside(m, shape, len(segments) > 1)
     if t.pp_schedule in SPLIT and m.lora.rank:
         raise ConfigError(f"train.pp_schedule='{t.pp_schedule}' with model.lora.rank={m.lora.rank}: the split backward "
                           "does not tap adapters yet; use pp_schedule='1f1b' or 'interleaved' with LoRA")
-    if shape["sp"] > 1:
-        raise ConfigError(f"mesh.pp={pp} with mesh.sp={shape['sp']}: context parallelism inside pipeline stages "
-                          "is not supported yet; set mesh.sp=1 or mesh.pp=1")
-    if m.collective_matmul:
-        raise ConfigError(f"model.collective_matmul=true with mesh.pp={pp} is not supported yet; set "
-                          "collective_matmul=false (sequence_parallel works) or mesh.pp=1")
     return notes
+
+
+def _check_islands_inside(m, shape: dict, leading: bool) -> None:
+    """With islands inside the chunks (sp > 1, collective matmuls) every stage runs its chunk at every tick, and
+    only the embedding and the head are switched on the kind of stage (`pipeline.islands_inside`): what runs in
+    those branches must hold no island. ConfigError (one line) where it would."""
+    if shape["sp"] == 1 and not m.collective_matmul:
+        return
+    inside = f"mesh.sp={shape['sp']}" if shape["sp"] > 1 else "model.collective_matmul=true"
+    if leading:
+        raise ConfigError(f"mesh.pp={shape['pp']} with {inside} and layers before the pipelined segment "
+                          "(model.segments) is not supported yet: those layers run on the first stage alone; make "
+                          "every layer one segment, or set mesh.pp=1")
+    if m.mtp_depth:
+        raise ConfigError(f"mesh.pp={shape['pp']} with {inside} and model.mtp_depth={m.mtp_depth} is not supported "
+                          "yet: the prediction modules run on the last stage alone; set model.mtp_depth=0 or mesh.pp=1")
 
 
 # ---------------------------------------------------------------- what a table costs
