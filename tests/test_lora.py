@@ -69,6 +69,20 @@ def test_adapters_on_a_mesh_equal_one_device(mesh):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule, dropout", [("zb_h1", 0.0), ("zb_v", 0.3)])
+def test_zero_bubble_schedules_with_adapters_equal_one_device(schedule, dropout):
+    """The split backward with adapters (nothing tapped: their gradients come from B, the base has none) on
+    pp2 × dp2, with and without dropout: loss and gradients equal one device's."""
+    keys = {**LORA, "model.n_layers": 4, "model.lora.dropout": dropout}
+    one = step_fns(equivalence_config("tiny-llama", **keys))
+    params = jax.device_get(with_random_b(one.init(0).params))
+    loss, grads = loss_and_grads(one, params)
+    on_mesh = step_fns(equivalence_config("tiny-llama", **keys, **{"mesh.pp": 2, "mesh.dp": 2, "train.microbatches": 4,
+                                                                  "train.pp_schedule": schedule}))
+    assert_matches(*loss_and_grads(on_mesh, params), (params, float(loss), jax.device_get(grads)))
+
+
+@pytest.mark.slow
 def test_adapters_on_the_experts_with_expert_parallelism_equal_one_device():
     """tiny-moe (dropless) with every expert's weights adapted (and attention's): ep=4 × fsdp=2 ZeRO-3 against one
     device, the adapters of the experts split over ep with them."""

@@ -490,9 +490,6 @@ def check_config(m, t, shape: dict) -> list[str]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_islands_inside(m, shape, len(segments) > 1)
-    if t.pp_schedule in SPLIT and m.lora.rank:
-        raise ConfigError(f"train.pp_schedule='{t.pp_schedule}' with model.lora.rank={m.lora.rank}: the split backward "
-                          "does not tap adapters yet; use pp_schedule='1f1b' or 'interleaved' with LoRA")
     return notes
 
 
