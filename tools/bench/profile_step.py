@@ -42,7 +42,6 @@ is a JSON object; config mistakes print `error: ...` and exit 2.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -56,6 +55,7 @@ import tempfile
 import time
 
 from jaxllm.train.profiling import HLO_FILE
+from tools.bench.train_step import step_parser
 
 CATEGORIES = ("matmul", "attention", "elementwise", "reduction", "collective", "memcpy", "other")
 SCOPES = ("embed", "attention", "mlp", "moe", "head", "optimizer")  # the named scopes of models/ and train/step.py
@@ -498,15 +498,10 @@ def format_table(r: dict, top: int = 15) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.profile_step", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, metavar="NAME|FILE",
-                        help="a shipped config's name (jaxllm/configs/) or a TOML file (default: default)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama-1b")
-    parser.add_argument("--steps", type=int, default=5, help="steps timed, then steps traced (default 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+    parser = step_parser("python -m tools.bench.profile_step", __doc__.splitlines()[0], 5,
+                         "steps timed, then steps traced")
     parser.add_argument("--top", type=int, default=15, help="ops in the table (default 15; --json has all)")
     parser.add_argument("--out", default=None, metavar="DIR", help="where the trace goes (default: a new temp dir)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     parser.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
                         help="run nothing: read again the trace an earlier run left in DIR (its --out)")
     args = parser.parse_args(argv)

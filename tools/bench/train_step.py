@@ -273,18 +273,24 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench.train_step", description=__doc__.splitlines()[0])
+def step_parser(prog: str, description: str, steps: int, steps_help: str) -> argparse.ArgumentParser:
+    """The arguments the step's benchmarks share: a config and its overrides, the steps, the warm-up, --json."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", default=None, metavar="NAME|FILE",
                         help="a shipped config's name (jaxllm/configs/) or a TOML file (default: default)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=gpt2-124m")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per window (default 10)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.preset=llama-1b")
+    parser.add_argument("--steps", type=int, default=steps, help=f"{steps_help} (default {steps})")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = step_parser("python -m tools.bench.train_step", __doc__.splitlines()[0], 10, "timed steps per window")
     parser.add_argument("--windows", type=int, default=3, help="timing windows; medians are reported (default 3)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the same model in plain JAX (tools/reference/plain_gpt.py, "
                              "tools/reference/plain_llama.py) and report the overhead")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
 
