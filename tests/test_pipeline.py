@@ -150,8 +150,6 @@ BAD = {
     "zb_v_layers": ({"mesh.pp": 4, "model.n_layers": 4, "train.pp_schedule": "zb_v"}, "2×mesh.pp"),
     "zb_h1_few_microbatches": ({"mesh.pp": 4, "train.microbatches": 2, "train.pp_schedule": "zb_h1"},
                                "train.microbatches=2"),
-    "zb_fp8": ({"mesh.pp": 2, "train.microbatches": 4, "train.pp_schedule": "zb_v", "precision.matmul": "fp8"},
-               "precision.matmul=fp8"),
     "layers_virtual": ({"mesh.pp": 2, "train.pp_schedule": "interleaved", "train.pp_virtual": 3,
                         "train.microbatches": 4}, "pp_virtual"),
     "1f1b_few_microbatches": ({"mesh.pp": 4, "train.microbatches": 2}, "train.microbatches=2"),

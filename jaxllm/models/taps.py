@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxllm import sharding
 from jaxllm.models import lora
+from jaxllm.ops import fp8
 from jaxllm.sharding import is_names, weight
 
 LEAD = 1  # a pipeline chunk's leaves carry one stacking dimension, the layer repeats
@@ -84,6 +85,11 @@ def is_tapped(path, names: tuple[str, ...]) -> bool:
     return keys in set(lora.TARGETS.values()) and "embed" in (names[LEAD], names[-1])
 
 
+def matmul_group(path, names: tuple[str, ...]) -> str:
+    """The `ops/fp8.py` group of a tapped weight's matmul: attention's projections or the MLP's."""
+    return "attention" if any(getattr(k, "key", None) == "attn" for k in path) else "mlp"
+
+
 def contracted(names: tuple[str, ...]) -> int:
     """How many of a tapped weight's leading dimensions (after the layers') its input contracts: one for a
     column-parallel weight [embed, ...], all but the last for a row-parallel one [..., embed]."""
@@ -117,6 +123,7 @@ class Taps:
         self.names = names
         self.structure = jax.tree.structure(names, is_leaf=is_names)
         self.mask = self.structure.flatten_up_to(jax.tree_util.tree_map_with_path(is_tapped, names, is_leaf=is_names))
+        self.groups = jax.tree_util.tree_map_with_path(matmul_group, names, is_leaf=is_names)  # for precision.matmul
 
     def split(self, chunk):
         """(tapped weights, the rest): two trees like `chunk`, each None where the other holds a leaf."""
@@ -157,11 +164,10 @@ class Taps:
 
     def weight_grads(self, tapped, stash):
         """W: the gradients of the tapped weights [R, ...] from a stash ({x, dy} per weight, [R, batch, seq, ...]),
-        in fp32."""
-        def one(names, w, st):
+        in fp32; through fp8 where the program covers the weight's matmul group (`fp8.weight_grad`)."""
+        def one(names, w, group, st):
             def layer(w, x, dy):
                 used, pull = jax.vjp(lambda a: weight(a, names[LEAD:], x.dtype), w)
-                ct = jax.lax.dot_general(x, dy, (((0, 1), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
-                return pull(ct.astype(used.dtype))[0].astype(jnp.float32)
+                return pull(fp8.weight_grad(group, x, dy).astype(used.dtype))[0].astype(jnp.float32)
             return jax.vmap(layer)(w, st["x"], st["dy"])
-        return self._each(one, tapped, stash)
+        return self._each(one, tapped, self.groups, stash)

@@ -109,6 +109,19 @@ def _backward(spec, out_dtype, saved, g):
 _fp8_einsum.defvjp(_forward, _backward)
 
 
+def weight_grad(group: str, x: jax.Array, dy: jax.Array) -> jax.Array:
+    """Σ over the rows (the leading two dimensions, batch and sequence) of x ⊗ dy: the gradient of the weight
+    of a matmul y = x·w from its input x and its output's cotangent dy, in x's dtype. Where the traced program
+    covers the group, through fp8 as `_backward` computes it (x in E4M3, dy in E5M2, each scaled by its whole
+    tensor's amax), so a weight gradient made apart from the backward (the zero-bubble pipelines' W) is the
+    fused backward's."""
+    dims = (((0, 1), (0, 1)), ((), ()))
+    if group not in _covered.get():
+        return jax.lax.dot_general(x, dy, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+    (qx, sx), (qg, sg) = quantize(x, E4M3), quantize(dy, E5M2)
+    return (jax.lax.dot_general(qx, qg, dims, preferred_element_type=jnp.float32) * (sx * sg)).astype(x.dtype)
+
+
 def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """jnp.einsum(spec, x, w) of a weight matmul in `group` (x and w of one dtype; out_dtype defaults to
     theirs), through the fp8 dot when the traced program covers the group. Each index of the spec

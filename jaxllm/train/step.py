@@ -41,7 +41,7 @@ from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import fp8
 from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
-from jaxllm.parallel.pipeline_schedules import SPLIT, Schedule, make_schedule, model_chunks
+from jaxllm.parallel.pipeline_schedules import Schedule, make_schedule, model_chunks
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
 from jaxllm.train import bias_balance, gradients, guard, offload, preference
@@ -341,10 +341,6 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
               + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg))
               + preference.check_config(cfg))
-    if {"attention", "mlp"} & fp8.covered_groups(cfg.precision) and t.pp_schedule in SPLIT and shape["pp"] > 1:
-        raise ConfigError(f"precision.matmul=fp8 with train.pp_schedule='{t.pp_schedule}' is not supported yet (its "
-                          "W computes the weight gradients in the compute dtype); use pp_schedule='1f1b' or "
-                          "'interleaved'")
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
                           "multiplies chunks of one tensor); set one of them off")
