@@ -210,6 +210,10 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
                                      {"model.moe.balance_weight": 0.0}),
     "ep4_fsdp2_zero3_segmented": ({"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3}, SEGMENTED),
     "dp2_tp2_ep2_segmented": ({"mesh.dp": 2, "mesh.tp": 2, "mesh.ep": 2}, SEGMENTED),
+    # experts under context parallelism: tokens split over the sequence enter the routing and the dispatch like any
+    # others; the sequence-wise balance loss and the bias's load are counted over every sp rank
+    "sp2_ep2_dp2": ({"mesh.sp": 2, "mesh.ep": 2, "mesh.dp": 2}, {}),
+    "sp2_tp2_ep2_segmented": ({"mesh.sp": 2, "mesh.tp": 2, "mesh.ep": 2, "train.sequence_parallel": True}, SEGMENTED),
     # the dense segment on the first stage, the MoE segment pipelined (one layer a stage), its auxiliary losses and
     # the bias's load through the pipeline's backward; per-microbatch routing statistics: no balance loss
     "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2,
@@ -274,7 +278,7 @@ BAD_MOE = {
                           "capacity_factor=1.25 with mesh.pp>1"),
     "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
-    "context_parallel": ({"mesh.sp": 2}, "mesh.sp"),
+    "context_parallel_capacity": ({"mesh.sp": 2, "model.moe.capacity_factor": 1.25}, "capacity_factor=1.25 with mesh.sp"),
     "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),
     "segments_form": ({"model.segments": [{"layers": 2, "kinds": ["moe"]}]}, "model.segments[0]"),
     "segments_pipeline_split": ({"mesh.pp": 2, "train.microbatches": 2, "train.zero_stage": 2, "model.n_layers": 3,

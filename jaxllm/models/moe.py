@@ -158,9 +158,10 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
         raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} with mesh.pp>1 is not supported yet (inside "
                           "a pipeline stage the experts run without the expert-parallel island's per-shard buffers); "
                           "set capacity_factor=0 (dropless) or mesh.pp=1")
-    if shape["sp"] > 1:
-        raise ConfigError(f"model.pattern with 'moe' blocks and mesh.sp={shape['sp']} is not supported yet (routing "
-                          "and capacity are per batch shard, not per sequence shard); set mesh.sp=1")
+    if shape["sp"] > 1 and e.capacity_factor > 0:  # dropless routing is whole-batch: sp changes nothing in it
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} with mesh.sp={shape['sp']} is not supported "
+                          "yet (which pairs a capacity drops is not yet checked against one device under context "
+                          "parallelism); set capacity_factor=0 (dropless) or mesh.sp=1")
     if math.prod(shape[a] for a in BATCH_AXES) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
         raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
                           "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "
