@@ -214,6 +214,13 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     # others; the sequence-wise balance loss and the bias's load are counted over every sp rank
     "sp2_ep2_dp2": ({"mesh.sp": 2, "mesh.ep": 2, "mesh.dp": 2}, {}),
     "sp2_tp2_ep2_segmented": ({"mesh.sp": 2, "mesh.tp": 2, "mesh.ep": 2, "train.sequence_parallel": True}, SEGMENTED),
+    # ... and inside pipeline stages (every stage running its chunk at every tick): DeepSeek's routing, gated shared
+    # experts, bias and sequence-wise loss, in one MoE segment (layers before it are refused there), ZB-V
+    "pp2_sp2_ep2_zb_v": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.ep": 2, "train.zero_stage": 2, "train.microbatches": 4,
+                          "train.pp_schedule": "zb_v"},
+                         {**ROUTING, "model.n_layers": 4, "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True,
+                          "model.moe.seq_balance_weight": 0.01, "model.moe.bias_update_rate": 0.001,
+                          "model.moe.balance_weight": 0.0}),
     # the dense segment on the first stage, the MoE segment pipelined (one layer a stage), its auxiliary losses and
     # the bias's load through the pipeline's backward; per-microbatch routing statistics: no balance loss
     "pp2_ep2_dp2_segmented": ({"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 2,
