@@ -214,8 +214,10 @@ MOE_MESHES = {  # name -> (mesh and options; model keys shared with the referenc
     # others; the sequence-wise balance loss and the bias's load are counted over every sp rank
     "sp2_ep2_dp2": ({"mesh.sp": 2, "mesh.ep": 2, "mesh.dp": 2}, {}),
     "sp2_tp2_ep2_segmented": ({"mesh.sp": 2, "mesh.tp": 2, "mesh.ep": 2, "train.sequence_parallel": True}, SEGMENTED),
-    # ... and inside pipeline stages (every stage running its chunk at every tick): DeepSeek's routing, gated shared
-    # experts, bias and sequence-wise loss, in one MoE segment (layers before it are refused there), ZB-V
+    # ... and inside pipeline stages (every stage running its chunk, and the layers before the pipelined ones, at every
+    # tick): the segmented stack, and DeepSeek's routing in one MoE segment under ZB-V
+    "pp2_sp2_ep2_segmented": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.ep": 2, "train.zero_stage": 2,
+                               "train.microbatches": 2}, {**SEGMENTED, "model.moe.balance_weight": 0.0}),
     "pp2_sp2_ep2_zb_v": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.ep": 2, "train.zero_stage": 2, "train.microbatches": 4,
                           "train.pp_schedule": "zb_v"},
                          {**ROUTING, "model.n_layers": 4, "model.moe.n_shared_experts": 2, "model.moe.shared_gate": True,

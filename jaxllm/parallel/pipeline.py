@@ -171,9 +171,14 @@ class _Stage:
     def run_joined(self, full, c, x, mb):
         return self.blocks_fn(full, x, mb, self.global_stage(c) * self.repeats)
 
+    def embed(self, sh, mb):
+        """(x, aux): the first global stage's input, the embedding and the layers before the pipelined ones."""
+        full = self.join(sh, self.shared_f)
+        return self.lead_fn(full, self.embed_fn(full, mb), mb)
+
     def embedded(self, sh, mb, chunk_fn):
         """The first global stage: the embedding (and leading layers), then `chunk_fn(x) -> (y, aux)`."""
-        x, aux = self.embed_fn(self.join(sh, self.shared_f), mb)
+        x, aux = self.embed(sh, mb)
         y, more = chunk_fn(x)
         return y, jax.tree.map(jnp.add, aux, more)
 
@@ -206,12 +211,17 @@ class _Stage:
     # ---- the slots when the chunk holds islands (`islands_inside`): the chunk outside the switch on the kind
 
     def chunk_input(self, kind, x_in, mb):
-        """(the chunk's input, the embedding's aux): the embedding on the first global stage, x_in elsewhere (zeros
-        when idle)."""
-        embed = lambda: self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
-        given = lambda: (x_in, self.no_aux_as_made)
-        idle = lambda: (self.zeros_x, self.no_aux_as_made)
-        return jax.lax.switch(kind, [idle, embed, given, given])
+        """(the chunk's input, the leading layers' aux): on the first global stage the embedding and the layers
+        before the pipelined ones, x_in elsewhere (zeros when idle). The lookup is switched on the kind; the
+        leading layers, which may hold islands too, run on every stage, their aux zero off the first."""
+        sh = self.join(self.used_shared, self.shared_f)
+        looked_up = jax.lax.switch(kind, [lambda: self.zeros_x, lambda: self.embed_fn(sh, mb), lambda: x_in,
+                                          lambda: x_in])
+        if not self.leading:
+            return looked_up, self.no_aux_as_made
+        led, aux = self.lead_fn(sh, looked_up, mb)
+        first = kind == FIRST
+        return jnp.where(first, led, looked_up), jax.tree.map(lambda a: jnp.where(first, a, jnp.zeros_like(a)), aux)
 
     def head_cotangent(self, kind, y, dy, mb):
         """On the last global stage the head and the loss after the chunk's output y: (the output's cotangent,
@@ -230,15 +240,26 @@ class _Stage:
         return jax.lax.switch(kind, [idle, given, given, head])
 
     def embedding_grads(self, kind, dx, mb):
-        """On the first global stage the shared weights' gradients through the embedding (and its aux objective,
-        cotangent 1) from the chunk's input gradient dx; zeros elsewhere."""
-        def first():
-            embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
-                *self.embed_fn(self.join(sh, self.shared_f), mb))
-            (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
-            return _f32(g_shared)
+        """On the first global stage the shared weights' gradients through the leading layers (pulled back on every
+        stage, from zeros off the first: they may hold islands) and the embedding (switched), from the chunk's
+        input gradient dx; the leading layers' aux objective with cotangent 1. Zeros elsewhere."""
+        first = kind == FIRST
+        g_lead, dx_embed = self.no_shared, dx
+        if self.leading:
+            led = lambda sh, x: (lambda y, aux: (y, self.aux_fn(aux, self.aux_weight)))(
+                *self.lead_fn(self.join(sh, self.shared_f), x, mb))
+            x_embed = jax.lax.switch(jnp.where(first, 1, 0), [lambda: self.zeros_x, lambda: self.embed_fn(
+                self.join(self.used_shared, self.shared_f), mb)])
+            g_lead, dx_embed = jax.vjp(led, self.used_shared, x_embed)[1]((jnp.where(first, dx, 0),
+                                                                            first.astype(jnp.float32)))
+            g_lead = _f32(g_lead)
 
-        return jax.lax.switch(jnp.where(kind == FIRST, 1, 0), [lambda: self.no_shared, first])
+        def lookup():
+            (g,) = jax.vjp(lambda sh: self.embed_fn(self.join(sh, self.shared_f), mb), self.used_shared)[1](dx_embed)
+            return _f32(g)
+
+        g_embed = jax.lax.switch(jnp.where(first, 1, 0), [lambda: self.no_shared, lookup])
+        return jax.tree.map(jnp.add, g_lead, g_embed)
 
     def backward_uniform(self, kind, c, i, x_in, dy):
         """The fused backward slot with the chunk outside the switch: the chunk re-run under `jax.vjp` on every
@@ -316,7 +337,7 @@ class _Stage:
             return (*kept, self.no_aux)
 
         def first():
-            x, aux = self.embed_fn(self.join(self.used_shared, self.shared_f), mb)
+            x, aux = self.embed(self.used_shared, mb)
             pull, _, more = self.chunk_vjp(weights, c, x, mb)
             return kept_of(pull), self.zeros_x, _f32(jax.tree.map(jnp.add, aux, more))
 
@@ -363,8 +384,7 @@ class _Stage:
 
         def first():
             stash, g_rest, dx = self.pullback(c, residuals)((dy, jnp.float32(1)))
-            embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(
-                *self.embed_fn(self.join(sh, self.shared_f), mb))
+            embedded = lambda sh: (lambda x, aux: (x, self.aux_fn(aux, self.aux_weight)))(*self.embed(sh, mb))
             (g_shared,) = jax.vjp(embedded, self.used_shared)[1]((dx, jnp.float32(1)))
             return self.zeros_x, _f32(g_rest), _f32(g_shared), none, self.no_metrics, self.no_aux, stash
 
@@ -486,8 +506,7 @@ class _Stage:
             self.gather_once(stack, shared, stack_f, shared_f) if self.gather_once else
             (stack, shared, stack_f, shared_f))
         self.repeats = jax.tree.leaves(stack)[0].shape[1]  # per chunk
-        x_shape, aux_shape = jax.eval_shape(lambda: self.embed_fn(self.join(self.used_shared, self.shared_f),
-                                                                  self.microbatch(0)))
+        x_shape, aux_shape = jax.eval_shape(lambda: self.embed(self.used_shared, self.microbatch(0)))
         self.zeros_x, self.rows = jnp.zeros(x_shape.shape, x_shape.dtype), x_shape.shape[:2]
         zeros32 = lambda tree: _zeros_like(tree, jnp.float32)
         self.no_metrics = zeros32(jax.eval_shape(lambda: self.loss_fn(self.join(self.used_shared, self.shared_f),
@@ -530,14 +549,16 @@ class _Stage:
 
 
 def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,
-                   embed_fn: Callable, blocks_fn: Callable, loss_fn: Callable, aux_fn: Callable, pin_grads: Callable,
-                   batch_manual: bool, gather_once: Callable | None = None, frozen: dict | None = None,
-                   join: Callable = lambda train, frozen: train, taps=None):
+                   embed_fn: Callable, lead_fn: Callable, leading: bool, blocks_fn: Callable, loss_fn: Callable,
+                   aux_fn: Callable, pin_grads: Callable, batch_manual: bool, gather_once: Callable | None = None,
+                   frozen: dict | None = None, join: Callable = lambda train, frozen: train, taps=None):
     """(loss, metric shares, the blocks' auxiliary terms, gradients) of the whole batch through the pipeline.
 
     `params` holds the pipelined layer stack under "blocks" (leaves [R, ...], R split over pp) and the
     embedding/head weights (and any layers run before the pipelined ones) elsewhere; `microbatches` holds the
-    batch's fields as [m, rows, ...] arrays. The model enters as its seams: `embed_fn(shared, mb) -> (x, aux)`,
+    batch's fields as [m, rows, ...] arrays. The model enters as its seams: `embed_fn(shared, mb) -> x` (the
+    embedding), `lead_fn(shared, x, mb) -> (x, aux)` (the layers before the pipelined ones, which `leading` says
+    there are; else x and no aux),
     `blocks_fn(chunk, x, mb, first) -> (x, aux)` (`first`: the chunk's first layer repeat in the stack,
     from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb) -> (objective sum, metric
     sums, auxiliary terms of any layers it runs)`, the sums divided by the global count, and `aux_fn(aux, weight)`,
@@ -556,8 +577,8 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     shared, shared_f = ({k: a for k, a in tree.items() if k != "blocks"} for tree in (params, frozen))
     axes = {AXIS} | (set(BATCH_AXES) if batch_manual else set())
     batch_spec = P(None, BATCH_AXES) if batch_manual else P()
-    seams = dict(embed_fn=embed_fn, blocks_fn=blocks_fn, loss_fn=loss_fn, aux_fn=aux_fn, pin_grads=pin_grads,
-                 gather_once=gather_once, join=join, taps=taps)
+    seams = dict(embed_fn=embed_fn, lead_fn=lead_fn, leading=leading, blocks_fn=blocks_fn, loss_fn=loss_fn,
+                 aux_fn=aux_fn, pin_grads=pin_grads, gather_once=gather_once, join=join, taps=taps)
 
     def local(stack, shared, stack_f, shared_f, mbs, norm):
         with use_layout(inner):

@@ -219,8 +219,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
         (stack, stack_f), (shared, shared_f) = use(stack, stack_f, "blocks"), use(shared, shared_f, "shared")
         return stack, shared, stack_f, shared_f
 
-    def embed_fn(sh, mb):  # the embedding, then the segments before the pipelined one
-        x = transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype)
+    def lead_fn(sh, x, mb):  # the segments before the pipelined one
         if not lead:
             return x, transformer.zero_aux(m)
         with lora.dropout_salt(mb):
@@ -229,7 +228,8 @@ def pipelined(params, batch: dict, norm, g: Paths):
 
     loss, metrics, aux, grads = pipeline.loss_and_grads(
         train, mbs, (count / scale, scale / g.microbatches), g.schedule, inner,
-        embed_fn=embed_fn,
+        embed_fn=lambda sh, mb: transformer.embed(sh, mb["inputs"], mb["positions"], m, dtype),
+        lead_fn=lead_fn, leading=bool(lead),
         blocks_fn=lambda ch, x, mb, first: _salted_blocks(ch, x, mb, first, m, dtype, last),
         loss_fn=lambda sh, x, mb: mtp.output_terms(sh, x, mb, m, dtype, o.token_terms, g.loss_chunk, o.temperature,
                                                    g.mtp_weight, functools.partial(finish, o)),
