@@ -138,6 +138,10 @@ class Layout:
     # How attention runs when the sequence is split over sp: ring | allgather | ulysses.
     context_attention: str = "ring"
 
+    # The order in which the sequence's positions are laid out (the zig-zag over sp, `parallel/load_balance.py`);
+    # None: in order. What depends on token order (a capacity's queue) reads the sequence in order through it.
+    sequence_order: tuple[int, ...] | None = None
+
     # ZeRO++ (inside its island, `parallel/zeropp.py`): (w, names, dtype) -> the weight gathered over fsdp
     # where it is used, for weights with an `embed` dimension; None: the partitioner gathers.
     use_site_gather: Callable | None = None

@@ -1,6 +1,7 @@
 """Auxiliary-loss-free balancing (`model.moe.bias_update_rate`, `train/bias_balance.py`) and the sequence-wise balance
 loss, on a stack of a dense layer and an MoE layer (fp32, dropless): the bias moves by the rate against each
-expert's load over the whole step, alike on one device and over 2 microbatches on 4 devices; it decides the choice
+expert's load over the whole step, alike on one device, over 2 microbatches on 4 devices and for 5 steps under
+context parallelism; it decides the choice
 and takes no part in the gradients; a resumed run continues it bitwise."""
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def test_the_load_is_counted_over_every_microbatch_and_device():
     load = np.asarray(metrics["moe_load"])
     assert np.any(bias_of(new.params) != 0) and len(set(np.sign(load - load.mean()))) > 1
     np.testing.assert_array_equal(bias_of(train_step(four, one.init(0))[0].params), bias_of(new.params))
+
+
+@pytest.mark.slow
+def test_five_steps_under_context_parallelism_move_the_bias_as_one_device():
+    """sp2 × ep2 × dp2, the sequence in zig-zag order: after each of 5 steps the biases are one device's within 1e-6
+    (the loads are counts: the biases move by whole rates), and they have moved."""
+    one, spread = step_fns(config()), step_fns(config(**{"mesh.sp": 2, "mesh.ep": 2, "mesh.dp": 2,
+                                                         "model.cp_load_balance": True}))
+    a = b = jax.device_get(one.init(0))
+    for step in range(5):
+        a, b = (jax.device_get(train_step(fns, state, tokens(step))[0]) for fns, state in ((one, a), (spread, b)))
+        np.testing.assert_allclose(bias_of(b.params), bias_of(a.params), rtol=0, atol=1e-6)
+    assert np.abs(bias_of(a.params)).max() >= 2 * RATE
 
 
 @pytest.mark.slow

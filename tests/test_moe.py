@@ -10,7 +10,8 @@ program must move tokens by all-to-all and never gather expert weights.
 
 The model: one step's loss and gradients of the whole objective equal the independent dense
 MoE (tools/reference/plain_llama.py) on expert-parallel meshes; at the default capacity, meshes with
-equal batch shards drop the same pairs; MoE with sp > 1 is refused in one line.
+equal batch shards drop the same pairs, under sp (zig-zag) and inside pipeline stages too; what MoE cannot run
+is refused in one line.
 """
 
 import functools
@@ -30,6 +31,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
+from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.train.loop import train
 
 T, D, F, E = 64, 16, 32, 8
@@ -134,6 +136,22 @@ def test_local_groups_drop_like_the_reference():
     assert rel(y, naive(params, x, 2, "swiglu", kept)) <= 1e-5
 
 
+def test_a_laid_out_sequence_queues_in_sequence_order():
+    """Rows of 16 tokens laid out in the zig-zag order over sp=2: told that order, the queue keeps the pairs the
+    naive count keeps on the rows in order (4 groups of one row each)."""
+    params, (x, _) = weights("swiglu"), inputs()
+    order = zigzag_order(16, 2)
+    laid_out = x.reshape(4, 16, D)[:, order].reshape(T, D)
+    _, _, gates, experts = moe.route(params["router"], laid_out, 2)
+    in_order = lambda a: a.reshape(4, 16, -1)[:, np.argsort(order)].reshape(T, -1)
+    kept = kept_pairs(np.asarray(in_order(experts)), 4, moe.capacity(16, E, 2, 0.5))
+    assert not kept.all()
+    y, dropped = moe.local_moe(params["experts"], laid_out, gates, experts, E, 0.5, "swiglu", jnp.float32, groups=4,
+                               seq_order=order)
+    assert rel(in_order(y), naive(params, x, 2, "swiglu", kept)) < 1e-6
+    assert int(dropped) == int((~kept).sum())
+
+
 def test_dispatch_uses_all_to_all_and_never_gathers_expert_weights():
     params, (x, cot) = weights("swiglu"), inputs()
     mesh = ep_mesh(4)
@@ -189,6 +207,7 @@ def reference_for(model_keys: dict):
     return params, float(loss), jax.device_get(grads)
 
 
+PIPELINED = {"train.microbatches": 2, "train.zero_stage": 2}  # MoE in pipeline stages: ZeRO-2 or 3 (see BAD_MOE)
 # DeepSeek-V3's routing (sigmoid scores, 4 groups of 2 experts, the best 2 groups, scaled gates), which the plain
 # reference does not have: against jaxllm on one device
 ROUTING = {"model.moe.score": "sigmoid", "model.moe.n_group": 4, "model.moe.topk_group": 2,
@@ -247,12 +266,17 @@ def test_moe_model_matches_the_reference(mesh):
         assert "ep" in str(w.sharding.spec)
 
 
-# The default capacity (factor 1.25) drops pairs, per batch shard: meshes with as many batch shards
-# (8) drop the same pairs, whether the experts run locally (dp) or behind the all-to-alls (ep).
-# The segmented stack drops alike too (its MoE layers, gated shared feed-forward, bias and sequence-wise loss).
+# The default capacity (factor 1.25) drops pairs, per batch shard: meshes with as many batch shards drop the same
+# pairs, whether the experts run locally (dp) or behind the all-to-alls (ep). The segmented stack drops alike too
+# (its MoE layers, gated shared feed-forward, bias and sequence-wise loss). Under sp with the zig-zag layout the
+# queue still takes tokens in the sequence's order, and inside pipeline stages each batch shard keeps its buffers.
 CAPACITY_MESHES = {"ep8": {"mesh.ep": 8}, "ep4_fsdp2_zero3": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3},
                    "ep2_dp4": {"mesh.ep": 2, "mesh.dp": 4},
-                   "ep4_fsdp2_zero3_segmented": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3, **SEGMENTED}}
+                   "ep4_fsdp2_zero3_segmented": {"mesh.ep": 4, "mesh.fsdp": 2, "train.zero_stage": 3, **SEGMENTED},
+                   "sp2_ep2_dp2_zigzag": {"mesh.sp": 2, "mesh.ep": 2, "mesh.dp": 2, "model.cp_load_balance": True},
+                   "sp2_dp4_zigzag": {"mesh.sp": 2, "mesh.dp": 4, "model.cp_load_balance": True},
+                   "pp2_ep2_dp2": {"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, **PIPELINED},
+                   "pp2_sp2_ep2_zigzag": {"mesh.pp": 2, "mesh.sp": 2, "mesh.ep": 2, **PIPELINED}}
 
 
 def capacity_config(over: dict):
@@ -263,9 +287,11 @@ def capacity_config(over: dict):
 @pytest.mark.parametrize("mesh", CAPACITY_MESHES)
 def test_default_capacity_drops_alike_on_meshes_with_equal_batch_shards(mesh):
     over = CAPACITY_MESHES[mesh]
-    model_keys = {k: v for k, v in over.items() if k.startswith("model.")}
-    assert capacity_config(model_keys).model.moe.capacity_factor == 1.25
-    base = step_fns(capacity_config({"mesh.dp": 8, **model_keys}))  # the experts run locally, one group per device
+    kept = {k: v for k, v in over.items() if k.startswith(("model.", "train."))}
+    assert capacity_config(kept).model.moe.capacity_factor == 1.25
+    shards = math.prod(getattr(capacity_config(over).mesh, a) for a in ("dp", "fsdp", "ep"))
+    # the experts run locally, one group per device, the sequence in order
+    base = step_fns(capacity_config({"mesh.dp": shards, **kept, "model.cp_load_balance": False}))
     params = jax.device_get(base.init(0).params)
     _, metrics = train_step(base, base.init(0))
     assert float(metrics["moe_dropped"]) > 0.01  # the capacity really drops pairs
@@ -283,11 +309,8 @@ def test_mixtral_preset_has_mixtrals_size():
 BAD_MOE = {
     "experts_over_ep": ({"mesh.ep": 8, "model.moe.n_experts": 4}, "model.moe.n_experts=4"),
     "top_k": ({"model.moe.top_k": 9}, "top_k"),
-    "pipeline_capacity": ({"mesh.pp": 2, "train.microbatches": 2, "model.moe.capacity_factor": 1.25},
-                          "capacity_factor=1.25 with mesh.pp>1"),
     "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
-    "context_parallel_capacity": ({"mesh.sp": 2, "model.moe.capacity_factor": 1.25}, "capacity_factor=1.25 with mesh.sp"),
     "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),
     "segments_form": ({"model.segments": [{"layers": 2, "kinds": ["moe"]}]}, "model.segments[0]"),
     "segments_pipeline_split": ({"mesh.pp": 2, "train.microbatches": 2, "train.zero_stage": 2, "model.n_layers": 3,

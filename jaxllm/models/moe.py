@@ -19,7 +19,7 @@ from jaxllm.models import lora
 from jaxllm.ops.moe import SCORES, Routing, aux_losses, local_moe, route
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.errors import ConfigError
-from jaxllm.sharding import BATCH_AXES, current_layout, weight
+from jaxllm.sharding import BATCH_AXES, current_layout, island_mesh, weight
 
 
 def zero_stats(m) -> dict:
@@ -51,37 +51,48 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     Routing runs on the whole batch (its statistics are global, whatever the mesh). The
     experts run where they live: with `mesh.ep > 1` in the expert-parallel island
     (`parallel/expert_dispatch.py`), otherwise here, in one group per batch shard (the
-    rows one device holds), so tokens drop alike on every mesh with as many batch shards.
+    rows one device holds), so tokens drop alike on every mesh with as many batch shards,
+    queued in the sequence's order whatever its layout over sp.
     """
     e = m.moe
     bias = weight(p["router_bias"], ("router",), jnp.float32) if "router_bias" in p else None
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k,
                                           routing(m), None if bias is None else jax.lax.stop_gradient(bias))
     layout = current_layout()
-    # Inside another island (a pipeline stage) the experts run here, the partitioner moving them over ep (dropless:
-    # validation refuses a capacity there); validation keeps MoE out of ZeRO-0/1 accumulation over batch shards.
-    island = layout is not None and layout.mesh.shape["ep"] > 1 and not layout.manual
+    # The expert-parallel island is manual over the batch axes: it runs wherever those are not manual yet (also
+    # inside a pipeline stage); validation keeps MoE out of ZeRO-0/1 accumulation over batch shards.
+    island = layout is not None and layout.mesh.shape["ep"] > 1 and batch_groups(layout) > 1
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
     w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
     w = {n: lora.expert_parts(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")),
                               w_dtype, weight) for n, a in p["experts"].items()}
+    # a capacity queues tokens in the sequence's order, however it is laid out (dropless queues drop nothing)
+    order = layout.sequence_order if layout is not None and e.capacity_factor > 0 else None
     if island:
         y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.mlp, dtype,
-                                         layout.mesh)
+                                         island_mesh(layout), order)
     else:
         b, s, d = h.shape
-        # inside an island manual over the batch axes, h is already one device's rows; a batch smaller
-        # than the batch shards (sampling one sequence) is one group
-        groups = 1 if layout is None or layout.manual else math.prod(layout.mesh.shape[a] for a in BATCH_AXES)
+        groups = batch_groups(layout)
         y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
-                               e.n_experts, e.capacity_factor, m.mlp, dtype, groups if b % groups == 0 else 1)
+                               e.n_experts, e.capacity_factor, m.mlp, dtype, groups if b % groups == 0 else 1, order)
         y = y.reshape(b, s, d)
     aux = aux_losses(logits, probs, experts)
     stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1),
              "seq_balance": seq_balance(probs, experts) if e.seq_balance_weight else jnp.float32(0),
              "load_probe": jnp.float32(0) if bias is None else load_probe(bias, aux["load"])}
     return y.astype(h.dtype), stats
+
+
+def batch_groups(layout) -> int:
+    """Token groups (sets of expert buffers) in h: one per batch shard whose rows h holds. Inside an island manual
+    over the batch axes h is one device's rows: one group; inside one manual over others (a pipeline stage) every
+    batch shard's. A batch smaller than the batch shards (sampling one sequence) is one group (the caller's test)."""
+    if layout is None:
+        return 1
+    manual = jax.sharding.get_abstract_mesh().manual_axes if layout.manual else ()
+    return math.prod(layout.mesh.shape[a] for a in BATCH_AXES if a not in manual)
 
 
 def has_router_bias(m) -> bool:
@@ -154,14 +165,6 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
                           "an equal share of the experts")
     if (e.d_ff or m.d_ff) % shape["tp"]:
         raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
-    if shape["pp"] > 1 and e.capacity_factor > 0:
-        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} with mesh.pp>1 is not supported yet (inside "
-                          "a pipeline stage the experts run without the expert-parallel island's per-shard buffers); "
-                          "set capacity_factor=0 (dropless) or mesh.pp=1")
-    if shape["sp"] > 1 and e.capacity_factor > 0:  # dropless routing is whole-batch: sp changes nothing in it
-        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} with mesh.sp={shape['sp']} is not supported "
-                          "yet (which pairs a capacity drops is not yet checked against one device under context "
-                          "parallelism); set capacity_factor=0 (dropless) or mesh.sp=1")
     if math.prod(shape[a] for a in BATCH_AXES) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
         raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
                           "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "

@@ -13,6 +13,7 @@ The pieces, each a small pure function over flattened tokens x [T, D]:
 - `queue_positions`: each (token, choice) pair's place in its expert's queue. All first
   choices come before all second choices, then token order (the Switch/GShard
   priority), so when an expert is full it is the later and lower-ranked pairs that drop;
+  token order is the sequence's own, also when it is laid out in another (`seq_order`: the zig-zag over sp);
 - `capacity`: buffer slots per expert and group: ceil(capacity_factor · T·k / E), or T
   in dropless mode (capacity_factor = 0: an expert gets each token at most once);
 - `dispatch` / `combine`: scatter tokens into [E, C, D] buffers and gather the experts'
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.ops import fp8
 from jaxllm.ops.activations import GATES, gelu_tanh
@@ -87,8 +89,15 @@ def capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float) ->
     return min(tokens, max(1, math.ceil(capacity_factor * tokens * top_k / n_experts)))
 
 
-def queue_positions(experts: jax.Array, n_experts: int) -> jax.Array:
-    """[T, k] place of each (token, choice) in its expert's queue: choice rank first, then token order."""
+def queue_positions(experts: jax.Array, n_experts: int, seq_order: np.ndarray | None = None) -> jax.Array:
+    """[T, k] place of each (token, choice) in its expert's queue: choice rank first, then token order. With
+    `seq_order` (position j of each of the T / len(seq_order) rows holds the sequence's position seq_order[j]), token
+    order is the sequence's: the queue is built on the rows put back in order, then laid out as given."""
+    if seq_order is not None:
+        seq_order = np.asarray(seq_order)
+        rows = experts.reshape(-1, len(seq_order), experts.shape[-1])
+        in_order = queue_positions(rows[:, np.argsort(seq_order)].reshape(experts.shape), n_experts)
+        return in_order.reshape(rows.shape)[:, seq_order].reshape(experts.shape)
     t, k = experts.shape
     onehot = jax.nn.one_hot(experts.T.reshape(k * t), n_experts, dtype=jnp.int32)  # [k·T, E], choice-major
     place = jnp.cumsum(onehot, axis=0) - 1
@@ -147,14 +156,14 @@ def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:
 
 
 def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_factor: float, mlp: str, dtype,
-              groups: int = 1):
-    """The routed experts on tokens x [T, D] in `groups` equal groups, all experts local.
-    Returns (y [T, D], dropped pairs count)."""
+              groups: int = 1, seq_order: np.ndarray | None = None):
+    """The routed experts on tokens x [T, D] in `groups` equal groups, all experts local, queued in the sequence's
+    order (`queue_positions`). Returns (y [T, D], dropped pairs count)."""
     t, k = experts.shape
     slots = capacity(t // groups, n_experts, k, capacity_factor)
 
     def one(x, gates, experts):
-        pos = queue_positions(experts, n_experts)
+        pos = queue_positions(experts, n_experts, seq_order)
         out = expert_ffn(p, dispatch(x, experts, pos, n_experts, slots), mlp, dtype)
         return combine(out, experts, pos, gates), jnp.sum(pos >= slots)
 

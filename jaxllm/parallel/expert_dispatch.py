@@ -34,9 +34,10 @@ AXIS = "ep"
 
 
 def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Array, n_experts: int,
-                        capacity_factor: float, mlp: str, dtype, mesh):
+                        capacity_factor: float, mlp: str, dtype, mesh, seq_order=None):
     """Routed experts on tokens x [..., D] (the leading dimension split over the batch axes; gates
-    and experts [..., k]), experts split over ep. Returns (y like x, dropped pairs over all devices)."""
+    and experts [..., k]), experts split over ep, queued in the sequence's order (`seq_order`: as
+    `moe.queue_positions` takes it). Returns (y like x, dropped pairs over all devices)."""
     ep = mesh.shape[AXIS]
     local_experts = n_experts // ep
 
@@ -45,7 +46,7 @@ def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Ar
         x, gates, experts = x.reshape(-1, shape[-1]), gates.reshape(-1, gates.shape[-1]), experts.reshape(-1, experts.shape[-1])
         t, k = experts.shape
         slots = moe.capacity(t, n_experts, k, capacity_factor)
-        pos = moe.queue_positions(experts, n_experts)
+        pos = moe.queue_positions(experts, n_experts, seq_order)
         buffer = moe.dispatch(x, experts, pos, n_experts, slots)  # [E, C, D], experts in rank order
         buffer = buffer.reshape(ep, local_experts, slots, -1)
         buffer = jax.lax.all_to_all(buffer, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (source), E/ep, C, D]

@@ -154,15 +154,19 @@ def pipeline_schedule(m, t, pp: int) -> Schedule:
     return make_schedule(t.pp_schedule, pp, t.microbatches, t.pp_virtual, transformer.layer_costs(m), chunk_layers)
 
 
+def sequence_order(m, sp: int) -> tuple[int, ...] | None:
+    """The zig-zag order of the sequence over sp (`model.cp_load_balance`), None: in order."""
+    return tuple(zigzag_order(m.seq_len, sp).tolist()) if sp > 1 and m.cp_load_balance else None
+
+
 def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> Paths:
     m, t, mesh = cfg.model, cfg.train, layout.mesh
-    sp = mesh.shape["sp"]
     return Paths(
         model=m, dtype=jnp.dtype(cfg.precision.compute), objective=objective, microbatches=t.microbatches,
         loss_chunk=t.loss_chunk, zero_stage=t.zero_stage, layout=layout, grad_shardings=sh.grads,
         grad_rules=sh.grad_rules, batch_shards=batch_shards(dict(mesh.shape)),
         microbatch_sharding=NamedSharding(mesh, P(None, BATCH_AXES)),
-        order=zigzag_order(m.seq_len, sp) if sp > 1 and m.cp_load_balance else None,
+        order=None if layout.sequence_order is None else np.asarray(layout.sequence_order),
         schedule=pipeline_schedule(m, t, mesh.shape["pp"]) if mesh.shape["pp"] > 1 else None,
         pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
         bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight,
@@ -273,7 +277,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
     objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3, hpz=t.zeropp.hpz),
                     activations=activation_rules(t.sequence_parallel), collective_matmul=m.collective_matmul,
-                    context_attention=m.cp_strategy)
+                    context_attention=m.cp_strategy, sequence_order=sequence_order(m, mesh.shape["sp"]))
     tx = make_optimizer(t, trained(m)[0])
     sh = _shardings(cfg, layout, tx)
     g = _paths(cfg, layout, sh, objective)
