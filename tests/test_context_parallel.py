@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harness import assert_matches, equivalence_config, loss_and_grads, reference, step_fns, tiers
+from harness import (BATCH, SEQ, assert_matches, equivalence_config, loss_and_grads, lower_loss_and_grads, reference,
+                     step_fns, tiers)
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import make_mesh
@@ -30,7 +31,7 @@ from jaxllm.parallel import ring_attention
 from jaxllm.parallel.load_balance import visible_blocks, zigzag_order
 from jaxllm.sharding import Layout, param_rules, use_layout
 from jaxllm.plan.attention import attention_memory_theory
-from jaxllm.plan.hlo import collectives_per_step, memory_summary
+from jaxllm.plan.hlo import collectives_per_step, executed_collectives, memory_summary
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 
@@ -180,6 +181,28 @@ def test_loss_and_grads_match_the_reference(family, mesh, strategy):
     ref = reference(equivalence_config(PRESETS[family]).model)
     loss, grads = loss_and_grads(step_fns(cfg), ref[0])
     assert_matches(loss, grads, ref)
+
+
+@pytest.mark.slow
+def test_collective_matmuls_under_context_parallelism_equal_one_device_and_gather_nothing_over_sp():
+    """sp2 × tp2 × fsdp2 (ZeRO-3, sequence parallel, ring) with the projections as collective matmuls: one step's
+    loss and gradients equal the plain reference; the rings run within each sp rank's block of the sequence, so
+    the residual stream's all-gathers of that block ([b, s/sp, d]) give way to collective-permutes of half of a
+    tp block ([b, s/(2·sp·tp), d]) and no whole sequence is gathered."""
+    ref = reference(equivalence_config(PRESETS["llama"]).model)
+    plain, rings = (step_fns(cp_config("llama", "sp2_tp2_fsdp2", "ring", **{"model.collective_matmul": cm}))
+                    for cm in (False, True))
+    assert_matches(*loss_and_grads(rings, ref[0]), ref)
+    b, d = BATCH // 2, equivalence_config(PRESETS["llama"]).model.d_model  # the rows of one fsdp shard
+    shapes = {"block": f"f32[{b},{SEQ // 2},{d}]", "half": f"f32[{b},{SEQ // 8},{d}]", "whole": f"f32[{b},{SEQ},{d}]"}
+
+    def moved(fns, kind: str, size: str) -> int:
+        ops, _ = executed_collectives(lower_loss_and_grads(fns).compile().as_text())
+        return sum(1 for o in ops if o["kind"] == kind and o["type"].startswith(shapes[size] + "{"))
+
+    assert moved(rings, "all-gather", "block") < moved(plain, "all-gather", "block")
+    assert moved(rings, "collective-permute", "half") > 0 == moved(plain, "collective-permute", "half")
+    assert moved(rings, "all-gather", "whole") == 0
 
 
 WINDOWED = {"model.sliding_window": 8, "model.window_pattern": ["local", "global"]}  # per-layer windows, scanned

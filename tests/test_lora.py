@@ -109,21 +109,36 @@ def llama(tmp_path_factory):
 
 def test_adapter_gradients_equal_torch_and_peft(llama, tmp_path):
     """B drawn non-zero, the same batch: jaxllm's gradients of every A and B equal peft's (fp32, 1e-5)."""
+    _gradients_equal_peft(llama, tmp_path, LORA, {"mesh.dp": 1})
+
+
+@pytest.mark.slow
+def test_adapters_on_latent_attention_equal_peft_on_deepseek_v3(tmp_path):
+    """A tiny DeepseekV3ForCausalLM (latent attention with q_lora_rank, interleaved RoPE rows, a dense layer then
+    MoE) with adapters on q_a, q_b, kv_a, kv_b and o: the gradients of every A and B on fsdp2 × tp2 (ZeRO-3) equal
+    peft's; the exported adapter loads into peft (the RoPE rows of q_b's and kv_a's B reordered as the base's)."""
+    model = H.build("deepseek_v3", str(tmp_path / "base"))
+    _gradients_equal_peft(model, tmp_path, {**LORA, "model.lora.targets": ["q_a", "q_b", "kv_a", "kv_b", "o"]},
+                          {"mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3})
+
+
+def _gradients_equal_peft(model_dir: str, tmp_path, lora_keys: dict, mesh: dict):
     import peft
     import torch
 
-    cfg = build_config(None, {"init.from": f"hf:{llama}", "model.seq_len": 16, "precision.compute": "float32",
-                              "train.global_batch": 2, "mesh.dp": 1, **LORA})
-    fns = step_fns(cfg, devices=1)
     from jaxllm.interop import hf
 
-    params = with_random_b(fns.with_adapters(hf.load_params(llama, lora.base_model(cfg.model), fns.base_shardings)))
+    cfg = build_config(None, {"init.from": f"hf:{model_dir}", "model.seq_len": 16, "precision.compute": "float32",
+                              "train.global_batch": 2, **mesh, **lora_keys})
+    fns = step_fns(cfg)
+    params = with_random_b(fns.with_adapters(hf.load_params(model_dir, lora.base_model(cfg.model),
+                                                            fns.base_shardings)))
     peft_io.save_adapter(params, cfg.model, str(tmp_path / "adapter"))
     rows = H.sample_tokens(H.VOCAB_SIZE, 2, 17, 0)
     _, grads = loss_and_grads(fns, params, rows)
     ours = dict(peft_io.adapter_tensors(grads, cfg.model))
 
-    model = peft.PeftModel.from_pretrained(H._load(llama), str(tmp_path / "adapter"), is_trainable=True)
+    model = peft.PeftModel.from_pretrained(H._load(model_dir), str(tmp_path / "adapter"), is_trainable=True)
     ids = torch.as_tensor(rows, dtype=torch.long)
     model(input_ids=ids, labels=ids).loss.backward()
     theirs = {n.replace(".default", ""): p.grad.numpy() for n, p in model.named_parameters() if p.requires_grad}
@@ -214,6 +229,10 @@ def test_refusals(llama, tmp_path):
     assert "[0, 1)" in refused(**{"model.lora.dropout": 1.0})
     assert "salt" in refused(**{"model.lora.dropout": 0.1, "model.lora.targets": ["q", "experts"]})
     assert "targets" in refused(**{"model.lora.targets": ["qq"]})
+    assert "no k or v projection" in refused(**{"model.attention": "mla"})  # the default targets name k and v
+    assert "latent attention's" in refused(**{"model.lora.targets": ["q", "kv_b"]})
+    assert "q_b and kv_b" in refused(**{"model.attention": "mla", "model.lora.targets": ["q_a", "kv_b"],
+                                          "model.lora.base_quant": "nf4", "model.d_model": 64})
     assert "init.from" in refused(**{"init.adapter": "x"})
     assert "init.from=hf:DIR" in _jaxllm("hf", "import", llama, str(tmp_path / "imported"), "model.lora.rank=4",
                                          check=False).stderr

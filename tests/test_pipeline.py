@@ -271,6 +271,8 @@ ISLANDS_INSIDE = {  # name -> (axes and options, families)
                                            "train.pp_schedule": "zb_h1", "model.cp_strategy": "ulysses"}, ("gpt2",)),
     "pp2_tp2_dp2_collective_matmul": ({"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2, "train.sequence_parallel": True,
                                        "model.collective_matmul": True}, ("llama",)),
+    "pp2_sp2_tp2_zero1_collective_matmul": ({"mesh.pp": 2, "mesh.sp": 2, "mesh.tp": 2, "train.sequence_parallel": True,
+                                             "train.zero_stage": 1, "model.collective_matmul": True}, ("llama",)),
 }
 
 

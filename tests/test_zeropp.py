@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import harness as H
 from jaxllm.config import validate
 from jaxllm.errors import ConfigError
-from jaxllm.models import transformer
+from jaxllm.models import lora, transformer
 from jaxllm.ops.quantize import dequantize, quantize
 from jaxllm.parallel import zeropp
 from jaxllm.plan.hlo import bytes_by_kind_and_dtype, dtype_of, executed_collectives
@@ -145,6 +145,21 @@ def test_a_qwz_step_equals_one_device_on_the_fake_quantized_weights(mesh):
     assert H.max_rel_err(grads, ref_grads) <= 1e-5
     plain, _ = H.loss_and_grads(H.step_fns(zpp_config(mesh)), params)
     assert float(loss) != float(plain)  # the quantization is really there
+
+
+@pytest.mark.slow
+def test_lora_under_zeropp_hpz_and_fp32_reduction_equals_one_device():
+    """LoRA on ZeRO++'s island with hpZ and fp32 gradient reduction (dp2 × fsdp4, 2 microbatches): the frozen base
+    has no gradient to reduce, and the adapters' gradients equal one device's. (qwZ and qgZ with LoRA: refused.)"""
+    lora_keys = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
+    one = H.step_fns(H.equivalence_config("tiny-llama", **lora_keys))
+    params = jax.device_get(one.init(0).params)
+    keys = iter(jax.random.split(jax.random.key(1), 64))  # B drawn non-zero, so A has a gradient too
+    params = jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(next(keys), x.b.shape)) if lora.is_node(x)
+                          else x, params, is_leaf=lora.is_node)
+    loss, grads = H.loss_and_grads(one, params)
+    hpz = zpp_config(DP2_FSDP4, {**lora_keys, "train.microbatches": 2, "precision.grad_reduce": "float32"}, hpz=True)
+    H.assert_matches(*H.loss_and_grads(H.step_fns(hpz), params), (params, float(loss), jax.device_get(grads)))
 
 
 def hpz_and_plain(microbatches: int = 1):

@@ -5,7 +5,8 @@ PEFT names a Linear's adapters `base_model.model.<module>.lora_A.weight` [r, in_
 `peft.PeftModel.from_pretrained(transformers_model, DIR)` puts them back on the base. Each adapter's layout
 follows from its base weight's table entry (`hf_tables`): the file tensor [out, in] is its two groups, and ours
 is [our input dims, r] and [r, our output dims]. Families whose weights are fused or reordered in the file
-(GPT-2's q|k|v, DeepSeek's interleaved RoPE rows, fused experts) are refused in one line.
+(GPT-2's q|k|v, fused experts) are refused in one line; an output dimension the file holds in another order
+(DeepSeek's interleaved RoPE rows in q_b_proj and kv_a_proj_with_mqa) is B's, reordered as the base weight is.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _nodes(m) -> dict[tuple, lora.LoraWeight]:
 
 def _layouts(m) -> dict[tuple, tuple]:
     """Per adapted weight: (its entry, the einops layouts of lora_A and lora_B, file -> ours, for one layer)."""
-    entries, out = hf.leaf_entries(lora.base_model(m)), {}
+    entries, out = hf.leaf_entries(lora.base_model(m), interleaved=True), {}  # as `hf export` writes the base
     for path, node in _nodes(m).items():
         e = entries[path]
         src, dst = (s.strip() for s in e.pattern.split("->"))
@@ -53,14 +54,16 @@ def _layouts(m) -> dict[tuple, tuple]:
             raise ModelFileError(f"PEFT adapters: adapters on the routed experts ({e.key}) are not exported yet (PEFT "
                                  "addresses transformers 5's fused expert tensors by target_parameters); export the "
                                  "merged model instead (jaxllm hf export without --adapter)")
-        if e.select is not None or e.order or len(groups) != 2:
-            raise ModelFileError(f"PEFT adapters: {e.key} is fused or reordered in this family's files "
-                                 f"({m.family}); export the merged model instead (jaxllm hf export without --adapter)")
         n_in = len(node.a.shape) - 2  # A is [layers, *in, r]
         ours = dst.split()
-        a = f"r {groups[1]} -> {' '.join(ours[:n_in])} r"
-        b = f"{groups[0]} r -> r {' '.join(ours[n_in:])}"
-        out[path] = (e, a, b, dict(zip(ours, node.w.shape[1:])))
+        if e.select is not None or len(groups) != 2 or (e.order and e.order[0] in ours[:n_in]):
+            raise ModelFileError(f"PEFT adapters: {e.key} is fused or reordered in this family's files "
+                                 f"({m.family}); export the merged model instead (jaxllm hf export without --adapter)")
+        a = f"rank {groups[1]} -> {' '.join(ours[:n_in])} rank"  # "rank": the tables' "r" is a latent's width
+        b = f"{groups[0]} rank -> rank {' '.join(ours[n_in:])}"
+        # an output dimension whose rows the file holds in another order (DeepSeek's interleaved RoPE pairs): B's
+        b_order = None if not e.order else (1 + ours[n_in:].index(e.order[0]), np.asarray(e.order[1]))
+        out[path] = (e, a, b, dict(zip(ours, node.w.shape[1:])), b_order)
     return out
 
 
@@ -70,13 +73,14 @@ def _module(e, m, path, r: int) -> str:
 
 def adapter_tensors(params, m):
     """(file key, host tensor) of every adapter, layer by layer."""
-    for path, (e, a, b, _) in _layouts(m).items():
+    for path, (e, a, b, _, b_order) in _layouts(m).items():
         node = hf._at(params, path)
         A, B = hf._fetch(node.a), hf._fetch(node.b)
         for r in range(A.shape[0]):
             module = _module(e, m, path, r)
+            b_file = B[r] if b_order is None else np.take(B[r], np.argsort(b_order[1]), axis=b_order[0])
             yield f"{module}.lora_A.weight", np.ascontiguousarray(einops.rearrange(A[r], _inverse(a)))
-            yield f"{module}.lora_B.weight", np.ascontiguousarray(einops.rearrange(B[r], _inverse(b)))
+            yield f"{module}.lora_B.weight", np.ascontiguousarray(einops.rearrange(b_file, _inverse(b)))
 
 
 def _inverse(pattern: str) -> str:
@@ -160,11 +164,12 @@ def load_adapter(path: str, params, m):
         letters = {k: v for k, v in sizes.items() if k in pattern}
         return einops.rearrange(handle.get_tensor(key).astype(np.float32), pattern, **letters)
 
-    for path_, (e, a, b, sizes) in _layouts(m).items():
+    for path_, (e, a, b, sizes, b_order) in _layouts(m).items():
         node = hf._at(params, path_)
         n = node.a.shape[0]
         A = np.stack([read(f"{_module(e, m, path_, r)}.lora_A.weight", a, sizes) for r in range(n)])
         B = np.stack([read(f"{_module(e, m, path_, r)}.lora_B.weight", b, sizes) for r in range(n)])
+        B = B if b_order is None else np.take(B, b_order[1], axis=1 + b_order[0])  # past the layer dimension
         for mine, got in ((node.a, A), (node.b, B)):
             if mine.shape != got.shape:
                 raise ModelFileError(f"{file}: adapter of {e.key} has shape {got.shape}, this model's {mine.shape}")
@@ -205,7 +210,8 @@ def merged(params):
 def targets_of(modules: list[str]) -> list[str]:
     """model.lora.targets from PEFT's target_modules (the Hugging Face module names)."""
     names = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-             "down_proj": "down"}
+             "down_proj": "down", "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a",
+             "kv_b_proj": "kv_b"}
     unknown = [x for x in ([modules] if isinstance(modules, str) else modules) if x not in names]
     if unknown:
         raise ModelFileError(f"adapter target_modules {unknown} are not weights jaxllm can adapt; known: "

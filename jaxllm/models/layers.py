@@ -82,6 +82,13 @@ def column_parallel(x: jax.Array, weights: list[tuple[jax.Array, tuple[str, ...]
             for w, (node, names) in zip(ws, weights)]
 
 
+def project(x: jax.Array, w, names: tuple[str, ...], n_in: int, dtype, group: str) -> jax.Array:
+    """x's last n_in dimensions times w (logical `names`, its first n_in the input), with its adapter if it has one:
+    a projection inside the heads (latent attention's up-projections), laid out by the weight's names alone."""
+    node, w = w, lora.base(taps.weight_of(w), names, dtype, weight)
+    return _with_adapter(_project(group, x, w, node, n_in), x, node, names, n_in, dtype)
+
+
 def _project(group: str, x: jax.Array, w: jax.Array, node, contracted: int) -> jax.Array:
     """x·w over x's last `contracted` dimensions; a tapped weight (`models/taps.py`) sees its input and its
     output's cotangent."""

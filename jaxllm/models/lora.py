@@ -30,7 +30,10 @@ RANK = "lora_rank"  # the rank dimension's logical name: replicated on every mes
 # target name -> where its weights sit in a block (a dense MLP, or an MoE block's shared experts)
 TARGETS = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
            "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
-           "in": ("mlp", "w_in"), "out": ("mlp", "w_out")}
+           "in": ("mlp", "w_in"), "out": ("mlp", "w_out"),
+           # latent attention's (`models/mla.py`): q without q_lora_rank, else q_a and q_b
+           "q_a": ("attn", "wq_a"), "q_b": ("attn", "wq_b"), "kv_a": ("attn", "wkv_a"), "kv_b": ("attn", "wkv_b")}
+LATENT = ("q_a", "q_b", "kv_a", "kv_b")
 LEAD = ("layers", "depth", "experts")  # stacking dimensions: an adapter keeps them (an expert has its own)
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down", "w_in", "w_out")
 ADAPTER_STREAM = 0x10A  # init_params folds this into its key for the adapters' draws
@@ -158,6 +161,16 @@ def base(w, names: tuple[str, ...], dtype, weight) -> jax.Array:
     return base_quant.used(w, names, dtype, weight) if base_quant.is_quantized(w) else weight(w, names, dtype)
 
 
+def merged(w, names: tuple[str, ...], dtype, weight) -> jax.Array:
+    """W + scale·A·B as used (`weight` lays out each part as the base weight's use does); the weight itself when it
+    has no adapters. For a use that multiplies by W more than once (latent attention's absorbed cache), no dropout."""
+    if not is_node(w):
+        return weight(w, names, dtype)
+    n_in = w.a.ndim - 1
+    a, b = weight(w.a, names[:n_in] + (RANK,), dtype), weight(w.b, (RANK,) + names[n_in:], dtype)
+    return base(w, names, dtype, weight) + (w.scale * jnp.tensordot(a, b, axes=1)).astype(dtype)
+
+
 def expert_parts(w, names: tuple[str, ...], dtype, weight):
     """An expert weight [E, in, out] as the experts' matmuls take it (`ops/moe.expert_ffn`): the array, or for a
     `LoraWeight` (W, scale·A, B), each laid out as the weight is."""
@@ -250,9 +263,15 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
         (lc.dropout and "experts" in lc.targets, "model.lora.dropout with adapters on the routed experts is not "
                                                  "supported yet (their tokens are dispatched without their salt); "
                                                  "set dropout 0 or drop 'experts'"),
-        (m.attention == "mla", "model.lora with model.attention=mla is not supported yet; use full fine-tuning"),
-        (zeropp_plan is not None, "model.lora with train.zeropp or precision.grad_reduce=float32 is not supported "
-                                  "yet; turn them off"),
+        (m.attention == "mla" and {"k", "v"} & set(lc.targets), "model.lora.targets: latent attention has no k or "
+                                                                "v projection; name q_a, q_b, kv_a, kv_b, o instead"),
+        (m.attention != "mla" and set(LATENT) & set(lc.targets), "model.lora.targets: q_a, q_b, kv_a and kv_b are "
+                                                                 "latent attention's (model.attention=mla)"),
+        (lc.base_quant != "none" and {"q_b", "kv_b"} & set(lc.targets), f"model.lora.base_quant={lc.base_quant} "
+         "quantizes along d_model, which q_b and kv_b (up from a latent) have not; take them out of targets"),
+        (zeropp_plan is not None and (zeropp_plan.weights or zeropp_plan.grads), "model.lora with "
+         "train.zeropp.weights or train.zeropp.grads (int8) is not supported yet (hpZ and precision.grad_reduce="
+         "float32 are); turn them off"),
         (m.moe.bias_update_rate, "model.lora with model.moe.bias_update_rate is not supported yet (the base, its "
                                  "routing bias too, is frozen); set it 0"),
     ]

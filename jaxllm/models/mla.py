@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, masking, project_out)
-from jaxllm.models.layers import column_parallel, norm
+from jaxllm.models import lora
+from jaxllm.models.layers import column_parallel, norm, project
 from jaxllm.ops import fp8
 from jaxllm.ops.attention import attention
 from jaxllm.sharding import constrain, weight
@@ -37,7 +38,7 @@ def _queries(p: dict, x, positions, m, dtype, layer=None):
     else:
         (cq,) = column_parallel(x, [(p["wq_a"], ("embed", "q_lora"))], dtype, "attention")
         cq = norm("rmsnorm", p["q_a_norm"], cq, LATENT_NORM_EPS, m.norm_offset)
-        q = fp8.einsum("attention", "bsr,rhd->bshd", cq, weight(p["wq_b"], ("q_lora", "heads", "head_dim"), dtype))
+        q = project(cq, p["wq_b"], ("q_lora", "heads", "head_dim"), 1, dtype, "attention")
     dn = m.mla.qk_nope_head_dim
     return q[..., :dn], apply_rope(q[..., dn:], positions, m, layer)
 
@@ -51,8 +52,9 @@ def _latent(p: dict, x, positions, m, dtype, layer=None):
 
 
 def _up(p: dict, m, dtype):
-    """W_kv_b's key half [r, h, d_nope] and value half [r, h, d_v], as used (heads split over tp)."""
-    w = weight(p["wkv_b"], ("kv_lora", "heads", "head_dim"), dtype)
+    """W_kv_b's key half [r, h, d_nope] and value half [r, h, d_v], as used (heads split over tp); with adapters
+    (generation: no dropout), merged into it."""
+    w = lora.merged(p["wkv_b"], ("kv_lora", "heads", "head_dim"), dtype, weight)
     return w[..., :m.mla.qk_nope_head_dim], w[..., m.mla.qk_nope_head_dim:]
 
 
@@ -60,10 +62,9 @@ def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
     """MLA over the whole sequence: the latent expanded to every head's key and value, then `attend`."""
     q_nope, q_rope = _queries(p, x, positions, m, dtype, layer)
     latent = _latent(p, x, positions, m, dtype, layer)
-    r = m.mla.kv_lora_rank
-    w_k, w_v = _up(p, m, dtype)
-    k_nope = fp8.einsum("attention", "bsr,rhd->bshd", latent[..., :r], w_k)
-    v = fp8.einsum("attention", "bsr,rhd->bshd", latent[..., :r], w_v)
+    r, dn = m.mla.kv_lora_rank, m.mla.qk_nope_head_dim
+    kv = project(latent[..., :r], p["wkv_b"], ("kv_lora", "heads", "head_dim"), 1, dtype, "attention")
+    k_nope, v = kv[..., :dn], kv[..., dn:]
     k_rope = jnp.broadcast_to(latent[:, :, None, r:], (*k_nope.shape[:-1], latent.shape[-1] - r))
     names = ("batch", "seq", "heads", "head_dim")
     q = checkpoint_name(constrain(jnp.concatenate([q_nope, q_rope], -1), names), "query")

@@ -654,7 +654,7 @@ def _check_remat_group(m: ModelConfig, t, pp: int) -> None:
                               "-1 (nearest √)")
 
 
-def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
+def _check_tensor_parallel(m: ModelConfig, t, tp: int) -> list[str]:
     notes, kv = [], kv_heads(m)
     if m.n_heads % tp:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tp={tp}; use a tp that divides the heads")
@@ -669,9 +669,6 @@ def _check_tensor_parallel(m: ModelConfig, t, tp: int, sp: int) -> list[str]:
     if m.collective_matmul and not t.sequence_parallel:
         raise ConfigError("model.collective_matmul=true needs train.sequence_parallel=true (it overlaps SP's "
                           "all-gather and reduce-scatter); turn sequence_parallel on or collective_matmul off")
-    if m.collective_matmul and sp > 1:
-        raise ConfigError("model.collective_matmul=true with mesh.sp>1 is not supported yet; set mesh.sp=1 or "
-                          "collective_matmul=false")
     return notes
 
 
@@ -697,7 +694,7 @@ def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
     _check_shape(m)
     _check_mtp(m, t)
     _check_remat_group(m, t, shape["pp"])
-    notes = _check_tensor_parallel(m, t, shape["tp"], shape["sp"])
+    notes = _check_tensor_parallel(m, t, shape["tp"])
     if stack_lib.has_moe(m):
         notes += moe_lib.check_config(m, t, shape)
     return notes + attention.check_config(m, shape)

@@ -2,10 +2,13 @@
 `ppermute`s interleaved with partial matmuls, so the transfer of one block hides behind
 the matmul of another (a shard_map island).
 
-Axis: manual over `tp` only; batch axes (and everything else) stay with the compiler.
-Used by the tensor-parallel projections (`models.layers.column_parallel` /
-`row_parallel`) when `model.collective_matmul=true`, which needs Megatron sequence
-parallelism: the residual stream is then split along the sequence over tp.
+Axes: manual over `tp`, and over `sp` when the sequence is split over it too; batch axes
+(and everything else) stay with the compiler. Used by the tensor-parallel projections
+(`models.layers.column_parallel` / `row_parallel`) when `model.collective_matmul=true`,
+which needs Megatron sequence parallelism: the residual stream is then split along the
+sequence over (sp, tp), sp-major. The rings run over tp within each sp rank's block of the
+sequence: what enters and leaves the attention is that block, split over sp as context
+parallelism wants it, so nothing is gathered over sp.
 
 - `all_gather_matmul(x, ws)`: x [b, s/tp, d] (this rank's sequence block) times
   column-parallel weights [d, ...] (output dims split over tp) -> [b, s, ...] each.
@@ -51,13 +54,20 @@ def _halves(t: int) -> list[tuple[int, int, int]]:
     return [(0, t // 2, 1), (t // 2, t // 2, -1)]
 
 
+def _axes(layout: Layout) -> tuple[set[str], str | tuple[str, str], str | None]:
+    """(the island's manual axes, the residual stream's sequence spec, the sp rank's block's spec)."""
+    if layout.mesh.shape["sp"] > 1:
+        return {"sp", AXIS}, ("sp", AXIS), "sp"
+    return {AXIS}, AXIS, None
+
+
 def _shift(x, n: int, direction: int):
     return jax.lax.ppermute(x, AXIS, perm=[(j, (j + direction) % n) for j in range(n)])
 
 
 def all_gather_matmul(x: jax.Array, ws: list[jax.Array], names: list[tuple[str, ...]],
                       layout: Layout) -> list[jax.Array]:
-    """[x gathered along the sequence over tp] @ w for each w, without an all-gather."""
+    """[x gathered along the sequence over tp] @ w for each w, without an all-gather (x's sp block, under sp)."""
     n = layout.mesh.shape[AXIS]
     w_specs = [_tp_spec(nm, layout, w.shape) for nm, w in zip(names, ws)]
 
@@ -76,14 +86,15 @@ def all_gather_matmul(x: jax.Array, ws: list[jax.Array], names: list[tuple[str, 
                 block = nxt
         return outs
 
+    axes, residual, block = _axes(layout)
     return jax.shard_map(
-        local, mesh=island_mesh(layout), axis_names={AXIS}, check_vma=False,
-        in_specs=(P(None, AXIS), *[P(*s) for s in w_specs]),
-        out_specs=[P(None, None, *s[1:]) for s in w_specs])(x, *ws)
+        local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
+        in_specs=(P(None, residual), *[P(*s) for s in w_specs]),
+        out_specs=[P(None, block, *s[1:]) for s in w_specs])(x, *ws)
 
 
 def matmul_reduce_scatter(h: jax.Array, w: jax.Array, names: tuple[str, ...], layout: Layout) -> jax.Array:
-    """(h @ w) summed over tp and split along the sequence over tp, without an all-reduce."""
+    """(h @ w) summed over tp and split along the sequence over tp (within h's sp block), without an all-reduce."""
     n = layout.mesh.shape[AXIS]
     w_spec = _tp_spec(names, layout, w.shape)
     c = w.ndim - 1  # contracted dimensions
@@ -103,7 +114,8 @@ def matmul_reduce_scatter(h: jax.Array, w: jax.Array, names: tuple[str, ...], la
             pieces.append(acc)
         return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else pieces[0]
 
+    axes, residual, block = _axes(layout)
     return jax.shard_map(
-        local, mesh=island_mesh(layout), axis_names={AXIS}, check_vma=False,
-        in_specs=(P(None, None, *w_spec[:c]), P(*w_spec)),
-        out_specs=P(None, AXIS))(h, w)
+        local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
+        in_specs=(P(None, block, *w_spec[:c]), P(*w_spec)),
+        out_specs=P(None, residual))(h, w)

@@ -162,25 +162,31 @@ def leave(g: jax.Array, names: tuple[str, ...], plan: Plan) -> jax.Array:
     return jax.lax.psum(g, rest) if rest else g
 
 
-def island(accumulate: Callable, params, batch: dict, norm, names, layout: Layout, plan: Plan, dtype):
+def island(accumulate: Callable, params, batch: dict, norm, names, layout: Layout, plan: Plan, dtype, grad_names):
     """(loss, metric shares, auxiliary terms, gradients as stored) of the global batch.
 
     `accumulate(params, batch, norm)` sums over the microbatches of the rows it is given, under
-    `layout` (the batch axes manual) with the use-site gather on; params enter as their stored shards."""
+    `layout` (the batch axes manual) with the use-site gather on; params enter as their stored shards. The
+    gradients are those `grad_names` names (the trainable part: under LoRA the adapters', None elsewhere)."""
     mesh = layout.mesh
-    specs = jax.tree.map(lambda n, w: manual_spec(n, layout.params, mesh, w.shape, set(BATCH_AXES)), names, params,
-                         is_leaf=is_names)
+    specs_of = lambda names: jax.tree.map(  # None (a frozen leaf, no gradient) stays None
+        lambda n, w: None if n is None else manual_spec(n, layout.params, mesh, w.shape, set(BATCH_AXES)),
+        names, params, is_leaf=lambda x: x is None or is_names(x))
+    specs = specs_of(names)
     inner = dataclasses.replace(layout, use_site_gather=use_site_gather(plan))
 
     def local(params, batch, norm):
         used = jax.tree.map(lambda w, n: enter(w, n, plan, dtype), params, names)
         with use_layout(inner):
             loss, metrics, aux, grads = accumulate(used, batch, norm)
-        grads = jax.tree.map(lambda g, n: leave(g, n, plan), grads, names)
+        # under LoRA the frozen base has no gradient (None): nothing to reduce
+        grads = jax.tree.map(lambda g, n: None if g is None else leave(g, n, plan), grads, grad_names,
+                             is_leaf=lambda x: x is None)
         return jax.lax.psum((loss, metrics, aux), BATCH_AXES), grads
 
+    grad_specs = specs_of(grad_names)
     (loss, metrics, aux), grads = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(BATCH_AXES), P()),
-                                                out_specs=(P(), specs), axis_names=set(BATCH_AXES),
+                                                out_specs=(P(), grad_specs), axis_names=set(BATCH_AXES),
                                                 check_vma=False)(params, batch, norm)
     return loss, metrics, aux, grads
 

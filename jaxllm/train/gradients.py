@@ -156,8 +156,9 @@ def zeropp_accumulation(params, batch: dict, norm, g: Paths):
     """ZeRO++: each device accumulates its own rows inside the island of `parallel/zeropp.py`, which gathers
     each weight where it is used and reduce-scatters its gradient there (int8 with qwZ / qgZ)."""
     local = accumulate_own_rows(g)
-    loss, metrics, aux, grads = zeropp.island(local, params, batch, norm, transformer.param_names(g.model),
-                                              g.local_layout, g.zeropp, g.dtype)
+    names = transformer.param_names(g.model)
+    loss, metrics, aux, grads = zeropp.island(local, params, batch, norm, names, g.local_layout, g.zeropp, g.dtype,
+                                              lora.split(names, g.trainable)[0])
     return loss, metrics, aux, constrain_tree(grads, g.grad_shardings)
 
 
