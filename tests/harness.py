@@ -325,8 +325,9 @@ def assert_matches(loss, grads, ref, loss_rtol: float = LOSS_RTOL, grad_rtol: fl
 
     _, ref_loss, ref_grads = ref
     chex.assert_trees_all_equal_structs(grads, ref_grads)
-    assert abs(float(loss) - ref_loss) <= loss_rtol * abs(ref_loss), (float(loss), ref_loss)
-    bad = {k: (d, n) for k, (d, n) in leaf_errors(grads, ref_grads).items() if d > grad_rtol * n + GRAD_ATOL}
+    assert abs(float(loss) - ref_loss) <= loss_rtol * abs(ref_loss), (float(loss), ref_loss)  # False for a NaN
+    bad = {k: (d, n) for k, (d, n) in leaf_errors(grads, ref_grads).items()
+           if not d <= grad_rtol * n + GRAD_ATOL}  # `not <=`: a NaN is off too
     assert not bad, f"gradient leaves off the reference (||a-b||, ||b||): {bad}"
 
 
@@ -340,7 +341,7 @@ def max_rel_err(a, b) -> float:
 
     errs = leaf_errors(a, b)
     total = float(np.sqrt(sum(n * n for _, n in errs.values())))
-    return max(d / max(n, 1e-6 * total) for d, n in errs.values())
+    return max(d / max(n, 1e-6 * total) if np.isfinite(d) else np.inf for d, n in errs.values())
 
 
 def warm(state):

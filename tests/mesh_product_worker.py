@@ -2,8 +2,8 @@
 
     python tests/mesh_product_worker.py '{"mesh.pp": 2, "mesh.sp": 2, ...}'
 
-Builds the equivalence model (tiny-llama, 4 layers) on one device and on the mesh the JSON keys give, from the same
-parameters: step 1's loss and gradients through `harness.assert_matches` (1e-5 on the loss, each leaf 1e-4 relative
+Builds the equivalence model (`model.preset` among the keys, else tiny-llama; 4 layers unless the keys say) on one
+device, with the keys' model.* keys, and on the mesh all the keys give, from the same parameters: step 1's loss and gradients through `harness.assert_matches` (1e-5 on the loss, each leaf 1e-4 relative
 to its norm); then four optimizer steps from the same warm state (`harness.warm`: Adam past its first step, so one
 update is a smooth function of the gradient) on both. Prints one JSON line: the mesh's and the one device's losses
 of the four steps. Exits non-zero on a failed check.
@@ -28,8 +28,11 @@ def losses(fns, state) -> list[float]:
 def main(keys: dict) -> dict:
     import jax
 
-    one = H.step_fns(H.equivalence_config("tiny-llama", **{"model.n_layers": 4}), devices=1)
-    mesh = H.step_fns(H.equivalence_config("tiny-llama", **{"model.n_layers": 4, **keys}))
+    keys = {"model.n_layers": 4, **keys}
+    preset = keys.pop("model.preset", "tiny-llama")
+    model = {k: v for k, v in keys.items() if k.startswith("model.")}
+    one = H.step_fns(H.equivalence_config(preset, **model), devices=1)
+    mesh = H.step_fns(H.equivalence_config(preset, **keys))
     params = jax.device_get(one.init(0).params)
     loss, grads = H.loss_and_grads(one, params)
     H.assert_matches(*H.loss_and_grads(mesh, params), (params, float(loss), jax.device_get(grads)))

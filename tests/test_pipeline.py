@@ -159,10 +159,6 @@ BAD = {
                                      "interleaved"),
     "virtual_without_pp": ({"train.pp_virtual": 2}, "mesh.pp"),
     "unknown_schedule": ({"mesh.pp": 2, "train.pp_schedule": "zigzag"}, "train.pp_schedule"),
-    # islands inside the stages run on every stage; what runs on one stage alone must hold none
-    "collective_matmul_and_mtp": ({"mesh.pp": 2, "mesh.tp": 2, "train.microbatches": 4, "model.mtp_depth": 1,
-                                   "train.sequence_parallel": True, "model.collective_matmul": True},
-                                  "model.mtp_depth=1"),
 }
 
 

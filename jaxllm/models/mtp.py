@@ -71,39 +71,52 @@ def _lm_sum(logp, lse, batch):
     return jnp.sum(-logp * batch["mask"]), {}
 
 
-def _terms(params: dict, x, batch: dict, m, dtype, loss_chunk: int):
-    """(Σ_k Σ_i −log p^k·mask_k, the MTP blocks' auxiliary terms) for the main model's residual stream x."""
+def trunk(params: dict, x, batch: dict, m, dtype):
+    """(h^1..h^D stacked [D, b, s, d], the modules' blocks' auxiliary terms) for the main model's residual stream x:
+    the modules without their heads (what may hold islands: a pipeline runs it on every stage)."""
     depth, kind = m.mtp_depth, stack.kinds(m)[-1]
-    ahead = [batch["targets"]] + [batch[f"mtp_targets_{k}"] for k in range(1, depth + 1)]
-    xs = (params["mtp"], jnp.stack(ahead[:-1]), jnp.stack(ahead[1:]),
-          jnp.stack([batch[f"mtp_mask_{k}"] for k in range(1, depth + 1)]))
+    ahead = [batch["targets"]] + [batch[f"mtp_targets_{k}"] for k in range(1, depth)]
 
     def module(carry, xs):
         h, aux = carry
-        p, tokens, targets, mask = xs
+        p, tokens = xs
         e = transformer.embed(params, tokens, batch["positions"], m, dtype)
         joined = jnp.concatenate([transformer.norm_of(m, p["enorm"], e), transformer.norm_of(m, p["hnorm"], h)], -1)
         z = fp8.einsum("mlp", "bsc,cd->bsd", joined, weight(p["eh_proj"], ("mtp_in", "embed"), dtype))
         z = constrain(z, transformer.ACT)
         z, stats, _ = transformer.BLOCK_APPLY[kind](p["block"], z, batch["positions"], batch["segment_ids"], m, dtype)
-        total, _ = transformer.head_terms({**params, "final_norm": p["final_norm"]}, z,
-                                          {"targets": targets, "mask": mask}, m, dtype, _lm_sum, loss_chunk)
-        return (z, jax.tree.map(jnp.add, aux, stats) if stats else aux), total
+        return (z, jax.tree.map(jnp.add, aux, stats) if stats else aux), z
 
-    (_, aux), totals = jax.lax.scan(module, (x, transformer.zero_aux(m)), xs)
-    return jnp.sum(totals), aux
+    (_, aux), hs = jax.lax.scan(module, (x, transformer.zero_aux(m)), (params["mtp"], jnp.stack(ahead)))
+    return hs, aux
+
+
+def _heads_sum(params: dict, hs, batch: dict, m, dtype, loss_chunk: int):
+    """Σ_k Σ_i −log p^k·mask_k from the modules' outputs hs [D, b, s, d], each through its final norm and the head."""
+    depth = m.mtp_depth
+    xs = (params["mtp"]["final_norm"], hs, jnp.stack([batch[f"mtp_targets_{k}"] for k in range(1, depth + 1)]),
+          jnp.stack([batch[f"mtp_mask_{k}"] for k in range(1, depth + 1)]))
+
+    def head(_, xs):
+        norm, z, targets, mask = xs
+        total, _ = transformer.head_terms({**params, "final_norm": norm}, z, {"targets": targets, "mask": mask}, m,
+                                          dtype, _lm_sum, loss_chunk)
+        return None, total
+
+    return jnp.sum(jax.lax.scan(head, None, xs)[1])
 
 
 def output_terms(params: dict, x, batch: dict, m, dtype, terms, loss_chunk: int = 0, temperature: float = 1.0,
-                 mtp_weight: float = 0.0, finish=None):
+                 mtp_weight: float = 0.0, finish=None, trunk_out=None):
     """The objective's (token sum, metric sums) from the main model's residual stream x (`finish`: a sequence
     objective's stage, `transformer.head_terms`), with the MTP modules' λ/D-weighted sum and the `lm_loss` and
     `mtp_loss` metrics when the model has them and the batch their fields; and the MTP blocks' auxiliary terms
-    (none without MTP)."""
+    (none without MTP). `trunk_out`: the modules' `trunk` as already run on x (else it runs here)."""
     total, sums = transformer.head_terms(params, x, batch, m, dtype, terms, loss_chunk, temperature, finish)
     if not _runs(m, batch):
         return total, sums, transformer.zero_aux(m)
-    mtp_sum, aux = _terms(params, x, batch, m, dtype, loss_chunk)
+    hs, aux = trunk(params, x, batch, m, dtype) if trunk_out is None else trunk_out
+    mtp_sum = _heads_sum(params, hs, batch, m, dtype, loss_chunk)
     mean = mtp_sum / m.mtp_depth
     return total + mtp_weight * mean, {**sums, "lm_loss": total, "mtp_loss": mean}, aux
 

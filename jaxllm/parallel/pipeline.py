@@ -182,9 +182,11 @@ class _Stage:
         y, more = chunk_fn(x)
         return y, jax.tree.map(jnp.add, aux, more)
 
-    def with_loss(self, sh, y, aux, mb):
-        """The last global stage's objective after its chunk: (objective, (loss, metric shares, aux))."""
-        total, sums, more = self.loss_fn(self.join(sh, self.shared_f), y, mb)  # `more`: aux. terms of its layers
+    def with_loss(self, sh, y, aux, mb, trail=None):
+        """The last global stage's objective after its chunk: (objective, (loss, metric shares, aux)); `trail`: what
+        `trail_fn` made of y, where it ran outside."""
+        more_args = () if trail is None else (trail,)
+        total, sums, more = self.loss_fn(self.join(sh, self.shared_f), y, mb, *more_args)  # `more`: its layers' aux
         aux = jax.tree.map(jnp.add, aux, more)
         loss, shares = total / self.count, jax.tree.map(lambda a: (a / self.count).astype(jnp.float32), sums)
         return loss + self.aux_fn(aux, self.aux_weight), (loss, shares, aux)
@@ -226,18 +228,29 @@ class _Stage:
     def head_cotangent(self, kind, y, dy, mb):
         """On the last global stage the head and the loss after the chunk's output y: (the output's cotangent,
         shared gradients, loss share, metric shares, the head's aux); elsewhere dy and nothing (zeros when
-        idle)."""
+        idle). The head's layers that may hold islands (`trail_fn`: multi-token prediction's modules) run on every
+        stage, pulled back from the head's cotangent on the last and from zeros elsewhere."""
         none = jnp.float32(0)
+        if self.trail_fn is None:
+            trail, pull_trail = None, None
+        else:
+            trail, pull_trail = jax.vjp(lambda sh, y: self.trail_fn(self.join(sh, self.shared_f), y, mb),
+                                        self.used_shared, y)
+        no_trail = jax.tree.map(jnp.zeros_like, trail)
 
         def head():
-            head = lambda sh, y: self.with_loss(sh, y, self.no_aux_as_made, mb)
-            objective, pull, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, has_aux=True)
-            g_shared, dy_head = pull(jnp.ones_like(objective))
-            return dy_head.astype(y.dtype), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more)
+            head = lambda sh, y, trail: self.with_loss(sh, y, self.no_aux_as_made, mb, trail)
+            objective, pull, (loss, metrics, more) = jax.vjp(head, self.used_shared, y, trail, has_aux=True)
+            g_shared, dy_head, d_trail = pull(jnp.ones_like(objective))
+            return dy_head.astype(y.dtype), _f32(g_shared), loss.astype(jnp.float32), metrics, _f32(more), d_trail
 
-        given = lambda: (dy, self.no_shared, none, self.no_metrics, self.no_aux)
-        idle = lambda: (jnp.zeros_like(dy), self.no_shared, none, self.no_metrics, self.no_aux)
-        return jax.lax.switch(kind, [idle, given, given, head])
+        given = lambda: (dy, self.no_shared, none, self.no_metrics, self.no_aux, no_trail)
+        idle = lambda: (jnp.zeros_like(dy), self.no_shared, none, self.no_metrics, self.no_aux, no_trail)
+        dy, g_shared, loss, metrics, more, d_trail = jax.lax.switch(kind, [idle, given, given, head])
+        if pull_trail is None:
+            return dy, g_shared, loss, metrics, more
+        g_trail, dy_trail = pull_trail(d_trail)
+        return dy + dy_trail.astype(dy.dtype), jax.tree.map(jnp.add, g_shared, _f32(g_trail)), loss, metrics, more
 
     def embedding_grads(self, kind, dx, mb):
         """On the first global stage the shared weights' gradients through the leading layers (pulled back on every
@@ -409,6 +422,10 @@ class _Stage:
         live = kind != IDLE
         dy, g_shared, loss, metrics, more = self.head_cotangent(kind, y, dy, mb)
         stash, g_rest, dx = self.pullback(c, residuals)((dy, live.astype(jnp.float32)))
+        # an idle stage pulls back through residuals no R has made yet (zeros): a saved 1/Σ (MoE's gate
+        # normalisation) is then 1/0, and 0·∞ a NaN, so what it returns is dropped, not added as zero
+        g_rest = jax.tree.map(lambda a: jnp.where(live, a, 0), g_rest)
+        dx = jnp.where(live, dx, 0)
         g_shared = jax.tree.map(jnp.add, g_shared, self.embedding_grads(kind, dx, mb))
         stash = jax.tree.map(lambda a, none: jnp.where(live, a, none), stash, self.no_stash)
         dx = jnp.where((kind == MIDDLE) | (kind == LAST), dx, self.zeros_x)
@@ -551,7 +568,8 @@ class _Stage:
 def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, inner: Layout,
                    embed_fn: Callable, lead_fn: Callable, leading: bool, blocks_fn: Callable, loss_fn: Callable,
                    aux_fn: Callable, pin_grads: Callable, batch_manual: bool, gather_once: Callable | None = None,
-                   frozen: dict | None = None, join: Callable = lambda train, frozen: train, taps=None):
+                   frozen: dict | None = None, join: Callable = lambda train, frozen: train, taps=None,
+                   trail_fn: Callable | None = None):
     """(loss, metric shares, the blocks' auxiliary terms, gradients) of the whole batch through the pipeline.
 
     `params` holds the pipelined layer stack under "blocks" (leaves [R, ...], R split over pp) and the
@@ -560,8 +578,10 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     embedding), `lead_fn(shared, x, mb) -> (x, aux)` (the layers before the pipelined ones, which `leading` says
     there are; else x and no aux),
     `blocks_fn(chunk, x, mb, first) -> (x, aux)` (`first`: the chunk's first layer repeat in the stack,
-    from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb) -> (objective sum, metric
-    sums, auxiliary terms of any layers it runs)`, the sums divided by the global count, and `aux_fn(aux, weight)`,
+    from which per-layer data such as attention windows is read), `loss_fn(shared, x, mb[, trail]) -> (objective
+    sum, metric sums, auxiliary terms of any layers it runs)`, the sums divided by the global count; with islands
+    inside, `trail_fn(shared, x, mb) -> trail` (if given: the layers of the head that may hold islands, run on every
+    stage) makes what `loss_fn` takes as `trail` instead of running them itself; and `aux_fn(aux, weight)`,
     what a chunk's auxiliary terms (MoE router statistics) add to the objective. `norm` is (count, weight) (dividing
     the scalar, not every gradient). Inside the island the model traces under the `inner` layout (manual, without
     batch sharding when `batch_manual`: the batch axes are manual here, ZeRO-0/1). `pin_grads(stack_grads,
@@ -578,7 +598,8 @@ def loss_and_grads(params: dict, microbatches: dict, norm, schedule: Schedule, i
     axes = {AXIS} | (set(BATCH_AXES) if batch_manual else set())
     batch_spec = P(None, BATCH_AXES) if batch_manual else P()
     seams = dict(embed_fn=embed_fn, lead_fn=lead_fn, leading=leading, blocks_fn=blocks_fn, loss_fn=loss_fn,
-                 aux_fn=aux_fn, pin_grads=pin_grads, gather_once=gather_once, join=join, taps=taps)
+                 aux_fn=aux_fn, pin_grads=pin_grads, gather_once=gather_once, join=join, taps=taps,
+                 trail_fn=trail_fn if islands_inside(inner) else None)
 
     def local(stack, shared, stack_f, shared_f, mbs, norm):
         with use_layout(inner):

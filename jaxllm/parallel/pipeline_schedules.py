@@ -489,21 +489,7 @@ def check_config(m, t, shape: dict) -> list[str]:
         check(t.pp_schedule, pp, t.microbatches, t.pp_virtual)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_islands_inside(m, shape)
     return notes
-
-
-def _check_islands_inside(m, shape: dict) -> None:
-    """With islands inside the chunks (sp > 1, collective matmuls) every stage runs its chunk (and the layers before
-    the pipelined ones) at every tick, and only the embedding lookup and the head are switched on the kind of stage
-    (`pipeline.islands_inside`): what runs in the head's branch must hold no island. ConfigError (one line) where
-    it would."""
-    if shape["sp"] == 1 and not m.collective_matmul:
-        return
-    inside = f"mesh.sp={shape['sp']}" if shape["sp"] > 1 else "model.collective_matmul=true"
-    if m.mtp_depth:
-        raise ConfigError(f"mesh.pp={shape['pp']} with {inside} and model.mtp_depth={m.mtp_depth} is not supported "
-                          "yet: the prediction modules run on the last stage alone; set model.mtp_depth=0 or mesh.pp=1")
 
 
 # ---------------------------------------------------------------- what a table costs
