@@ -12,6 +12,7 @@ island), and the causal work per rank under load balancing.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -221,15 +222,81 @@ def test_windowed_model_matches_one_device(mesh, strategy):
     assert_matches(*got, (params, float(loss), grads))
 
 
-@pytest.mark.parametrize("impl", ["dense", "pallas_gpu"])
-def test_an_explicit_kernel_the_islands_do_not_run_is_refused(impl):
-    """With sp > 1 every island runs the chunked kernel: another explicit `model.attention_impl` is refused in
-    one line naming the key, not replaced."""
+@pytest.mark.parametrize("impl,over,why", [
+    ("dense", {}, "the context-parallel islands run the chunked kernel"),
+    ("pallas_gpu", {"model.cp_strategy": "ulysses"}, "model.cp_strategy=ring"),
+    ("pallas_gpu", {}, "zig-zag order"),
+    ("pallas_gpu", {"model.cp_load_balance": False, "model.sliding_window": 8}, "a window"),
+    ("pallas_gpu", {"model.cp_load_balance": False}, "runs on gpu")])  # this machine: CPU
+def test_an_explicit_kernel_the_islands_do_not_run_is_refused(impl, over, why):
+    """With sp > 1 the islands run the chunked kernel, and the ring pallas_gpu where it computes every pair: another
+    explicit `model.attention_impl`, or pallas_gpu where a pair is neither diagonal nor full, is refused in one
+    line naming the key and why, not replaced."""
     with pytest.raises(ConfigError) as info:
-        validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": impl}), 4)
+        validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": impl, **over}), 4)
     message = str(info.value)
-    assert f"model.attention_impl={impl} with mesh.sp=4" in message and "\n" not in message, message
+    assert f"model.attention_impl={impl}" in message and why in message and "\n" not in message, message
     validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": "chunked"}), 4)
+
+
+RING_PAIRS = {"sp2": 2, "sp4": 4}
+
+
+@pytest.mark.parametrize("sp", tiers(RING_PAIRS, {"sp2"}))
+def test_the_ring_on_the_pallas_kernel_equals_the_chunked_ring(sp):
+    """Grouped queries over sp ranks in sequence order, the Triton kernel in interpret mode on the diagonal and full
+    pairs (its log-sum-exp combining them, its backward kernel from the whole row's): the value and dq, dk, dv
+    equal the chunked ring's and the one-device reference within 1e-5."""
+    layout = layout_for(RING_PAIRS[sp], "ring")
+    q, k, v, ct = qkv()
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    seg = jnp.zeros((B, S), jnp.int32)
+    ring = lambda kernel: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(ring_attention.attend(
+        q, k, v, pos, seg, layout, kernel=kernel, interpret=True) * ct), argnums=(0, 1, 2)))
+    (value, grads), (chunked_value, chunked_grads) = ring("pallas_gpu")(q, k, v), ring("chunked")(q, k, v)
+    ref_value, ref_grads = attention_reference()
+    for want, want_grads in ((chunked_value, chunked_grads), (ref_value, ref_grads)):
+        assert abs(float(value) - float(want)) <= RTOL * abs(float(want))
+        assert max(rel(g, r) for g, r in zip(grads, want_grads)) <= RTOL
+
+
+def _functions_calling(text: str, target: str) -> set[str]:
+    """The MLIR module's functions whose body holds `target` or calls such a function."""
+    bodies = dict(re.findall(r"func\.func (?:public|private) @([\w.$]+)\((.*?)(?=\n  func\.func |\Z)", text, re.S))
+    found, grew = set(), True
+    while grew:
+        new = {name for name, body in bodies.items() if target in body or any(f"@{f}(" in body for f in found)}
+        grew, found = new != found, new
+    return found
+
+
+def _while_bodies(text: str) -> list[str]:
+    """The text of each stablehlo.while op, from its line to the closing brace at its own indentation."""
+    lines, out = text.split("\n"), []
+    for i, line in enumerate(lines):
+        if "stablehlo.while(" in line:
+            indent = line[:len(line) - len(line.lstrip())]
+            closing = [j for j in range(i + 1, len(lines)) if lines[j].startswith(indent + "}")]
+            out.append("\n".join(lines[i:closing[1] + 1] if len(closing) > 1 else lines[i:]))
+    return out
+
+
+def test_the_ring_exports_for_cuda_with_the_triton_kernel_inside_its_loops():
+    """The ring's forward and backward on pallas_gpu (interpret off), exported for CUDA from this CPU machine over
+    sp=2: the Triton custom call is called from inside each ring loop (the forward's and the backward's)."""
+    layout = layout_for(2, "ring", devices=jax.devices()[:2])
+    q, k, v, ct = qkv()
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    seg = jnp.zeros((B, S), jnp.int32)
+    loss = lambda q, k, v: jnp.sum(ring_attention.attend(q, k, v, pos, seg, layout, kernel="pallas_gpu") * ct)
+    target = "__gpu$xla.gpu.triton"
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(target)])(q, k, v).mlir_module()
+    calling = _functions_calling(text, target)
+    loops = _while_bodies(text)
+    assert len(loops) == 2, len(loops)  # the forward's ring and the backward's
+    for loop in loops:
+        assert target in loop or any(f"@{f}(" in loop for f in calling), loop[:500]
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,6 +28,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.sharding import constrain, current_layout
 
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+RING_KERNELS = ("pallas_gpu",)  # the fused kernels the ring runs its pairs on (`parallel/ring_attention.py`)
 
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -173,8 +174,9 @@ def attend(q, k, v, positions, segment_ids, m=None, layer=None):
     """
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
+        fused = {"kernel": m.attention_impl} if m is not None and m.attention_impl in RING_KERNELS else {}
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
-                                                                  masking(m, layer))
+                                                                  masking(m, layer), **fused)
     return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), implementation(m))
 
 
@@ -281,15 +283,16 @@ def _check_positions(m) -> None:
                           f"divide model.n_layers={m.n_layers}")
 
 
-def _call_shapes(m) -> tuple:
-    """The q, k and v shapes of one row's attention call, as a fused kernel's `supports` takes them."""
-    kv = kv_heads(m)
-    return (1, m.seq_len, m.n_heads, qk_dim(m)), (1, m.seq_len, kv, qk_dim(m)), (1, m.seq_len, kv, v_dim(m))
+def _call_shapes(m, sp: int = 1) -> tuple:
+    """The q, k and v shapes of one row's attention call (on one sp rank's block), as a fused kernel's `supports`
+    takes them."""
+    kv, t = kv_heads(m), m.seq_len // sp
+    return (1, t, m.n_heads, qk_dim(m)), (1, t, kv, qk_dim(m)), (1, t, kv, v_dim(m))
 
 
-def _check_fused(m) -> None:
-    """A fused kernel runs on its own backend and must express the run's masks exactly (`supports`), or the run
-    is refused: never another implementation in its place."""
+def _check_fused(m, sp: int = 1) -> None:
+    """A fused kernel runs on its own backend and must express the run's masks exactly (`supports`, on each sp
+    rank's block), or the run is refused: never another implementation in its place."""
     platform, backend = FUSED_PLATFORM[m.attention_impl], jax.default_backend()
     if backend != platform and not (platform == "gpu" and backend in ("cuda", "rocm")):
         raise ConfigError(f"model.attention_impl={m.attention_impl} runs on {platform}, and this run's backend is "
@@ -299,36 +302,56 @@ def _check_fused(m) -> None:
                           f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
     if m.attention_impl == "cudnn":
         return  # what cuDNN can express depends on the data and the dtype: `check_run`
-    why = supports(m.attention_impl, masking(m), *_call_shapes(m), positions_are_index=True)
+    why = supports(m.attention_impl, masking(m), *_call_shapes(m, sp), positions_are_index=True)
     if why:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
 
 
 def check_run(cfg, sp: int) -> None:
     """`model.attention_impl = cudnn` against the run: its rows must be one segment at their index (pre-training
-    text with the language-model objective) and its compute dtype one cuDNN takes (one line, ConfigError)."""
+    text with the language-model objective) and its compute dtype one cuDNN takes; so must the rows the ring runs
+    on a fused kernel (one line, ConfigError)."""
     m = cfg.model
+    one_segment_rows = cfg.train.objective == "lm" and cfg.data.format == "text"
+    if sp > 1 and m.attention_impl in RING_KERNELS and not one_segment_rows:
+        raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sp={sp}: the ring's pairs run on it for "
+                          "rows of one segment (pre-training text, train.objective=lm); use chunked")
     if m.attention_impl != "cudnn" or sp > 1:
         return
-    one_segment_rows = cfg.train.objective == "lm" and cfg.data.format == "text"
     why = cudnn_attention.supports(masking(m), *_call_shapes(m), cfg.precision.compute, one_segment_rows)
     if why:
         raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
 
 
+def _check_ring_kernel(m, sp: int) -> None:
+    """A fused kernel in the ring: it computes the ring's diagonal and full pairs exactly only in sequence order,
+    one window and no soft cap, values as wide as keys; ConfigError (one line) naming what it cannot compute."""
+    key = f"model.attention_impl={m.attention_impl} with mesh.sp={sp}"
+    if m.attention_impl not in RING_KERNELS or m.cp_strategy != "ring":
+        raise ConfigError(f"{key}: the context-parallel islands run the chunked kernel, and the ring (model.cp_strategy="
+                          f"ring) {', '.join(RING_KERNELS)} too; set model.attention_impl=auto or chunked")
+    refused = [(m.cp_load_balance, "the zig-zag order (model.cp_load_balance) makes pairs neither diagonal nor full"),
+               (m.sliding_window, "a window (model.sliding_window) makes pairs neither diagonal nor full"),
+               (v_dim(m) != qk_dim(m), "values narrower than keys (latent attention)")]
+    for no, why in refused:
+        if no:
+            raise ConfigError(f"{key}: {why}; use chunked")
+
+
 def _check_implementation(m, sp: int) -> list[str]:
-    """`model.attention_impl` against the mesh; the implementation that runs, as a note. With sp > 1 every island
-    runs the chunked kernel, so another explicit choice is refused rather than replaced."""
+    """`model.attention_impl` against the mesh; the implementation that runs, as a note. With sp > 1 the islands run
+    the chunked kernel, the ring a fused one where it computes the pairs exactly (`_check_ring_kernel`): another
+    explicit choice is refused rather than replaced."""
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
         raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, "
                           f"{', '.join(IMPLEMENTATIONS)}")
     if sp > 1 and m.attention_impl not in ("auto", "chunked"):
-        raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sp={sp}: the context-parallel islands "
-                          "run the chunked kernel; set model.attention_impl=auto or chunked, or mesh.sp=1")
+        _check_ring_kernel(m, sp)
     if m.attention_impl in FUSED_PLATFORM:
-        _check_fused(m)
+        _check_fused(m, sp)
     if sp > 1:
-        return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the chunked kernel in each island)"]
+        kernel = m.attention_impl if m.attention_impl in RING_KERNELS else "chunked"
+        return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the {kernel} kernel in each island)"]
     return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
 
 

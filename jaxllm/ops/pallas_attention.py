@@ -28,6 +28,7 @@ on JAX versions that move or drop them. `interpret=True` runs either kernel on C
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import jax
@@ -122,6 +123,55 @@ def pallas_tpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret:
     return heads_first(out).astype(q.dtype)
 
 
+def _triton():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as triton_attention
+    return triton_attention
+
+
+def _triton_sizes(triton_attention, t: int, block: int | None):
+    fwd = block or _block(t, (128, 64, 32, 16))
+    bwd = min(fwd, 64)
+    return triton_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd,
+                                       block_kv_dq=bwd)
+
+
+def _heads_of_queries(k, h: int):
+    """K or V with each KV head repeated for its group of query heads (the Triton kernel has no grouped queries)."""
+    return k if k.shape[2] == h else jnp.repeat(k, h // k.shape[2], axis=2)
+
+
+def pallas_gpu_pair(q, k, v, causal: bool, scale: float, interpret: bool = False, block: int | None = None):
+    """One (query block, key block) pair of rows of one segment by the Triton kernel, for a ring that combines
+    pairs (`parallel/ring_attention.py`): (out [b, t, h, d] in q's dtype, lse [b, h, t] fp32, natural log of each
+    row's Σ exp(scores)). `causal`: the two blocks are one (key j seen by query i ≥ j); else every key is seen. Not
+    differentiable: the ring's VJP calls `pallas_gpu_pair_grads`."""
+    triton_attention, h = _triton(), q.shape[2]
+    out, lse2 = triton_attention.mha(q * jnp.asarray(scale, q.dtype), _heads_of_queries(k, h),
+                                     _heads_of_queries(v, h), None, sm_scale=1.0, causal=causal,
+                                     block_sizes=_triton_sizes(triton_attention, q.shape[1], block),
+                                     interpret=interpret, return_residuals=True)
+    return out, lse2 * math.log(2.0)  # the kernel's lse is in base 2
+
+
+def pallas_gpu_pair_grads(q, k, v, out, lse, d_out, causal: bool, scale: float, interpret: bool = False,
+                          block: int | None = None):
+    """(dq, dk, dv) of one pair's share of the whole row's attention, whose output `out` and `lse` (natural log,
+    [b, h, t]) are those of every pair together: the Triton backward kernel recomputes the pair's probabilities
+    from that lse. (jax's `_mha_backward`: no public entry takes another call's residuals.)"""
+    triton_attention, h, kv = _triton(), q.shape[2], k.shape[2]
+    if not hasattr(triton_attention, "_mha_backward"):
+        raise NotImplementedError("this JAX's Pallas Triton attention has no _mha_backward; use the chunked kernel")
+    sizes = _triton_sizes(triton_attention, q.shape[1], block)
+    residuals = (q * jnp.asarray(scale, q.dtype), _heads_of_queries(k, h), _heads_of_queries(v, h), None, out,
+                 lse / math.log(2.0))
+    dq, dk, dv, _ = triton_attention._mha_backward(1.0, causal, sizes, "triton", None, 2, None, interpret, False,
+                                                   False, residuals, d_out)
+    group = lambda g: g if kv == h else g.reshape(*g.shape[:2], kv, h // kv, g.shape[-1]).sum(3)
+    return dq * jnp.asarray(scale, dq.dtype), group(dk), group(dv)
+
+
 def pallas_gpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False,
                block: int | None = None):
     """The Pallas Triton FlashAttention kernel (GPU): self-attention causal by index within segments,
@@ -131,18 +181,11 @@ def pallas_gpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret:
     backward's blocks are at most 64."""
     del q_pos, k_pos, k_seg
     _check("pallas_gpu", masking, q, k, v)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.experimental.pallas.ops.gpu import attention as triton_attention
-
-    t, h, kv = q.shape[1], q.shape[2], k.shape[2]
-    fwd = block or _block(t, (128, 64, 32, 16))
-    bwd = min(fwd, 64)
-    sizes = triton_attention.BlockSizes(block_q=fwd, block_k=fwd, block_q_dkv=bwd, block_kv_dkv=bwd,
-                                        block_q_dq=bwd, block_kv_dq=bwd)
-    if kv != h:  # query head i reads K/V head i // (h / kv): repeat each K/V head for its group, in order
-        k, v = (jnp.repeat(x, h // kv, axis=2) for x in (k, v))
+    triton_attention, h = _triton(), q.shape[2]
+    # query head i reads K/V head i // (h / kv): each K/V head repeated for its group, in order
+    k, v = _heads_of_queries(k, h), _heads_of_queries(v, h)
     q = q * masking.score_scale(q.shape[-1])
-    out = triton_attention.mha(q, k, v, q_seg.astype(jnp.int32), sm_scale=1.0, causal=True, block_sizes=sizes,
+    out = triton_attention.mha(q, k, v, q_seg.astype(jnp.int32), sm_scale=1.0, causal=True,
+                               block_sizes=_triton_sizes(triton_attention, q.shape[1], block),
                                backward_pass_impl="triton", interpret=interpret)
     return out.astype(q.dtype)

@@ -15,11 +15,15 @@ the block it holds (`chunked_attention.gradients`, the scores recomputed block b
 passes block and gradients on, so after sp steps each block's gradients are home. Memory: O(t)
 per rank whatever sp is; no step's state is kept.
 
-Which pairs a fused kernel could take: by chunk order a (query block, K/V block) pair of one
-segment is full (every key before every query: non-causal attention), diagonal (the rank's own
-block: causal by index) or empty (skipped). cuDNN and the Pallas kernels take the first two
-only for rows of one segment at their index without a window; zig-zag order, packed segments
-and windows make pairs that are neither, so every pair runs on the chunked kernel today.
+On a fused kernel (`model.attention_impl = "pallas_gpu"`, `kernel=` here): with the sequence in
+order and rows of one segment, a (query block, K/V block) pair is diagonal (the rank's own
+block: causal by index), full (a block from a rank before: every key before every query) or
+empty (from a rank after: skipped with `lax.cond`). The Triton kernel runs the first two and
+returns each pair's output and log-sum-exp, which the ring combines in fp32; the backward runs
+the Triton backward kernel per pair from the whole row's output and log-sum-exp, the blocks
+and their dK, dV travelling as above. Zig-zag order, packed segments, windows, soft caps and
+values narrower than keys make pairs that are neither, and stay on the chunked kernel
+(validation refuses the fused choice there, naming why).
 
 Collectives per call (per device, t = s/sp, E = bytes per element): forward, sp−1
 collective-permutes of K and V, 2·b·t·(kv/tp)·d·E bytes each, plus b·t int32 positions and
@@ -109,17 +113,90 @@ def _ring_bwd(softcap, scale, n, block, saved, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+# ---------------------------------------------------------------- the ring on a fused kernel
+
+
+def _before(s):
+    """Whether the block a rank holds at ring step s came from a rank before it (a full pair; after: empty)."""
+    return s <= jax.lax.axis_index("sp")
+
+
+def _fused_forward(q, k, v, pair, n: int):
+    """(out [b, t, h, dv] in q's dtype, lse [b, h, t] fp32): the diagonal pair, then each full pair as it arrives."""
+    out, lse = pair(q, k, v, True)
+
+    def body(carry, s):
+        acc, lse, kv = carry
+        kv = _send(kv, n)
+        o, l = jax.lax.cond(_before(s), lambda: pair(q, *kv, False),
+                            lambda: (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)))
+        total = jnp.logaddexp(lse, l)
+        weight = lambda a, b: jnp.moveaxis(jnp.exp(a - b), 1, 2)[..., None]  # [b, h, t] -> [b, t, h, 1]
+        return (acc * weight(lse, total) + o.astype(jnp.float32) * weight(l, total), total, kv), None
+
+    (acc, lse, _), _ = jax.lax.scan(body, (out.astype(jnp.float32), lse, (k, v)), jnp.arange(1, n))
+    return acc.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_ring(q, k, v, n, pairs):
+    return _fused_forward(q, k, v, pairs[0], n)[0]
+
+
+def _fused_ring_fwd(q, k, v, n, pairs):
+    out, lse = _fused_forward(q, k, v, pairs[0], n)
+    return out, (q, k, v, out, lse)
+
+
+def _fused_ring_bwd(n, pairs, saved, d_out):
+    q, k, v, out, lse = saved
+    grads = lambda kv, causal: pairs[1](q, *kv, out, lse, d_out, causal)
+    dq, dk, dv = grads((k, v), True)
+    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+    dq, dk, dv = f32(dq, dk, dv)
+
+    def body(carry, s):
+        dq, kv, dk, dv = carry
+        kv, dk, dv = _send((kv, dk, dv), n)
+        g = jax.lax.cond(_before(s), lambda: f32(*grads(kv, False)),
+                         lambda: (jnp.zeros_like(dq), jnp.zeros_like(dk), jnp.zeros_like(dv)))
+        return (dq + g[0], kv, dk + g[1], dv + g[2]), None
+
+    (dq, _, dk, dv), _ = jax.lax.scan(body, (dq, (k, v), dk, dv), jnp.arange(1, n))
+    dk, dv = _send((dk, dv), n)  # the last step's gradients go home with the block's
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_fused_ring.defvjp(_fused_ring_fwd, _fused_ring_bwd)
+
+
+def _fused_pairs(kernel: str, masking: Masking, d: int, interpret: bool):
+    """(pair, pair_grads) of `kernel` at the model's score scale (`ops/pallas_attention.py`)."""
+    from jaxllm.ops import pallas_attention
+
+    if kernel != "pallas_gpu":
+        raise ValueError(f"the ring runs the chunked kernel or pallas_gpu, not {kernel}")
+    scale = masking.score_scale(d)
+    return (lambda q, k, v, causal: pallas_attention.pallas_gpu_pair(q, k, v, causal, scale, interpret),
+            lambda q, k, v, out, lse, do, causal: pallas_attention.pallas_gpu_pair_grads(q, k, v, out, lse, do,
+                                                                                       causal, scale, interpret))
+
+
 def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, count_blocks: bool = False,
-           block: int = chunked.BLOCK):
+           block: int = chunked.BLOCK, kernel: str = "chunked", interpret: bool = False):
     """Ring attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows (fewer
-    when a rank holds fewer). With `count_blocks` (tests only, forward only) also returns, per sp rank, how many
-    (query block, key block) pairs it computed: counted inside the island, in the branch that runs when a pair
-    is not skipped."""
+    when a rank holds fewer), on `kernel` (chunked, or pallas_gpu for rows of one segment in sequence order, the
+    positions their index: validation's word; `interpret` runs it on CPU, for tests). With `count_blocks` (tests
+    only, forward only) also returns, per sp rank, how many (query block, key block) pairs it computed: counted
+    inside the island, in the branch that runs when a pair is not skipped."""
     n = layout.mesh.shape["sp"]
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
     block = min(block, q.shape[1] // n)
+    pairs = None if kernel == "chunked" else _fused_pairs(kernel, masking, q.shape[-1], interpret)
 
     def local(q, k, v, pos, seg, window):
+        if pairs is not None:
+            return _fused_ring(q, k, v, n, pairs)
         pos, seg = chunked.tied(q, pos, seg)
         if count_blocks:
             out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block)
