@@ -283,10 +283,10 @@ def _check_positions(m) -> None:
                           f"divide model.n_layers={m.n_layers}")
 
 
-def _call_shapes(m, sp: int = 1) -> tuple:
-    """The q, k and v shapes of one row's attention call (on one sp rank's block), as a fused kernel's `supports`
-    takes them."""
-    kv, t = kv_heads(m), m.seq_len // sp
+def _call_shapes(m, chunks: int = 1) -> tuple:
+    """The q, k and v shapes of one row's attention call (on one of `chunks` equal chunks of the sequence: the
+    ring's pairs), as a fused kernel's `supports` takes them."""
+    kv, t = kv_heads(m), m.seq_len // chunks
     return (1, t, m.n_heads, qk_dim(m)), (1, t, kv, qk_dim(m)), (1, t, kv, v_dim(m))
 
 
@@ -302,7 +302,8 @@ def _check_fused(m, sp: int = 1) -> None:
                           f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
     if m.attention_impl == "cudnn":
         return  # what cuDNN can express depends on the data and the dtype: `check_run`
-    why = supports(m.attention_impl, masking(m), *_call_shapes(m, sp), positions_are_index=True)
+    chunks = sp * (2 if sp > 1 and m.cp_load_balance else 1)  # the ring's pairs: chunks of the sequence
+    why = supports(m.attention_impl, masking(m), *_call_shapes(m, chunks), positions_are_index=True)
     if why:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
 
@@ -324,14 +325,14 @@ def check_run(cfg, sp: int) -> None:
 
 
 def _check_ring_kernel(m, sp: int) -> None:
-    """A fused kernel in the ring: it computes the ring's diagonal and full pairs exactly only in sequence order,
-    one window and no soft cap, values as wide as keys; ConfigError (one line) naming what it cannot compute."""
+    """A fused kernel in the ring: it computes the ring's causal and full chunk pairs exactly without a window,
+    with values as wide as keys (soft caps and sizes: `_check_fused`); ConfigError (one line) naming what it
+    cannot compute."""
     key = f"model.attention_impl={m.attention_impl} with mesh.sp={sp}"
     if m.attention_impl not in RING_KERNELS or m.cp_strategy != "ring":
         raise ConfigError(f"{key}: the context-parallel islands run the chunked kernel, and the ring (model.cp_strategy="
                           f"ring) {', '.join(RING_KERNELS)} too; set model.attention_impl=auto or chunked")
-    refused = [(m.cp_load_balance, "the zig-zag order (model.cp_load_balance) makes pairs neither diagonal nor full"),
-               (m.sliding_window, "a window (model.sliding_window) makes pairs neither diagonal nor full"),
+    refused = [(m.sliding_window, "a window (model.sliding_window) makes pairs neither diagonal nor full"),
                (v_dim(m) != qk_dim(m), "values narrower than keys (latent attention)")]
     for no, why in refused:
         if no:

@@ -15,15 +15,15 @@ the block it holds (`chunked_attention.gradients`, the scores recomputed block b
 passes block and gradients on, so after sp steps each block's gradients are home. Memory: O(t)
 per rank whatever sp is; no step's state is kept.
 
-On a fused kernel (`model.attention_impl = "pallas_gpu"`, `kernel=` here): with the sequence in
-order and rows of one segment, a (query block, K/V block) pair is diagonal (the rank's own
-block: causal by index), full (a block from a rank before: every key before every query) or
-empty (from a rank after: skipped with `lax.cond`). The Triton kernel runs the first two and
-returns each pair's output and log-sum-exp, which the ring combines in fp32; the backward runs
-the Triton backward kernel per pair from the whole row's output and log-sum-exp, the blocks
-and their dK, dV travelling as above. Zig-zag order, packed segments, windows, soft caps and
-values narrower than keys make pairs that are neither, and stay on the chunked kernel
-(validation refuses the fused choice there, naming why).
+On a fused kernel (`model.attention_impl = "pallas_gpu"`, `kernel=` here), for rows of one
+segment: a rank's block is one chunk of the sequence in order, two in the zig-zag order, and a
+(query chunk, key chunk) pair is causal (the same chunk, by index), full (the key chunk earlier:
+every key before every query) or empty (later: skipped with `lax.switch`). The Triton kernel
+runs the first two and returns each pair's output and log-sum-exp, which the ring combines in
+fp32; the backward runs the Triton backward kernel per pair from the whole row's output and
+log-sum-exp, the blocks and their dK, dV travelling as above. Packed segments, windows, soft
+caps and values narrower than keys make pairs that are neither, and stay on the chunked
+kernel (validation refuses the fused choice there, naming why).
 
 Collectives per call (per device, t = s/sp, E = bytes per element): forward, sp−1
 collective-permutes of K and V, 2·b·t·(kv/tp)·d·E bytes each, plus b·t int32 positions and
@@ -114,52 +114,105 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ---------------------------------------------------------------- the ring on a fused kernel
+#
+# A rank's block is `c` chunks of the sequence: one in order (chunk r of sp), two in the zig-zag order (chunks r
+# and 2·sp−1−r of 2·sp). A (query chunk, key chunk) pair is causal (the same chunk), full (the key chunk earlier)
+# or empty (later): the kernel runs the first two, each returning its output and log-sum-exp.
+
+SKIPPED, FULL_PAIR, CAUSAL_PAIR = 0, 1, 2  # lax.switch's branches
 
 
-def _before(s):
-    """Whether the block a rank holds at ring step s came from a rank before it (a full pair; after: empty)."""
-    return s <= jax.lax.axis_index("sp")
+def _chunk_ids(rank, n: int, c: int) -> list:
+    """The sequence chunks rank `rank` holds, in its block's order."""
+    return [rank] if c == 1 else [rank, 2 * n - 1 - rank]
 
 
-def _fused_forward(q, k, v, pair, n: int):
-    """(out [b, t, h, dv] in q's dtype, lse [b, h, t] fp32): the diagonal pair, then each full pair as it arrives."""
-    out, lse = pair(q, k, v, True)
+def _kinds(rank, src, n: int, c: int) -> list[list]:
+    """[query chunk][key chunk] pair kinds for this rank's queries against the block rank `src` held."""
+    kind = lambda qi, ki: jnp.where(qi == ki, CAUSAL_PAIR, jnp.where(ki < qi, FULL_PAIR, SKIPPED))
+    return [[kind(qi, ki) for ki in _chunk_ids(src, n, c)] for qi in _chunk_ids(rank, n, c)]
+
+
+def _chunks(x, c: int, axis: int = 1) -> list:
+    return jnp.split(x, c, axis=axis)
+
+
+def _combine(acc, lse, out, l):
+    """Two partial softmax results of the same queries (out [b, t, h, d] fp32, lse [b, h, t]) as one."""
+    total = jnp.logaddexp(lse, l)
+    safe = jnp.where(jnp.isneginf(total), 0.0, total)  # nothing seen yet: weights 0, not NaN
+    weight = lambda a: jnp.moveaxis(jnp.exp(a - safe), 1, 2)[..., None]  # [b, h, t] -> [b, t, h, 1]
+    return acc * weight(lse) + out.astype(jnp.float32) * weight(l), total
+
+
+def _fold(state, q_chunks, kv, kinds, pair):
+    """Every query chunk's (out, lse) with the key chunks of one block folded in, by their pair kinds."""
+    ks, vs = _chunks(kv[0], len(kinds)), _chunks(kv[1], len(kinds))
+    new = []
+    for qc, (acc, lse), row in zip(q_chunks, state, kinds):
+        for kc, vc, kind in zip(ks, vs, row):
+            empty = lambda: (jnp.zeros(qc.shape[:3] + vc.shape[-1:], qc.dtype), jnp.full_like(lse, -jnp.inf))
+            o, l = jax.lax.switch(kind, [empty, lambda: pair(qc, kc, vc, False), lambda: pair(qc, kc, vc, True)])
+            acc, lse = _combine(acc, lse, o, l)
+        new.append((acc, lse))
+    return new
+
+
+def _fused_forward(q, k, v, pair, n: int, c: int):
+    """(out [b, t, h, dv] in q's dtype, lse [b, h, t] fp32): the rank's own block, then each block as it arrives."""
+    r = jax.lax.axis_index("sp")
+    q_chunks = _chunks(q, c)
+    b, t, h = q_chunks[0].shape[:3]
+    start = [(jnp.zeros((b, t, h, v.shape[-1]), jnp.float32), jnp.full((b, h, t), -jnp.inf, jnp.float32))] * c
+    state = _fold(start, q_chunks, (k, v), _kinds(r, r, n, c), pair)
 
     def body(carry, s):
-        acc, lse, kv = carry
+        state, kv = carry
         kv = _send(kv, n)
-        o, l = jax.lax.cond(_before(s), lambda: pair(q, *kv, False),
-                            lambda: (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf)))
-        total = jnp.logaddexp(lse, l)
-        weight = lambda a, b: jnp.moveaxis(jnp.exp(a - b), 1, 2)[..., None]  # [b, h, t] -> [b, t, h, 1]
-        return (acc * weight(lse, total) + o.astype(jnp.float32) * weight(l, total), total, kv), None
+        return (_fold(state, q_chunks, kv, _kinds(r, (r - s) % n, n, c), pair), kv), None
 
-    (acc, lse, _), _ = jax.lax.scan(body, (out.astype(jnp.float32), lse, (k, v)), jnp.arange(1, n))
-    return acc.astype(q.dtype), lse
+    (state, _), _ = jax.lax.scan(body, (state, (k, v)), jnp.arange(1, n))
+    return (jnp.concatenate([a for a, _ in state], axis=1).astype(q.dtype),
+            jnp.concatenate([l for _, l in state], axis=-1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_ring(q, k, v, n, pairs):
-    return _fused_forward(q, k, v, pairs[0], n)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused_ring(q, k, v, n, c, pairs):
+    return _fused_forward(q, k, v, pairs[0], n, c)[0]
 
 
-def _fused_ring_fwd(q, k, v, n, pairs):
-    out, lse = _fused_forward(q, k, v, pairs[0], n)
+def _fused_ring_fwd(q, k, v, n, c, pairs):
+    out, lse = _fused_forward(q, k, v, pairs[0], n, c)
     return out, (q, k, v, out, lse)
 
 
-def _fused_ring_bwd(n, pairs, saved, d_out):
-    q, k, v, out, lse = saved
-    grads = lambda kv, causal: pairs[1](q, *kv, out, lse, d_out, causal)
-    dq, dk, dv = grads((k, v), True)
-    f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
-    dq, dk, dv = f32(dq, dk, dv)
+def _block_grads(saved, d_out, kv, kinds, pair_grads):
+    """(dq, dk, dv) in fp32 of this rank's queries against one block, pair by pair (empty pairs: zeros)."""
+    q, _, _, out, lse = saved
+    c = len(kinds)
+    qs, outs, dos, lses = _chunks(q, c), _chunks(out, c), _chunks(d_out, c), _chunks(lse, c, axis=-1)
+    ks, vs = _chunks(kv[0], c), _chunks(kv[1], c)
+    f32 = lambda xs: tuple(x.astype(jnp.float32) for x in xs)
+    dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+    dk, dv = [jnp.zeros(x.shape, jnp.float32) for x in ks], [jnp.zeros(x.shape, jnp.float32) for x in vs]
+    for i in range(c):
+        for j in range(c):
+            run = lambda causal: f32(pair_grads(qs[i], ks[j], vs[j], outs[i], lses[i], dos[i], causal))
+            empty = lambda: (dq[i] * 0, dk[j] * 0, dv[j] * 0)
+            g = jax.lax.switch(kinds[i][j], [empty, lambda: run(False), lambda: run(True)])
+            dq[i], dk[j], dv[j] = dq[i] + g[0], dk[j] + g[1], dv[j] + g[2]
+    return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
+
+
+def _fused_ring_bwd(n, c, pairs, saved, d_out):
+    q, k, v = saved[:3]
+    r = jax.lax.axis_index("sp")
+    dq, dk, dv = _block_grads(saved, d_out, (k, v), _kinds(r, r, n, c), pairs[1])
 
     def body(carry, s):
         dq, kv, dk, dv = carry
         kv, dk, dv = _send((kv, dk, dv), n)
-        g = jax.lax.cond(_before(s), lambda: f32(*grads(kv, False)),
-                         lambda: (jnp.zeros_like(dq), jnp.zeros_like(dk), jnp.zeros_like(dv)))
+        g = _block_grads(saved, d_out, kv, _kinds(r, (r - s) % n, n, c), pairs[1])
         return (dq + g[0], kv, dk + g[1], dv + g[2]), None
 
     (dq, _, dk, dv), _ = jax.lax.scan(body, (dq, (k, v), dk, dv), jnp.arange(1, n))
@@ -185,8 +238,9 @@ def _fused_pairs(kernel: str, masking: Masking, d: int, interpret: bool):
 def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, count_blocks: bool = False,
            block: int = chunked.BLOCK, kernel: str = "chunked", interpret: bool = False):
     """Ring attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows (fewer
-    when a rank holds fewer), on `kernel` (chunked, or pallas_gpu for rows of one segment in sequence order, the
-    positions their index: validation's word; `interpret` runs it on CPU, for tests). With `count_blocks` (tests
+    when a rank holds fewer), on `kernel` (chunked, or pallas_gpu for rows of one segment, in sequence order or
+    the zig-zag one `layout.sequence_order` says, the positions their index: validation's word; `interpret` runs
+    it on CPU, for tests). With `count_blocks` (tests
     only, forward only) also returns, per sp rank, how many (query block, key block) pairs it computed: counted
     inside the island, in the branch that runs when a pair is not skipped."""
     n = layout.mesh.shape["sp"]
@@ -196,7 +250,7 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
 
     def local(q, k, v, pos, seg, window):
         if pairs is not None:
-            return _fused_ring(q, k, v, n, pairs)
+            return _fused_ring(q, k, v, n, 1 if layout.sequence_order is None else 2, pairs)
         pos, seg = chunked.tied(q, pos, seg)
         if count_blocks:
             out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block)
