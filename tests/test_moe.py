@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from harness import (CORPUS, assert_matches, equivalence_config, loss_and_grads, lower_loss_and_grads, reference,
-                     step_fns, tiers, train_step)
+                     step_fns, tiers, tokens, train_step)
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import transformer
@@ -266,6 +266,27 @@ def test_moe_model_matches_the_reference(mesh):
         assert "ep" in str(w.sharding.spec)
 
 
+# Several microbatches at ZeRO-0/1 on several batch shards: MoE takes the compiler's accumulation (its routing
+# statistics over each microbatch's rows on every device), so the balance loss is one device's on the same
+# microbatches (each device's k-th slice of its rows: the one device's batch is put in that order)
+ZERO01_MICROBATCHES = {"dp4_zero1": {"mesh.dp": 4, "train.zero_stage": 1},
+                       "ep2_dp2_zero0": {"mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 0},
+                       "pp2_ep2_dp2_zero1": {"mesh.pp": 2, "mesh.ep": 2, "mesh.dp": 2, "train.zero_stage": 1}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ZERO01_MICROBATCHES)
+def test_microbatches_at_zero_0_and_1_route_as_one_device_on_the_same_microbatches(mesh):
+    keys = {"model.moe.capacity_factor": 0.0, "train.microbatches": 2}
+    one, on_mesh = step_fns(model_config(keys)), step_fns(model_config({**keys, **ZERO01_MICROBATCHES[mesh]}))
+    shards, rows = 4, np.asarray(tokens())
+    laid = rows.reshape(shards, 2, -1, rows.shape[-1]).swapaxes(0, 1).reshape(rows.shape)  # microbatch-major
+    params = jax.device_get(one.init(0).params)
+    loss, grads = loss_and_grads(one, params, laid)
+    assert model_config(keys).model.moe.balance_weight > 0  # the loss that is not linear in the statistics
+    assert_matches(*loss_and_grads(on_mesh, params, rows), (params, float(loss), jax.device_get(grads)))
+
+
 # The default capacity (factor 1.25) drops pairs, per batch shard: meshes with as many batch shards drop the same
 # pairs, whether the experts run locally (dp) or behind the all-to-alls (ep). The segmented stack drops alike too
 # (its MoE layers, gated shared feed-forward, bias and sequence-wise loss). Under sp with the zig-zag layout the
@@ -309,7 +330,7 @@ def test_mixtral_preset_has_mixtrals_size():
 BAD_MOE = {
     "experts_over_ep": ({"mesh.ep": 8, "model.moe.n_experts": 4}, "model.moe.n_experts=4"),
     "top_k": ({"model.moe.top_k": 9}, "top_k"),
-    "accumulation_zero1": ({"mesh.dp": 8, "train.microbatches": 2}, "zero_stage"),
+    "custom_allreduce": ({"mesh.dp": 8, "train.microbatches": 2, "train.allreduce": "ring"}, "MoE blocks"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
     "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),
     "segments_form": ({"model.segments": [{"layers": 2, "kinds": ["moe"]}]}, "model.segments[0]"),

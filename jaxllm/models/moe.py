@@ -165,8 +165,4 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
                           "an equal share of the experts")
     if (e.d_ff or m.d_ff) % shape["tp"]:
         raise ConfigError(f"model.moe.d_ff={e.d_ff or m.d_ff} is not divisible by mesh.tp={shape['tp']}")
-    if math.prod(shape[a] for a in BATCH_AXES) > 1 and t.microbatches > 1 and t.zero_stage <= 1:
-        raise ConfigError("model.pattern with 'moe' blocks, train.microbatches>1 and train.zero_stage≤1 on more than "
-                          "one batch shard is not supported yet (ZeRO-0/1 accumulation runs per device, so routing "
-                          "statistics would not be global); use train.zero_stage≥2 or one microbatch")
     return []

@@ -199,7 +199,8 @@ def pipelined(params, batch: dict, norm, g: Paths):
     shapes = _pipelined_params(transformer.param_shapes(m), m)
     *lead, last = stack_lib.segments(m)
     moe_layers = sum(seg.pattern.count("moe") * seg.repeats for seg in stack_lib.segments(m)) + mtp.moe_layers(m)
-    batch_manual = g.zero_stage <= 1  # as in the accumulation island: reduce over the batch axes once
+    # as in the accumulation island, reduce over the batch axes once; not MoE's whole-batch routing statistics
+    batch_manual = g.zero_stage <= 1 and not stack_lib.has_moe(m)
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)
     mbs = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
         split_microbatches(x, g.microbatches, g.batch_shards), g.microbatch_sharding), batch)
@@ -253,9 +254,11 @@ def _salted_blocks(chunk, x, mb: dict, first, m, dtype, last):
         return transformer.blocks(chunk, x, mb["positions"], mb["segment_ids"], m, dtype, first, segments=(last,))
 
 
-def uses_island(zero_stage: int, microbatches: int, allreduce: str) -> bool:
-    """Whether a step without a pipeline takes its gradients through the accumulation island."""
-    return zero_stage <= 1 and (microbatches > 1 or allreduce != "xla")
+def uses_island(zero_stage: int, microbatches: int, allreduce: str, moe: bool = False) -> bool:
+    """Whether a step without a pipeline takes its gradients through the accumulation island: ZeRO-0/1 with
+    several microbatches or a hand-built all-reduce, but not MoE, whose routing statistics are over each
+    microbatch's rows on every device (it takes the compiler's accumulation, an all-reduce per microbatch)."""
+    return zero_stage <= 1 and (microbatches > 1 or allreduce != "xla") and not moe
 
 
 def path_of(g: Paths):
@@ -264,7 +267,7 @@ def path_of(g: Paths):
         return pipelined
     if g.zeropp is not None:
         return zeropp_accumulation
-    if uses_island(g.zero_stage, g.microbatches, g.allreduce):
+    if uses_island(g.zero_stage, g.microbatches, g.allreduce, stack_lib.has_moe(g.model)):
         return island_accumulation
     return one_batch if g.microbatches == 1 else sharded_accumulation
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from jaxllm.errors import ConfigError
+from jaxllm.stack import has_moe
 from jaxllm.train.gradients import uses_island
 
 HOST = "pinned_host"
@@ -33,7 +34,7 @@ def check_config(cfg, shape: dict) -> list[str]:
                  else "mesh.ep > 1 (expert dispatch)" if shape["ep"] > 1
                  else "model.collective_matmul" if m.collective_matmul
                  else f"{by} at ZeRO-0/1 (the accumulation island)"
-                 if uses_island(t.zero_stage, t.microbatches, t.allreduce)
+                 if uses_island(t.zero_stage, t.microbatches, t.allreduce, has_moe(m))
                  else "train.objective = grpo" if t.objective == "grpo" else None)
     if unchecked:
         raise ConfigError(f"memory.offload_optimizer / memory.offload_params with {unchecked} are not supported yet "

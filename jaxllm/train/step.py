@@ -315,7 +315,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> Step
         abstract_state=abstract_state, schedule=g.schedule)
 
 
-def _check_allreduce(t, shape: dict) -> list[str]:
+def _check_allreduce(m, t, shape: dict) -> list[str]:
     """`train.allreduce`: a hand-built algorithm replaces ZeRO-0/1's all-reduce over the batch axes."""
     if t.allreduce not in allreduce.CHOICES:
         raise ConfigError(f"train.allreduce: '{t.allreduce}' is not one of {', '.join(allreduce.CHOICES)}")
@@ -325,6 +325,7 @@ def _check_allreduce(t, shape: dict) -> list[str]:
         raise ConfigError(f"train.bucket_mb: must be positive, got {t.bucket_mb}")
     unchecked = ("train.zero_stage >= 2 (its reduction is a reduce-scatter)" if t.zero_stage >= 2 else
                  "mesh.pp > 1 (the pipeline keeps xla's)" if shape["pp"] > 1 else
+                 "MoE blocks (their whole-batch routing keeps the compiler's accumulation)" if stack_lib.has_moe(m) else
                  "mesh.tp, mesh.sp or mesh.ep > 1" if max(shape["tp"], shape["sp"], shape["ep"]) > 1 else None)
     if unchecked:
         raise ConfigError(f"train.allreduce={t.allreduce} with {unchecked} is not supported; use train.allreduce=xla")
@@ -342,7 +343,7 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
         raise ConfigError(f"train.objective: '{t.objective}' is not one of {', '.join(OBJECTIVES)}")
     if cfg.precision.compute not in COMPUTE_DTYPES:
         raise ConfigError(f"precision.compute: '{cfg.precision.compute}' is not one of {', '.join(COMPUTE_DTYPES)}")
-    notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(t, shape)
+    notes += (guard.check_config(cfg) + offload.check_config(cfg, shape) + _check_allreduce(m, t, shape)
               + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg))
               + preference.check_config(cfg))
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
