@@ -30,13 +30,13 @@ QMAX = 127
 
 def fake_quant(x: np.ndarray, block: int) -> np.ndarray:
     """The reference: x flattened in C order, padded to blocks, each block rounded to 255 levels of
-    max|block| · (1/127) in fp32 numpy, and back."""
+    max|block| · (1/127) in fp32 numpy (x times the scale's reciprocal, as the module defines it), and back."""
     flat = np.asarray(x, np.float32).reshape(-1)
     n = -(-flat.size // block) * block
     rows = np.pad(flat, (0, n - flat.size)).reshape(-1, block)
     scale = np.abs(rows).max(axis=1) * np.float32(1 / QMAX)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.round(rows / safe[:, None]), -QMAX, QMAX)
+    inverse = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, np.float32(1)), np.float32(0))
+    q = np.clip(np.round(rows * inverse[:, None]), -QMAX, QMAX)
     return (q * scale[:, None]).astype(np.float32).reshape(-1)[:flat.size].reshape(x.shape)
 
 
@@ -148,9 +148,10 @@ def test_a_qwz_step_equals_one_device_on_the_fake_quantized_weights(mesh):
 
 
 @pytest.mark.slow
-def test_lora_under_zeropp_hpz_and_fp32_reduction_equals_one_device():
-    """LoRA on ZeRO++'s island with hpZ and fp32 gradient reduction (dp2 × fsdp4, 2 microbatches): the frozen base
-    has no gradient to reduce, and the adapters' gradients equal one device's. (qwZ and qgZ with LoRA: refused.)"""
+def test_lora_in_the_zeropp_island_equals_one_device():
+    """LoRA in ZeRO++'s island: with hpZ and fp32 gradient reduction (dp2 × fsdp4, 2 microbatches) the adapters'
+    gradients equal one device's; with qwZ (fsdp8) one device's at the fake-quantized weights (the base's and the
+    adapters' with an `embed` dimension, gathered as int8 blocks alike). The frozen base has no gradient to reduce."""
     lora_keys = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
     one = H.step_fns(H.equivalence_config("tiny-llama", **lora_keys))
     params = jax.device_get(one.init(0).params)
@@ -160,6 +161,12 @@ def test_lora_under_zeropp_hpz_and_fp32_reduction_equals_one_device():
     loss, grads = H.loss_and_grads(one, params)
     hpz = zpp_config(DP2_FSDP4, {**lora_keys, "train.microbatches": 2, "precision.grad_reduce": "float32"}, hpz=True)
     H.assert_matches(*H.loss_and_grads(H.step_fns(hpz), params), (params, float(loss), jax.device_get(grads)))
+    qwz = zpp_config(FSDP8, lora_keys, weights=True, block=64)
+    quantized = fake_quantized_params(params, qwz.model, 8, 64)
+    ref_loss, ref_grads = H.loss_and_grads(one, quantized)
+    assert float(ref_loss) != float(loss)  # the quantization is really there
+    H.assert_matches(*H.loss_and_grads(H.step_fns(qwz), params), (quantized, float(ref_loss),
+                                                                    jax.device_get(ref_grads)))
 
 
 def hpz_and_plain(microbatches: int = 1):

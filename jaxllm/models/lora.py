@@ -269,9 +269,6 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
                                                                  "latent attention's (model.attention=mla)"),
         (lc.base_quant != "none" and {"q_b", "kv_b"} & set(lc.targets), f"model.lora.base_quant={lc.base_quant} "
          "quantizes along d_model, which q_b and kv_b (up from a latent) have not; take them out of targets"),
-        (zeropp_plan is not None and (zeropp_plan.weights or zeropp_plan.grads), "model.lora with "
-         "train.zeropp.weights or train.zeropp.grads (int8) is not supported yet (hpZ and precision.grad_reduce="
-         "float32 are); turn them off"),
         (m.moe.bias_update_rate, "model.lora with model.moe.bias_update_rate is not supported yet (the base, its "
                                  "routing bias too, is frozen); set it 0"),
     ]

@@ -1,8 +1,11 @@
 """Blockwise symmetric int8 quantization, as ZeRO++ moves weights and gradients (`parallel/zeropp.py`).
 
 An array is flattened in C order, padded with zeros to a multiple of `block` and cut into blocks of
-`block` elements; each block keeps one fp32 scale, max|block| · (1/127) (a product, as XLA would compute it anyway), and int8 values round(x / scale)
-in [-127, 127]. Rounding to nearest makes the error of each element at most half a step:
+`block` elements; each block keeps one fp32 scale, max|block| · (1/127), and int8 values round(x · (1/scale))
+in [-127, 127]. Both are written as products because XLA turns a division by a broadcast scale into a
+product with its reciprocal anyway (87.5 as x / scale, 87.49999 as XLA computed it, rounding to 88 and 87):
+written so, every program and a NumPy reference compute the same codes. Rounding to nearest makes the error
+of each element at most half a step (and an ulp of the reciprocal):
 
     |ŵ - w| ≤ max|block| / 254.
 
@@ -32,9 +35,9 @@ def quantize(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     flat = x.astype(jnp.float32).reshape(-1)
     flat = jnp.pad(flat, (0, blocks_of(flat.size, block) * block - flat.size))
     rows = flat.reshape(-1, block)
-    scale = jnp.max(jnp.abs(rows), axis=1) * jnp.float32(1 / QMAX)  # XLA turns x / 127 into this
-    safe = jnp.where(scale > 0, scale, 1.0)  # a zero block divides by 1 and stays zero
-    q = jnp.clip(jnp.round(rows / safe[:, None]), -QMAX, QMAX).astype(jnp.int8)
+    scale = jnp.max(jnp.abs(rows), axis=1) * jnp.float32(1 / QMAX)
+    inverse = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1.0), 0.0)  # a zero block stays zero
+    q = jnp.clip(jnp.round(rows * inverse[:, None]), -QMAX, QMAX).astype(jnp.int8)
     return q, scale
 
 
