@@ -346,11 +346,40 @@ def test_pipeline_zero_theory_per_stage(pipeline_plan):
                  for leaf in jax.tree.leaves(table[name], is_leaf=lambda x: isinstance(x, transformer.Leaf)))
     stack = transformer.count_params(model) - shared
     phi = stack // 2 + shared
-    assert p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "stage": phi}
+    assert p["pipeline"]["params"] == {"stack": stack, "experts": 0, "ep": 1, "shared": shared, "tp": 1, "tp_split": 0,
+                                       "stage": phi}
     assert p["params"] == stack + shared and p["theory"]["params"] == phi
     got = p["memory"]["argument_bytes"]
     assert abs(got - 12 * phi) <= 0.10 * 12 * phi, (got, 12 * phi)
     assert "theory Φ = stack / pp + embedding/head/final norm" in format_table(p)
+
+
+# the products of the mesh's axes (issue 61): the theory's Φ per device takes a stage's share, 1/ep of the experts
+# and 1/tp of what tensor parallelism splits
+PRODUCT_PLANS = {
+    "pp2_sp2_tp2_zero1": {"mesh.pp": 2, "mesh.sp": 2, "mesh.tp": 2, "train.sequence_parallel": True,
+                          "train.microbatches": 2, "train.zero_stage": 1},
+    "sp2_tp2_fsdp2_zero3_collective_matmul": {"mesh.sp": 2, "mesh.tp": 2, "mesh.fsdp": 2, "train.zero_stage": 3,
+                                              "train.sequence_parallel": True, "model.collective_matmul": True},
+    "deepseek_pp2_sp2_ep2_zero2_zb_v": {
+        "model.preset": "tiny-moe", "model.attention": "mla", "model.mla.q_lora_rank": 16, "model.n_layers": 5,
+        "model.segments": [{"layers": 1, "pattern": ["dense"]}, {"layers": 4, "pattern": ["moe"]}],
+        "model.moe.n_shared_experts": 1, "model.moe.capacity_factor": 0.0, "model.mtp_depth": 1, "mesh.pp": 2,
+        "mesh.sp": 2, "mesh.ep": 2, "train.zero_stage": 2, "train.microbatches": 4, "train.pp_schedule": "zb_v"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", PRODUCT_PLANS)
+def test_the_argument_theory_holds_on_the_mesh_products(mesh):
+    """The compiled step's arguments per device are the ZeRO theory's within 0.8-1.2 on pp × sp × tp, sp × tp × fsdp
+    with collective matmuls and a DeepSeek-shaped pp × sp × ep under ZB-V (before tp and ep were counted in Φ, the
+    first was 0.51 of it)."""
+    base = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 16,
+            "precision.compute": "float32", "model.n_layers": 4}
+    p = plan(build_config(None, {**base, **PRODUCT_PLANS[mesh]}))
+    got, expected = p["memory"]["argument_bytes"], p["theory"]["fp32"]["argument_bytes"]
+    assert 0.8 <= got / expected <= 1.2, (got, expected)
 
 
 @pytest.mark.slow

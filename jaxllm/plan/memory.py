@@ -3,7 +3,8 @@
 `theory` gives the train state's bytes per device at each ZeRO stage, with Φ = parameter count and
 N = `fsdp` size, for this project's layout (fp32 params, grads and Adam moments: the compiled step's
 arguments and its total) and for the seeds' bf16 layout. It assumes Adam (two fp32 moments per parameter)
-and does not divide the tensor-parallel parts by `tp`: with tp > 1 the compiled numbers come out below it.
+and takes Φ per device (`plan.pipeline.stage_params`: a pipeline stage's share, 1/ep of the experts, 1/tp of
+what tensor parallelism splits).
 
 The sizes: bytes per element of a dtype (`dtype_bytes`), rows a device holds of one microbatch
 (`microbatch_rows`), and bytes per device of an abstract tree's shards (`device_bytes`).
@@ -18,8 +19,8 @@ import jax.numpy as jnp
 
 from jaxllm.mesh import batch_shards
 
-THEORY_ASSUMES = ("Adam (2 fp32 moments per parameter); tp-sharded parts counted as replicated over tp "
-                  "(Φ is not divided by tp); step counters and the batch are left out")
+THEORY_ASSUMES = ("Adam (2 fp32 moments per parameter); Φ per device: a pipeline stage's share, 1/ep of the "
+                  "experts, 1/tp of what tensor parallelism splits; step counters and the batch are left out")
 
 # Bytes per parameter per device as (replicated part a, sharded part b): a·Φ + b·Φ/N.
 # fp32: this project's train state (fp32 params = master copy, fp32 grads, fp32 Adam mu and nu).

@@ -1,7 +1,7 @@
 """Pipeline parallelism per device: the parameters a stage holds, and what the schedule's table costs.
 
 `stage_params`: a device holds one stage's share of the layer stack (and 1/ep of its experts) beside the
-embedding, head and final norm, replicated over pp; the ZeRO theory's Φ with pp > 1. `pipeline_theory`
+embedding, head and final norm, replicated over pp, and 1/tp of what tensor parallelism splits; the ZeRO theory's Φ. `pipeline_theory`
 (no compiling): ticks, bubble (from the table and in closed form), activation buffers, the W stash of a
 split backward, and the 2 × ticks collective-permutes the table predicts; `pipeline_compiled` sets the
 compiled program's permutes and the element type they actually move beside them.
@@ -17,6 +17,7 @@ import jax
 from jaxllm.models import taps, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.plan.hlo import permute_dtypes
+from jaxllm.sharding import TENSOR_RULES
 from jaxllm.plan.memory import dtype_bytes, microbatch_rows
 from jaxllm.stack import segments
 from jaxllm.train.step import pipeline_schedule
@@ -25,18 +26,33 @@ PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype
                     "stream per slot; per device")
 
 
-def stage_params(model_cfg, pp: int, ep: int = 1) -> dict:
+def _split(leaf, axis: str, size: int = 0) -> int:
+    """`size` where the rules split a dimension of this parameter over `axis` (and it divides), else 1; with
+    size 0, whether they name `axis` for any of its dimensions."""
+    rules = dict(TENSOR_RULES)
+    dims = [extent for n, extent in zip(leaf.names, leaf.shape) if axis in rules.get(n, ())]
+    if not size:
+        return int(bool(dims))
+    return size if size > 1 and any(extent % size == 0 for extent in dims) else 1
+
+
+def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     """Parameters one device holds of the model: {"stack" (the pipelined layers: the last segment's), "experts"
-    (the MoE experts in them), "shared" (embedding, head, final norm and the layers of the segments before:
-    replicated over pp), "stage" = (stack − experts) / pp + experts / (pp·ep) + shared}."""
+    (every MoE expert's weights), "shared" (embedding, head, final norm, the layers of the segments before and the
+    prediction modules: replicated over pp), "tp_split" (what tensor parallelism splits: heads, hidden units,
+    vocabulary), "stage" = Σ over parameters of its size / (pp if in the stack) / (ep if an expert's) / (tp if
+    split)}."""
     leaf = lambda x: isinstance(x, transformer.Leaf)
-    blocks = transformer.param_table(model_cfg)["blocks"][segments(model_cfg)[-1].blocks]
-    size = lambda tree: sum(math.prod(l.shape) for l in jax.tree.leaves(tree, is_leaf=leaf))
-    stack = size(blocks)
-    experts = sum(size(b["moe"]["experts"]) for b in blocks if "moe" in b)
-    shared = transformer.count_params(model_cfg) - stack
-    return {"stack": stack, "experts": experts, "ep": ep, "shared": shared,
-            "stage": (stack - experts) // pp + experts // (pp * ep) + shared}
+    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=leaf)
+    table = transformer.param_table(model_cfg)
+    stack_ids = {id(l) for l in leaves(table["blocks"][segments(model_cfg)[-1].blocks])}
+    size = lambda l: math.prod(l.shape)
+    share = lambda l: (pp if id(l) in stack_ids else 1) * _split(l, "ep", ep) * _split(l, "tp", tp)
+    stack = sum(size(l) for l in leaves(table) if id(l) in stack_ids)
+    return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _split(l, "ep")), "ep": ep,
+            "shared": transformer.count_params(model_cfg) - stack, "tp": tp,
+            "tp_split": sum(size(l) for l in leaves(table) if _split(l, "tp", tp) > 1),
+            "stage": sum(size(l) // share(l) for l in leaves(table))}
 
 
 def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:
@@ -67,7 +83,8 @@ def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> di
     m, t = model_cfg, train_cfg
     pp = int(mesh_shape.get("pp", 1))
     out = {"enabled": pp > 1, "note": "" if pp > 1 else "no pipeline parallelism (mesh.pp=1)", "pp": pp,
-           "params": stage_params(m, pp, int(mesh_shape.get("ep", 1))), "assumes": PIPELINE_ASSUMES}
+           "params": stage_params(m, pp, int(mesh_shape.get("ep", 1)), int(mesh_shape.get("tp", 1))),
+           "assumes": PIPELINE_ASSUMES}
     if pp == 1:
         return out
     sch = pipeline_schedule(m, t, pp)
