@@ -60,7 +60,7 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
                                           routing(m), None if bias is None else jax.lax.stop_gradient(bias))
     layout = current_layout()
     # The expert-parallel island is manual over the batch axes: it runs wherever those are not manual yet (also
-    # inside a pipeline stage); validation keeps MoE out of ZeRO-0/1 accumulation over batch shards.
+    # inside a pipeline stage); MoE keeps out of ZeRO-0/1's accumulation island (`train.gradients.uses_island`).
     island = layout is not None and layout.mesh.shape["ep"] > 1 and batch_groups(layout) > 1
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.

@@ -36,7 +36,9 @@ same stage and takes the same branch. Not so the islands a chunk may hold (ring 
 sp, collective matmuls over tp): their collective-permutes wait for every device of the mesh on
 XLA:CPU. With those (`islands_inside`) every stage runs its chunk at every tick, idle ones on
 zeros and pulled back from zeros, and only the embedding before it and the head after it are
-switched on the kind (the slots' `_uniform` forms). Embedding and head weights are replicated over
+switched on the kind (the slots' `_uniform` forms; layers before the pipelined ones and
+multi-token prediction's modules after them run on every stage too, only their lookups and
+heads switched). Embedding and head weights are replicated over
 `pp`; their gradients (and the loss) are summed over `pp` at the end, which also adds the
 two uses of tied embeddings.
 

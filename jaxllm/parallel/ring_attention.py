@@ -240,9 +240,9 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     """Ring attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows (fewer
     when a rank holds fewer), on `kernel` (chunked, or pallas_gpu for rows of one segment, in sequence order or
     the zig-zag one `layout.sequence_order` says, the positions their index: validation's word; `interpret` runs
-    it on CPU, for tests). With `count_blocks` (tests
-    only, forward only) also returns, per sp rank, how many (query block, key block) pairs it computed: counted
-    inside the island, in the branch that runs when a pair is not skipped."""
+    it on CPU, for tests). With `count_blocks` (tests only, forward only) also returns, per sp rank, how many
+    (query block, key block) pairs it computed: counted inside the island, in the branch that runs when a pair
+    is not skipped."""
     n = layout.mesh.shape["sp"]
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
     block = min(block, q.shape[1] // n)
