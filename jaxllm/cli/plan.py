@@ -1,4 +1,4 @@
-"""`jaxllm plan [--config NAME|FILE] [key=value ...] [--json]`: what one train step costs per device.
+"""`jaxllm plan [--config NAME|FILE] [key=value ...] [--json] [--chip NAME]`: what one train step costs per device.
 
 Compiles the train step for a config on this machine's devices, without running it and without
 loading any data, and prints per device its memory and collectives beside the theory: ZeRO, tensor,
@@ -25,6 +25,8 @@ from jaxllm import cli
 def main(argv: list[str] | None = None) -> int:
     parser = cli.config_parser("jaxllm plan", __doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object on the last stdout line")
+    parser.add_argument("--chip", help="add a roofline step time on this chip (h100, h200, tpu-v5p, tpu-v6e: its "
+                        "peak FLOP/s and HBM bandwidth) from the compiled FLOPs and bytes")
     args = parser.parse_args(argv)
 
     def go():
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = cli.load_config(args)
         initialize_distributed(cfg.distributed)
-        result = plan(cfg)
+        result = plan(cfg, args.chip)
         logging.getLogger("jaxllm").info("compiled in %.1f s", result["compile_seconds"])
         if args.json:
             print(format_table(result), file=sys.stderr)

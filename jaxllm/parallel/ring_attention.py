@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.ops import chunked_attention as chunked
+from jaxllm.ops import pallas_attention
 from jaxllm.ops.masking import CAUSAL, Masking, ungrouped
 from jaxllm.sharding import Layout, island_mesh, manual_spec
 
@@ -225,8 +226,6 @@ _fused_ring.defvjp(_fused_ring_fwd, _fused_ring_bwd)
 
 def _fused_pairs(kernel: str, masking: Masking, d: int, interpret: bool):
     """(pair, pair_grads) of `kernel` at the model's score scale (`ops/pallas_attention.py`)."""
-    from jaxllm.ops import pallas_attention
-
     if kernel != "pallas_gpu":
         raise ValueError(f"the ring runs the chunked kernel or pallas_gpu, not {kernel}")
     scale = masking.score_scale(d)

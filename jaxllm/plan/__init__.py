@@ -18,20 +18,23 @@ without loading any data, and reports per device (`format_table` writes it as th
 - with mesh.pp > 1, the pipeline, from the schedule's table: ticks, bubble, buffers, and the
   collective-permutes the table predicts beside the compiled ones;
 - a hand-built all-reduce's and ZeRO++'s bytes beside their formulas, fine-tuning's train state (full,
-  LoRA, QLoRA), and the compiled program's matmuls by operand types.
+  LoRA, QLoRA), and the compiled program's matmuls by operand types;
+- FLOPs: the compiled step's matmuls (loops by their trip counts) beside the model FLOPs MFU counts, their
+  ratio HFU / MFU, and with `chip` a roofline step time (`flops`).
 
-With pp > 1 a device holds one stage's parameters, so the ZeRO theory's Φ is the layer stack's
-parameters / pp plus the embedding, head and final norm (replicated over pp); MoE experts split over ep
-count 1/ep of theirs.
+The ZeRO theory's Φ is what one device holds: with pp > 1 the layer stack's parameters / pp plus the
+embedding, head and final norm (replicated over pp); MoE experts count 1/ep of theirs, what tensor
+parallelism splits 1/tp.
 
 The modules, by topic: memory (the ZeRO theory and per-device sizes), tensor_parallel, attention (and
-context parallelism), pipeline, communication (all-reduce algorithms, ZeRO++), generation, finetune;
+context parallelism), pipeline, communication (all-reduce algorithms, ZeRO++), generation, finetune, flops;
 compiled (compiling the step) and hlo (reading its program); report (the table's text).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 
@@ -40,6 +43,7 @@ from jaxllm.plan.attention import attention_compiled, attention_memory_theory
 from jaxllm.plan.communication import allreduce_report, zeropp_report
 from jaxllm.plan.compiled import compile_step, host_state_bytes, remat_summary, resolve
 from jaxllm.plan.finetune import finetune_state
+from jaxllm.plan.flops import check_chip, flops_report
 from jaxllm.plan.generation import generation_theory
 from jaxllm.plan.hlo import collective_report, matmul_operands, memory_summary
 from jaxllm.plan.memory import theory
@@ -50,12 +54,14 @@ from jaxllm.plan.tensor_parallel import tensor_parallel_theory
 __all__ = ["plan", "format_table"]
 
 
-def plan(cfg) -> dict:
-    """Compile the train step for `cfg` (not run it) and report memory, collectives and theory per device.
+def plan(cfg, chip: str | None = None) -> dict:
+    """Compile the train step for `cfg` (not run it) and report memory, collectives, FLOPs and theory per device;
+    with `chip` (a `flops.CHIPS` key) a roofline step time on it.
 
     Raises UserError for a config that cannot run. Does not modify `cfg`.
     """
     log = logging.getLogger("jaxllm")
+    check_chip(chip)
     cfg, shape, notes = resolve(cfg)
     for note in notes:
         log.info(note)
@@ -90,6 +96,7 @@ def plan(cfg) -> dict:
         "zeropp": zeropp_report(cfg, shape, hlo),
         "finetune": finetune_state(cfg, shape),
         "matmuls": matmul_operands(hlo),
+        "flops": flops_report(cfg, hlo, math.prod(shape.values()), chip),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "compile_seconds": round(seconds, 3),

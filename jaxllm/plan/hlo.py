@@ -181,15 +181,22 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
     """Every collective reached from ENTRY, as {"kind", "type", "bytes" (one run), "groups" (its
     replica_groups text), "times" (runs per step)}, and the number of loops of unknown trip count.
 
-    The walk follows `calls=` (fusion, call, async-start; not async-update/-done, which name the same
-    computation), `to_apply=` of `call` only (elsewhere it is a reducer), `body=` (x trips),
+    The walk (`_executed`) follows `calls=` (fusion, call, async-start; not async-update/-done, which name the
+    same computation), `to_apply=` of `call` only (elsewhere it is a reducer), `body=` (x trips),
     `condition=` (x trips + 1: it runs once more than the body), and `branch_computations=`/
     `true_computation=`/`false_computation=` of a `conditional`, where only the branch with the most
     collective bytes is counted (ties: most ops) since exactly one branch runs per execution: an upper
     bound. A `while` without `known_trip_count` counts as one trip and adds 1 to the unknown loops (per
     loop instruction reached, not multiplied by enclosing trips).
     """
+    weight = lambda ops: (sum(o["bytes"] * o["times"] for o in ops), sum(o["times"] for o in ops))
     comps, entry = _parse(hlo_text)
+    return _executed(comps, entry, lambda ins: _collective(ins), weight)
+
+
+def _executed(comps: dict, entry: str, pick, weight) -> tuple[list[dict], int]:
+    """The instructions `pick` turns into records (with "times": 1), reached from ENTRY, each with the times it
+    runs per step (see `executed_collectives`); of a conditional's branches, the one `weight` ranks highest."""
     memo: dict[str, tuple[list[dict], int]] = {}
     times = lambda ops, n: [{**o, "times": o["times"] * n} for o in ops]
 
@@ -202,8 +209,8 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
         ops, unknown = [], 0
         for ins in comps[name]:
             op, attrs = ins["opcode"], ins["attrs"]
-            if (collective := _collective(ins)) is not None:
-                ops.append(collective)
+            if (record := pick(ins)) is not None:
+                ops.append(record)
             if op == "while":
                 trips = ins["trip"]
                 unknown += trips is None
@@ -216,8 +223,7 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
                             + _refs(attrs, "false_computation"))
                 parts = [visit(c, stack) for c in branches]
                 if parts:
-                    weight = lambda p: (sum(o["bytes"] * o["times"] for o in p[0]), sum(o["times"] for o in p[0]))
-                    part, u = max(parts, key=weight)
+                    part, u = max(parts, key=lambda p: weight(p[0]))
                     ops, unknown = ops + part, unknown + u
             elif op not in ("async-update", "async-done"):
                 called = _refs(attrs, "calls") + _refs(attrs, "called_computations")
@@ -230,6 +236,61 @@ def executed_collectives(hlo_text: str) -> tuple[list[dict], int]:
         return memo[name]
 
     return visit(entry)
+
+
+_DIMS = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def _dims(type_str: str) -> list[int]:
+    """The dimensions of an HLO array type (its first array, for a tuple)."""
+    m = _DIMS.search(type_str)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def executed_matmul_flops(hlo_text: str) -> tuple[int, int]:
+    """(FLOPs of the `dot`s executed per step, loops of unknown trip count): 2 × the output's elements × the
+    contracted elements per output for each dot, times the runs per step (`_executed`: loop bodies by their trip
+    counts, a conditional's costliest branch). Only dots: elementwise work is not counted, and a backend that
+    rewrites dots into library calls (cuBLAS on GPU) is read before that, as compiled for the CPU."""
+    comps, entry = _parse(hlo_text)
+    shape_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}
+    params = {m.group(1): m.group(2) for m in re.finditer(r"%?([\w.\-]+):\s*([a-z]\w*\[[\d,]*\])", hlo_text)}
+
+    def dot(ins):
+        if ins["opcode"] != "dot":
+            return None
+        lhs = re.match(r"\s*%?([\w.\-]+)", ins["attrs"]).group(1)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins["attrs"])
+        dims = _dims(shape_of.get(lhs) or params.get(lhs, ""))
+        k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
+        return {"flops": 2 * math.prod(_dims(ins["type"])) * k, "times": 1}
+
+    ops, unknown = _executed(comps, entry, dot, lambda p: sum(o["flops"] * o["times"] for o in p))
+    return sum(o["flops"] * o["times"] for o in ops), unknown
+
+
+_NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "while", "conditional", "call",
+               "after-all", "partition-id", "replica-id", "iota"}
+
+
+def executed_bytes(hlo_text: str) -> int:
+    """Bytes the executed top-level operations read and write per step (each fusion, dot, copy, collective...:
+    its operands and its result, once per run; what a fusion does inside stays in registers and caches), the
+    roofline's memory traffic. Loop bodies by their trip counts; a conditional's costliest branch."""
+    comps, entry = _parse(hlo_text)
+    type_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}
+    fused = {c for body in comps.values() for ins in body if ins["opcode"] == "fusion" for c in _refs(ins["attrs"], "calls")}
+    top = {name: body for name, body in comps.items() if name not in fused}
+
+    def traffic(ins):
+        if ins["opcode"] in _NO_TRAFFIC:
+            return None
+        operands = re.findall(r"%([\w.\-]+)", ins["attrs"].split(")")[0])
+        return {"bytes": _array_bytes(ins["type"]) + sum(_array_bytes(type_of.get(o, "")) for o in operands),
+                "times": 1}
+
+    ops, _ = _executed(top, entry, traffic, lambda p: sum(o["bytes"] * o["times"] for o in p))
+    return sum(o["bytes"] * o["times"] for o in ops)
 
 
 def dtype_of(op: dict) -> str:

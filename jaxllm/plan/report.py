@@ -16,7 +16,7 @@ def format_table(p: dict) -> str:
     """The plan as a readable table: compiled memory beside the theory, collectives, all stages."""
     c, mem = p["config"], p["memory"]
     pl = p.get("pipeline", {})
-    lines = _format_memory(p) + _format_collectives(p) + _format_zero_theory(p)
+    lines = _format_memory(p) + _format_flops(p) + _format_collectives(p) + _format_zero_theory(p)
     if "remat" in p:
         lines += _format_remat(p["remat"])
     if "tensor_parallel" in p:
@@ -74,6 +74,23 @@ def _format_memory(p: dict) -> list[str]:
                      f"norm (replicated over pp) = {ps['stack']:,} / {pl['pp']} + {ps['shared']:,} = {ps['stage']:,})")
     if fp["argument_bytes"]:
         lines.append(f"  compiled arguments / theory arguments = {mem['argument_bytes'] / fp['argument_bytes']:.3f}")
+    return lines
+
+
+def _format_flops(p: dict) -> list[str]:
+    """The compiled matmul FLOPs beside the model's, and the roofline on a chip when asked."""
+    f = p.get("flops")
+    if not f:
+        return []
+    tera = lambda x: f"{x / 1e12:.4g} TFLOP"
+    lines = ["", f"FLOPs per device per step: compiled matmuls {tera(f['compiled'])}, model {tera(f['model'])} "
+                 f"(attention's causal half; {tera(f['model_full_attention'])} with its full S×S, as dense computes)",
+             f"  compiled / model = HFU / MFU = {f['hfu_over_mfu']:.3f}"]
+    if f.get("roofline"):
+        r = f["roofline"]
+        lines.append(f"  roofline on {r['chip']}: {r['step_s'] * 1e3:.2f} ms a step (compute {r['compute_s'] * 1e3:.2f} "
+                     f"ms at {r['peak_flops'] / 1e12:.0f} TFLOP/s, memory {r['memory_s'] * 1e3:.2f} ms for "
+                     f"{format_bytes(r['bytes'])} at {r['hbm_bytes_per_s'] / 1e12:.2f} TB/s)")
     return lines
 
 
