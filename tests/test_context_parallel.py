@@ -239,7 +239,7 @@ def test_an_explicit_kernel_the_islands_do_not_run_is_refused(impl, over, why):
     validate(cp_config("llama", "sp4", "ring", **{"model.attention_impl": "chunked"}), 4)
 
 
-RING_PAIRS = {"sp2_zigzag": (2, True), "sp4": (4, False), "sp2": (2, False)}  # the kernel: chunks of ≥ 16 rows
+RING_PAIRS = {"sp2_zigzag": (2, True), "sp4": (4, False)}  # the kernel: chunks of ≥ 16 rows
 
 
 @pytest.mark.parametrize("case", tiers(RING_PAIRS, ()))  # the fast tier: the export below

@@ -53,9 +53,9 @@ CASES = {  # name -> (preset, mesh and options, model keys)
                                                               "train.loss_chunk": 8}),
     # inside pipeline stages with islands: the modules (their collective matmuls) on every stage, the heads on the
     # last; depth 2 through the 1F1B fused backward
-    "pp2_tp2_dp2_collective_matmul": ("tiny-llama", {"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2, "model.n_layers": 4,
+    "pp2_tp2_dp2_collective_matmul": ("tiny-llama", {"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2,
                                                      "train.sequence_parallel": True, "model.collective_matmul": True,
-                                                     "train.microbatches": 4}),
+                                                     "train.microbatches": 2}),
 }
 
 

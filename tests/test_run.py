@@ -101,9 +101,12 @@ def test_cli_trains_and_writes_a_run_directory(tmp_path):
     assert [r["step"] for r in train_rows] == [1, 10, 20, 30]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "time/data_s"):
         assert all(np.isfinite(r[key]) for r in train_rows), key
-    # the goodput columns account for the time between rows, validation and checkpoints included (at 15)
+    # the goodput columns account for the time between rows, validation and checkpoints included (at 15), but for
+    # the loop's own bookkeeping between its blocks: a few ms, which a machine busy with other tests stretches to
+    # tens (20-30 ms seen beside the suite's 16-device programs)
     for r in train_rows:
-        assert sum(v for k, v in r.items() if k.startswith("time/") and k != "time/wall_s") >= 0.98 * r["time/wall_s"]
+        accounted = sum(v for k, v in r.items() if k.startswith("time/") and k != "time/wall_s")
+        assert accounted >= 0.98 * r["time/wall_s"] - 0.05, r
     assert train_rows[2]["time/eval_s"] > 0 and train_rows[2]["time/checkpoint_s"] > 0
     assert "goodput " in res.stderr and "the most time lost: " in res.stderr
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0
