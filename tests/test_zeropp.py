@@ -8,7 +8,6 @@ unquantized loss."""
 
 from __future__ import annotations
 
-import functools
 
 import chex
 import jax
