@@ -306,6 +306,18 @@ def reference(m):
 
 
 # Not chex.assert_trees_all_close (elementwise): the contract is per leaf in norms, and a failure prints them.
+def with_random_b(params, seed: int = 1):
+    """The parameters with every LoRA adapter's B drawn (a fresh B is zero, so A's gradient would be too)."""
+    import jax
+
+    from jaxllm.models import lora
+
+    nodes = [x for x in jax.tree.leaves(params, is_leaf=lora.is_node) if lora.is_node(x)]
+    keys = iter(jax.random.split(jax.random.key(seed), len(nodes)))
+    return jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(next(keys), x.b.shape)) if lora.is_node(x)
+                        else x, params, is_leaf=lora.is_node)
+
+
 def leaf_errors(a, b) -> dict:
     """Per gradient leaf (by tree path): ||a - b|| and ||b||, in float64."""
     import jax

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers
+from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers, with_random_b
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.interop import peft as peft_io
@@ -26,14 +26,6 @@ from tools.examples import make_addition
 
 LORA = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def with_random_b(params, seed: int = 1):
-    """The parameters with every adapter's B drawn (a fresh B is zero, so A's gradient would be too)."""
-    nodes = [x for x in jax.tree.leaves(params, is_leaf=lora.is_node) if lora.is_node(x)]
-    keys = iter(jax.random.split(jax.random.key(seed), len(nodes)))
-    return jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(next(keys), x.b.shape)) if lora.is_node(x)
-                        else x, params, is_leaf=lora.is_node)
 
 
 def test_fresh_adapters_leave_the_first_loss_bitwise_and_train_only_the_adapters():

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import harness as H
 from jaxllm.config import validate
 from jaxllm.errors import ConfigError
-from jaxllm.models import lora, transformer
+from jaxllm.models import transformer
 from jaxllm.ops.quantize import dequantize, quantize
 from jaxllm.parallel import zeropp
 from jaxllm.plan.hlo import bytes_by_kind_and_dtype, dtype_of, executed_collectives
@@ -153,10 +153,7 @@ def test_lora_in_the_zeropp_island_equals_one_device():
     adapters' with an `embed` dimension, gathered as int8 blocks alike). The frozen base has no gradient to reduce."""
     lora_keys = {"model.lora.rank": 4, "model.lora.alpha": 8.0}
     one = H.step_fns(H.equivalence_config("tiny-llama", **lora_keys))
-    params = jax.device_get(one.init(0).params)
-    keys = iter(jax.random.split(jax.random.key(1), 64))  # B drawn non-zero, so A has a gradient too
-    params = jax.tree.map(lambda x: x.replace(b=0.05 * jax.random.normal(next(keys), x.b.shape)) if lora.is_node(x)
-                          else x, params, is_leaf=lora.is_node)
+    params = jax.device_get(H.with_random_b(one.init(0).params))
     loss, grads = H.loss_and_grads(one, params)
     hpz = zpp_config(DP2_FSDP4, {**lora_keys, "train.microbatches": 2, "precision.grad_reduce": "float32"}, hpz=True)
     H.assert_matches(*H.loss_and_grads(H.step_fns(hpz), params), (params, float(loss), jax.device_get(grads)))

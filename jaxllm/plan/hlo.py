@@ -238,13 +238,10 @@ def _executed(comps: dict, entry: str, pick, weight) -> tuple[list[dict], int]:
     return visit(entry)
 
 
-_DIMS = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-
-
 def _dims(type_str: str) -> list[int]:
     """The dimensions of an HLO array type (its first array, for a tuple)."""
-    m = _DIMS.search(type_str)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
+    m = _ARRAY.search(type_str)
+    return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
 
 
 def executed_matmul_flops(hlo_text: str) -> tuple[int, int]:
@@ -253,15 +250,14 @@ def executed_matmul_flops(hlo_text: str) -> tuple[int, int]:
     counts, a conditional's costliest branch). Only dots: elementwise work is not counted, and a backend that
     rewrites dots into library calls (cuBLAS on GPU) is read before that, as compiled for the CPU."""
     comps, entry = _parse(hlo_text)
-    shape_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}
-    params = {m.group(1): m.group(2) for m in re.finditer(r"%?([\w.\-]+):\s*([a-z]\w*\[[\d,]*\])", hlo_text)}
+    shape_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}  # parameters are instructions
 
     def dot(ins):
         if ins["opcode"] != "dot":
             return None
         lhs = re.match(r"\s*%?([\w.\-]+)", ins["attrs"]).group(1)
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins["attrs"])
-        dims = _dims(shape_of.get(lhs) or params.get(lhs, ""))
+        dims = _dims(shape_of.get(lhs, ""))
         k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
         return {"flops": 2 * math.prod(_dims(ins["type"])) * k, "times": 1}
 

@@ -26,14 +26,15 @@ PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype
                     "stream per slot; per device")
 
 
-def _split(leaf, axis: str, size: int = 0) -> int:
-    """`size` where the rules split a dimension of this parameter over `axis` (and it divides), else 1; with
-    size 0, whether they name `axis` for any of its dimensions."""
+def _over(leaf, axis: str) -> list[int]:
+    """The extents of this parameter's dimensions whose rules split them over `axis`."""
     rules = dict(TENSOR_RULES)
-    dims = [extent for n, extent in zip(leaf.names, leaf.shape) if axis in rules.get(n, ())]
-    if not size:
-        return int(bool(dims))
-    return size if size > 1 and any(extent % size == 0 for extent in dims) else 1
+    return [extent for n, extent in zip(leaf.names, leaf.shape) if axis in rules.get(n, ())]
+
+
+def _split(leaf, axis: str, size: int) -> int:
+    """`size` where the rules split a dimension of this parameter over `axis` (and it divides), else 1."""
+    return size if size > 1 and any(extent % size == 0 for extent in _over(leaf, axis)) else 1
 
 
 def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
@@ -49,7 +50,7 @@ def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     size = lambda l: math.prod(l.shape)
     share = lambda l: (pp if id(l) in stack_ids else 1) * _split(l, "ep", ep) * _split(l, "tp", tp)
     stack = sum(size(l) for l in leaves(table) if id(l) in stack_ids)
-    return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _split(l, "ep")), "ep": ep,
+    return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _over(l, "ep")), "ep": ep,
             "shared": transformer.count_params(model_cfg) - stack, "tp": tp,
             "tp_split": sum(size(l) for l in leaves(table) if _split(l, "tp", tp) > 1),
             "stage": sum(size(l) // share(l) for l in leaves(table))}
