@@ -8,11 +8,7 @@ _API = ("load", "train", "import_hf", "Model", "RunResult", "Generation", "Evalu
 __all__ = list(_API)
 
 
-def __getattr__(name: str):  # `train` is the jaxllm.train package, which is callable (jaxllm/train/__init__.py)
-    if name == "train":
-        import jaxllm.train
-
-        return jaxllm.train
+def __getattr__(name: str):
     if name in _API:
         from jaxllm import api
 

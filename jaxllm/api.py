@@ -32,10 +32,10 @@ from jaxllm.eval import exact_match, requests, run, score, tasks as tasks_lib
 from jaxllm.generate import generate as generate_tokens
 from jaxllm.interop import export, hf
 from jaxllm.mesh import initialize_distributed, make_mesh
-from jaxllm.train import checkpoint as ckpt, metrics
-from jaxllm.train.loop import checkpoint_params, completion_text, initial_state, resolve, train as run_training
-from jaxllm.train.state import PARAMS_ONLY
-from jaxllm.train.step import make_step_fns
+from jaxllm.trainer import checkpoint as ckpt, metrics
+from jaxllm.trainer.loop import checkpoint_params, completion_text, initial_state, resolve, train as run_training
+from jaxllm.trainer.state import PARAMS_ONLY
+from jaxllm.trainer.step import make_step_fns
 
 log = logging.getLogger("jaxllm")
 

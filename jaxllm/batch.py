@@ -10,7 +10,7 @@ A batch is a dict of `[batch, seq]` arrays, one per field:
 | `segment_ids` | int32 | document of each token: real tokens ≥ 1, padding 0; attention stays within a segment |
 | `loss_mask` | float32 | 1 where a token counts for the loss, 0 elsewhere |
 
-plus the fields an objective declares (`train/objectives.py`: `Objective.fields`), such as
+plus the fields an objective declares (`trainer/objectives.py`: `Objective.fields`), such as
 per-token weights, or a preference pair's `pair_id` and `side`. Whatever is per sequence (an RL
 advantage, a reward) is spread over its tokens on the host, so every field has the same
 `[batch, seq]` shape. Every process builds only

@@ -26,7 +26,7 @@ from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.rl import prompts
 from jaxllm.schema import FAMILIES, Config, TrainConfig, table_keys
-from jaxllm.train import optimizer, profiling, step, wandb_log
+from jaxllm.trainer import optimizer, profiling, step, wandb_log
 
 
 # The shipped configs are package data, found next to this module, so they work from a checkout and installed.
@@ -315,7 +315,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
 
 
 def _check_loop(t: TrainConfig) -> None:
-    """The training loop's keys (the loop, `train/loop.py`, builds on this module)."""
+    """The training loop's keys (the loop, `trainer/loop.py`, builds on this module)."""
     if t.steps < 1:
         raise ConfigError(f"train.steps: must be at least 1, got {t.steps}")
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):

@@ -410,7 +410,7 @@ class PrecisionConfig:
 
 @dataclass
 class MemoryConfig:
-    """Host offload of the train state (`jaxllm/train/offload.py`): stored in host memory, used on the device."""
+    """Host offload of the train state (`jaxllm/trainer/offload.py`): stored in host memory, used on the device."""
 
     offload_optimizer: bool = key(False, "keep the optimizer state in host memory between steps (brought to the "
                                          'device for the update; see "Activation memory")')

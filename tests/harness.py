@@ -114,7 +114,7 @@ def step_fns(cfg, devices: int | None = None, objective=None):
 
     from jaxllm.config import to_toml, validate
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.step import make_step_fns, objective_of
+    from jaxllm.trainer.step import make_step_fns, objective_of
 
     objective = objective or objective_of(cfg)
     if devices is None:

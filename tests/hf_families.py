@@ -533,7 +533,7 @@ def first_batch_loss(cfg) -> float:
     import torch
 
     from jaxllm.data.loader import window_starts
-    from jaxllm.train.loop import prepare
+    from jaxllm.trainer.loop import prepare
 
     seq, rows = cfg.model.seq_len, cfg.train.global_batch
     corpus = prepare(cfg)[3].corpus

@@ -16,7 +16,7 @@ import pytest
 from harness import step_fns, subprocess_env, train_step
 from jaxllm.config import build_config, validate
 from jaxllm.models import transformer
-from jaxllm.train.state import TrainState
+from jaxllm.trainer.state import TrainState
 from tools.reference import plain_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -145,7 +145,7 @@ def test_a_trained_run_scores_as_lm_evaluation_harness_scores_its_export(tmp_pat
     then lm-evaluation-harness on the export and `jaxllm eval` on the run must agree."""
     from jaxllm.cli import hf as hf_cli
     from jaxllm.config import build_config
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     run = tmp_path / "run"
     train(build_config(None, {"model.preset": "tiny-llama", "data.tokenizer": f"hf:{FIXTURES / 'hf_tokenizer'}",
@@ -234,7 +234,7 @@ def test_bad_task_files_are_one_line_exit_2(case, tmp_path, capsys):
 def test_benchmarks_during_training_leave_the_losses_bitwise_and_equal_jaxllm_eval(tmp_path):
     from jaxllm.cli import eval as eval_cli
     from jaxllm.config import build_config
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     task_files = TASK_FILES
     rows = {}

@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free balancing (`model.moe.bias_update_rate`, `train/bias_balance.py`) and the sequence-wise balance
+"""Auxiliary-loss-free balancing (`model.moe.bias_update_rate`, `trainer/bias_balance.py`) and the sequence-wise balance
 loss, on a stack of a dense layer and an MoE layer (fp32, dropless): the bias moves by the rate against each
 expert's load over the whole step, alike on one device, over 2 microbatches on 4 devices and for 5 steps under
 context parallelism; it decides the choice
@@ -15,7 +15,7 @@ import pytest
 from harness import as_batch, equivalence_config, loss_and_grads, step_fns, tokens, train_step
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
-from jaxllm.train.objectives import LANGUAGE_MODEL
+from jaxllm.trainer.objectives import LANGUAGE_MODEL
 
 RATE = 0.01
 KEYS = {"model.segments": [{"layers": 1, "pattern": ["dense"]}, {"layers": 1, "pattern": ["moe"]}],
@@ -138,8 +138,8 @@ def test_a_resumed_run_continues_the_biases_bitwise(tmp_path):
 
     from harness import CORPUS
     from jaxllm.config import build_config
-    from jaxllm.train import checkpoint
-    from jaxllm.train.loop import train
+    from jaxllm.trainer import checkpoint
+    from jaxllm.trainer.loop import train
 
     over = {**KEYS, "model.preset": "tiny-moe", "model.seq_len": 32, "train.global_batch": 8, "train.steps": 4,
             "train.schedule_steps": 4,

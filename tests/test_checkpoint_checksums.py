@@ -1,4 +1,4 @@
-"""Checkpoint checksums (jaxllm/train/checksums.py): the same on every mesh, changed by any flipped bit."""
+"""Checkpoint checksums (jaxllm/trainer/checksums.py): the same on every mesh, changed by any flipped bit."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.errors import CheckpointError
-from jaxllm.train import checksums
+from jaxllm.trainer import checksums
 
 
 def _tree(seed=0):

@@ -17,7 +17,7 @@ import pytest
 from harness import CORPUS, REPO
 from jaxllm.config import CONFIG_DIR
 from jaxllm.config import build_config, to_dict
-from jaxllm.train.loop import resolve, train
+from jaxllm.trainer.loop import resolve, train
 
 CONFIGS = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.toml")))
 SHRUNK = {  # file -> the keys that shrink its model

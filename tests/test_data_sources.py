@@ -264,7 +264,7 @@ def test_document_masking_keeps_other_documents_bitwise_and_off_is_todays_batch(
 
 def _run(run_dir: Path, steps: int, **over) -> list[dict]:
     """A short tiny-gpt2 run; its metrics.jsonl rows."""
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     train(build_config(None, {"model.preset": "tiny-gpt2", "train.global_batch": 8, "train.steps": steps,
                               "train.log_every": 1, "train.eval_every": 2, "train.checkpoint_every": 2,
@@ -277,7 +277,7 @@ def _run(run_dir: Path, steps: int, **over) -> list[dict]:
 def test_a_mixture_run_resumes_with_new_weights_reproducibly(tmp_path):
     import shutil
 
-    from jaxllm.train import checkpoint as ckpt
+    from jaxllm.trainer import checkpoint as ckpt
 
     write_jsonl(tmp_path / "a.jsonl", texts(400, seed=2))
     write_jsonl(tmp_path / "b.jsonl", texts(400, seed=3, words=8))

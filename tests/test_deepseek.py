@@ -108,7 +108,7 @@ def test_the_latent_cache_holds_the_latent_per_token_per_layer(model):
 def test_a_run_from_the_checkpoint_starts_at_transformers_loss(model, tmp_path):
     """jaxllm train from the checkpoint on dp8 (its routing bias fixed, no balance losses: what transformers
     computes): the first step's logged loss is transformers' language-model loss on the same batch."""
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     over = H.one_step_run(model, str(tmp_path / "run"), SEQ)
     train(build_config(None, over))

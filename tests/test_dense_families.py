@@ -111,7 +111,7 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
     import sys
 
     from harness import REPO, subprocess_env
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     over = H.one_step_run(models[family], str(tmp_path / "run"), SEQ)
     if where == "dp8":

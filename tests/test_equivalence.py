@@ -20,7 +20,7 @@ from harness import (GRAD_RTOL, LOSS_RTOL, assert_matches, equivalence_config, m
                      tiers, tokens, train_step, warm, warm_optimizer_state)
 from harness import loss_and_grads as run_loss_and_grads
 from jaxllm.models import transformer
-from jaxllm.train.optimizer import make_optimizer
+from jaxllm.trainer.optimizer import make_optimizer
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama"}
 MESHES = {"dp8": dict(dp=8), "fsdp8": dict(fsdp=8), "dp2_fsdp4": dict(dp=2, fsdp=4)}

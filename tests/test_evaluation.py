@@ -12,7 +12,7 @@ import pytest
 
 from harness import LOSS_RTOL, equivalence_config, eval_loss, reference, step_fns, tiers
 from jaxllm.data import get_tokenizer
-from jaxllm.train.loop import sample
+from jaxllm.trainer.loop import sample
 
 FORMS = {  # name -> (preset, mesh and options)
     "pp2_dp4_1f1b": ("tiny-llama", {"model.n_layers": 4, "mesh.pp": 2, "mesh.dp": 4, "train.microbatches": 2}),

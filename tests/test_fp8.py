@@ -20,7 +20,7 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from jaxllm.ops import fp8
-from jaxllm.train.loop import train
+from jaxllm.trainer.loop import train
 
 
 def reference_quantize(x: np.ndarray, dtype) -> tuple[np.ndarray, np.float32]:

@@ -28,7 +28,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.generate import generate, generate_arrays
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
-from jaxllm.train.objectives import Objective
+from jaxllm.trainer.objectives import Objective
 
 NEW, LOGIT_ATOL, MIN_MARGIN = 32, 1e-5, 1e-4
 PROMPTS = [list(range(5, 16)), list(range(40, 46))]  # 11 and 6 tokens: left-padded by 0 and 5 in one batch

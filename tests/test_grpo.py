@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm.rl.advantages import group_advantages, token_fields
-from jaxllm.train.objectives import grpo
+from jaxllm.trainer.objectives import grpo
 
 G, GROUPS, SEQ, EPS, EPS_HIGH, BETA = 4, 3, 12, 0.2, 0.28, 0.05
 

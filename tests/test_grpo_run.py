@@ -17,7 +17,7 @@ from harness import REPO, subprocess_env, unmeasured
 from test_sft_run import llama_with_tokenizer  # noqa: F401  (a fixture: a tiny LLaMA folder with tokenizer, template)
 from jaxllm.config import build_config
 from jaxllm.errors import UserError
-from jaxllm.train.loop import prepare, train
+from jaxllm.trainer.loop import prepare, train
 
 # A tiny random LLaMA on the built-in arith prompts; its reward (a lowercase letter among 3 sampled bytes)
 # is earned by about a third of random completions, so groups have spread and the policy moves.

@@ -175,7 +175,7 @@ def test_a_run_from_a_checkpoint_starts_at_transformers_loss_and_exports(models,
 
     from jaxllm.data.loader import window_starts
     import jaxllm
-    from jaxllm.train.loop import prepare, train
+    from jaxllm.trainer.loop import prepare, train
 
     path, run_dir = models["qwen2"], str(tmp_path / "run")
     over = {"init.from": f"hf:{path}", "model.seq_len": SEQ, "mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2,

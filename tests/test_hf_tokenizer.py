@@ -27,7 +27,7 @@ from jaxllm.data import get_tokenizer, load_corpus, read_shard
 from jaxllm.data.corpus import check_config
 from jaxllm.errors import DataError
 from jaxllm.schema import DataConfig
-from jaxllm.train.loop import resolve
+from jaxllm.trainer.loop import resolve
 
 LLAMA = REPO / "tests" / "fixtures" / "hf_tokenizer"
 GPT2 = REPO / "tests" / "fixtures" / "hf_tokenizer_gpt2"
@@ -254,7 +254,7 @@ def test_sampling_stops_at_a_stop_id_only_generation_config_names(monkeypatch):
     import jax.numpy as jnp
     from jaxllm.generate import decode
     from jaxllm.models import transformer
-    from jaxllm.train import loop
+    from jaxllm.trainer import loop
 
     tok = get_tokenizer(f"hf:{LLAMA}")
     eot_id = tok.tok.token_to_id(EOT_ID)

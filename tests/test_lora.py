@@ -168,7 +168,7 @@ def _keys(keys: dict) -> list[str]:
 
 def _logits(run_dir: str, tokens):
     from jaxllm.api import step_fns_for
-    from jaxllm.train.loop import checkpoint_params
+    from jaxllm.trainer.loop import checkpoint_params
 
     cfg = build_config(os.path.join(run_dir, "config.toml"), {"run.dir": run_dir})
     params = checkpoint_params(cfg, step_fns_for(cfg), run_dir, None)
@@ -203,7 +203,7 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tm
     assert stored_params(os.path.join(run, "checkpoints", "20", "state")) == {"a", "b"}
 
     from jaxllm.api import step_fns_for
-    from jaxllm.train.loop import initial_state
+    from jaxllm.trainer.loop import initial_state
 
     again = build_config(os.path.join(run, "config.toml"), {"init.adapter": str(tmp_path / "adapter")})
     params = initial_state(again, step_fns_for(again)).params
@@ -357,7 +357,7 @@ def test_qlora_trains_as_lora_on_a_bf16_base(llama, tmp_path):
     same batches for both) within 2% of LoRA on the bf16 base, having come down from the start. (The tiny random
     model's first loss moves 5% when its weights are stored in nf4: measured 6.67 on bf16, 6.35 on nf4; after 50
     steps 2.892 and 2.887.)"""
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     losses = {}
     for quant in ("none", "nf4"):
@@ -391,7 +391,7 @@ def test_grpo_with_adapters_resumes_bitwise_and_its_reference_is_the_base(tmp_pa
     import shutil
 
     from test_grpo_run import TINY, rows
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     over = {**TINY, **LORA, "train.steps": 4, "train.checkpoint_every": 2, "train.keep_checkpoints": 5}
     full, part = tmp_path / "full", tmp_path / "part"

@@ -18,9 +18,9 @@ from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
 from jaxllm.models import transformer
 from jaxllm.mesh import make_mesh
-from jaxllm.train import loop
-from jaxllm.train.loop import train
-from jaxllm.train.step import make_step_fns
+from jaxllm.trainer import loop
+from jaxllm.trainer.loop import train
+from jaxllm.trainer.step import make_step_fns
 from jaxllm.plan.hlo import memory_summary
 
 DEEP = {"model.n_layers": 16, "train.global_batch": 8}  # tiny-llama's width, 16 layers

@@ -1,4 +1,4 @@
-"""Tests for jaxllm.train.metrics and tools.dev.plot."""
+"""Tests for jaxllm.trainer.metrics and tools.dev.plot."""
 
 import glob
 import json
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxllm.errors import UserError
-from jaxllm.train import metrics as M
+from jaxllm.trainer import metrics as M
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -32,7 +32,7 @@ from jaxllm.models import transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.parallel.load_balance import zigzag_order
-from jaxllm.train.loop import train
+from jaxllm.trainer.loop import train
 
 T, D, F, E = 64, 16, 32, 8
 

@@ -108,7 +108,7 @@ def test_a_segmented_stack_computes_its_layers_unrolled():
 def test_a_qwen_moe_run_starts_at_transformers_loss(family, models, tmp_path):
     """jaxllm train from the checkpoint on ep4×dp2 (the experts behind the all-to-alls): the first step's logged loss
     is transformers' language-model loss on the same batch."""
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     over = H.one_step_run(models[family], str(tmp_path / "run"), SEQ, **{"mesh.ep": 4, "mesh.dp": 2})
     train(build_config(None, over))

@@ -13,7 +13,7 @@ import pytest
 from harness import (BATCH, LOSS_RTOL, SEQ, assert_matches, equivalence_config, loss_metrics_and_grads, step_fns,
                      tiers, tokens)
 from jaxllm.models import transformer
-from jaxllm.train.objectives import WEIGHTED_TOKENS
+from jaxllm.trainer.objectives import WEIGHTED_TOKENS
 from tools.reference import plain_model
 
 MESHES = {  # name -> (preset, overrides): each moves rows another way

@@ -23,8 +23,8 @@ import pytest
 from jax.profiler import ProfileData
 
 from jaxllm.config import CONFIG_DIR, build_config, to_dict
-from jaxllm.train import goodput, metrics as metrics_lib, profiling
-from jaxllm.train.loop import _dispatch, train
+from jaxllm.trainer import goodput, metrics as metrics_lib, profiling
+from jaxllm.trainer.loop import _dispatch, train
 
 SCOPES = ("embed", "attention", "mlp", "head", "optimizer")  # the named scopes of a dense model's train step
 

@@ -480,7 +480,7 @@ def test_generation_weights_copy_and_cache_are_in_the_compiled_program(plans, st
     temporaries hold; under ZeRO-0 in fp32 the stored parameters serve as they are (no copy)."""
     from jaxllm.generate import decode
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.step import make_step_fns
 
     p = plans(stage)
     g, n_params = p["generation"], p["params"]

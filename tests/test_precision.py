@@ -1,4 +1,4 @@
-"""Loss scaling and the step guard (`jaxllm/train/guard.py`): dynamic scaling in fp32 changes no bit on a cover
+"""Loss scaling and the step guard (`jaxllm/trainer/guard.py`): dynamic scaling in fp32 changes no bit on a cover
 of ZeRO stages, microbatches and pipelines; fp16 from a scale of 2^40 skips its overflowing steps without
 touching anything, then trains, its gradients within 2e-3 of fp32's, and resumes exactly; a NaN step and a
 loss spike are skipped and the run goes on as one that never saw them; GRPO's loss is never judged a spike;
@@ -18,8 +18,8 @@ import pytest
 import harness as H
 from jaxllm.config import build_config
 from jaxllm.errors import ConfigError, TrainingDiverged
-from jaxllm.train import guard
-from jaxllm.train.loop import train
+from jaxllm.trainer import guard
+from jaxllm.trainer.loop import train
 
 
 def leaves_equal(a, b) -> bool:  # for `assert not`; the equalities are chex.assert_trees_all_equal
@@ -157,7 +157,7 @@ def test_fp16_resumes_exactly_with_its_loss_scale(tmp_path):
 
 @pytest.mark.slow  # test_recovery's non-finite test ends a run of skips too
 def test_too_many_skips_in_a_row_end_the_run_in_one_line(tmp_path, monkeypatch):
-    """NaN batches from step 3 on (the test hook of train/faults.py): the run stops once 4 steps in a row
+    """NaN batches from step 3 on (the test hook of trainer/faults.py): the run stops once 4 steps in a row
     were skipped, in one line that says what to do."""
     monkeypatch.setenv("JAXLLM_TEST_NAN_FROM", "3")
     cfg = build_config(None, {"model.preset": "tiny-llama", "data.source": H.CORPUS, "precision.compute": "float32",

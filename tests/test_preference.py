@@ -350,7 +350,7 @@ def test_adapters_on_a_mesh_equal_one_device_and_their_reference_is_the_base(mod
     """LoRA (B drawn non-zero) on dp2 × fsdp2 × tp2 ZeRO-3 against one device; the reference the loop scores with
     (the policy with its adapters off) gives the base model's log-probabilities."""
     from jaxllm.models import lora
-    from jaxllm.train.loop import reference_params
+    from jaxllm.trainer.loop import reference_params
 
     keys = {"model.lora.rank": 4, "model.lora.targets": ["q", "v", "down"]}
     cfg = config(models, write_pairs(tmp_path / "pairs.jsonl"), **keys)
@@ -392,7 +392,7 @@ def test_a_run_logs_the_rewards_validates_and_resumes_mid_epoch_bitwise(tmp_path
     resumed logs the same rows, bit for bit."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     over = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "model.lora.rank": 4,
             "train.objective": "dpo", "data.format": "preference", "data.val_percent": 20,

@@ -1,6 +1,6 @@
 """A killed, stopped or broken run loses nothing and never lies (real processes, real Orbax checkpoints).
 
-- Hard kills (SIGKILL) at four points of a real `jaxllm train` (jaxllm/train/faults.py
+- Hard kills (SIGKILL) at four points of a real `jaxllm train` (jaxllm/trainer/faults.py
   picks the point): the run resumed with train.resume=true writes the same metrics.jsonl, row for
   row and loss for loss (fp32, bitwise), as the run that was never killed.
 - SIGTERM and Ctrl-C: the run saves the step it is at, exits 128 + the signal with one line, and
@@ -25,8 +25,8 @@ import pytest
 from harness import CORPUS, REPO, subprocess_env, unmeasured
 from jaxllm.config import build_config
 from jaxllm.errors import CheckpointError, ConfigError
-from jaxllm.train import checkpoint as ckpt
-from jaxllm.train.loop import train
+from jaxllm.trainer import checkpoint as ckpt
+from jaxllm.trainer.loop import train
 from jaxllm.cli import train as run_cli
 
 pytestmark = [

@@ -21,7 +21,7 @@ from harness import assert_matches, equivalence_config, loss_and_grads, referenc
 from jaxllm.config import validate
 from jaxllm.mesh import make_mesh
 from jaxllm.models import attention, layers, moe, transformer
-from jaxllm.train.step import make_step_fns
+from jaxllm.trainer.step import make_step_fns
 
 MODELS = {
     "gpt2": ("tiny-gpt2", {}),

@@ -16,7 +16,7 @@ import pytest
 
 from harness import CORPUS, REPO, subprocess_env
 from jaxllm.config import build_config
-from jaxllm.train.loop import train
+from jaxllm.trainer.loop import train
 from experiments import run as run_cli
 
 # tiny-gpt2 with 4 layers (so pp=4 divides them) on the small fixture corpus, fp32, ZeRO-3 over fsdp=8

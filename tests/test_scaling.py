@@ -7,7 +7,7 @@
 - The sweep's plan: N without embeddings, steps from C = 6·N·D, widths that keep the head width.
 - `fit` on a synthetic sweep writes its tables, fit.json and three PNGs; bad input (no such directory, no
   finished runs, too few, a size that is not LAYERSxWIDTH) is one line and exit code 2.
-- Slow tier: a real two-run sweep SIGKILLed inside its second run (jaxllm/train/faults.py) and started again
+- Slow tier: a real two-run sweep SIGKILLed inside its second run (jaxllm/trainer/faults.py) and started again
   trains nothing finished again and ends with the metrics of a sweep never killed, loss for loss; `check`
   writes its prediction before its run, trains it, and does neither again when repeated.
 """

@@ -17,7 +17,7 @@ import pytest
 import hf_families as H
 from harness import REPO, subprocess_env
 from jaxllm.config import build_config
-from jaxllm.train.loop import train
+from jaxllm.trainer.loop import train
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TEMPLATES = FIXTURES / "chat_templates"

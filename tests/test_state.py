@@ -17,7 +17,7 @@ import pytest
 
 from harness import REPO, subprocess_env
 from jaxllm.errors import ConfigError
-from jaxllm.train import state as state_lib
+from jaxllm.trainer import state as state_lib
 
 OLD_RUN = Path(__file__).parent / "fixtures" / "run_saved_before_train_state"
 # an MoE run (pattern ["moe"], `moe.shared_expert = true`) saved by the code before the stack had segments (7816c3e)

@@ -14,7 +14,7 @@ from harness import (GRAD_RTOL, LOSS_RTOL, equivalence_config, loss_and_grads, l
 from jaxllm.config import ConfigError, build_config, validate
 from jaxllm.models.transformer import padded_vocab
 from jaxllm.models import transformer
-from jaxllm.train.optimizer import decay_mask, make_optimizer, muon_dimensions
+from jaxllm.trainer.optimizer import decay_mask, make_optimizer, muon_dimensions
 from jaxllm.plan.hlo import memory_summary
 
 BASE = {"model.preset": "tiny-llama", "model.vocab_size": 257, "model.seq_len": 32, "train.global_batch": 8,

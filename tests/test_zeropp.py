@@ -283,7 +283,7 @@ def test_what_zeropp_does_not_support_is_refused_in_one_line(over, message):
 def test_a_checkpoint_restores_across_hpz_on_and_off(tmp_path, saved_hpz):
     """The stored arrays are the same arrays, laid out over fsdp or fsdp × dp: an Orbax checkpoint of either
     restores into the other's layout and the next step equals the saving run's."""
-    from jaxllm.train import checkpoint
+    from jaxllm.trainer import checkpoint
 
     saver, loader = (H.step_fns(zpp_config(DP2_FSDP4, hpz=True) if hpz else zpp_config(DP2_FSDP4))
                      for hpz in (saved_hpz, not saved_hpz))

@@ -9,7 +9,7 @@ sequence, prompt then completion, whose completion tokens alone are learned (`da
 Lengths: `data.max_prompt_tokens` cuts a longer prompt at `data.truncation_side` (`left` keeps its end, next to
 the completion; an `hf:DIR` tokenizer's BOS stays first), `data.max_completion_tokens` cuts a longer completion
 at its end. A pair's two sequences share one row (so a pair never spans microbatches or devices: the objective's
-sums stay whole, `train/preference.py`); one that still does not fit follows `data.truncation`: `error`, `drop`,
+sums stay whole, `trainer/preference.py`); one that still does not fit follows `data.truncation`: `error`, `drop`,
 or `truncate` (the longer sequence's end cut until the pair fits; dropped if a completion is left without a
 token to learn).
 """

@@ -18,7 +18,7 @@ from jaxllm.data.examples import prompt_and_reply, read_lines
 from jaxllm.errors import DataError
 from jaxllm.generate import generate
 from jaxllm.models import transformer
-from jaxllm.train.loop import completion_text
+from jaxllm.trainer.loop import completion_text
 
 log = logging.getLogger("jaxllm")
 

@@ -40,7 +40,7 @@ def seq_balance(scores: jax.Array, experts: jax.Array) -> jax.Array:
 
 def load_probe(bias: jax.Array, load: jax.Array) -> jax.Array:
     """0, whose gradient with respect to the router bias is the layer's load: Σ_e (b_e − sg(b_e))·sg(load_e). Every
-    gradient path sums it over microbatches (and devices) as it sums gradients, so `train/bias_balance.py` reads the
+    gradient path sums it over microbatches (and devices) as it sums gradients, so `trainer/bias_balance.py` reads the
     step's load per layer off the bias's gradient."""
     return jnp.sum((bias - jax.lax.stop_gradient(bias)) * jax.lax.stop_gradient(load))
 
@@ -60,7 +60,7 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
                                           routing(m), None if bias is None else jax.lax.stop_gradient(bias))
     layout = current_layout()
     # The expert-parallel island is manual over the batch axes: it runs wherever those are not manual yet (also
-    # inside a pipeline stage); MoE keeps out of ZeRO-0/1's accumulation island (`train.gradients.uses_island`).
+    # inside a pipeline stage); MoE keeps out of ZeRO-0/1's accumulation island (`trainer.gradients.uses_island`).
     island = layout is not None and layout.mesh.shape["ep"] > 1 and batch_groups(layout) > 1
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.

@@ -148,7 +148,7 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
         moe["shared"] = _mlp(m, R, L, shared_d_ff(m))
     if m.moe.shared_gate:
         moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
-    if moe_lib.has_router_bias(m):  # moved by `train/bias_balance.py` only, or fixed
+    if moe_lib.has_router_bias(m):  # moved by `trainer/bias_balance.py` only, or fixed
         moe["router_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
@@ -496,7 +496,7 @@ def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: floa
 def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, terms, chunk: int = 0,
                temperature: float = 1.0, finish=None):
     """An objective's token terms over the whole batch: `terms(logp, lse, batch) -> (sum, metric sums)`
-    (`train/objectives.py`), summed over loss chunks, in fp32; then `finish(sum, metric sums)` where given (a
+    (`trainer/objectives.py`), summed over loss chunks, in fp32; then `finish(sum, metric sums)` where given (a
     sequence objective's stage, once its per-sequence sums are whole).
 
     `chunk` > 0 (`train.loss_chunk`) computes the logits `chunk` sequence positions at a

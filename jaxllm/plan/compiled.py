@@ -19,12 +19,12 @@ from jaxllm.parallel.pipeline_schedules import model_chunks
 from jaxllm.plan.hlo import memory_summary
 from jaxllm.plan.memory import device_bytes
 from jaxllm.stack import segments
-from jaxllm.train.loop import resolve as resolve_config
-from jaxllm.train.step import make_step_fns
+from jaxllm.trainer.loop import resolve as resolve_config
+from jaxllm.trainer.step import make_step_fns
 
 
 def resolve(cfg):
-    """The config resolved as `train.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
+    """The config resolved as `trainer.loop.prepare` does, minus the corpus: (cfg copy, mesh shape, notes)."""
     cfg = copy.deepcopy(cfg)
     _, shape, notes = resolve_config(cfg)
     return cfg, shape, notes

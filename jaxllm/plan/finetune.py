@@ -16,7 +16,7 @@ from jaxllm.errors import UserError
 from jaxllm.mesh import make_mesh
 from jaxllm.models import lora
 from jaxllm.plan.memory import device_bytes
-from jaxllm.train.step import make_step_fns, trained
+from jaxllm.trainer.step import make_step_fns, trained
 
 FINETUNE = {"full": (0, "none"), "lora": (None, "none"), "qlora_nf4": (None, "nf4")}  # (rank, base_quant)
 

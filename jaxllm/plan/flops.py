@@ -2,7 +2,7 @@
 
 - compiled: the `dot`s of the compiled step, each run as often as its loops run it (`hlo.executed_matmul_flops`;
   XLA's own `cost_analysis` counts a loop body once, and counts elementwise work too);
-- model: the model FLOPs per token MFU divides by (`train.loop.flops_per_token`: 6N + 6·L·S·width, attention's
+- model: the model FLOPs per token MFU divides by (`trainer.loop.flops_per_token`: 6N + 6·L·S·width, attention's
   causal half of the S×S scores) times the step's tokens, over the devices;
 - model as computed: the same with attention's full S×S, which `dense` computes whatever the mask (the chunked
   kernel and the fused ones skip most masked blocks: for them the model's count is the one to compare);
@@ -20,7 +20,7 @@ import math
 from jaxllm.errors import ConfigError
 from jaxllm.models import attention, lora, transformer
 from jaxllm.plan.hlo import executed_bytes, executed_matmul_flops
-from jaxllm.train.loop import flops_per_token
+from jaxllm.trainer.loop import flops_per_token
 
 # peak dense bf16 FLOP/s and HBM bytes/s per chip (vendor specifications)
 CHIPS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "tpu-v5p": (459e12, 2.765e12),

@@ -20,7 +20,7 @@ from jaxllm.plan.hlo import permute_dtypes
 from jaxllm.sharding import TENSOR_RULES
 from jaxllm.plan.memory import dtype_bytes, microbatch_rows
 from jaxllm.stack import segments
-from jaxllm.train.step import pipeline_schedule
+from jaxllm.trainer.step import pipeline_schedule
 
 PIPELINE_ASSUMES = ("stage inputs and output gradients kept in the compute dtype, one microbatch's residual "
                     "stream per slot; per device")

@@ -28,7 +28,7 @@ def compiled_step(overrides: list[str], seq: int, impl: str):
     from jaxllm.batch import from_windows, global_arrays
     from jaxllm.config import build_config, validate
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.step import make_step_fns
 
     base = ["model.preset=tiny-llama", "model.vocab_size=257", "train.global_batch=1", "precision.compute=float32",
             "mesh.dp=1"]

@@ -31,8 +31,8 @@ def _state(config: str, overrides: list[str]):
     """(config, step functions, the run's initial state) of `config` with `overrides`."""
     from jaxllm.config import build_config, config_path
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.loop import resolve
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.loop import resolve
+    from jaxllm.trainer.step import make_step_fns
 
     cfg = build_config(config_path(config), overrides)
     _, shape, _ = resolve(cfg)
@@ -41,7 +41,7 @@ def _state(config: str, overrides: list[str]):
 
 
 def _save_once(mngr, step: int, state, checked: bool) -> float:
-    from jaxllm.train import checkpoint as ckpt
+    from jaxllm.trainer import checkpoint as ckpt
 
     start = time.perf_counter()
     ckpt.save(mngr, step, state, {"step": step}, checked=checked)
@@ -50,7 +50,7 @@ def _save_once(mngr, step: int, state, checked: bool) -> float:
 
 
 def measure_saves(run_dir: str, args) -> dict:
-    from jaxllm.train import checkpoint as ckpt
+    from jaxllm.trainer import checkpoint as ckpt
 
     cfg, fns, state = _state(args.config, args.overrides)
     mngr = ckpt.open_manager(run_dir, keep=2 * args.repeats + 2)
@@ -69,7 +69,7 @@ def restore_child(run_dir: str, args) -> None:
     """In a fresh process: restore the newest step as a resumed run does; print the seconds it took."""
     import jax
 
-    from jaxllm.train import checkpoint as ckpt
+    from jaxllm.trainer import checkpoint as ckpt
 
     cfg, fns, _ = _state(args.config, args.overrides)
     start = time.perf_counter()

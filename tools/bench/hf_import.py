@@ -149,7 +149,7 @@ def _jaxllm_setup(path: str):
     from jaxllm import config as config_lib
     from jaxllm import mesh as mesh_lib
     from jaxllm.interop import hf
-    from jaxllm.train import step
+    from jaxllm.trainer import step
 
     if jax.device_count() != FSDP:
         sys.exit(f"error: {jax.device_count()} devices; run with "

@@ -54,11 +54,11 @@ import sys
 import tempfile
 import time
 
-from jaxllm.train.profiling import HLO_FILE
+from jaxllm.trainer.profiling import HLO_FILE
 from tools.bench.train_step import step_parser
 
 CATEGORIES = ("matmul", "attention", "elementwise", "reduction", "collective", "memcpy", "other")
-SCOPES = ("embed", "attention", "mlp", "moe", "head", "optimizer")  # the named scopes of models/ and train/step.py
+SCOPES = ("embed", "attention", "mlp", "moe", "head", "optimizer")  # the named scopes of models/ and trainer/step.py
 DERIVED_LINES = {"Steps", "XLA Modules", "XLA Ops", "Async XLA Ops", "TensorFlow Ops", "TensorFlow Name Scope",
                  "Framework Ops", "Framework Name Scope", "Launch Stats", "Source code", "SparseCore Ops"}
 CONTAINERS = {"while", "conditional", "call"}
@@ -85,8 +85,8 @@ def build(cfg):
 
     from jaxllm.batch import from_windows, global_arrays
     from jaxllm.mesh import initialize_distributed, make_mesh
-    from jaxllm.train.loop import resolve
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.loop import resolve
+    from jaxllm.trainer.step import make_step_fns
 
     m, t = cfg.model, cfg.train
     initialize_distributed(cfg.distributed)
@@ -435,7 +435,7 @@ def profile(cfg, steps: int = 5, warmup: int = 2, out_dir: str | None = None) ->
     import jax
 
     from jaxllm.errors import ConfigError
-    from jaxllm.train.loop import flops_per_token, peak_flops
+    from jaxllm.trainer.loop import flops_per_token, peak_flops
 
     for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0)):
         if v < low:

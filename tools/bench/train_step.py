@@ -82,11 +82,11 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.mesh import initialize_distributed, make_mesh
     from jaxllm.models import transformer
     from jaxllm.parallel.pipeline_schedules import bubble_fraction
-    from jaxllm.train.step import pipeline_schedule
-    from jaxllm.train.loop import flops_per_token, peak_flops, resolve
+    from jaxllm.trainer.step import pipeline_schedule
+    from jaxllm.trainer.loop import flops_per_token, peak_flops, resolve
     from jaxllm.batch import from_windows, global_arrays
     from jaxllm.models.layers import matmul_precision
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.step import make_step_fns
 
     for name, v, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--windows", windows, 1)):
         if v < low:

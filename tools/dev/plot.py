@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from jaxllm.errors import UserError
-from jaxllm.train.metrics import plot_metrics
+from jaxllm.trainer.metrics import plot_metrics
 
 
 def main(argv: list[str] | None = None) -> int:

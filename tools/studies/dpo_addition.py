@@ -36,7 +36,7 @@ def heldout_preference(run_dir: Path, pairs: Path) -> dict:
     from jaxllm.api import step_fns_for
     from jaxllm.config import build_config
     from jaxllm.data import dataset
-    from jaxllm.train import loop, preference
+    from jaxllm.trainer import loop, preference
 
     cfg = build_config(str(run_dir / "config.toml"), {"run.dir": str(run_dir), "data.source": str(pairs),
                                                       "data.val_percent": 0})

@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from jaxllm.config import build_config, parse_overrides
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     table = []
     for name, rate in (("bias", args.rate), ("no bias", 0.0)):

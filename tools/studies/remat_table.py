@@ -38,7 +38,7 @@ def build(overrides: dict, config: str | None):
     from jaxllm.batch import from_windows, global_arrays
     from jaxllm.config import build_config, validate
     from jaxllm.mesh import make_mesh
-    from jaxllm.train.step import make_step_fns
+    from jaxllm.trainer.step import make_step_fns
 
     cfg = build_config(config, overrides)
     shape, _ = validate(cfg, len(jax.devices()))

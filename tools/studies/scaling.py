@@ -106,7 +106,7 @@ def size_keys(base, n_layers: int, d_model: int) -> dict:
 def point_config(base_file: str, keys: dict):
     """The base config with `keys`, resolved (vocabulary from the tokenizer) and validated on these devices."""
     from jaxllm.config import build_config
-    from jaxllm.train.loop import resolve
+    from jaxllm.trainer.loop import resolve
 
     cfg = build_config(base_file, keys)
     resolve(cfg)
@@ -117,7 +117,7 @@ def plan(base_file: str, size: tuple[int, int], budget: float, role: str = "swee
     """The point of `size` at `budget`: N without embeddings, steps = round(C / (6·N·tokens per step)), at least 1."""
     from jaxllm.config import build_config
     from jaxllm.models.transformer import count_params
-    from jaxllm.train.loop import flops_per_token
+    from jaxllm.trainer.loop import flops_per_token
 
     cfg = point_config(base_file, size_keys(build_config(base_file), *size))
     n = count_params(cfg.model, embeddings=False)
@@ -149,7 +149,7 @@ def final_loss(run_dir: str, steps: int) -> float | None:
 
 def train_point(base_file: str, point: Point, out: str) -> float:
     """Train a point's run directory unless it is finished; its final validation loss."""
-    from jaxllm.train.loop import train
+    from jaxllm.trainer.loop import train
 
     run_dir = os.path.join(out, point.name)
     done = final_loss(run_dir, point.steps)

@@ -13,7 +13,7 @@ An objective declares
   like the loss.
 - `sequence_loss` (None for a token objective): the sequence stage. Its token terms return, in
   place of the sum, per-sequence sums (a tree of `[rows, pairs, 2]` arrays keyed by the batch fields
-  `pair_id` and `side`: `train/preference.py`); once they are complete over the loss chunks and over
+  `pair_id` and `side`: `trainer/preference.py`); once they are complete over the loss chunks and over
   sp and tp (the partitioner adds a row's pieces), `sequence_loss(sums) -> (sum over sequences,
   metric sums)` turns them into the loss. Its count is of sequences (pairs), and a pair lies within
   one row, so it never spans microbatches, pipeline microbatches or the devices of a manual batch
@@ -39,7 +39,7 @@ class Objective:
     token_terms: Callable  # (logp, lse, batch) -> (sum, {name: sum})
     fields: dict = field(default_factory=dict)
     temperature: float = 1.0
-    spiky: bool = True  # its loss is a likelihood, so the step guard may skip its spikes (train/guard.py)
+    spiky: bool = True  # its loss is a likelihood, so the step guard may skip its spikes (trainer/guard.py)
     sequence_loss: Callable | None = None  # (per-sequence sums) -> (sum, {name: sum}); None: token-additive
 
 

@@ -3,7 +3,7 @@ and loss-curve PNGs.
 
 `metrics.jsonl` in the run directory is the source of truth (plain text, one row per logged step; a
 resumed run first drops the rows it will train again); TensorBoard event files and a W&B run
-(`train/wandb_log.py`) are views of the same rows.
+(`trainer/wandb_log.py`) are views of the same rows.
 """
 
 from __future__ import annotations

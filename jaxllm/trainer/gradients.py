@@ -13,11 +13,11 @@
 Every path evaluates `loss_share` on its rows: the objective's sum divided by the *global*
 count (so microbatches add up to the mean over the whole batch), plus the model's auxiliary
 losses (MoE) divided by the number of microbatches, times the loss scale when there is one
-(`train/guard.py`; the gradients come out scaled, the reported loss does not). Every path sums the objective's metric
+(`trainer/guard.py`; the gradients come out scaled, the reported loss does not). Every path sums the objective's metric
 shares and the blocks' auxiliary terms like the loss. The batch is a dict of fields
 (`jaxllm/batch.py`), split and reordered field by field, none read here by name.
 
-A sequence objective (DPO: `train/preference.py`) runs its sequence stage inside the loss head, once per call on
+A sequence objective (DPO: `trainer/preference.py`) runs its sequence stage inside the loss head, once per call on
 whole rows: once per batch on `one_batch`, per microbatch on the accumulations (on each device's own rows in the
 islands), per pipeline microbatch on the last stage. A pair lies within a row, so each call's pairs are whole and
 its results add up like token sums; the count (pairs) comes from the whole batch as every count does.
@@ -38,12 +38,12 @@ from jaxllm.models import lora, mtp, taps, transformer
 from jaxllm.parallel import allreduce, pipeline, zeropp
 from jaxllm.parallel.accumulation import reduce_once
 from jaxllm.sharding import Layout, constrain, is_names, logical_spec, use_layout, with_rule
-from jaxllm.train.objectives import Objective, finish, zero_metrics
+from jaxllm.trainer.objectives import Objective, finish, zero_metrics
 
 
 @dataclass(frozen=True)
 class Paths:
-    """What the gradient paths need, fixed when the step is built (`train/step.py`)."""
+    """What the gradient paths need, fixed when the step is built (`trainer/step.py`)."""
 
     model: Any  # ModelConfig
     dtype: Any  # the compute dtype

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
-from jaxllm.train.objectives import Objective
+from jaxllm.trainer.objectives import Objective
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 PAIR_FIELDS = {"pair_id": "int32", "side": "int32"}

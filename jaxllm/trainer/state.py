@@ -5,7 +5,7 @@
 - `applied`: updates actually applied to the parameters (equal to `step` until a step guard
   skips updates);
 - `params`: fp32 parameters (the master copy); `opt_state`: the optimizer's state;
-- `guard`: the loss scale and the step guard's counters and loss history (`train/guard.py`).
+- `guard`: the loss scale and the step guard's counters and loss history (`trainer/guard.py`).
 
 A field added later gets a default, so a checkpoint saved before it existed restores:
 `saved_fields(meta)` says which fields a checkpoint holds (its metadata lists them; one saved

@@ -1,6 +1,6 @@
 """The train step, wired and compiled: one function for every ZeRO stage and mesh; only shardings differ.
 
-State is a `TrainState` (`train/state.py`) with fp32 parameters (the master copy) and
+State is a `TrainState` (`trainer/state.py`) with fp32 parameters (the master copy) and
 fp32 optimizer state. Per `train.zero_stage`, over the `fsdp` axis:
 
 | stage | params | grads (and accumulation buffer) | optimizer state |
@@ -11,10 +11,10 @@ fp32 optimizer state. Per `train.zero_stage`, over the `fsdp` axis:
 | 3 | sharded, gathered at use | sharded (reduce-scatter) | sharded |
 
 Tensor-parallel dimensions stay sharded over `tp` in every stage. A step takes a batch
-(`jaxllm/batch.py`) and minimises an objective (`train/objectives.py`, next-token
+(`jaxllm/batch.py`) and minimises an objective (`trainer/objectives.py`, next-token
 cross-entropy unless told otherwise): its sum over the global batch divided by its count, so
 microbatching and data sharding do not change it. The gradient paths are
-`train/gradients.py`. Building a step changes no global JAX setting: fp32 steps trace under
+`trainer/gradients.py`. Building a step changes no global JAX setting: fp32 steps trace under
 `jax.default_matmul_precision("highest")` (no TF32 on GPU) inside their own functions.
 """
 
@@ -44,11 +44,11 @@ from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import Schedule, make_schedule, model_chunks
 from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
-from jaxllm.train import bias_balance, gradients, guard, offload, preference
-from jaxllm.train.gradients import Paths, constrain_tree
-from jaxllm.train.objectives import LANGUAGE_MODEL, Objective, finish, grpo
-from jaxllm.train.optimizer import learning_rate, make_optimizer
-from jaxllm.train.state import TrainState
+from jaxllm.trainer import bias_balance, gradients, guard, offload, preference
+from jaxllm.trainer.gradients import Paths, constrain_tree
+from jaxllm.trainer.objectives import LANGUAGE_MODEL, Objective, finish, grpo
+from jaxllm.trainer.optimizer import learning_rate, make_optimizer
+from jaxllm.trainer.state import TrainState
 
 
 COMPUTE_DTYPES = ("bfloat16", "float32", "float16")  # precision.compute
@@ -175,7 +175,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
 
 def train_step(state: TrainState, batch: dict, *, g: Paths, sh: Shardings, tx, lr_fn, cfg) -> tuple[TrainState, dict]:
     """One optimizer step: gradients of the objective over the batch (scaled, then unscaled, when a loss
-    scale is on), the update unless the guard skips it (`train/guard.py`), the logged metrics."""
+    scale is on), the update unless the guard skips it (`trainer/guard.py`), the logged metrics."""
     scale = state.guard.loss_scale  # 1 when not scaling, still data: see gradients.loss_share
     mem = cfg.memory
     old_params = offload.fetch(state.params, sh.params, mem.offload_params)

@@ -1,6 +1,6 @@
 """Orbax checkpoints of the train state: async saves, keep the last K, restore onto any mesh, skip damage.
 
-A checkpoint holds the train state (`train/state.py`) and, beside it as JSON, the resolved config
+A checkpoint holds the train state (`trainer/state.py`) and, beside it as JSON, the resolved config
 and the state's field names. Restoring reads each array straight into the shardings of the *current* mesh, so
 a run saved on fsdp=8 continues on dp=2×fsdp=4.
 
@@ -9,7 +9,7 @@ a killed save leaves `<step>.orbax-checkpoint-tmp-…` and never a half-written 
 takes the newest step that restores; damaged newer steps and temporary folders are logged and
 moved aside to `<step>.bad` (Orbax ignores that name, so a new save of the step and pruning work).
 Detected: missing or truncated array files, unreadable metadata, interrupted saves, and (with
-`train.checkpoint_checksums`, `train/checksums.py`) an array whose values changed after the save.
+`train.checkpoint_checksums`, `trainer/checksums.py`) an array whose values changed after the save.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 
 from jaxllm.errors import CheckpointError
 from jaxllm.mesh import all_agree, barrier
-from jaxllm.train import checksums
+from jaxllm.trainer import checksums
 
 log = logging.getLogger("jaxllm")
 TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's suffix for a save in progress

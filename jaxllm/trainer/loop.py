@@ -36,11 +36,11 @@ from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
 from jaxllm.schema import Config
-from jaxllm.train import checkpoint as ckpt
-from jaxllm.train import faults, goodput, preemption, preference, profiling, wandb_log
-from jaxllm.train import metrics as metrics_lib
-from jaxllm.train import state as state_lib
-from jaxllm.train.step import make_step_fns, trained
+from jaxllm.trainer import checkpoint as ckpt
+from jaxllm.trainer import faults, goodput, preemption, preference, profiling, wandb_log
+from jaxllm.trainer import metrics as metrics_lib
+from jaxllm.trainer import state as state_lib
+from jaxllm.trainer.step import make_step_fns, trained
 
 log = logging.getLogger("jaxllm")
 
@@ -269,7 +269,7 @@ class _Run:
     tasks: list = field(default_factory=list)  # benchmark tasks scored at each validation (train.eval_tasks)
     tokenizer: object = None
     last: dict = field(default_factory=lambda: {"loss": math.nan, "val_loss": math.nan})
-    clock: goodput.Clock = field(default_factory=goodput.Clock)  # where the wall time goes (train/goodput.py)
+    clock: goodput.Clock = field(default_factory=goodput.Clock)  # where the wall time goes (trainer/goodput.py)
     profiler: object = None
     wandb: object = None  # a wandb_log.Mirror, which the writer sends its rows to once it exists
     since: tuple = (0.0, 0)  # (time.time(), step) of the last training row: step_time_s is over the steps since

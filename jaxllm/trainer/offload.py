@@ -19,7 +19,7 @@ import jax
 
 from jaxllm.errors import ConfigError
 from jaxllm.stack import has_moe
-from jaxllm.train.gradients import uses_island
+from jaxllm.trainer.gradients import uses_island
 
 HOST = "pinned_host"
 
