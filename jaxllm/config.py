@@ -307,7 +307,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
              + step.check_config(cfg, shape) + optimizer.check_config(t)
              + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
-    attention.check_run(cfg, shape["sp"])
+    notes += attention.check_run(cfg, shape["sp"])
     _check_loop(t)
     profiling.check_config(cfg)
     wandb_log.check_config(cfg)

@@ -11,6 +11,7 @@ implementations (`model.attention_impl`) are `ops/`, shared with those strategie
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -20,10 +21,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxllm.models.layers import add_bias, column_parallel, norm, row_parallel
 from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
 from jaxllm.ops import cudnn_attention
-from jaxllm.ops.pallas_attention import supports
+from jaxllm.ops.pallas_attention import IMPLEMENTATIONS as PALLAS_KERNELS, supports
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope, yarn, yarn_attention_factor
-from jaxllm.parallel import allgather_attention, ring_attention, ulysses_attention
+from jaxllm.parallel import allgather_attention, kernel_island, ring_attention, ulysses_attention
 from jaxllm.errors import ConfigError
 from jaxllm.sharding import constrain, current_layout
 
@@ -177,7 +178,10 @@ def attend(q, k, v, positions, segment_ids, m=None, layer=None):
         fused = {"kernel": m.attention_impl} if m is not None and m.attention_impl in RING_KERNELS else {}
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
                                                                   masking(m, layer), **fused)
-    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), implementation(m))
+    impl = implementation(m)
+    if layout is not None and impl in PALLAS_KERNELS:  # custom calls the partitioner cannot split
+        return kernel_island.attend(q, k, v, positions, segment_ids, layout, masking(m, layer), impl)
+    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), impl)
 
 
 def _project(p: dict, x, positions, m, dtype, layer=None):
@@ -308,20 +312,77 @@ def _check_fused(m, sp: int = 1) -> None:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
 
 
-def check_run(cfg, sp: int) -> None:
+def one_segment_rows(cfg) -> bool:
+    """Whether every row of the run's batches is one segment at its index: pre-training text with the language-model
+    objective (packed fine-tuning rows, preference pairs and GRPO's rollouts are not)."""
+    return cfg.train.objective == "lm" and cfg.data.format == "text"
+
+
+def check_run(cfg, sp: int) -> list[str]:
     """`model.attention_impl = cudnn` against the run: its rows must be one segment at their index (pre-training
     text with the language-model objective) and its compute dtype one cuDNN takes; so must the rows the ring runs
-    on a fused kernel (one line, ConfigError)."""
+    on a fused kernel (one line, ConfigError). The note: what runs, and for `auto` why (`choose`, on this
+    process's backend)."""
     m = cfg.model
-    one_segment_rows = cfg.train.objective == "lm" and cfg.data.format == "text"
-    if sp > 1 and m.attention_impl in RING_KERNELS and not one_segment_rows:
+    if sp > 1 and m.attention_impl in RING_KERNELS and not one_segment_rows(cfg):
         raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sp={sp}: the ring's pairs run on it for "
                           "rows of one segment (pre-training text, train.objective=lm); use chunked")
-    if m.attention_impl != "cudnn" or sp > 1:
-        return
-    why = cudnn_attention.supports(masking(m), *_call_shapes(m), cfg.precision.compute, one_segment_rows)
-    if why:
-        raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
+    if m.attention_impl == "cudnn" and sp == 1:
+        why = cudnn_attention.supports(masking(m), *_call_shapes(m), cfg.precision.compute, one_segment_rows(cfg))
+        if why:
+            raise ConfigError(f"model.attention_impl=cudnn: {why}; use chunked")
+    if m.attention_impl != "auto":
+        return []
+    impl, why = choose(cfg, jax.default_backend(), sp)
+    return [f"attention: {impl} (model.attention_impl=auto on {jax.default_backend()}: {why})"]
+
+
+# ---------------------------------------------------------------- `auto`, per target platform
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # a device's platform is "gpu"; an export names "cuda" or "rocm"
+
+
+def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
+    """`auto` for a run compiled for `platform`: (the implementation, why). On GPU cuDNN where it computes the
+    run's masks exactly and this process can trace it (a GPU backend: an export for CUDA from a CPU cannot), else
+    Pallas's Triton kernel where it does; on TPU Splash where it does; elsewhere, and whenever a fused kernel
+    cannot compute every layer's masks, `dense` or `chunked` by length (`_auto`: CPU's choice, so CPU runs are
+    unchanged). With sp > 1 the islands run `chunked`, the ring Pallas's GPU kernel on its pairs where it can."""
+    m, plain = cfg.model, _auto(cfg.model)
+    gpu, tpu = platform in GPU_PLATFORMS, platform == "tpu"
+    if sp > 1:
+        return _ring_choice(cfg, gpu, sp)
+    if not (gpu or tpu):
+        return plain, (f"{platform}'s choice: chunked from {CHUNKED_FROM} tokens or under a window shorter than "
+                       "the sequence, else dense")
+    if windows_differ(m):
+        return plain, "the fused kernels take one window for every layer"
+    if gpu and jax.default_backend() in GPU_PLATFORMS:
+        if not cudnn_attention.supports(masking(m), *_call_shapes(m), cfg.precision.compute, one_segment_rows(cfg)):
+            return "cudnn", "cuDNN computes this run's masks exactly"
+    fused = "pallas_gpu" if gpu else "pallas_tpu"
+    why = supports(fused, masking(m), *_call_shapes(m), positions_are_index=True)
+    return (plain, f"{fused}: {why}") if why else (fused, f"{'cuDNN cannot, ' if gpu else ''}{fused} computes this "
+                                                          "run's masks exactly")
+
+
+def _ring_choice(cfg, gpu: bool, sp: int) -> tuple[str, str]:
+    m = cfg.model
+    if not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window:
+        return "chunked", f"model.cp_strategy={m.cp_strategy} over mesh.sp={sp}: the chunked kernel in each island"
+    chunks = sp * (2 if m.cp_load_balance else 1)
+    why = supports("pallas_gpu", masking(m), *_call_shapes(m, chunks), positions_are_index=True)
+    return ("chunked", f"the ring's pairs on pallas_gpu: {why}") if why else (
+        "pallas_gpu", "the ring's pairs on pallas_gpu")
+
+
+def for_platform(cfg, platform: str, sp: int):
+    """`cfg` with `auto` resolved for `platform` (`choose`): what the step's programs are built with. The run's
+    config (saved with its checkpoints) keeps `auto`, so a run resumed on another platform chooses again."""
+    if cfg.model.attention_impl != "auto":
+        return cfg
+    impl, _ = choose(cfg, platform, sp)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
 def _check_ring_kernel(m, sp: int) -> None:
@@ -350,10 +411,12 @@ def _check_implementation(m, sp: int) -> list[str]:
         _check_ring_kernel(m, sp)
     if m.attention_impl in FUSED_PLATFORM:
         _check_fused(m, sp)
+    if m.attention_impl == "auto":
+        return []  # `check_run` says what auto chose and why
     if sp > 1:
         kernel = m.attention_impl if m.attention_impl in RING_KERNELS else "chunked"
         return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the {kernel} kernel in each island)"]
-    return [f"attention: {implementation(m)} (model.attention_impl={m.attention_impl})"]
+    return [f"attention: {m.attention_impl}"]
 
 
 ATTENTIONS = ("mha", "mla")

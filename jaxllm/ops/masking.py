@@ -53,6 +53,13 @@ def ungrouped(x):
     return rearrange(x, "b t k g d -> b t (k g) d")
 
 
+def values_as_wide_as_keys(v, dk: int):
+    """v [b, s, kv, dv] zero-padded to dk: for kernels that take one head dimension. The padded columns of the
+    output are zeros (each output row is a weighted sum of value rows) and are sliced off, so the first dv are
+    the call's exactly, gradients included (a pad's and a slice's transposes)."""
+    return jnp.pad(v, ((0, 0),) * 3 + ((0, dk - v.shape[-1]),))
+
+
 def capped(scores, softcap: float):
     """Gemma 2's logit soft cap (softcap = 0: the scores as they are)."""
     return softcap * jnp.tanh(scores / softcap) if softcap else scores

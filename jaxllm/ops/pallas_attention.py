@@ -34,7 +34,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxllm.ops.masking import Masking
+from jaxllm.ops.masking import Masking, values_as_wide_as_keys
 
 IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu")
 TPU_LANES = 128  # Splash's key blocks (and so the sequences) are multiples of the TPU's 128 lanes
@@ -72,8 +72,8 @@ def supports(impl: str, masking: Masking, q_shape, k_shape, v_shape, positions_a
         return "pallas_gpu takes no sliding window"
     if masking.softcap:
         return "pallas_gpu takes no soft cap"
-    if dv != dk:
-        return f"pallas_gpu needs the value head dimension equal to the key's (dv={dv}, dk={dk})"
+    if dv > dk:
+        return f"pallas_gpu needs values no wider than keys (dv={dv}, dk={dk}; narrower ones are zero-padded)"
     if t != s:
         return f"pallas_gpu is self-attention only: one sequence length and one set of segment ids (t={t}, s={s})"
     if _block(t, (128, 64, 32, 16)) is None:
@@ -175,17 +175,17 @@ def pallas_gpu_pair_grads(q, k, v, out, lse, d_out, causal: bool, scale: float, 
 def pallas_gpu(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking, interpret: bool = False,
                block: int | None = None):
     """The Pallas Triton FlashAttention kernel (GPU): self-attention causal by index within segments,
-    grouped queries by repeating K/V, no window, soft cap or dv ≠ dk. One set of segment ids serves
-    queries and keys: q_seg's (k_seg must equal it, as in self-attention). Returns [b, t, h, dk] in q's
-    dtype. `block`: the forward's q and k block (None: the largest of 128, 64, 32, 16 dividing t); the
-    backward's blocks are at most 64."""
+    grouped queries by repeating K/V, values narrower than keys zero-padded to their width (latent attention),
+    no window or soft cap. One set of segment ids serves queries and keys: q_seg's (k_seg must equal it, as in
+    self-attention). Returns [b, t, h, dv] in q's dtype. `block`: the forward's q and k block (None: the largest
+    of 128, 64, 32, 16 dividing t); the backward's blocks are at most 64."""
     del q_pos, k_pos, k_seg
     _check("pallas_gpu", masking, q, k, v)
-    triton_attention, h = _triton(), q.shape[2]
+    triton_attention, h, dv = _triton(), q.shape[2], v.shape[-1]
     # query head i reads K/V head i // (h / kv): each K/V head repeated for its group, in order
-    k, v = _heads_of_queries(k, h), _heads_of_queries(v, h)
+    k, v = _heads_of_queries(k, h), _heads_of_queries(values_as_wide_as_keys(v, q.shape[-1]), h)
     q = q * masking.score_scale(q.shape[-1])
     out = triton_attention.mha(q, k, v, q_seg.astype(jnp.int32), sm_scale=1.0, causal=True,
                                block_sizes=_triton_sizes(triton_attention, q.shape[1], block),
                                backward_pass_impl="triton", interpret=interpret)
-    return out.astype(q.dtype)
+    return out[..., :dv].astype(q.dtype)

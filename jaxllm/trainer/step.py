@@ -34,7 +34,7 @@ from jaxllm import batch as batch_lib
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
 from jaxllm.mesh import batch_shards
-from jaxllm.models import base_quant, lora
+from jaxllm.models import attention, base_quant, lora
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
@@ -271,8 +271,10 @@ def objective_of(cfg: Config) -> Objective:
     return LANGUAGE_MODEL
 
 
-def make_step_fns(cfg: Config, mesh, objective: Objective | None = None) -> StepFns:
-    """The step's programs on `mesh` for `objective` (None: the config's, `objective_of`)."""
+def make_step_fns(cfg: Config, mesh, objective: Objective | None = None, platform: str | None = None) -> StepFns:
+    """The step's programs on `mesh` for `objective` (None: the config's, `objective_of`), compiled for `platform`
+    (None: the mesh's devices'; `cuda` or `tpu` to export for one from here): `auto` attention resolves for it."""
+    cfg = attention.for_platform(cfg, platform or mesh.devices.flat[0].platform, mesh.shape["sp"])
     m, t = cfg.model, cfg.train
     objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3, hpz=t.zeropp.hpz),

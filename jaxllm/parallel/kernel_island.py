@@ -1,0 +1,43 @@
+"""A Pallas attention kernel on each device's own rows and heads (a shard_map island).
+
+A Pallas kernel is a custom call the SPMD partitioner cannot split: Splash's Mosaic call refuses to be
+partitioned, and XLA would run a Triton call on operands gathered whole. So with the sequence whole on each
+device (sp = 1) `pallas_tpu` and `pallas_gpu` run inside this island, manual over every mesh axis the enclosing
+program has not already made manual (inside gradient accumulation the batch axes are; inside a pipeline stage pp
+is). (cuDNN's call partitions itself and needs no island; the ring runs its own, `ring_attention.py`.)
+
+Axes: all of them. q [b/B, t, h/tp, dk], k and v [b/B, t, kv/tp, d] with B the batch axes' product (dp, fsdp,
+ep) where they split the batch, KV heads already repeated up to tp where fewer (`sharding.replicated_heads`);
+positions and segment ids [b/B, t]. Every other axis holds the operands whole (size 1 here: pp outside a stage,
+sp). Collectives per call: none, 0 bytes: a device attends over its own rows and heads.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxllm.ops import pallas_attention
+from jaxllm.ops.masking import Masking
+from jaxllm.sharding import Layout, island_mesh, manual_spec
+
+
+def manual_axes(layout: Layout) -> set[str]:
+    """The mesh axes the enclosing program has not made manual."""
+    done = set(jax.sharding.get_abstract_mesh().manual_axes) if layout.manual else set()
+    return set(layout.mesh.axis_names) - done
+
+
+def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking, impl: str, interpret: bool = False):
+    """`impl`'s attention (a Pallas kernel, `ops/attention.py`'s interface) of q, k, v laid out as `layout`'s
+    activations, each device computing its own rows and heads (`interpret`: on CPU, for tests)."""
+    axes, rules, mesh = manual_axes(layout), layout.activations, layout.mesh
+    q_spec = manual_spec(("batch", "seq", "heads", "head_dim"), rules, mesh, q.shape, axes)
+    kv_spec = manual_spec(("batch", "seq", "kv_heads", "head_dim"), rules, mesh, k.shape, axes)
+    pos_spec = manual_spec(("batch", "seq"), rules, mesh, positions.shape, axes)
+
+    def local(q, k, v, pos, seg):
+        return getattr(pallas_attention, impl)(q, k, v, pos, pos, seg, seg, masking, interpret=interpret)
+
+    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
+                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec),
+                         out_specs=q_spec)(q, k, v, positions, segment_ids)
