@@ -2,7 +2,8 @@
 (a shard_map island).
 
 Axes: manual over `sp` and `tp` (heads are split over tp and never mix); batch axes stay
-with the compiler. q [b, s/sp, h/tp, d], k and v [b, s/sp, kv/tp, d] (KV heads repeated up
+with the compiler, except on a fused kernel (a custom call the partitioner cannot split), where the island is
+manual over every axis (`kernel_island.manual_axes`). q [b, s/sp, h/tp, d], k and v [b, s/sp, kv/tp, d] (KV heads repeated up
 to tp where fewer), positions and segment ids [b, s/sp].
 
 Forward: each of sp steps folds the K/V block a rank holds into the chunked kernel's online
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.ops import chunked_attention as chunked
 from jaxllm.ops import pallas_attention
 from jaxllm.ops.masking import CAUSAL, Masking, ungrouped
+from jaxllm.parallel import kernel_island
 from jaxllm.sharding import Layout, island_mesh, manual_spec
 
 
@@ -51,9 +53,9 @@ def manual_axes(layout: Layout) -> set[str]:
     return {a for a in ("sp", "tp") if a == "sp" or layout.mesh.shape[a] > 1}
 
 
-def specs(layout: Layout, q, k):
-    """(q spec, k/v spec, positions spec) of the islands over sp and tp."""
-    rules, mesh, axes = layout.activations, layout.mesh, manual_axes(layout)
+def specs(layout: Layout, q, k, axes: set[str] | None = None):
+    """(q spec, k/v spec, positions spec) of the islands over `axes` (None: sp and tp, `manual_axes`)."""
+    rules, mesh, axes = layout.activations, layout.mesh, manual_axes(layout) if axes is None else axes
     return (manual_spec(("batch", "seq", "heads", "head_dim"), rules, mesh, q.shape, axes),
             manual_spec(("batch", "seq", "kv_heads", "head_dim"), rules, mesh, k.shape, axes),
             manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], axes))
@@ -243,7 +245,9 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     (query block, key block) pairs it computed: counted inside the island, in the branch that runs when a pair
     is not skipped."""
     n = layout.mesh.shape["sp"]
-    q_spec, kv_spec, pos_spec = specs(layout, q, k)
+    # a fused kernel is a custom call the partitioner cannot split: then the island is manual over every axis
+    axes = manual_axes(layout) if kernel == "chunked" else kernel_island.manual_axes(layout)
+    q_spec, kv_spec, pos_spec = specs(layout, q, k, axes)
     block = min(block, q.shape[1] // n)
     pairs = None if kernel == "chunked" else _fused_pairs(kernel, masking, q.shape[-1], interpret)
 
@@ -257,6 +261,6 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
         return _ring(q, k, v, pos, seg, window, masking.softcap, masking.scale, n, block)
 
     window = jnp.asarray(masking.window, jnp.int32)
-    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
+    return jax.shard_map(local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P()),
                          out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids, window)
