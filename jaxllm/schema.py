@@ -251,9 +251,10 @@ class ModelConfig:
                                       "recomputing backward: O(t) memory, masked-out blocks skipped), `pallas_tpu` "
                                       "(JAX's Splash kernel, on TPU) or `pallas_gpu` (JAX's Pallas FlashAttention, on "
                                       "GPU) or `cudnn` (cuDNN's, on GPU, pre-training rows in bf16/fp16), refused where "
-                                      "they cannot express the run's masks; or `auto` (`chunked` "
-                                      "from `seq_len` 4096 on or with a window shorter than `seq_len`, else `dense`; "
-                                      "the choice is logged); see \"Attention\"")
+                                      "they cannot express the run's masks; or `auto`: per platform, on GPU cuDNN "
+                                      "else `pallas_gpu`, on TPU `pallas_tpu`, where they compute every layer's masks; "
+                                      "otherwise and on CPU `chunked` from `seq_len` 4096 on or with a window shorter "
+                                      "than `seq_len`, else `dense`; the choice and why are logged; see \"Attention\"")
     init_std: float = key(0.02, "standard deviation of the random initialisation")
     pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
                                    "puts an MoE feed-forward in every second layer); the stack is scanned")
@@ -346,8 +347,10 @@ class TrainConfig:
     mtp_weight: float = key(0.3, "with `model.mtp_depth` > 0: λ, the weight of the multi-token prediction modules' mean "
                                  "loss in the objective (the logged `loss` includes it; `lm_loss` and `mtp_loss` are "
                                  "the two parts)")
-    loss_chunk: int = key(0, "compute the logits this many sequence positions at a time (0 = all at once), so "
-                             "[tokens × vocab] logits never exist at once; must divide `seq_len`")
+    loss_chunk: int = key(-1, "compute the logits this many sequence positions at a time, so [tokens × vocab] logits "
+                              "never exist at once; must divide `seq_len`; 0 = all at once; -1 = by the rule: in "
+                              "chunks where a token's fp32 logits outweigh its residual stream over the layers, "
+                              "whole elsewhere (see \"Memory\")")
     optimizer: str = key("adamw", "`adamw`, `sgd` (with momentum), `adafactor`, `lion`, `muon` (per-layer on "
                                   "stacked weights; Adam for embeddings, head, norms)")
     lr: float = key(1e-3, "peak learning rate: linear warm-up to `lr`, cosine to `lr × min_lr_ratio`")

@@ -529,6 +529,35 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     return finish(*total)
 
 
+MIN_LOSS_CHUNK = 256  # positions: the head's matmul keeps this many rows a chunk, so it stays an accelerator's size
+
+
+def logit_bytes_per_token(m: ModelConfig, tp: int = 1) -> int:
+    """Bytes of a token's fp32 logits on one device (the padded vocabulary split over tp): the head's largest
+    temporary, as many again for its gradient."""
+    return 4 * padded_vocab(m) // tp
+
+
+def residual_bytes_per_token(m: ModelConfig, dtype) -> int:
+    """Bytes of a token's residual stream over the layers in the compute dtype: what the trunk keeps for the
+    backward even under full recomputation."""
+    return m.d_model * m.n_layers * jnp.dtype(dtype).itemsize
+
+
+def default_loss_chunk(m: ModelConfig, dtype, sp: int = 1, tp: int = 1) -> int:
+    """`train.loss_chunk = -1`'s positions per chunk (0: whole). The rule: where a token's fp32 logits are no larger
+    than its residual stream over the layers, the loss runs whole (the trunk sets the step's memory); where they
+    are, in the fewest chunks whose logits are each within the residual stream's bytes, each chunk at least
+    MIN_LOSS_CHUNK positions, dividing seq_len in multiples of sp (strided chunks: `head_terms`)."""
+    needed = -(-logit_bytes_per_token(m, tp) // residual_bytes_per_token(m, dtype))
+    if needed <= 1:
+        return 0
+    s = m.seq_len
+    fits = [n for n in range(2, s + 1) if s % n == 0 and (s // n) % sp == 0 and s // n >= MIN_LOSS_CHUNK]
+    n = next((n for n in fits if n >= needed), fits[-1] if fits else 1)
+    return 0 if n == 1 else s // n
+
+
 # ---------------------------------------------------------------- whole model
 
 

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.mesh import batch_shards
+from jaxllm.models.transformer import logit_bytes_per_token, residual_bytes_per_token
+from jaxllm.trainer.step import loss_chunk
 
 THEORY_ASSUMES = ("Adam (2 fp32 moments per parameter); Φ per device: a pipeline stage's share, 1/ep of the "
                   "experts, 1/tp of what tensor parallelism splits; step counters and the batch are left out")
@@ -83,3 +85,13 @@ def device_bytes(tree) -> int:
         return 8 if dtype == jnp.bool_ else kind(dtype).bits
 
     return sum(-(-math.prod(a.sharding.shard_shape(a.shape)) * bits(a.dtype) // 8) for a in jax.tree.leaves(tree))
+
+
+def loss_theory(cfg, mesh_shape: dict) -> dict:
+    """The head's logits per device and microbatch (fp32, the padded vocabulary over tp; as many again for their
+    gradient) beside the residual stream the layers keep, and the positions per loss chunk they give
+    (`train.loss_chunk`, -1: `transformer.default_loss_chunk`'s rule; 0: whole)."""
+    m, tokens = cfg.model, microbatch_rows(cfg.train, mesh_shape) * cfg.model.seq_len // mesh_shape["sp"]
+    return {"logit_bytes": tokens * logit_bytes_per_token(m, mesh_shape["tp"]),
+            "residual_bytes": tokens * residual_bytes_per_token(m, cfg.precision.compute),
+            "setting": cfg.train.loss_chunk, "chunk": loss_chunk(cfg, mesh_shape)}

@@ -74,6 +74,11 @@ def _format_memory(p: dict) -> list[str]:
                      f"norm (replicated over pp) = {ps['stack']:,} / {pl['pp']} + {ps['shared']:,} = {ps['stage']:,})")
     if fp["argument_bytes"]:
         lines.append(f"  compiled arguments / theory arguments = {mem['argument_bytes'] / fp['argument_bytes']:.3f}")
+    loss = p["loss"]
+    how = f"in chunks of {loss['chunk']} positions" if loss["chunk"] else "whole"
+    lines.append(f"  loss: fp32 logits {format_bytes(loss['logit_bytes'])} per device and microbatch (as much again "
+                 f"for their gradient), residual stream over the layers {format_bytes(loss['residual_bytes'])}: "
+                 f"{how} (train.loss_chunk={loss['setting']}{', the rule' if loss['setting'] < 0 else ''})")
     return lines
 
 

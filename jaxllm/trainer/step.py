@@ -159,11 +159,19 @@ def sequence_order(m, sp: int) -> tuple[int, ...] | None:
     return tuple(zigzag_order(m.seq_len, sp).tolist()) if sp > 1 and m.cp_load_balance else None
 
 
+def loss_chunk(cfg: Config, shape: dict) -> int:
+    """`train.loss_chunk` resolved: -1 (the default) by `transformer.default_loss_chunk`'s rule."""
+    t = cfg.train
+    if t.loss_chunk >= 0:
+        return t.loss_chunk
+    return transformer.default_loss_chunk(cfg.model, cfg.precision.compute, shape["sp"], shape["tp"])
+
+
 def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> Paths:
     m, t, mesh = cfg.model, cfg.train, layout.mesh
     return Paths(
         model=m, dtype=jnp.dtype(cfg.precision.compute), objective=objective, microbatches=t.microbatches,
-        loss_chunk=t.loss_chunk, zero_stage=t.zero_stage, layout=layout, grad_shardings=sh.grads,
+        loss_chunk=loss_chunk(cfg, dict(mesh.shape)), zero_stage=t.zero_stage, layout=layout, grad_shardings=sh.grads,
         grad_rules=sh.grad_rules, batch_shards=batch_shards(dict(mesh.shape)),
         microbatch_sharding=NamedSharding(mesh, P(None, BATCH_AXES)),
         order=None if layout.sequence_order is None else np.asarray(layout.sequence_order),
@@ -367,9 +375,12 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
                           f"{sp * tp}; change seq_len or tp")
     if t.sequence_parallel and tp == 1:
         notes.append("train.sequence_parallel=true with mesh.tp=1: nothing to shard the sequence over; it has no effect")
-    if t.loss_chunk < 0 or (t.loss_chunk and m.seq_len % t.loss_chunk):
-        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be 0 or divide model.seq_len={m.seq_len}; "
-                          "pick a divisor of seq_len")
-    if t.loss_chunk and t.loss_chunk % sp:
+    if t.loss_chunk < -1 or (t.loss_chunk > 0 and m.seq_len % t.loss_chunk):
+        raise ConfigError(f"train.loss_chunk={t.loss_chunk} must be -1 (by the rule), 0 or divide model.seq_len="
+                          f"{m.seq_len}; pick a divisor of seq_len")
+    if t.loss_chunk > 0 and t.loss_chunk % sp:
         raise ConfigError(f"train.loss_chunk={t.loss_chunk} is not divisible by mesh.sp={sp}; make it a multiple of sp")
+    chunk = loss_chunk(cfg, shape)
+    notes.append(f"loss: the logits {f'{chunk} positions at a time' if chunk else 'whole'} (train.loss_chunk="
+                 f"{t.loss_chunk}{'' if t.loss_chunk >= 0 else ': the rule on the logits bytes'})")
     return notes

@@ -19,6 +19,10 @@
 #                          chunked attention (cuDNN's takes no packed segments; dense, with the reference's copy
 #                          beside the state, ran out of the H100's memory):
 #                          DPO (a reference forward pass per batch) beside SimPO (none); their tokens/s in the logs
+#   issue62_*              the defaults of docs/performance.md, in the order to run them when time is short
+#                          (ONLY='^issue62'): the LLaMA-1B step at seq 4096 with the default config (`auto` attention,
+#                          the chunked loss, the GPU flags) and its profile, the roofline beside it (jaxllm plan
+#                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`; about 7 minutes
 set -u
 out=${1:?usage: tools/bench/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -60,3 +64,9 @@ pairs="train.objective=dpo data.format=preference data.source=$out/pairs/train.j
   model.attention_impl=chunked"
 check dpo_llama1b 150 $py -m jaxllm train $llama $pairs run.dir=$out/dpo_run
 check simpo_llama1b 150 $py -m jaxllm train $llama $pairs dpo.loss=simpo run.dir=$out/simpo_run
+llama4k="model.preset=llama-1b model.seq_len=4096 train.global_batch=1 $bf16"
+check issue62_default_4k 150 $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check issue62_profile_4k 120 $py -m tools.bench.profile_step $llama4k --steps 5 --warmup 2 --top 25 --out "$out/issue62_profile_4k" --json
+check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip h100 --json
+check issue62_dpo_auto 150 $py -m jaxllm train $llama ${pairs/model.attention_impl=chunked/} run.dir=$out/dpo_auto_run
+check issue62_mla_auto 150 $py -m tools.bench.train_step $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
