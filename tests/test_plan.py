@@ -354,15 +354,15 @@ def test_pipeline_zero_theory_per_stage(pipeline_plan):
     assert "theory Φ = stack / pp + embedding/head/final norm" in format_table(p)
 
 
-def _llama_1b_flops(remat: str) -> tuple[dict, object]:
+def _llama_1b_flops(remat: str, loss_chunk: int = 0) -> tuple[dict, object]:
     """The FLOPs report of a 2-layer model of the LLaMA-1B preset's widths (vocabulary 128,256, seq 1,024, one row,
-    dense attention), compiled on one device with `model.remat = remat`."""
+    dense attention), compiled on one device with `model.remat = remat` and `train.loss_chunk = loss_chunk`."""
     from harness import step_fns
     from jaxllm.plan.flops import flops_report
 
     cfg = build_config(None, {"model.preset": "llama-1b", "model.n_layers": 2, "model.seq_len": 1024,
                               "model.vocab_size": 128256, "model.attention_impl": "dense", "model.remat": remat,
-                              "train.global_batch": 1, "mesh.dp": 1})
+                              "train.global_batch": 1, "train.loss_chunk": loss_chunk, "mesh.dp": 1})
     fns = step_fns(cfg, devices=1)
     compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(1, 1024)).compile()
     return flops_report(cfg, compiled.as_text(), 1, "h100"), cfg
@@ -373,8 +373,10 @@ def test_compiled_flops_are_the_models_and_recomputation_adds_the_layers_forward
     """The compiled step's matmul FLOPs (loops by their trip counts) against the model FLOPs counted with
     attention's full S×S, as dense attention computes it: 1 within 5% without recomputation; with full
     recomputation 1 + every layer's forward but its last matmul (the MLP's output projection, whose output the
-    backward never reads) within 2%, so HFU shows above MFU."""
-    from jaxllm.plan.flops import recomputed_flops_per_token
+    backward never reads) within 2%, so HFU shows above MFU; the default chunked loss 1 + the head's forward
+    within 2% (its scan recomputes the logits in the backward)."""
+    from jaxllm.plan.flops import recomputed_flops_per_token, recomputed_head_flops_per_token
+    from jaxllm.trainer.step import loss_chunk
 
     plain, _ = _llama_1b_flops("none")
     assert plain["unknown_trip_loops"] == 0
@@ -383,6 +385,10 @@ def test_compiled_flops_are_the_models_and_recomputation_adds_the_layers_forward
     expected = 1 + recomputed_flops_per_token(cfg) * cfg.model.seq_len / full["model_full_attention"]
     assert abs(full["compiled"] / full["model_full_attention"] / expected - 1) <= 0.02
     assert expected > 1.05 and full["hfu_over_mfu"] > plain["hfu_over_mfu"]
+    chunked, cfg = _llama_1b_flops("none", -1)
+    chunk = loss_chunk(cfg, {"sp": 1, "tp": 1})
+    expected = 1 + recomputed_head_flops_per_token(cfg, chunk) * cfg.model.seq_len / chunked["model_full_attention"]
+    assert chunk and abs(chunked["compiled"] / chunked["model_full_attention"] / expected - 1) <= 0.02
     roof = full["roofline"]
     assert roof["step_s"] == max(roof["compute_s"], roof["memory_s"]) and roof["bytes"] > 0
 

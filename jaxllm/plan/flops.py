@@ -51,6 +51,13 @@ def recomputed_flops_per_token(cfg) -> float:
     return 2.0 * (layers - last) + 4.0 * m.n_layers * m.seq_len * attention.score_width(m)
 
 
+def recomputed_head_flops_per_token(cfg, loss_chunk: int) -> float:
+    """The head's forward FLOPs per token a chunked loss (`train.loss_chunk` resolved, > 0) runs again in its
+    backward (a rematerialised scan over the chunks): the logits' matmul over the padded vocabulary."""
+    m = cfg.model
+    return 2.0 * m.d_model * transformer.padded_vocab(m) if loss_chunk else 0.0
+
+
 def flops_report(cfg, hlo_text: str, devices: int, chip: str | None = None) -> dict:
     """{"compiled", "model", "model_full_attention" (FLOPs per device per step), "hfu_over_mfu",
     "unknown_trip_loops"} and, with `chip`, {"roofline": {"chip", "peak_flops", "hbm_bytes_per_s",
