@@ -100,3 +100,19 @@ def test_the_kernel_island_equals_one_device_on_dp2_tp2(impl):
 def _out_and_grads(f, d_out, q, k, v):
     out, vjp = jax.vjp(f, q, k, v)
     return (out, *vjp(d_out))
+
+
+NESTED = {"pp2_tp2_dp2": {"mesh.pp": 2, "mesh.tp": 2, "mesh.dp": 2, "train.microbatches": 2},
+          "dp8_microbatches2_zero1": {"mesh.dp": 8, "train.microbatches": 2, "train.zero_stage": 1}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", NESTED)
+def test_the_kernel_island_nests_in_a_pipeline_stage_and_in_gradient_accumulation(mesh):
+    """Splash (whose Mosaic call must see every axis manual) inside a pipeline stage's island (manual over pp) and
+    inside ZeRO-1's accumulation island (manual over the batch axes): the island is manual over the rest, and the
+    step exported for TPU calls the kernel."""
+    cfg, shape, _ = llama_1b_layers({**NESTED[mesh], "model.n_layers": 4, "train.global_batch": 16}, seq=1024)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg), platform="tpu")
+    exported = jax.export.export(fns.train_step, platforms=["tpu"])
+    assert KERNEL_CALLS["tpu"] in exported(fns.abstract_state, fns.abstract_batch(16, 1024)).mlir_module()
