@@ -234,7 +234,12 @@ class CacheView(NamedTuple):
 
     `k`, `v` are [repeats, batch, slots, kv_heads, head_dim], stacked over the repeats of the block
     kind like its weights; `positions` and `segment_ids` [batch, slots] describe every slot, this
-    call's tokens included (segment 0: padding or not yet written, so no token attends to it)."""
+    call's tokens included (segment 0: padding or not yet written, so no token attends to it).
+
+    Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are a pool of pages [repeats, n_pages,
+    page, ...] and `pages` [batch, pages a row holds] each row's page ids in order, so a row's slot j is
+    page `pages[row, j // page]`, offset `j % page`, and a token at position j is written there (`start`
+    unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are written."""
 
     k: jax.Array
     v: jax.Array
@@ -242,21 +247,42 @@ class CacheView(NamedTuple):
     start: jax.Array  # the slot of the call's first token (the same for every row: prompts are left-padded)
     positions: jax.Array
     segment_ids: jax.Array
+    pages: jax.Array | None = None
+
+
+def cache_write(stored, new, cache: CacheView, positions, segment_ids):
+    """One repeat's slots of `stored` with this call's `new` [batch, t, ...] written: at `cache.start`, or paged,
+    each token at its position's page and offset (segment 0 to the scratch page 0)."""
+    if cache.pages is None:
+        at = (cache.layer, 0, cache.start) + (0,) * (new.ndim - 2)
+        return jax.lax.dynamic_update_slice(stored, new[None].astype(stored.dtype), at)
+    size = stored.shape[2]
+    page = jnp.take_along_axis(cache.pages, positions // size, axis=1)
+    page = jnp.where(segment_ids == 0, 0, page)
+    return stored.at[cache.layer, page, positions % size].set(new.astype(stored.dtype))
+
+
+def cache_read(stored, cache: CacheView):
+    """One repeat's slots [batch, slots, ...]: as stored, or paged, each row's pages gathered in order."""
+    if cache.pages is None:
+        return stored[cache.layer]
+    rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
+    return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
 
 
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
-    """`attention_layer` for generation: this call's keys and values are written into the cache at
-    `cache.start`, then its queries attend to every slot of the cache (the same mask as training: causal by
+    """`attention_layer` for generation: this call's keys and values are written into the cache
+    (`cache_write`), then its queries attend to every slot of the cache (the same mask as training: causal by
     position within a segment, and the model's window). A windowed layer keeps every slot, masked: one cache
     layout for every layer and no positions to remap, at the cost of slots past the window.
     Returns (output, the cache with this layer's slots written)."""
     q, k, v = _project(p, x, positions, m, dtype, layer)
-    at = (cache.layer, 0, cache.start, 0, 0)
-    keys = constrain(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at), CACHE)
-    values = constrain(jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at), CACHE)
-    out = attention(q, keys[cache.layer], values[cache.layer], positions, cache.positions, segment_ids,
-                    cache.segment_ids, masking(m, layer), cache_implementation(m))
-    return project_out(p, out, dtype), cache._replace(k=keys, v=values)
+    keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), CACHE)
+    values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), CACHE)
+    written = cache._replace(k=keys, v=values)
+    out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
+                    segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m))
+    return project_out(p, out, dtype), written
 
 
 def _check_positions(m) -> None:

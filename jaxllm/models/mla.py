@@ -16,11 +16,11 @@ ever made.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, masking, project_out)
+from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, cache_read, cache_write,
+                                     masking, project_out)
 from jaxllm.models import lora
 from jaxllm.models.layers import column_parallel, norm, project
 from jaxllm.ops import fp8
@@ -75,15 +75,14 @@ def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
 
 
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
-    """`attention_layer` for generation over a latent cache (`cache.k`: [repeats, batch, slots, r + d_r]; no
-    `cache.v`): this call's latents are written at `cache.start`, then its queries, with W_kv_b's key half
+    """`attention_layer` for generation over a latent cache (`cache.k`: [repeats, batch, slots, r + d_r], or paged;
+    no `cache.v`): this call's latents are written (`attention.cache_write`), then its queries, with W_kv_b's key half
     absorbed, attend to every slot as one shared key head; the heads' latent outputs go through W_kv_b's
     value half and W_o. Returns (output, the cache with this layer's slots written)."""
     q_nope, q_rope = _queries(p, x, positions, m, dtype, layer)
     latent = _latent(p, x, positions, m, dtype, layer)
-    at = (cache.layer, 0, cache.start, 0)
-    written = constrain(jax.lax.dynamic_update_slice(cache.k, latent[None].astype(cache.k.dtype), at), LATENT_CACHE)
-    keys = written[cache.layer][:, :, None, :]  # [b, slots, 1, r + d_r]
+    written = constrain(cache_write(cache.k, latent, cache, positions, segment_ids), LATENT_CACHE)
+    keys = cache_read(written, cache)[:, :, None, :]  # [b, slots, 1, r + d_r]
     r = m.mla.kv_lora_rank
     w_k, w_v = _up(p, m, dtype)
     q = jnp.concatenate([fp8.einsum("attention", "bthd,rhd->bthr", q_nope, w_k), q_rope], -1)

@@ -1,0 +1,286 @@
+"""The rollout engine: a paged KV cache, continuous batching and shared prompts (one device).
+
+Pages. Each block kind's keys and values (latent attention: its latent rows) live in a pool of fixed-size pages
+[repeats, n_pages, page, ...], and each of the engine's S slots holds a page table: its request's page ids in
+order (`attention.CacheView.pages`), so the request's token at position j is in page table[j // page] at offset
+j % page. A request gets ⌈(prompt + max_new) / page⌉ pages when it is admitted and gives them back when it ends;
+page 0 is scratch, where padding and idle slots write. A decode step attends over a slot's pages gathered in
+order (XLA's gather) with the training mask by position, so a windowed layer masks as it does in training (and,
+as in the static engine, keeps its pages) and the latent cache keeps its small rows.
+
+Shared prompts. Requests with the same prompt share its prefill: the prompt's full pages are prefilled once and
+referenced by every such request; the page holding its last, partial page is copied for each (copy-on-write:
+the completions write their first tokens there), so G completions of a P-token prompt hold ⌈P / page⌉ pages of
+prompt tokens, + G where P is not a multiple of the page. A page is freed when no request holds it.
+
+Scheduling (host-driven continuous batching). While requests wait and a slot is free, the next one (in the
+order given) is admitted: its prompt prefilled by a separate call (one program per power-of-two prompt
+bucket; a shared prompt's prefill is reused), its first token sampled; then one decode step runs every busy
+slot at its own position, and a request that stops (a stop id, or `max_new` tokens) frees its slot for the
+next at once. Separate prefill calls rather than prefill chunks inside the decode step: one decode program of
+one shape, and GRPO's prompts are short beside their completions.
+
+Sampling. Request i's token t is drawn with the key fold_in(fold_in(key(seed), t), i): what the static engine
+(`decode.py`) draws for the row at place i, so the engine's tokens do not depend on its slot, the order of
+arrival or its neighbours, and equal the static engine's where the logits agree to the margin a draw needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.generate.cache import init_cache
+from jaxllm.generate.decode import Completion, _check, _dropless, bucket
+from jaxllm.generate.sampling import sample
+from jaxllm.models import transformer
+from jaxllm.models.attention import CacheView
+from jaxllm.models.layers import matmul_precision
+
+
+def _keys(seed, steps, indices):
+    """One key per row: fold_in(fold_in(key(seed), step), index), as `decode._draw`."""
+    base = jax.random.key(seed)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base, s), i))(steps, indices)
+
+
+def _view(positions, active, pages, page: int) -> CacheView:
+    """The slots of rows whose tokens sit at `positions` [rows, t] (`active` [rows, t]: 0 for padding): slot j
+    of a row at position j, seen where it is at or before the row's last position."""
+    slots = pages.shape[1] * page
+    index = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (pages.shape[0], slots))
+    last = jnp.max(jnp.where(active > 0, positions, -1), axis=1, keepdims=True)
+    return CacheView(None, None, 0, 0, index, (index <= last).astype(jnp.int32), pages)
+
+
+def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int):
+    """fp32 logits [rows, t, vocab] of tokens at positions, their keys and values written into their pages."""
+    x = transformer.embed(p, tokens, positions, m, dtype)
+    view = _view(positions, active, pages, page)
+    x, pools = transformer.cached_blocks(p["blocks"], pools, x, positions, active, view, m, dtype)
+    return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size], pools
+
+
+def _prefill(p, pools, tokens, length, pages, *, m, dtype, page: int):
+    """One prompt [1, bucket] (right-padded after `length` tokens) into its pages: (pools, last token's logits)."""
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    active = (positions < length).astype(jnp.int32)
+    with matmul_precision(dtype):
+        logits, pools = _forward(transformer.compute_weights(p, dtype), pools, tokens, positions, active, pages, m,
+                                 dtype, page)
+    return pools, logits[0, length - 1]
+
+
+def _first(logits, seed, indices, settings):
+    """Each of the requests `indices` [G] sharing a prompt draws its first token from the prompt's last logits."""
+    rows = jnp.broadcast_to(logits, (indices.shape[0], logits.shape[-1]))
+    return sample(rows, _keys(seed, jnp.zeros_like(indices), indices), *settings)
+
+
+def _decode(p, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int):
+    """One token for every slot (idle ones compute on scratch): (pools, tokens [S], logprobs [S])."""
+    with matmul_precision(dtype):
+        logits, pools = _forward(transformer.compute_weights(p, dtype), pools, tokens[:, None], positions[:, None],
+                                 active[:, None], pages, m, dtype, page)
+    token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
+    return pools, token, logp
+
+
+def _copy_page(pools, src, dst):
+    """Every block's page `src` copied to page `dst` (a shared prompt's partial page, for one of its requests)."""
+    return [{k: a.at[:, dst].set(a[:, src]) for k, a in block.items()} for block in pools]
+
+
+class _Programs(NamedTuple):
+    prefill: object
+    first: object
+    decode: object
+    copy_page: object
+
+
+_compiled: dict = {}  # (model, dtype, page) -> its programs; the newest few
+
+
+def _programs(m, dtype, page: int) -> _Programs:
+    key = (repr(m), str(dtype), page)
+    if key not in _compiled:
+        if len(_compiled) >= 8:
+            _compiled.pop(next(iter(_compiled)))
+        kw = {"m": m, "dtype": dtype, "page": page}
+        _compiled[key] = _Programs(jax.jit(functools.partial(_prefill, **kw), donate_argnums=1), jax.jit(_first),
+                                   jax.jit(functools.partial(_decode, **kw), donate_argnums=1),
+                                   jax.jit(_copy_page, donate_argnums=0))
+    return _compiled[key]
+
+
+# ---------------------------------------------------------------- the host side: pages, prompts, slots
+
+
+class PagePool:
+    """Which pages are free and how many requests (or prefilled prompts) hold each; page 0, scratch, is never
+    given out."""
+
+    def __init__(self, n: int):
+        self.free, self.holders = list(range(n - 1, 0, -1)), [0] * n
+
+    def take(self, k: int) -> list[int]:
+        if k > len(self.free):  # the pool is sized for every slot's longest request: a bug, not a user's error
+            raise RuntimeError(f"the page pool has {len(self.free)} free pages, {k} asked")
+        taken = [self.free.pop() for _ in range(k)]
+        self.hold(taken)
+        return taken
+
+    def hold(self, pages) -> None:
+        for i in pages:
+            self.holders[i] += 1
+
+    def release(self, pages) -> None:
+        for i in pages:
+            self.holders[i] -= 1
+            if self.holders[i] == 0:
+                self.free.append(i)
+
+    def held(self) -> set[int]:
+        return {i for i, n in enumerate(self.holders) if n}
+
+
+@dataclasses.dataclass
+class _Prompt:
+    """A prompt prefilled into pages: its full pages (shared), its partial last page (None where the prompt fills
+    its pages) and the copies of it its live requests write into, its last logits, and how many live requests
+    hold it."""
+    full: list
+    partial: int | None
+    logits: jax.Array
+    copies: dict = dataclasses.field(default_factory=dict)  # request index -> its copy of the partial page
+    requests: int = 0
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request in a slot: its index, prompt, pages, the next token's position and the tokens drawn so far."""
+    index: int
+    prompt: tuple
+    pages: list
+    position: int
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model on one device:
+    `slots` requests decoded at once, `page` tokens a page."""
+
+    def __init__(self, params, cfg, slots: int = 32, page: int = 16):
+        self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
+        self.params, self.slots, self.page = params, slots, page
+        self.programs = _programs(self.m, self.dtype, page)
+        self.stats: dict = {}
+
+    def generate(self, prompts: list, max_new_tokens, *, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_ids=(), seed: int = 0, order=None) -> list[Completion]:
+        """Each prompt's completion, as `decode.generate` gives it (the same tokens where the logits agree);
+        `max_new_tokens` one for all or one per prompt; `order`: the requests' arrival order (default: as
+        given). `stats` then holds the decode steps run and the most pages that held prompt tokens at once."""
+        new = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        _check(self.m, prompts, min(new), temperature, top_k, top_p, stop_ids)
+        _check(self.m, prompts, max(new), temperature, top_k, top_p, stop_ids)
+        row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
+        self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
+        self.pools = init_cache(self.m, self.pool.holders.__len__(), self.page, self.dtype, None)
+        self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
+        self.settings = tuple(jnp.asarray(v, t) for v, t in ((temperature, jnp.float32), (top_k, jnp.int32),
+                                                              (top_p, jnp.float32)))
+        self.seed, self.stop_ids, self.prefilled = jnp.asarray(seed, jnp.uint32), set(stop_ids), {}
+        self.stats = {"decode_steps": 0, "prompt_pages": 0}
+        waiting, live, done = collections.deque(range(len(prompts)) if order is None else order), [None] * self.slots, {}
+        while waiting or any(live):
+            for s in range(self.slots):
+                while live[s] is None and waiting:
+                    live[s] = self._admit(waiting.popleft(), done)
+            if any(live):
+                self._step(live, done)
+        return [done[i] for i in range(len(prompts))]
+
+    def _prefill(self, prompt: tuple) -> _Prompt:
+        """The prompt's pages written (a new prefill, or the one a live request shares)."""
+        if prompt in self.prefilled:
+            return self.prefilled[prompt]
+        pages = self.pool.take(-(-len(prompt) // self.page))
+        tokens = np.zeros((1, bucket(len(prompt))), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        self.pools, logits = self.programs.prefill(self.params, self.pools, tokens, np.int32(len(prompt)),
+                                                   self._table([pages]))
+        partial = pages[-1] if len(prompt) % self.page else None
+        entry = _Prompt(pages[:-1] if partial is not None else pages, partial, logits)
+        self.prefilled[prompt] = entry
+        return entry
+
+    def _admit(self, index: int, done: dict) -> _Live | None:
+        """Request `index` into a slot: its prompt's pages (shared), a copy of the partial one, fresh pages for
+        the rest, its first token drawn; None where that token already ends it."""
+        prompt = tuple(self.prompts_in[index])
+        entry = self._prefill(prompt)
+        entry.requests += 1
+        self.pool.hold(entry.full)
+        total = -(-(len(prompt) + self.new[index]) // self.page)
+        own = self.pool.take(total - len(entry.full))
+        if entry.partial is not None:
+            self.pools = self.programs.copy_page(self.pools, np.int32(entry.partial), np.int32(own[0]))
+            entry.copies[index] = own[0]
+        live = _Live(index, prompt, entry.full + own, len(prompt))
+        self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
+        token, logp = self.programs.first(entry.logits, self.seed, np.asarray([index], np.int32), self.settings)
+        return self._record(live, int(token[0]), float(logp[0]), done)
+
+    def _prompt_pages(self) -> set[int]:
+        """The pages that hold prompt tokens now: the prefilled prompts' and the requests' copies of their partial
+        pages."""
+        return {p for e in self.prefilled.values()
+                for p in e.full + ([e.partial] if e.partial is not None else []) + list(e.copies.values())}
+
+    def _record(self, live: _Live, token: int, logp: float, done: dict) -> _Live | None:
+        """The drawn token kept; the request finished (its pages given back) where it stops."""
+        live.tokens.append(token)
+        live.logprobs.append(logp)
+        stopped = token in self.stop_ids
+        if not stopped and len(live.tokens) < self.new[live.index]:
+            return live
+        done[live.index] = Completion(np.asarray(live.tokens, np.int32), np.asarray(live.logprobs, np.float32),
+                                      stopped)
+        self.pool.release(live.pages)
+        entry = self.prefilled[live.prompt]
+        entry.requests -= 1
+        entry.copies.pop(live.index, None)
+        if entry.requests == 0:
+            self.pool.release(entry.full + ([entry.partial] if entry.partial is not None else []))
+            del self.prefilled[live.prompt]
+        return None
+
+    def _table(self, pages: list) -> np.ndarray:
+        table = np.zeros((len(pages), self.row_pages), np.int32)
+        for r, row in enumerate(pages):
+            table[r, :len(row)] = row
+        return table
+
+    def _step(self, live: list, done: dict) -> None:
+        """One decode step over every slot; each busy one's token recorded."""
+        busy = [s for s, x in enumerate(live) if x is not None]
+        tokens, positions, active, steps, indices = (np.zeros(self.slots, np.int32) for _ in range(5))
+        for s in busy:
+            x = live[s]
+            tokens[s], positions[s], active[s] = x.tokens[-1], x.position + len(x.tokens) - 1, 1
+            steps[s], indices[s] = len(x.tokens), x.index
+        table = self._table([x.pages if x is not None else [] for x in live])
+        self.pools, token, logp = self.programs.decode(self.params, self.pools, tokens, positions, active, table,
+                                                       steps, indices, self.seed, self.settings)
+        self.stats["decode_steps"] += 1
+        token, logp = np.asarray(token), np.asarray(logp)
+        for s in busy:
+            live[s] = self._record(live[s], int(token[s]), float(logp[s]), done)
