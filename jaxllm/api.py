@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import NamedTuple, Sequence
 
 import jax
@@ -30,6 +31,7 @@ from jaxllm.data import chat as chat_lib
 from jaxllm.errors import ConfigError
 from jaxllm.eval import exact_match, requests, run, score, tasks as tasks_lib
 from jaxllm.generate import generate as generate_tokens
+from jaxllm.generate.engine import Engine
 from jaxllm.interop import export, hf
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.trainer import checkpoint as ckpt, metrics
@@ -173,17 +175,36 @@ class Model:
         return ids or [self.tokenizer.eot]
 
     def generate(self, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, timings: dict | None = None) -> list[Generation]:
+                 top_p: float = 1.0, seed: int = 0, timings: dict | None = None,
+                 slots: int = 0) -> list[Generation]:
         """A completion of each prompt (a string, or token ids; one prompt or a list of them, generated as one
         batch) with the KV cache, until a stop id of the tokenizer or `max_new_tokens`. temperature 0 is greedy;
         a row's draws depend on `seed` and its place in the list, not on the mesh. `timings` gets `compile_s` and
-        `run_s`."""
+        `run_s`. `slots` > 0: on the rollout engine (`generate/engine.py`: paged, continuously batched, on one
+        device) with that many slots, for many prompts of different lengths: the same tokens."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         ids = [self._ids(p) for p in ([prompts] if single else prompts)]
-        done = generate_tokens(self.params, self.cfg, ids, max_new_tokens, on=self.fns, temperature=temperature,
-                        top_k=top_k, top_p=top_p, stop_ids=self.tokenizer.stop_ids, seed=seed, timings=timings)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "stop_ids": self.tokenizer.stop_ids,
+                    "seed": seed}
+        if slots:
+            done = self._engine(ids, max_new_tokens, slots, sampling, timings)
+        else:
+            done = generate_tokens(self.params, self.cfg, ids, max_new_tokens, on=self.fns, timings=timings,
+                                   **sampling)
         return [Generation(completion_text(self.tokenizer, p, c.tokens), c.tokens, c.logprobs, c.stopped)
                 for p, c in zip(ids, done)]
+
+    def _engine(self, ids, max_new_tokens: int, slots: int, sampling: dict, timings: dict | None):
+        """The rollout engine's completions, on this process's first device (the parameters copied there)."""
+        if jax.process_count() > 1:
+            raise ConfigError(f"generation on the rollout engine runs on one device, and this model spans "
+                              f"{jax.process_count()} processes; generate without it (one batch) or in one process")
+        start = time.perf_counter()
+        params = jax.device_put(self.params, jax.local_devices()[0])
+        done = Engine(params, self.cfg, slots=slots).generate(ids, max_new_tokens, **sampling)
+        if timings is not None:
+            timings.update(compile_s=0.0, run_s=time.perf_counter() - start)  # the engine compiles as it runs
+        return done
 
     def logits(self, texts) -> list[np.ndarray]:
         """fp32 logits [tokens, vocabulary] of each text (a string or token ids): the trainer's forward pass, on

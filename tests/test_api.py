@@ -79,6 +79,25 @@ def test_generate_is_the_commands_token_for_token(page, capsys):
     assert printed == [g.text for g in gens] and len(printed) == 2
 
 
+def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(page, capsys, tmp_path):
+    """`jaxllm generate --prompts FILE`: one JSON line per prompt, in the file's order, with the tokens the static
+    engine samples for the same prompts in one batch (the engine draws request i as row i)."""
+    import json
+
+    from jaxllm.cli import generate as command
+
+    prompts = ["def ", "import os", "class A:", "def "]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts[:3]) + '\n"def "\n')
+    capsys.readouterr()
+    assert command.main(["--from", str(page["where"] / "runs" / "api"), "--prompts", str(tmp_path / "p.jsonl"),
+                         "--slots", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    gens = page["model"].generate(prompts, max_new_tokens=12, temperature=0.8, seed=3)
+    assert [r["prompt"] for r in rows] == prompts
+    assert [r["tokens"] for r in rows] == [g.tokens.tolist() for g in gens]
+    assert [r["text"] for r in rows] == [g.text for g in gens]
+
+
 def test_evaluate_is_the_commands_number_for_number(page, capsys):
     from jaxllm.cli import eval as command
 

@@ -2,10 +2,14 @@
 
     jaxllm generate --from runs/mine --prompt "def fib(n):" --max-new-tokens 64 --temperature 0.8
     jaxllm generate --from hf:DIR --prompt "..." --greedy [key=value ...]
+    jaxllm generate --from runs/mine --prompts prompts.jsonl [--slots 32] > completions.jsonl
 
 `--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`) or `hf:DIR`
 (the model, its tokenizer.json and generation_config.json's stop ids). Several `--prompt`s generate as
-one batch. key=value overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
+one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
+(paged, continuously batched, one device: `jaxllm/generate/engine.py`), for many prompts of different lengths,
+and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}). key=value
+overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
 bfloat16 unless set), `distributed.*` for several processes. Prints each prompt with its completion on
 stdout and the speed on stderr; any problem is one line `error: ...` and exit code 2.
 """
@@ -24,7 +28,11 @@ log = logging.getLogger("jaxllm")
 def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="jaxllm generate", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
-    p.add_argument("--prompt", action="append", required=True, help="text to continue (repeat for a batch)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
+    given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
+                       "generated on the rollout engine, one JSON line out per prompt")
+    p.add_argument("--slots", type=int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     p.add_argument("--greedy", action="store_true", help="the same as --temperature 0")
@@ -37,15 +45,39 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a JSON-lines file: each line {"prompt": text} or a JSON string (DataError, one line)."""
+    import json
+
+    from jaxllm.errors import DataError
+
+    try:
+        lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in lines]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"--prompts {path}: {e}; give a JSON-lines file of {{\"prompt\": text}} lines") from None
+    prompts = [r if isinstance(r, str) else r.get("prompt") if isinstance(r, dict) else None for r in rows]
+    bad = next((i for i, q in enumerate(prompts) if not isinstance(q, str)), None)
+    if bad is not None or not prompts:
+        raise DataError(f"--prompts {path}: line {1 if bad is None else bad + 1} is not {{\"prompt\": text}} "
+                        "nor a string; give one prompt a line")
+    return prompts
+
+
 def run(args) -> None:
+    import json
+
     import jaxllm
 
+    prompts = read_prompts(args.prompts) if args.prompts else args.prompt
     model = jaxllm.load(args.source, args.step, args.overrides)
     timings = {}
-    done = model.generate(args.prompt, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, timings=timings)
-    for g in done:
-        print(g.text)
+    done = model.generate(prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, timings=timings,
+                          slots=args.slots if args.prompts else 0)
+    for p, g in zip(prompts, done):
+        print(json.dumps({"prompt": p, "text": g.text, "tokens": g.tokens.tolist(), "stopped": g.stopped})
+              if args.prompts else g.text)
     n = sum(len(g.tokens) for g in done)
     log.info("%d new tokens in %.2f s: %.1f tokens/s (compiling took %.1f s)", n, timings["run_s"],
              n / timings["run_s"], timings["compile_s"])
