@@ -506,6 +506,10 @@ class RlConfig:
     loss_norm: str = key("token", "`token` (the mean over every completion token of the batch), `sequence` (each "
                                   "completion's mean, then their mean: DeepSeekMath's GRPO) or `constant` (the token "
                                   "sum over rows × `max_new_tokens`: Dr. GRPO)")
+    loss: str = key("grpo", "`grpo` (a ratio per token, clipped per token) or `gspo` (GSPO: one ratio per completion, "
+                            "the exp of its tokens' mean log-ratio, clipped per completion; needs `loss_norm = "
+                            "\"sequence\"`, and its paper clips at epsilon 3e-4, epsilon_high 4e-4); see "
+                            "\"Reinforcement learning\"")
     epsilon: float = key(0.2, "the ratio's clip range [1 − epsilon, 1 + epsilon_high]")
     epsilon_high: float = key(0.0, "the clip range's upper epsilon; 0 = `rl.epsilon` (DAPO raises it to 0.28)")
     beta: float = key(0.0, "weight of the KL (k3) to the starting parameters; 0 keeps no reference model")

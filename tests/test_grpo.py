@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxllm.rl.advantages import group_advantages, token_fields
-from jaxllm.trainer.objectives import grpo
+from jaxllm.trainer.objectives import finish, grpo, gspo
 
 G, GROUPS, SEQ, EPS, EPS_HIGH, BETA = 4, 3, 12, 0.2, 0.28, 0.05
 
@@ -84,6 +84,40 @@ def test_loss_and_gradients_equal_the_per_sequence_reference(norm, scale):
         jnp.asarray(logp, jnp.float32))
     np.testing.assert_allclose(float(mine[0]), float(want[0]), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(mine[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-8)
+
+
+def reference_gspo(logp, old, ref, adv, lengths, eps, eps_high, beta):
+    """GSPO (Zheng et al. 2025, eq. 5-7), one completion at a time: s_i = exp(mean of its tokens' log π − log π_old),
+    −min(s_i Â_i, clip(s_i, 1 − ε, 1 + ε_high) Â_i) + β · the mean of its tokens' k3, the mean over completions."""
+    losses = []
+    for i, n in enumerate(lengths):
+        s = jnp.exp(jnp.mean(logp[i, :n] - old[i, :n]))
+        gap = ref[i, :n] - logp[i, :n]
+        kl = jnp.mean(jnp.exp(gap) - gap - 1)
+        losses.append(-jnp.minimum(s * adv[i], jnp.clip(s, 1 - eps, 1 + eps_high) * adv[i]) + beta * kl)
+    return sum(losses) / len(lengths)
+
+
+@pytest.mark.parametrize("eps, eps_high", [(0.05, 0.08), (3e-4, 4e-4)], ids=["wide", "papers"])
+def test_gspo_loss_and_gradients_equal_the_per_sequence_reference(eps, eps_high):
+    """On GRPO's fields with sequence normalisation; some completions' ratios clipped, some not (both checked)."""
+    rewards, lengths, logp, old, ref = fixture(3)  # two groups with spread (the first has none by construction)
+    adv = group_advantages(rewards, G, "group")
+    fields = token_fields(adv, np.arange(SEQ)[None, :] < lengths[:, None], "sequence", SEQ)
+    obj = gspo(eps, eps_high, BETA)
+    batch = {**{k: jnp.asarray(v) for k, v in fields.items()}, "old_logp": jnp.asarray(old, jnp.float32),
+             "ref_logp": jnp.asarray(ref, jnp.float32)}
+
+    def mine(lp):
+        total, metrics = finish(obj, *obj.token_terms(lp, None, batch))
+        return total / obj.count(batch), metrics
+
+    (loss, metrics), grads = jax.value_and_grad(mine, has_aux=True)(jnp.asarray(logp, jnp.float32))
+    want, want_grads = jax.value_and_grad(
+        lambda lp: reference_gspo(lp, old, ref, adv, lengths, eps, eps_high, BETA))(jnp.asarray(logp, jnp.float32))
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(want_grads), rtol=1e-5, atol=1e-8)
+    assert 0 < float(metrics["clip_frac"]) < np.count_nonzero(adv)  # clipped and unclipped completions
 
 
 def test_a_group_without_spread_gets_zero_advantage_and_no_nan():

@@ -63,6 +63,8 @@ def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):
     ({"rl.group_size": 1}, "at least 2 completions"),
     ({"train.steps": 3}, "multiple of rl.num_iterations"),
     ({"rl.scale_rewards": "mean"}, "rl.scale_rewards"),
+    ({"rl.loss": "ppo"}, "rl.loss: 'ppo' is not one of grpo, gspo"),
+    ({"rl.loss": "gspo"}, "set rl.loss_norm=sequence"),
     ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
     ({"rl.rewards": ["exact"]}, "not one of exact_match"),
     ({"rl.rewards": ["format"], "rl.format_pattern": ""}, "set rl.format_pattern"),

@@ -27,6 +27,8 @@ from jaxllm.errors import ConfigError, DataError
 from jaxllm.rl import rewards
 from jaxllm.rl.advantages import LOSS_NORMS, SCALE_REWARDS
 
+RL_LOSSES = ("grpo", "gspo")  # `rl.loss`: trainer/objectives.grpo and gspo
+
 BUILT_IN_TASKS = ("arith",)
 PROMPT_FORMATS = ("text", "chat")  # data.format: a string prompt continued as it is | as the user's message
 ANSWER_REWARDS = ("exact_match", "gsm8k", "boxed")  # the built-in rewards that read `answer`
@@ -120,9 +122,12 @@ def step_prompts(n: int, per_step: int, seed: int, step: int) -> np.ndarray:
 def check_config(cfg) -> list[str]:
     """The `rl` section, for train.objective = grpo, before anything is read."""
     r, t = cfg.rl, cfg.train
-    for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS)):
+    for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS), ("loss", RL_LOSSES)):
         if getattr(r, key) not in choices:
             raise ConfigError(f"rl.{key}: '{getattr(r, key)}' is not one of {', '.join(choices)}")
+    if r.loss == "gspo" and r.loss_norm != "sequence":
+        raise ConfigError(f"rl.loss=gspo takes each completion's mean log-ratio and the mean over completions: set "
+                          f"rl.loss_norm=sequence (not {r.loss_norm})")
     if r.group_size < 2:
         raise ConfigError(f"rl.group_size: a group needs at least 2 completions to compare, got {r.group_size}")
     if t.global_batch % r.group_size:

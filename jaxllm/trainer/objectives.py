@@ -114,3 +114,38 @@ def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 
     name = f"grpo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature})"
     return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=GRPO_FIELDS,
                      temperature=temperature, spiky=False)  # near 0 and of either sign: no spikes to judge
+
+
+def gspo(epsilon: float = 3e-4, epsilon_high: float | None = None, beta: float = 0.0,
+         temperature: float = 1.0) -> Objective:
+    """GSPO's sequence-level surrogate (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): per
+    completion y_i (one a row) the ratio s_i = exp(mean over its tokens of log π − log π_old), the loss
+    −min(s_i·Â_i, clip(s_i, 1−ε, 1+ε_high)·Â_i), plus β times the mean over its tokens of GRPO's k3 KL; the mean
+    over completions. It reads GRPO's fields with `rl.loss_norm = "sequence"`: each completion's tokens weigh
+    1/|y_i| (so a weighted sum is a mean over them) and `norm` sums to 1 a completion. Metrics: `clip_frac`
+    (completions whose clipped branch is the minimum), `kl` (with β)."""
+    high = epsilon if epsilon_high is None else epsilon_high
+
+    def terms(logp, lse, batch):
+        w = batch["weights"]
+        sums = {"log_ratio": jnp.sum(w * (logp - batch["old_logp"]), axis=1),
+                "advantage": jnp.sum(w * batch["advantages"], axis=1), "weight": jnp.sum(w, axis=1)}
+        if beta:
+            gap = batch["ref_logp"] - logp
+            sums["kl"] = jnp.sum(w * (jnp.exp(gap) - gap - 1), axis=1)
+        return sums, {}
+
+    def sequence_loss(sums):
+        present, adv = sums["weight"] > 0, sums["advantage"]
+        s = jnp.exp(sums["log_ratio"])
+        unclipped, clipped = s * adv, jnp.clip(s, 1 - epsilon, 1 + high) * adv
+        per_sequence = -jnp.minimum(unclipped, clipped) + (beta * sums["kl"] if beta else 0.0)
+        total = lambda a: jnp.sum(jnp.where(present, a, 0.0))
+        metrics = {"clip_frac": total((clipped < unclipped).astype(jnp.float32))}
+        if beta:
+            metrics["kl"] = total(jax.lax.stop_gradient(sums["kl"]))
+        return total(per_sequence), metrics
+
+    name = f"gspo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature})"
+    return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=GRPO_FIELDS,
+                     temperature=temperature, spiky=False, sequence_loss=sequence_loss)

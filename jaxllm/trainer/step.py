@@ -46,7 +46,7 @@ from jaxllm.schema import Config
 from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
 from jaxllm.trainer import bias_balance, gradients, guard, offload, preference
 from jaxllm.trainer.gradients import Paths, constrain_tree
-from jaxllm.trainer.objectives import LANGUAGE_MODEL, Objective, finish, grpo
+from jaxllm.trainer.objectives import LANGUAGE_MODEL, Objective, finish, grpo, gspo
 from jaxllm.trainer.optimizer import learning_rate, make_optimizer
 from jaxllm.trainer.state import TrainState
 
@@ -273,7 +273,7 @@ def objective_of(cfg: Config) -> Objective:
     """What `train.objective` (and for GRPO the `rl` section) asks a step to minimise."""
     if cfg.train.objective == "grpo":
         r = cfg.rl
-        return grpo(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
+        return (gspo if r.loss == "gspo" else grpo)(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
     if cfg.train.objective == "dpo":
         return preference.objective_of(cfg)
     return LANGUAGE_MODEL
