@@ -515,6 +515,15 @@ class RlConfig:
     beta: float = key(0.0, "weight of the KL (k3) to the starting parameters; 0 keeps no reference model")
     num_iterations: int = key(1, "optimizer steps on each batch of rollouts; `train.steps` and "
                                  "`train.checkpoint_every` are multiples of it")
+    max_num_gen_batches: int = key(0, "DAPO's dynamic sampling: 0 = off; N = groups whose rewards are all equal are "
+                                      "dropped and the batch refilled from further prompts, at most N rounds of "
+                                      "generation a batch; short after N rounds, the batch is filled with dropped "
+                                      "groups that train on nothing (their loss mask zero); see \"Reinforcement "
+                                      "learning\"")
+    overlong_buffer: int = key(0, "DAPO's overlong reward shaping: 0 = off; L_cache = N tokens: a completion longer "
+                                  "than max_new_tokens − N earns a penalty falling linearly to −1 at max_new_tokens "
+                                  "(× `overlong_factor`), added to its reward")
+    overlong_factor: float = key(1.0, "the overlong penalty's weight")
     mask_truncated: bool = key(False, "`true`: a completion that reached `max_new_tokens` without a stop id counts "
                                       "for nothing (DAPO's overlong filter); `false`: trained on like the others")
 

@@ -58,6 +58,47 @@ def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):
     assert rows(part) == ref
 
 
+def _first_batch(over: dict):
+    """The first batch of rollouts of a TINY run with `over` (no step taken), its metrics and the rows' rewards'
+    spread per group (from the advantages: zero for every row of a group exactly when its rewards are equal)."""
+    from jaxllm.mesh import make_mesh
+    from jaxllm.rl.rollout_batches import RolloutBatches
+    from jaxllm.trainer.loop import initial_state
+    from jaxllm.trainer.step import make_step_fns
+
+    cfg = build_config(None, {**TINY, "train.steps": 2, **over})
+    tokenizer, shape, _, data = prepare(cfg)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    rollouts = RolloutBatches(cfg, tokenizer, data, fns)
+    batch = rollouts.train_batch(0, fns.batch_sharding, initial_state(cfg, fns).params)
+    g = cfg.rl.group_size
+    trained = np.asarray(batch["loss_mask"]).reshape(-1, g, batch["loss_mask"].shape[1]).sum(axis=(1, 2)) > 0
+    spread = np.abs(np.asarray(batch["advantages"])).reshape(-1, g * batch["advantages"].shape[1]).max(axis=1) > 0
+    return batch, rollouts.metrics(0), trained, spread
+
+
+def test_dynamic_sampling_trains_only_groups_with_spread_and_keeps_the_batch():
+    """DAPO's dynamic sampling (rl.max_num_gen_batches): without it some first-batch groups have no spread; with
+    it every trained group has, the batch keeps its rows, and more rounds were drawn. A reward nothing earns
+    exhausts the rounds: the batch is filled with groups that train on nothing."""
+    batch, metrics, trained, spread = _first_batch({})
+    assert trained.all() and not spread.all() and "gen_rounds" not in metrics  # the case the option is for
+    batch, metrics, trained, spread = _first_batch({"rl.max_num_gen_batches": 6})
+    assert batch["inputs"].shape[0] == TINY["train.global_batch"] and (spread[trained]).all() and trained.all()
+    assert 1 < metrics["gen_rounds"] <= 6 and metrics["idle_group_frac"] == 0.0
+    batch, metrics, trained, spread = _first_batch({"rl.max_num_gen_batches": 2, "rl.format_pattern": "^$never"})
+    assert batch["inputs"].shape[0] == TINY["train.global_batch"] and not trained.any()
+    assert metrics["gen_rounds"] == 2 and metrics["idle_group_frac"] == 1.0
+
+
+def test_overlong_shaping_adds_dapos_length_penalty():
+    from jaxllm.rl.rewards import overlong_penalty
+
+    np.testing.assert_allclose(overlong_penalty([1, 4, 5, 6, 8, 9], 8, 4), [0, 0, -0.25, -0.5, -1, -1])
+    _, metrics, _, _ = _first_batch({"rl.overlong_buffer": 2, "rl.rewards": ["format", "exact_match"]})
+    assert metrics["reward_overlong"] < 0  # completions of 3 tokens (max_new_tokens) past 3 − 2: penalised
+
+
 @pytest.mark.parametrize("over, says", [
     ({"rl.group_size": 5}, "multiple of rl.group_size"),
     ({"rl.group_size": 1}, "at least 2 completions"),
@@ -65,6 +106,7 @@ def test_a_run_logs_rollouts_and_resumes_bitwise(tmp_path):
     ({"rl.scale_rewards": "mean"}, "rl.scale_rewards"),
     ({"rl.loss": "ppo"}, "rl.loss: 'ppo' is not one of grpo, gspo"),
     ({"rl.loss": "gspo"}, "set rl.loss_norm=sequence"),
+    ({"rl.overlong_buffer": 4}, "rl.overlong_buffer between 0 and rl.max_new_tokens=3"),
     ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
     ({"rl.rewards": ["exact"]}, "not one of exact_match"),
     ({"rl.rewards": ["format"], "rl.format_pattern": ""}, "set rl.format_pattern"),

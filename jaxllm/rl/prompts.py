@@ -136,6 +136,9 @@ def check_config(cfg) -> list[str]:
     for key in ("max_new_tokens", "num_iterations"):
         if getattr(r, key) < 1:
             raise ConfigError(f"rl.{key}: must be at least 1, got {getattr(r, key)}")
+    if r.max_num_gen_batches < 0 or not 0 <= r.overlong_buffer <= r.max_new_tokens:
+        raise ConfigError(f"rl.max_num_gen_batches must be 0 or more and rl.overlong_buffer between 0 and "
+                          f"rl.max_new_tokens={r.max_new_tokens} (got {r.max_num_gen_batches}, {r.overlong_buffer})")
     if r.temperature <= 0:
         raise ConfigError(f"rl.temperature: must be > 0 (the ratio needs the sampling distribution), got {r.temperature}")
     if not 0 < r.epsilon < 1 or r.epsilon_high < 0 or r.beta < 0:

@@ -152,3 +152,11 @@ def parse(specs: list[str], format_pattern: str = "") -> Callable:
         return sum(w * each[name] for name, _, w in parts), each
 
     return score
+
+
+def overlong_penalty(lengths, max_new: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) with L_max = `max_new` and L_cache = `buffer`:
+    0 up to L_max − L_cache tokens, then falling linearly to −1 at L_max, −1 beyond; one per completion."""
+    lengths = np.asarray(lengths, np.float64)
+    start = max_new - buffer
+    return np.where(lengths <= start, 0.0, np.where(lengths <= max_new, (start - lengths) / buffer, -1.0))

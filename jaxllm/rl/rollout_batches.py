@@ -3,11 +3,13 @@
 Every `rl.num_iterations` steps (the first step of each batch of rollouts) the current parameters make a
 new batch, which the following steps reuse:
 
-1. the step's prompts (`prompts.step_prompts`), each repeated `rl.group_size` times, group after group;
+1. the step's prompts (`prompts.step_prompts`), each repeated `rl.group_size` times, group after group
+   (with DAPO's dynamic sampling, `rl.max_num_gen_batches`, further rounds of prompts until the batch holds
+   groups whose rewards differ: `_rollouts`);
 2. one completion per row from `jaxllm.generate` on the run's mesh, at `rl.temperature`, seeded by
    (train.seed, rollout); the program hands every process all of them;
-3. the rewards (`rewards.py`), which every process computes over every completion, so a group never
-   straddles processes and all agree on its advantages;
+3. the rewards (`rewards.py`, with DAPO's overlong penalty where `rl.overlong_buffer` is set), which every
+   process computes over every completion, so a group never straddles processes and all agree on its advantages;
 4. advantages (`advantages.py`) and rows (`rollouts.py`), as global arrays over the batch axes;
 5. `old_logp` from the trainer's own forward pass at the temperature (`StepFns.token_logp`) with the
    parameters that sampled, and `ref_logp` with the reference policy's (β > 0; zeros otherwise), `reference(params)`
@@ -70,19 +72,59 @@ class RolloutBatches:
             del self.padding[r]
         return float(np.mean([self.padding[r] for r in used])) if used else 0.0
 
-    def _make(self, r: int, sharding, params) -> tuple[dict, dict]:
+    def _round(self, r: int, k: int, params) -> dict:
+        """Round k of rollout r's generation: its prompts (the step's for k = 0; with dynamic sampling, further
+        ones drawn from (seed, r, k)) each G times, their completions and rewards, as lists a row each."""
         cfg, rl = self.cfg, self.cfg.rl
-        chosen = np.repeat(prompts_lib.step_prompts(len(self.prompts.ids), self.per_step, cfg.train.seed, r),
-                           rl.group_size)
+        chosen = (prompts_lib.step_prompts(len(self.prompts.ids), self.per_step, cfg.train.seed, r) if k == 0 else
+                  np.random.default_rng([cfg.train.seed, r, k]).choice(len(self.prompts.ids), self.per_step))
+        chosen = np.repeat(chosen, rl.group_size)
         prompt_ids = [self.prompts.ids[i] for i in chosen]
-        seed = int(np.random.SeedSequence([cfg.train.seed, r]).generate_state(1)[0])
+        seed = int(np.random.SeedSequence([cfg.train.seed, r] + ([k] if k else [])).generate_state(1)[0])
         out = generate_arrays(params, cfg, prompt_ids, rl.max_new_tokens, on=self.fns, temperature=rl.temperature,
                               stop_ids=self.tokenizer.stop_ids, seed=seed)
         completions = [out["tokens"][i, :n].tolist() for i, n in enumerate(out["lengths"])]
         total, each = self.score([self.prompts.texts[i] for i in chosen], [self._text(c) for c in completions],
                                  **{k: [v[i] for i in chosen] for k, v in self.prompts.columns.items()})
-        host = rollouts.rows(prompt_ids, completions, out["stopped"].tolist(), cfg.model.seq_len, rl.mask_truncated)
-        adv = advantages.group_advantages(total, rl.group_size, rl.scale_rewards)
+        if rl.overlong_buffer:
+            each["overlong"] = rewards_lib.overlong_penalty(out["lengths"], rl.max_new_tokens, rl.overlong_buffer)
+            total = total + rl.overlong_factor * each["overlong"]
+        return {"prompt_ids": prompt_ids, "completions": completions, "stopped": out["stopped"].tolist(),
+                "logprobs": list(out["logprobs"]), "total": total, "each": each}
+
+    def _rollouts(self, r: int, params) -> tuple[dict, int]:
+        """The rows rollout r trains on, and the rounds of generation it took: round 0 whole, or with dynamic
+        sampling (`rl.max_num_gen_batches`) the first per_step groups with reward spread over the rounds,
+        filled where short with groups without (marked `idle`: their loss mask is zeroed)."""
+        rl, g = self.cfg.rl, self.cfg.rl.group_size
+        first = self._round(r, 0, params)
+        if not rl.max_num_gen_batches:
+            return first, 1
+        rounds = [first]
+        while True:
+            spread = [_spread(x["total"], g) for x in rounds]
+            if sum(map(np.sum, spread)) >= self.per_step or len(rounds) == rl.max_num_gen_batches:
+                break
+            rounds.append(self._round(r, len(rounds), params))
+        order = [(j, i, True) for j, x in enumerate(spread) for i in np.flatnonzero(x)]
+        order += [(j, i, False) for j, x in enumerate(spread) for i in np.flatnonzero(~x)]
+        picked = order[:self.per_step]
+        rows = lambda key: [v for j, i, _ in picked for v in rounds[j][key][i * g:(i + 1) * g]]
+        out = {key: rows(key) for key in ("prompt_ids", "completions", "stopped", "logprobs")}
+        out["total"] = np.asarray(rows("total"))
+        out["each"] = {name: np.asarray([v for j, i, _ in picked for v in rounds[j]["each"][name][i * g:(i + 1) * g]])
+                       for name in first["each"]}
+        out["idle"] = np.repeat([not kept for _, _, kept in picked], g)
+        return out, len(rounds)
+
+    def _make(self, r: int, sharding, params) -> tuple[dict, dict]:
+        cfg, rl = self.cfg, self.cfg.rl
+        made, rounds = self._rollouts(r, params)
+        host = rollouts.rows(made["prompt_ids"], made["completions"], made["stopped"], cfg.model.seq_len,
+                             rl.mask_truncated)
+        if "idle" in made:
+            host["loss_mask"] = host["loss_mask"] * ~made["idle"][:, None]
+        adv = advantages.group_advantages(made["total"], rl.group_size, rl.scale_rewards)
         host.update(advantages.token_fields(adv, host["loss_mask"], rl.loss_norm, rl.max_new_tokens))
         batch = batch_lib.global_arrays(host, sharding)
         contract = {k: batch[k] for k in batch_lib.FIELDS}
@@ -90,26 +132,35 @@ class RolloutBatches:
         batch["ref_logp"] = (self.fns.token_logp(self.reference(params), contract) if self.reference is not None
                              else batch_lib.global_arrays({"z": np.zeros_like(host["weights"])}, sharding)["z"])
         batch_lib.check(batch, self.fns.objective.fields)
-        return batch, self._metrics(total, each, completions, prompt_ids, out, host, batch["old_logp"])
+        metrics = self._metrics(made, host, batch["old_logp"])
+        if rl.max_num_gen_batches:
+            metrics.update(gen_rounds=float(rounds), idle_group_frac=float(np.mean(made["idle"])))
+        return batch, metrics
 
     def _text(self, completion: list) -> str:
         """A completion as the rewards read it: its text up to the stop id."""
         ids = [t for t in completion if t not in self.tokenizer.stop_ids and t < self.tokenizer.vocab_size]
         return self.tokenizer.decode(np.asarray(ids, np.uint32))
 
-    def _metrics(self, total, each, completions, prompt_ids, out, host, old_logp) -> dict:
-        rl = self.cfg.rl
+    def _metrics(self, made: dict, host, old_logp) -> dict:
+        rl, total, each = self.cfg.rl, made["total"], made["each"]
         groups = total.reshape(-1, rl.group_size)
-        lengths = np.asarray([len(c) for c in completions])
+        lengths = np.asarray([len(c) for c in made["completions"]])
         trainer = np.asarray(multihost_utils.process_allgather(old_logp, tiled=True))  # every process's rows
-        gaps = [np.abs(out["logprobs"][i, :n] - trainer[i, len(p) - 1:len(p) - 1 + n])
-                for i, (p, n) in enumerate(zip(prompt_ids, lengths))]
+        gaps = [np.abs(made["logprobs"][i][:n] - trainer[i, len(p) - 1:len(p) - 1 + n])
+                for i, (p, n) in enumerate(zip(made["prompt_ids"], lengths))]
         metrics = {"reward_mean": float(total.mean()), "reward_std": float(total.std()),
                    "completion_len": float(lengths.mean()),
                    "zero_std_frac": float(np.mean(groups.max(axis=1) == groups.min(axis=1))),
-                   "truncated_frac": float(1 - np.mean(out["stopped"])),
+                   "truncated_frac": float(1 - np.mean(made["stopped"])),
                    "logp_mismatch": float(np.concatenate(gaps).mean()),
                    "padding_frac": float(1 - np.mean(host["segment_ids"] > 0))}
         if len(each) > 1:
             metrics.update({f"reward_{name}": float(v.mean()) for name, v in each.items()})
         return metrics
+
+
+def _spread(total, group_size: int) -> np.ndarray:
+    """Per group of `total` (rewards, group after group): whether its rewards differ."""
+    groups = np.asarray(total).reshape(-1, group_size)
+    return groups.max(axis=1) > groups.min(axis=1)
