@@ -515,6 +515,11 @@ class RlConfig:
     beta: float = key(0.0, "weight of the KL (k3) to the starting parameters; 0 keeps no reference model")
     num_iterations: int = key(1, "optimizer steps on each batch of rollouts; `train.steps` and "
                                  "`train.checkpoint_every` are multiples of it")
+    async_steps: int = key(0, "asynchronous RL: k > 0 = each batch of rollouts is sampled, on a thread while the "
+                              "trainer steps, by the parameters of k batches of rollouts before it, and the loss is "
+                              "decoupled PPO (the clip against the trainer's parameters, weighted by min(π_prox/μ, "
+                              "`behaviour_cap`)); 0 = synchronous; see \"Reinforcement learning\"")
+    behaviour_cap: float = key(5.0, "with `async_steps` > 0: C, the cap on the behaviour weight π_prox/μ")
     max_num_gen_batches: int = key(0, "DAPO's dynamic sampling: 0 = off; N = groups whose rewards are all equal are "
                                       "dropped and the batch refilled from further prompts, at most N rounds of "
                                       "generation a batch; short after N rounds, the batch is filled with dropped "

@@ -79,6 +79,7 @@ def test_generate_is_the_commands_token_for_token(page, capsys):
     assert printed == [g.text for g in gens] and len(printed) == 2
 
 
+@pytest.mark.slow
 def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(page, capsys, tmp_path):
     """`jaxllm generate --prompts FILE`: one JSON line per prompt, in the file's order, with the tokens the static
     engine samples for the same prompts in one batch (the engine draws request i as row i)."""

@@ -86,6 +86,37 @@ def test_loss_and_gradients_equal_the_per_sequence_reference(norm, scale):
     np.testing.assert_allclose(np.asarray(mine[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-8)
 
 
+def test_decoupled_ppo_weighs_the_surrogate_by_the_capped_behaviour_ratio():
+    """Asynchronous RL's loss (behaviour_cap C): per token −min(ρÂ, clip(ρ)Â) · min(π_prox/μ, C) + β·k3, ρ = π/π_prox,
+    written per completion; some behaviour weights above C (capped), and C = 0 (synchronous) is GRPO's loss."""
+    rewards, lengths, logp, old, ref = fixture(3)
+    behav = old + np.random.default_rng(5).normal(0, 0.6, old.shape)  # μ: older parameters' log-probabilities
+    adv = group_advantages(rewards, G, "group")
+    fields = token_fields(adv, np.arange(SEQ)[None, :] < lengths[:, None], "token", SEQ)
+    cap = 1.5
+    batch = {**{k: jnp.asarray(v) for k, v in fields.items()}, "old_logp": jnp.asarray(old, jnp.float32),
+             "ref_logp": jnp.asarray(ref, jnp.float32), "behav_logp": jnp.asarray(behav, jnp.float32)}
+    obj = grpo(EPS, EPS_HIGH, BETA, behaviour_cap=cap)
+
+    def reference(lp):
+        total = 0.0
+        for i, n in enumerate(lengths):
+            ratio = jnp.exp(lp[i, :n] - old[i, :n])
+            surrogate = jnp.minimum(ratio * adv[i], jnp.clip(ratio, 1 - EPS, 1 + EPS_HIGH) * adv[i])
+            weight = jnp.minimum(jnp.exp(old[i, :n] - behav[i, :n]), cap)
+            gap = ref[i, :n] - lp[i, :n]
+            total = total + jnp.sum(-surrogate * weight + BETA * (jnp.exp(gap) - gap - 1))
+        return total / sum(lengths)
+
+    mine = lambda lp: obj.token_terms(lp, None, batch)[0] / obj.count(batch)
+    got, want = (jax.value_and_grad(f)(jnp.asarray(logp, jnp.float32)) for f in (mine, reference))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-8)
+    capped = float(obj.token_terms(jnp.asarray(logp, jnp.float32), None, batch)[1]["behaviour_capped_frac"])
+    assert 0 < capped < sum(lengths)
+    assert "behav_logp" in obj.fields and "behav_logp" not in grpo(EPS, EPS_HIGH, BETA).fields
+
+
 def reference_gspo(logp, old, ref, adv, lengths, eps, eps_high, beta):
     """GSPO (Zheng et al. 2025, eq. 5-7), one completion at a time: s_i = exp(mean of its tokens' log π − log π_old),
     −min(s_i Â_i, clip(s_i, 1 − ε, 1 + ε_high) Â_i) + β · the mean of its tokens' k3, the mean over completions."""

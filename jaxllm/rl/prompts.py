@@ -125,6 +125,12 @@ def check_config(cfg) -> list[str]:
     for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS), ("loss", RL_LOSSES)):
         if getattr(r, key) not in choices:
             raise ConfigError(f"rl.{key}: '{getattr(r, key)}' is not one of {', '.join(choices)}")
+    if r.async_steps < 0 or (r.async_steps and r.behaviour_cap <= 0):
+        raise ConfigError(f"rl.async_steps must be 0 or more, and with it rl.behaviour_cap above 0 (got "
+                          f"{r.async_steps}, {r.behaviour_cap})")
+    if r.async_steps and r.loss == "gspo":
+        raise ConfigError("rl.async_steps with rl.loss=gspo is not supported yet (the decoupled weight is per token); "
+                          "use rl.loss=grpo or rl.async_steps=0")
     if r.loss == "gspo" and r.loss_norm != "sequence":
         raise ConfigError(f"rl.loss=gspo takes each completion's mean log-ratio and the mean over completions: set "
                           f"rl.loss_norm=sequence (not {r.loss_norm})")

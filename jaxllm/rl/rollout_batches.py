@@ -21,10 +21,15 @@ tokens of |generator − trainer|, which is rounding alone when both run the sam
 
 from __future__ import annotations
 
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxllm import batch as batch_lib
+from jaxllm.errors import ConfigError
 from jaxllm.generate import generate_arrays
 from jaxllm.rl import advantages, prompts as prompts_lib, rewards as rewards_lib, rollouts
 
@@ -42,6 +47,11 @@ class RolloutBatches:
         self.per_step = cfg.train.global_batch // cfg.rl.group_size
         self.current = None  # (rollout index, batch, metrics)
         self.padding: dict[int, float] = {}  # rollout index -> share of padding positions
+        self.pending: dict[int, concurrent.futures.Future] = {}  # asynchronous RL: rollout -> its sampling
+        if cfg.rl.async_steps and jax.process_count() > 1:  # the sampler's collectives would race the step's
+            raise ConfigError(f"rl.async_steps={cfg.rl.async_steps} runs in one process, and this run has "
+                              f"{jax.process_count()}; set rl.async_steps=0")
+        self.sampler = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.async_steps else None
 
     @property
     def description(self) -> str:
@@ -117,9 +127,23 @@ class RolloutBatches:
         out["idle"] = np.repeat([not kept for _, _, kept in picked], g)
         return out, len(rounds)
 
+    def _sampled(self, r: int, params) -> tuple[dict, int, int]:
+        """Rollout r's samples, rounds and staleness (rollouts between the sampling parameters and `params`).
+        Synchronous: sampled now by `params`. Asynchronous (`rl.async_steps` = k): sampled on the sampler thread
+        by the parameters at rollout r − k, started then; rollouts before k (or after a resume) by `params`. Either
+        way rollout r + k is started now, on a copy of `params` (the step donates its buffers)."""
+        k = self.cfg.rl.async_steps
+        if not k:
+            return (*self._rollouts(r, params), 0)
+        future = self.pending.pop(r, None)
+        made, rounds, staleness = (*future.result(), k) if future is not None else (*self._rollouts(r, params), 0)
+        snapshot = jax.tree.map(jnp.copy, params)
+        self.pending[r + k] = self.sampler.submit(self._rollouts, r + k, snapshot)
+        return made, rounds, staleness
+
     def _make(self, r: int, sharding, params) -> tuple[dict, dict]:
         cfg, rl = self.cfg, self.cfg.rl
-        made, rounds = self._rollouts(r, params)
+        made, rounds, staleness = self._sampled(r, params)
         host = rollouts.rows(made["prompt_ids"], made["completions"], made["stopped"], cfg.model.seq_len,
                              rl.mask_truncated)
         if "idle" in made:
@@ -131,10 +155,15 @@ class RolloutBatches:
         batch["old_logp"] = self.fns.token_logp(params, contract)
         batch["ref_logp"] = (self.fns.token_logp(self.reference(params), contract) if self.reference is not None
                              else batch_lib.global_arrays({"z": np.zeros_like(host["weights"])}, sharding)["z"])
+        if rl.async_steps:
+            batch["behav_logp"] = batch_lib.global_arrays({"mu": _aligned(made, host["loss_mask"].shape)},
+                                                          sharding)["mu"]
         batch_lib.check(batch, self.fns.objective.fields)
         metrics = self._metrics(made, host, batch["old_logp"])
         if rl.max_num_gen_batches:
             metrics.update(gen_rounds=float(rounds), idle_group_frac=float(np.mean(made["idle"])))
+        if rl.async_steps:
+            metrics["staleness"] = float(staleness)
         return batch, metrics
 
     def _text(self, completion: list) -> str:
@@ -158,6 +187,15 @@ class RolloutBatches:
         if len(each) > 1:
             metrics.update({f"reward_{name}": float(v.mean()) for name, v in each.items()})
         return metrics
+
+
+def _aligned(made: dict, shape) -> np.ndarray:
+    """The generator's log-probabilities [rows, seq] where the trainer's for the same tokens sit: a completion's
+    tokens are the targets at positions P − 1 … (`rollouts.rows`); 0 elsewhere."""
+    out = np.zeros(shape, np.float32)
+    for i, (p, c) in enumerate(zip(made["prompt_ids"], made["completions"])):
+        out[i, len(p) - 1:len(p) - 1 + len(c)] = made["logprobs"][i][:len(c)]
+    return out
 
 
 def _spread(total, group_size: int) -> np.ndarray:

@@ -89,13 +89,21 @@ OBJECTIVES = {o.name: o for o in (LANGUAGE_MODEL, WEIGHTED_TOKENS)}
 GRPO_FIELDS = {k: "float32" for k in ("advantages", "old_logp", "ref_logp", "weights", "norm")}
 
 
+ASYNC_FIELDS = {"behav_logp": "float32"}  # asynchronous RL: the generator's own log-probabilities, μ
+
+
 def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
-         temperature: float = 1.0) -> Objective:
+         temperature: float = 1.0, behaviour_cap: float = 0.0) -> Objective:
     """GRPO's clipped surrogate (DeepSeekMath): per token −min(ρ·Â, clip(ρ, 1−ε, 1+ε_high)·Â) with
     ρ = π/π_old, plus β times the k3 estimate of KL(π‖π_ref), e^(r−l) − (r−l) − 1 with r, l the
     reference's and the policy's log-probabilities; summed with the weights, over Σ norm. Metrics:
     `clip_frac` (tokens where the clipped branch is the minimum) and `kl` (the k3 estimate), each weighted
-    like the loss."""
+    like the loss.
+
+    `behaviour_cap` C > 0: decoupled PPO for rollouts sampled by older parameters (Hilton et al. 2022, as AReaL
+    uses it): π_old is the proximal policy (the trainer's parameters when the batch is used), and the surrogate
+    is weighted by min(π_old/μ, C), μ the generator's log-probabilities (`behav_logp`); metrics
+    `behaviour_weight` (the weight's mean) and `behaviour_capped_frac`."""
     high = epsilon if epsilon_high is None else epsilon_high
 
     def terms(logp, lse, batch):
@@ -104,6 +112,11 @@ def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 
         unclipped, clipped = ratio * adv, jnp.clip(ratio, 1 - epsilon, 1 + high) * adv
         per_token = -jnp.minimum(unclipped, clipped)
         metrics = {"clip_frac": jnp.sum(w * (clipped < unclipped))}
+        if behaviour_cap:
+            behaviour = jnp.exp(batch["old_logp"] - batch["behav_logp"])
+            per_token = per_token * jnp.minimum(behaviour, behaviour_cap)
+            metrics.update(behaviour_weight=jnp.sum(w * behaviour), behaviour_capped_frac=jnp.sum(
+                w * (behaviour > behaviour_cap)))
         if beta:
             gap = batch["ref_logp"] - logp
             k3 = jnp.exp(gap) - gap - 1
@@ -111,8 +124,10 @@ def grpo(epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 
             metrics["kl"] = jnp.sum(w * k3)
         return jnp.sum(w * per_token), metrics
 
-    name = f"grpo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature})"
-    return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=GRPO_FIELDS,
+    name = f"grpo(epsilon={epsilon}, epsilon_high={high}, beta={beta}, temperature={temperature}" + (
+        f", behaviour_cap={behaviour_cap})" if behaviour_cap else ")")
+    fields = {**GRPO_FIELDS, **(ASYNC_FIELDS if behaviour_cap else {})}
+    return Objective(name, count=lambda batch: jnp.sum(batch["norm"]), token_terms=terms, fields=fields,
                      temperature=temperature, spiky=False)  # near 0 and of either sign: no spikes to judge
 
 

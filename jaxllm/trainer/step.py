@@ -273,7 +273,10 @@ def objective_of(cfg: Config) -> Objective:
     """What `train.objective` (and for GRPO the `rl` section) asks a step to minimise."""
     if cfg.train.objective == "grpo":
         r = cfg.rl
-        return (gspo if r.loss == "gspo" else grpo)(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
+        if r.loss == "gspo":
+            return gspo(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature)
+        return grpo(r.epsilon, r.epsilon_high or r.epsilon, r.beta, r.temperature,
+                    r.behaviour_cap if r.async_steps else 0.0)
     if cfg.train.objective == "dpo":
         return preference.objective_of(cfg)
     return LANGUAGE_MODEL
