@@ -146,9 +146,6 @@ class PagePool:
             if self.holders[i] == 0:
                 self.free.append(i)
 
-    def held(self) -> set[int]:
-        return {i for i, n in enumerate(self.holders) if n}
-
 
 @dataclasses.dataclass
 class _Prompt:
@@ -164,7 +161,8 @@ class _Prompt:
 
 @dataclasses.dataclass
 class _Live:
-    """A request in a slot: its index, prompt, pages, the next token's position and the tokens drawn so far."""
+    """A request in a slot: its index, prompt, pages, its first new token's position (the prompt's length) and the
+    tokens drawn so far."""
     index: int
     prompt: tuple
     pages: list
@@ -193,7 +191,7 @@ class Engine:
         _check(self.m, prompts, max(new), temperature, top_k, top_p, stop_ids)
         row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
         self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
-        self.pools = init_cache(self.m, self.pool.holders.__len__(), self.page, self.dtype, None)
+        self.pools = init_cache(self.m, len(self.pool.holders), self.page, self.dtype, None)
         self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
         self.settings = tuple(jnp.asarray(v, t) for v, t in ((temperature, jnp.float32), (top_k, jnp.int32),
                                                               (top_p, jnp.float32)))
