@@ -1,7 +1,7 @@
 """The GRPO example, measured: seeds of `grpo_arith.toml` beside a control whose rewards carry no signal.
 
     python -m tools.studies.grpo_arith [--seeds 0 1 2] [--steps 300] [--out runs/grpo_study] [--format-data DIR]
-                               [key=value ...]
+                               [--async-steps K] [--no-control] [key=value ...]
 
 For each seed: the format SFT (`jaxllm/configs/arith_format.toml`, a digit and end-of-text after
 `a+b=`, any digit: right one time in ten), then GRPO from it with the exact-match reward
@@ -9,6 +9,8 @@ For each seed: the format SFT (`jaxllm/configs/arith_format.toml`, a digit and e
 shuffled among its completions (`shuffled_exact_match` below, a `python:` reward hook), which keeps their
 mean and spread but not which completion earned them. Every run is an ordinary run directory under
 `--out`, resumable (one already finished is not run again); `key=value` overrides go to the GRPO runs.
+`--async-steps K` adds, per seed, the same GRPO run with `rl.async_steps=K` (asynchronous RL, from the same
+format model) beside the synchronous one; `--no-control` leaves the control out.
 
 Prints a table (mean reward over the first and last 20 steps of each run) and writes `rewards.png` (the
 reward per step, 20-step moving mean). BENCHMARKS.md "GRPO" records one measurement.
@@ -64,15 +66,23 @@ def rewards(run_dir: str) -> np.ndarray:
     return np.asarray([r["reward_mean"] for r in rows if "reward_mean" in r])
 
 
-def run_seed(out: str, seed: int, steps: int, format_data: str, overrides: list[str]) -> dict[str, str]:
-    """The format SFT, GRPO and its control for one seed: {name: run directory}."""
-    fmt, grpo, control = (os.path.join(out, f"{name}_seed{seed}") for name in ("format", "grpo", "control"))
-    _run("arith_format", fmt,
+def run_seed(out: str, seed: int, steps: int, format_data: str, overrides: list[str], async_steps: int = 0,
+             control: bool = True) -> dict[str, str]:
+    """The format SFT, GRPO, its control (unless `control` is false) and with `async_steps` the asynchronous GRPO
+    run for one seed: {name: run directory}."""
+    run_dir = lambda name: os.path.join(out, f"{name}_seed{seed}")
+    _run("arith_format", run_dir("format"),
          [f"train.seed={seed}", f"data.source={os.path.join(format_data, 'format.jsonl')}"])
-    common = [f"init.from=run:{fmt}", f"train.seed={seed}", f"train.steps={steps}", "train.log_every=1", *overrides]
-    _run("grpo_arith", grpo, common)
-    _run("grpo_arith", control, [*common, f'rl.rewards=["{CONTROL_REWARD}"]'])
-    return {"grpo": grpo, "control": control}
+    common = [f"init.from=run:{run_dir('format')}", f"train.seed={seed}", f"train.steps={steps}", "train.log_every=1",
+              *overrides]
+    runs = {"grpo": common}
+    if control:
+        runs["control"] = [*common, f'rl.rewards=["{CONTROL_REWARD}"]']
+    if async_steps:
+        runs["async"] = [*common, f"rl.async_steps={async_steps}"]
+    for name, keys in runs.items():
+        _run("grpo_arith", run_dir(name), keys)
+    return {name: run_dir(name) for name in runs}
 
 
 def plot(curves: dict[str, np.ndarray], path: str) -> None:
@@ -84,7 +94,8 @@ def plot(curves: dict[str, np.ndarray], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in curves.items():
         smooth = np.convolve(r, np.ones(WINDOW) / WINDOW, mode="valid")
-        ax.plot(np.arange(WINDOW, len(r) + 1), smooth, label=name, ls="--" if "control" in name else "-")
+        ax.plot(np.arange(WINDOW, len(r) + 1), smooth, label=name,
+                ls="--" if "control" in name else ":" if "async" in name else "-")
     ax.set_xlabel("step")
     ax.set_ylabel(f"reward (exact match), {WINDOW}-step mean")
     ax.set_ylim(0, 1)
@@ -101,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/grpo_study")
     p.add_argument("--format-data", default="data/arith",
                    help="where tools.examples.make_arith writes (if it is not there)")
+    p.add_argument("--async-steps", type=int, default=0, help="also the GRPO run with rl.async_steps=K")
+    p.add_argument("--no-control", action="store_true", help="leave the shuffled-reward control out")
     args, overrides = p.parse_known_args(argv)
     if not os.path.exists(os.path.join(args.format_data, "format.jsonl")):
         subprocess.run([sys.executable, "-m", "tools.examples.make_arith", args.format_data], check=True)
@@ -108,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     curves = {}
     print(f"| run | first {WINDOW} steps | last {WINDOW} steps |\n|---|---|---|")
     for seed in args.seeds:
-        for name, run_dir in run_seed(args.out, seed, args.steps, args.format_data, overrides).items():
+        made = run_seed(args.out, seed, args.steps, args.format_data, overrides, args.async_steps, not args.no_control)
+        for name, run_dir in made.items():
             r = curves[f"{name} seed {seed}"] = rewards(run_dir)
             print(f"| {name} seed {seed} | {r[:WINDOW].mean():.3f} | {r[-WINDOW:].mean():.3f} |", flush=True)
     plot(curves, os.path.join(args.out, "rewards.png"))
