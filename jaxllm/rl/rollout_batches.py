@@ -119,11 +119,10 @@ class RolloutBatches:
         order = [(j, i, True) for j, x in enumerate(spread) for i in np.flatnonzero(x)]
         order += [(j, i, False) for j, x in enumerate(spread) for i in np.flatnonzero(~x)]
         picked = order[:self.per_step]
-        rows = lambda key: [v for j, i, _ in picked for v in rounds[j][key][i * g:(i + 1) * g]]
-        out = {key: rows(key) for key in ("prompt_ids", "completions", "stopped", "logprobs")}
-        out["total"] = np.asarray(rows("total"))
-        out["each"] = {name: np.asarray([v for j, i, _ in picked for v in rounds[j]["each"][name][i * g:(i + 1) * g]])
-                       for name in first["each"]}
+        rows = lambda of: [v for j, i, _ in picked for v in of(rounds[j])[i * g:(i + 1) * g]]  # picked groups' rows
+        out = {key: rows(lambda x, key=key: x[key]) for key in ("prompt_ids", "completions", "stopped", "logprobs")}
+        out["total"] = np.asarray(rows(lambda x: x["total"]))
+        out["each"] = {name: np.asarray(rows(lambda x, name=name: x["each"][name])) for name in first["each"]}
         out["idle"] = np.repeat([not kept for _, _, kept in picked], g)
         return out, len(rounds)
 
