@@ -515,6 +515,10 @@ class RlConfig:
     beta: float = key(0.0, "weight of the KL (k3) to the starting parameters; 0 keeps no reference model")
     num_iterations: int = key(1, "optimizer steps on each batch of rollouts; `train.steps` and "
                                  "`train.checkpoint_every` are multiples of it")
+    sampler: str = key("static", "what samples the rollouts: `static` (`generate` on the run's mesh, one batch) or "
+                                 "`engine` (the rollout engine: paged, continuously batched, a group's prompt "
+                                 "prefilled once; one device); the same tokens either way")
+    engine_slots: int = key(0, "with `sampler = \"engine\"`: the completions decoded at once; 0 = all of a step's")
     async_steps: int = key(0, "asynchronous RL: k > 0 = each batch of rollouts is sampled, on a thread while the "
                               "trainer steps, by the parameters of k batches of rollouts before it, and the loss is "
                               "decoupled PPO (the clip against the trainer's parameters, weighted by min(π_prox/μ, "

@@ -71,6 +71,28 @@ def test_an_asynchronous_run_trains_on_rollouts_one_batch_stale(tmp_path):
     assert all(np.isfinite(r["loss"]) for r in got)
 
 
+@pytest.mark.slow
+def test_rollouts_from_the_engine_train_as_the_static_ones(tmp_path):
+    """rl.sampler = engine (one device; 4 slots for 16 completions, each group's prompt prefilled once): the same
+    completions as the static sampler, so the same rewards, losses and updates: every metric equal but the
+    generator's own log-probabilities' gap to the trainer's (rounding, within 1e-5)."""
+    from jaxllm.config import to_toml
+
+    config = tmp_path / "grpo.toml"
+    config.write_text(to_toml(build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0})))
+    env = {**subprocess_env(1), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    for name, keys in (("static", []), ("engine", ["rl.sampler=engine", "rl.engine_slots=4"])):
+        done = subprocess.run([sys.executable, "-m", "jaxllm", "train", "--config", str(config),
+                               f"run.dir={tmp_path / name}", *keys], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    static, engine = rows(tmp_path / "static"), rows(tmp_path / "engine")
+    for a, b in zip(static, engine, strict=True):
+        assert abs(a.pop("logp_mismatch") - b.pop("logp_mismatch")) <= 1e-5
+        a.pop("tokens_per_s", None), b.pop("tokens_per_s", None)
+        assert a == b, (a, b)
+
+
 def _first_batch(over: dict):
     """The first batch of rollouts of a TINY run with `over` (no step taken), its metrics and the rows' rewards'
     spread per group (from the advantages: zero for every row of a group exactly when its rewards are equal)."""
@@ -105,6 +127,11 @@ def test_dynamic_sampling_trains_only_groups_with_spread_and_keeps_the_batch():
     assert metrics["gen_rounds"] == 2 and metrics["idle_group_frac"] == 1.0
 
 
+def test_the_engine_sampler_on_a_mesh_is_refused_in_one_line():
+    with pytest.raises(UserError, match="rl.sampler=engine runs on one device, and this run's mesh has 8"):
+        _first_batch({"rl.sampler": "engine"})
+
+
 def test_overlong_shaping_adds_dapos_length_penalty():
     from jaxllm.rl.rewards import overlong_penalty
 
@@ -122,6 +149,7 @@ def test_overlong_shaping_adds_dapos_length_penalty():
     ({"rl.loss": "gspo"}, "set rl.loss_norm=sequence"),
     ({"rl.overlong_buffer": 4}, "rl.overlong_buffer between 0 and rl.max_new_tokens=3"),
     ({"rl.async_steps": 1, "rl.loss": "gspo", "rl.loss_norm": "sequence"}, "not supported yet"),
+    ({"rl.sampler": "vllm"}, "rl.sampler: 'vllm' is not one of static, engine"),
     ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
     ({"rl.rewards": ["exact"]}, "not one of exact_match"),
     ({"rl.rewards": ["format"], "rl.format_pattern": ""}, "set rl.format_pattern"),

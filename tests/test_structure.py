@@ -180,7 +180,7 @@ model.tie_embeddings model.vocab_size model.window_pattern
 precision.compute precision.fp8_exclude precision.grad_reduce precision.loss_scale precision.loss_scale_init precision.loss_scale_min
 precision.loss_scale_window precision.matmul
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss rl.loss_norm rl.mask_truncated
-rl.async_steps rl.behaviour_cap rl.max_num_gen_batches rl.overlong_buffer rl.overlong_factor
+rl.async_steps rl.behaviour_cap rl.max_num_gen_batches rl.overlong_buffer rl.overlong_factor rl.sampler rl.engine_slots
 rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
 run.dir run.profile_steps run.progress run.sample_prompt run.sample_tokens run.wandb run.wandb_entity run.wandb_name
 run.wandb_project run.wandb_tags

@@ -28,6 +28,7 @@ from jaxllm.rl import rewards
 from jaxllm.rl.advantages import LOSS_NORMS, SCALE_REWARDS
 
 RL_LOSSES = ("grpo", "gspo")  # `rl.loss`: trainer/objectives.grpo and gspo
+SAMPLERS = ("static", "engine")  # `rl.sampler`: generate/decode.py and generate/engine.py
 
 BUILT_IN_TASKS = ("arith",)
 PROMPT_FORMATS = ("text", "chat")  # data.format: a string prompt continued as it is | as the user's message
@@ -122,9 +123,12 @@ def step_prompts(n: int, per_step: int, seed: int, step: int) -> np.ndarray:
 def check_config(cfg) -> list[str]:
     """The `rl` section, for train.objective = grpo, before anything is read."""
     r, t = cfg.rl, cfg.train
-    for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS), ("loss", RL_LOSSES)):
+    for key, choices in (("scale_rewards", SCALE_REWARDS), ("loss_norm", LOSS_NORMS), ("loss", RL_LOSSES),
+                         ("sampler", SAMPLERS)):
         if getattr(r, key) not in choices:
             raise ConfigError(f"rl.{key}: '{getattr(r, key)}' is not one of {', '.join(choices)}")
+    if r.engine_slots < 0:
+        raise ConfigError(f"rl.engine_slots must be 0 (all of a step's completions) or more, got {r.engine_slots}")
     if r.async_steps < 0 or (r.async_steps and r.behaviour_cap <= 0):
         raise ConfigError(f"rl.async_steps must be 0 or more, and with it rl.behaviour_cap above 0 (got "
                           f"{r.async_steps}, {r.behaviour_cap})")

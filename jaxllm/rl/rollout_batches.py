@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from jaxllm import batch as batch_lib
 from jaxllm.errors import ConfigError
 from jaxllm.generate import generate_arrays
+from jaxllm.generate.engine import Engine
 from jaxllm.rl import advantages, prompts as prompts_lib, rewards as rewards_lib, rollouts
 
 
@@ -51,6 +52,10 @@ class RolloutBatches:
         if cfg.rl.async_steps and jax.process_count() > 1:  # the sampler's collectives would race the step's
             raise ConfigError(f"rl.async_steps={cfg.rl.async_steps} runs in one process, and this run has "
                               f"{jax.process_count()}; set rl.async_steps=0")
+        devices = fns.layout.mesh.devices.size
+        if cfg.rl.sampler == "engine" and devices > 1:
+            raise ConfigError(f"rl.sampler=engine runs on one device, and this run's mesh has {devices}; set "
+                              "rl.sampler=static")
         self.sampler = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.async_steps else None
 
     @property
@@ -91,8 +96,7 @@ class RolloutBatches:
         chosen = np.repeat(chosen, rl.group_size)
         prompt_ids = [self.prompts.ids[i] for i in chosen]
         seed = int(np.random.SeedSequence([cfg.train.seed, r] + ([k] if k else [])).generate_state(1)[0])
-        out = generate_arrays(params, cfg, prompt_ids, rl.max_new_tokens, on=self.fns, temperature=rl.temperature,
-                              stop_ids=self.tokenizer.stop_ids, seed=seed)
+        out = self._sample(prompt_ids, seed, params)
         completions = [out["tokens"][i, :n].tolist() for i, n in enumerate(out["lengths"])]
         total, each = self.score([self.prompts.texts[i] for i in chosen], [self._text(c) for c in completions],
                                  **{k: [v[i] for i in chosen] for k, v in self.prompts.columns.items()})
@@ -101,6 +105,21 @@ class RolloutBatches:
             total = total + rl.overlong_factor * each["overlong"]
         return {"prompt_ids": prompt_ids, "completions": completions, "stopped": out["stopped"].tolist(),
                 "logprobs": list(out["logprobs"]), "total": total, "each": each}
+
+    def _sample(self, prompt_ids: list, seed: int, params) -> dict:
+        """One completion per prompt, as `generate_arrays` gives them: by `rl.sampler` (the same tokens)."""
+        rl = self.cfg.rl
+        sampling = {"temperature": rl.temperature, "stop_ids": self.tokenizer.stop_ids, "seed": seed}
+        if rl.sampler == "static":
+            return generate_arrays(params, self.cfg, prompt_ids, rl.max_new_tokens, on=self.fns, **sampling)
+        engine = Engine(params, self.cfg, slots=rl.engine_slots or len(prompt_ids))
+        done = engine.generate(prompt_ids, rl.max_new_tokens, **sampling)
+        out = {"tokens": np.zeros((len(done), rl.max_new_tokens), np.int32),
+               "logprobs": np.zeros((len(done), rl.max_new_tokens), np.float32),
+               "lengths": np.asarray([len(c.tokens) for c in done]), "stopped": np.asarray([c.stopped for c in done])}
+        for i, c in enumerate(done):
+            out["tokens"][i, :len(c.tokens)], out["logprobs"][i, :len(c.tokens)] = c.tokens, c.logprobs
+        return out
 
     def _rollouts(self, r: int, params) -> tuple[dict, int]:
         """The rows rollout r trains on, and the rounds of generation it took: round 0 whole, or with dynamic
