@@ -45,6 +45,8 @@ def test_the_rule_chunks_where_the_logits_outweigh_the_residual_stream():
         shape = resolve_mesh_shape(cfg.mesh, 8)
         if cfg.train.loss_chunk == -1:  # the default (tp4_sp sets its own)
             assert (loss_chunk(cfg, shape) == 0) == (cfg.model.seq_len < 2 * transformer.MIN_LOSS_CHUNK), name
+    small_vocabulary = _config({"model.preset": "llama-1b", "model.vocab_size": 257, "model.seq_len": 4096})
+    assert loss_chunk(small_vocabulary, {"sp": 1, "tp": 1}) == 0  # 1.5 KB of logits a token against 128 KB
     explicit = _config({"model.preset": "llama-1b", "train.loss_chunk": 0})
     assert loss_chunk(explicit, {"sp": 1, "tp": 1}) == 0
 
