@@ -56,7 +56,10 @@ TENSOR_RULES: Rules = (
     ("lora_rank", ()),  # a LoRA adapter's rank (`models/lora.py`): small, whole on every device
 )
 
-ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",))) + TENSOR_RULES
+# "pages": the rollout engine's page pool (`generate/engine.py`), whole on every device: any slot's page table
+# may name any page, so a data-parallel rank's rows read their pages where they are
+ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",)),
+                           ("pages", ())) + TENSOR_RULES
 
 WEIGHT_RULES: Rules = (("layers", ()), ("pos", ())) + TENSOR_RULES
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.mesh import batch_shards
-from jaxllm.models.attention import CACHE, head_dim, kv_heads
+from jaxllm.models.attention import CACHE, head_dim, kv_heads, stored_names
 from jaxllm.models.mla import LATENT_CACHE
 from jaxllm.stack import segments
 from jaxllm.sharding import ACTIVATION_RULES, WEIGHT_RULES, Layout, constrain, heads_as_used, with_rule
@@ -56,9 +56,12 @@ def padded_rows(rows: int, layout: Layout | None) -> int:
     return -(-rows // shards) * shards
 
 
-def _entries(m) -> dict[str, tuple]:
-    """What a block's cache holds, each entry's logical dimensions: keys and values, or MLA's latent rows."""
-    return {"k": LATENT_CACHE} if m.attention == "mla" else {"k": CACHE, "v": CACHE}
+def _entries(m, paged: bool = False) -> dict[str, tuple]:
+    """What a block's cache holds, each entry's logical dimensions: keys and values, or MLA's latent rows (paged:
+    a pool of pages, whole on every device, in place of the batch)."""
+    if m.attention == "mla":
+        return {"k": stored_names(LATENT_CACHE, paged)}
+    return {"k": stored_names(CACHE, paged), "v": stored_names(CACHE, paged)}
 
 
 def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
@@ -77,10 +80,11 @@ def per_token(m) -> tuple[int, str]:
     return 2 * kv * d, f"2 × kv_heads × head_dim = 2 × {kv} × {d}"
 
 
-def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None) -> list[dict]:
-    """An empty cache: one {"k", "v"} ({"k"} under MLA) per block of the stack, zeros laid out by their names."""
+def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None, paged: bool = False) -> list[dict]:
+    """An empty cache: one {"k", "v"} ({"k"} under MLA) per block of the stack, zeros laid out by their names.
+    `paged`: the rollout engine's pool of `rows` pages of `slots` tokens."""
     return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout), dtype), names)
-             for n, names in _entries(m).items()} for seg in segments(m) for _ in seg.pattern]
+             for n, names in _entries(m, paged).items()} for seg in segments(m) for _ in seg.pattern]
 
 
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:

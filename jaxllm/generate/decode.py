@@ -59,12 +59,17 @@ def _forward(p, cache, tokens, positions, segment_ids, slots: CacheView, m, dtyp
     return transformer.head_logits(p, x, m, dtype), cache
 
 
-def _gathered_weights(params, m, dtype, layout: Layout | None):
-    """The compute-dtype copy of the parameters every step reads, laid out as used (see the docstring)."""
+def _gathered_weights(params, m, dtype, layout: Layout | None, stored: Layout | None = None):
+    """The compute-dtype copy of the parameters every step reads, laid out as used (see the docstring). The cast
+    is pinned where the parameters are `stored`, so the gather moves compute-dtype bytes (XLA would otherwise
+    gather fp32 and cast after)."""
     p = transformer.compute_weights(params, dtype)
     if layout is None:
         return p
-    return jax.lax.with_sharding_constraint(p, tree_shardings(transformer.param_names(m), p, layout, layout.weights))
+    names = transformer.param_names(m)
+    if stored is not None:
+        p = jax.lax.with_sharding_constraint(p, tree_shardings(names, p, stored, stored.params))
+    return jax.lax.with_sharding_constraint(p, tree_shardings(names, p, layout, layout.weights))
 
 
 def _draw(logits, key, step, settings):
@@ -125,12 +130,12 @@ def _decode_step(state: _State, p, lengths, key, settings, stop_ids, m, dtype, b
     return _record(state, *_draw(logits[:, 0], key, i, settings), logits[:, 0], stop_ids)
 
 
-def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *, m, dtype, layout, new: int,
+def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *, m, dtype, layout, stored, new: int,
              keep_logits: bool):
     """The compiled generation (see the module docstring): new tokens and log-probabilities [rows, new],
     lengths and stopped [rows] (and every step's logits [rows, new, vocab] with keep_logits)."""
     with matmul_precision(dtype), use_layout(layout):
-        p, settings = _gathered_weights(params, m, dtype, layout), (temperature, top_k, top_p)
+        p, settings = _gathered_weights(params, m, dtype, layout, stored), (temperature, top_k, top_p)
         state = _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new, keep_logits)
         step = functools.partial(_decode_step, p=p, lengths=jnp.sum(mask, axis=1), key=jax.random.key(seed),
                                  settings=settings, stop_ids=stop_ids, m=m, dtype=dtype, bucket=prompts.shape[1])
@@ -144,13 +149,14 @@ def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *
 _programs: dict = {}  # (model, dtype, layout, new, keep_logits) -> the jitted program; the newest few
 
 
-def _compiled(m, dtype, layout: Layout | None, new: int, keep_logits: bool):
-    key = (repr(m), str(dtype), layout, new, keep_logits)
+def _compiled(m, dtype, on, new: int, keep_logits: bool):
+    layout, stored = layout_for(on), layout_for(on, as_stored=True)
+    key = (repr(m), str(dtype), stored, new, keep_logits)
     if key not in _programs:
         if len(_programs) >= 8:
             _programs.pop(next(iter(_programs)))
         out = None if layout is None else NamedSharding(layout.mesh, P())  # small: every process gets it all
-        _programs[key] = jax.jit(functools.partial(_program, m=m, dtype=dtype, layout=layout, new=new,
+        _programs[key] = jax.jit(functools.partial(_program, m=m, dtype=dtype, layout=layout, stored=stored, new=new,
                                                    keep_logits=keep_logits), out_shardings=out)
     return _programs[key]
 
@@ -213,7 +219,7 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
                  layout, P())
     args = (params, rows_in["tokens"], rows_in["mask"], whole["seed"], whole["temperature"], whole["top_k"],
             whole["top_p"], whole["stops"])
-    program = _compiled(_dropless(m), dtype, layout, max_new_tokens, keep_logits)
+    program = _compiled(_dropless(m), dtype, on, max_new_tokens, keep_logits)
     start = time.perf_counter()
     if timings is not None:
         program = program.lower(*args).compile()
@@ -243,22 +249,34 @@ def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temper
             for r, n in enumerate(out["lengths"])]
 
 
-def weights_copy_bytes(m, dtype, on) -> int:
-    """Bytes per device of the weights copy the program makes: the leaves whose compute-dtype layout as used
-    differs from how they are stored (`on`'s parameter layout, fp32) — all of them under ZeRO-3 or a
-    pipeline, none in fp32 with parameters stored as used."""
+def _copied_leaves(m, dtype, on):
+    """(elements one device holds as stored, as used, bytes an element of the copy) of each leaf the copy makes:
+    the leaves whose compute-dtype layout as used differs from how they are stored (`on`'s parameter layout,
+    fp32)."""
     stored = layout_for(on, as_stored=True)
     used = layout_for(on)
     names, shapes = transformer.param_names(m), transformer.param_shapes(m)
     cast = jax.eval_shape(functools.partial(transformer.compute_weights, dtype=dtype), shapes)
-    total = 0
     for name, s, c in zip(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes),
                           jax.tree.leaves(cast)):
         before = stored.sharding(name, stored.params, s.shape) if stored else None
         after = used.sharding(name, used.weights, s.shape) if used else None
         if c.dtype != s.dtype or (after is not None and not after.is_equivalent_to(before, len(s.shape))):
-            total += math.prod(after.shard_shape(s.shape) if after else s.shape) * c.dtype.itemsize
-    return total
+            own = lambda sharding: math.prod(sharding.shard_shape(s.shape) if sharding else s.shape)
+            yield own(before), own(after), c.dtype.itemsize
+
+
+def weights_copy_bytes(m, dtype, on) -> int:
+    """Bytes per device of the weights copy the program makes (`_copied_leaves`): all of them under ZeRO-3 or a
+    pipeline, none in fp32 with parameters stored as used."""
+    return sum(used * size for _, used, size in _copied_leaves(m, dtype, on))
+
+
+def reshard_bytes(m, dtype, on) -> int:
+    """Bytes one device receives making that copy: of each leaf, its shard as used less the part of it the device
+    holds as stored (an all-gather over fsdp under ZeRO-3, over pp of a pipeline's stages), in the compute dtype
+    (the cast comes first)."""
+    return sum((used - stored) * size for stored, used, size in _copied_leaves(m, dtype, on))
 
 
 def lower(cfg, on, abstract_params, rows: int, prompt_len: int, new: int):
@@ -269,6 +287,6 @@ def lower(cfg, on, abstract_params, rows: int, prompt_len: int, new: int):
     batch = jax.ShapeDtypeStruct((rows, width), jnp.int32,
                                  sharding=None if layout is None else NamedSharding(layout.mesh, P(BATCH_AXES)))
     scalar = lambda t: jax.ShapeDtypeStruct((), t)
-    return _compiled(m, dtype, layout, new, False).lower(
+    return _compiled(m, dtype, on, new, False).lower(
         abstract_params, batch, batch, scalar(jnp.uint32), scalar(jnp.float32), scalar(jnp.int32), scalar(jnp.float32),
         jax.ShapeDtypeStruct((MAX_STOP_IDS,), jnp.int32))

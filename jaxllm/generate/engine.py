@@ -30,18 +30,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.generate.cache import init_cache
-from jaxllm.generate.decode import Completion, _check, _dropless, bucket
+from jaxllm.generate.cache import init_cache, layout_for, padded_rows
+from jaxllm.generate.decode import Completion, _check, _dropless, _gathered_weights, bucket
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView
 from jaxllm.models.layers import matmul_precision
+from jaxllm.sharding import use_layout
 
 
 def _keys(seed, steps, indices):
@@ -67,13 +69,13 @@ def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int):
     return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size], pools
 
 
-def _prefill(p, pools, tokens, length, pages, *, m, dtype, page: int):
-    """One prompt [1, bucket] (right-padded after `length` tokens) into its pages: (pools, last token's logits)."""
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    active = (positions < length).astype(jnp.int32)
+def _prefill(w, pools, tokens, length, pages, *, m, dtype, page: int):
+    """One prompt, row 0 of tokens [rows, bucket] (right-padded after `length` tokens; further rows idle, so that
+    the rows divide over the data-parallel shards), into its pages: (pools, last token's logits)."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    active = ((positions < length) & (jnp.arange(tokens.shape[0]) == 0)[:, None]).astype(jnp.int32)
     with matmul_precision(dtype):
-        logits, pools = _forward(transformer.compute_weights(p, dtype), pools, tokens, positions, active, pages, m,
-                                 dtype, page)
+        logits, pools = _forward(w, pools, tokens, positions, active, pages, m, dtype, page)
     return pools, logits[0, length - 1]
 
 
@@ -83,11 +85,11 @@ def _first(logits, seed, indices, settings):
     return sample(rows, _keys(seed, jnp.zeros_like(indices), indices), *settings)
 
 
-def _decode(p, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int):
+def _decode(w, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int):
     """One token for every slot (idle ones compute on scratch): (pools, tokens [S], logprobs [S])."""
     with matmul_precision(dtype):
-        logits, pools = _forward(transformer.compute_weights(p, dtype), pools, tokens[:, None], positions[:, None],
-                                 active[:, None], pages, m, dtype, page)
+        logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
+                                 page)
     token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
     return pools, token, logp
 
@@ -97,25 +99,45 @@ def _copy_page(pools, src, dst):
     return [{k: a.at[:, dst].set(a[:, src]) for k, a in block.items()} for block in pools]
 
 
+def _pools(*, m, dtype, pages: int, page: int, layout):
+    """An empty pool of `pages` pages for every block kind, laid out by `layout` (whole over the data axes)."""
+    return init_cache(m, pages, page, dtype, layout, paged=True)
+
+
 class _Programs(NamedTuple):
+    reshard: object
+    pools: object
     prefill: object
     first: object
     decode: object
     copy_page: object
 
 
-_compiled: dict = {}  # (model, dtype, page) -> its programs; the newest few
+_compiled: dict = {}  # (model, dtype, page, stored layout) -> its programs; the newest few
 
 
-def _programs(m, dtype, page: int) -> _Programs:
-    key = (repr(m), str(dtype), page)
+def _under(layout, f):
+    """`f` traced with `layout`'s constraints in force (none without one)."""
+    @functools.wraps(f)
+    def traced(*args, **kwargs):
+        with use_layout(layout):
+            return f(*args, **kwargs)
+    return traced
+
+
+def _programs(m, dtype, page: int, stored) -> _Programs:
+    """The engine's programs for parameters `stored` as that layout says (None: one device), in the rollout layout."""
+    key, layout = (repr(m), str(dtype), page, stored), layout_for(stored)
     if key not in _compiled:
         if len(_compiled) >= 8:
             _compiled.pop(next(iter(_compiled)))
         kw = {"m": m, "dtype": dtype, "page": page}
-        _compiled[key] = _Programs(jax.jit(functools.partial(_prefill, **kw), donate_argnums=1), jax.jit(_first),
-                                   jax.jit(functools.partial(_decode, **kw), donate_argnums=1),
-                                   jax.jit(_copy_page, donate_argnums=0))
+        jit = lambda f, **options: jax.jit(_under(layout, f), **options)
+        _compiled[key] = _Programs(
+            jit(functools.partial(_gathered_weights, m=m, dtype=dtype, layout=layout, stored=stored)),
+            jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
+            jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first),
+            jit(functools.partial(_decode, **kw), donate_argnums=1), jit(_copy_page, donate_argnums=0))
     return _compiled[key]
 
 
@@ -172,13 +194,19 @@ class _Live:
 
 
 class Engine:
-    """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model on one device:
-    `slots` requests decoded at once, `page` tokens a page."""
+    """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model: `slots` requests
+    decoded at once (rounded up to a multiple of the data-parallel shards), `page` tokens a page. On one device,
+    or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout layout; the
+    weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call."""
 
-    def __init__(self, params, cfg, slots: int = 32, page: int = 16):
+    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None):
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
-        self.params, self.slots, self.page = params, slots, page
-        self.programs = _programs(self.m, self.dtype, page)
+        self.layout = layout_for(on)
+        self.slots, self.page = padded_rows(slots, self.layout), page
+        self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True))
+        start = time.perf_counter()
+        self.weights = jax.block_until_ready(self.programs.reshard(params))
+        self.reshard_s = time.perf_counter() - start
         self.stats: dict = {}
 
     def generate(self, prompts: list, max_new_tokens, *, temperature: float = 1.0, top_k: int = 0,
@@ -191,7 +219,7 @@ class Engine:
         _check(self.m, prompts, max(new), temperature, top_k, top_p, stop_ids)
         row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
         self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
-        self.pools = init_cache(self.m, len(self.pool.holders), self.page, self.dtype, None)
+        self.pools = self.programs.pools(pages=len(self.pool.holders))
         self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
         self.settings = tuple(jnp.asarray(v, t) for v, t in ((temperature, jnp.float32), (top_k, jnp.int32),
                                                               (top_p, jnp.float32)))
@@ -211,10 +239,11 @@ class Engine:
         if prompt in self.prefilled:
             return self.prefilled[prompt]
         pages = self.pool.take(-(-len(prompt) // self.page))
-        tokens = np.zeros((1, bucket(len(prompt))), np.int32)
+        rows = padded_rows(1, self.layout)
+        tokens = np.zeros((rows, bucket(len(prompt))), np.int32)
         tokens[0, :len(prompt)] = prompt
-        self.pools, logits = self.programs.prefill(self.params, self.pools, tokens, np.int32(len(prompt)),
-                                                   self._table([pages]))
+        self.pools, logits = self.programs.prefill(self.weights, self.pools, tokens, np.int32(len(prompt)),
+                                                   self._table([pages] + [[]] * (rows - 1)))
         partial = pages[-1] if len(prompt) % self.page else None
         entry = _Prompt(pages[:-1] if partial is not None else pages, partial, logits)
         self.prefilled[prompt] = entry
@@ -276,7 +305,7 @@ class Engine:
             tokens[s], positions[s], active[s] = x.tokens[-1], x.position + len(x.tokens) - 1, 1
             steps[s], indices[s] = len(x.tokens), x.index
         table = self._table([x.pages if x is not None else [] for x in live])
-        self.pools, token, logp = self.programs.decode(self.params, self.pools, tokens, positions, active, table,
+        self.pools, token, logp = self.programs.decode(self.weights, self.pools, tokens, positions, active, table,
                                                        steps, indices, self.seed, self.settings)
         self.stats["decode_steps"] += 1
         token, logp = np.asarray(token), np.asarray(logp)

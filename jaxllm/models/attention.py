@@ -250,6 +250,11 @@ class CacheView(NamedTuple):
     pages: jax.Array | None = None
 
 
+def stored_names(names: tuple, paged: bool) -> tuple:
+    """A cache's logical dimensions as stored: a paged pool's second dimension is its pages, not the batch."""
+    return tuple("pages" if n == "batch" else n for n in names) if paged else names
+
+
 def cache_write(stored, new, cache: CacheView, positions, segment_ids):
     """One repeat's slots of `stored` with this call's `new` [batch, t, ...] written: at `cache.start`, or paged,
     each token at its position's page and offset (segment 0 to the scratch page 0)."""
@@ -277,8 +282,9 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     layout for every layer and no positions to remap, at the cost of slots past the window.
     Returns (output, the cache with this layer's slots written)."""
     q, k, v = _project(p, x, positions, m, dtype, layer)
-    keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), CACHE)
-    values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), CACHE)
+    names = stored_names(CACHE, cache.pages is not None)
+    keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), names)
+    values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), names)
     written = cache._replace(k=keys, v=values)
     out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
                     segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m))

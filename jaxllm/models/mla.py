@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, cache_read, cache_write,
-                                     masking, project_out)
+                                     masking, project_out, stored_names)
 from jaxllm.models import lora
 from jaxllm.models.layers import column_parallel, norm, project
 from jaxllm.ops import fp8
@@ -81,7 +81,8 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     value half and W_o. Returns (output, the cache with this layer's slots written)."""
     q_nope, q_rope = _queries(p, x, positions, m, dtype, layer)
     latent = _latent(p, x, positions, m, dtype, layer)
-    written = constrain(cache_write(cache.k, latent, cache, positions, segment_ids), LATENT_CACHE)
+    names = stored_names(LATENT_CACHE, cache.pages is not None)
+    written = constrain(cache_write(cache.k, latent, cache, positions, segment_ids), names)
     keys = cache_read(written, cache)[:, :, None, :]  # [b, slots, 1, r + d_r]
     r = m.mla.kv_lora_rank
     w_k, w_v = _up(p, m, dtype)

@@ -163,7 +163,7 @@ def _summary(ops: list[dict], unknown: int = 0) -> dict:
     return out
 
 
-_GROUPS = re.compile(r"replica_groups=(\{[{}\d,]*\}|\[[^\]]*\]<=\[[^\]]*\][^,\s]*)")
+_GROUPS = re.compile(r"replica_groups=(\{[{}\d,]*\}|\[[^\]]*\]<=\[[^\]]*\][^,\s]*|mesh\[[^\]]*\](?:, device_ids=\S+)? \{[^}]*\})")
 
 
 def _collective(ins: dict) -> dict | None:
@@ -330,6 +330,27 @@ def permute_bytes_by_device(hlo_text: str, n_devices: int) -> list[int]:
         for src, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else ""):
             sent[int(src)] += size
     return sent
+
+
+def group_size(groups: str, n_devices: int) -> int:
+    """Devices in each replica group of a collective's `replica_groups` text: `{{0,1},{2,3}}`, the iota form
+    `[groups,size]<=[...]`, the named form `mesh['axis_0'=2,...][, device_ids=(...)] {'axis_0'}` (the named axes'
+    sizes multiplied), or none (every device in one group)."""
+    if not groups:
+        return n_devices
+    if groups.startswith("mesh["):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups[:groups.index("]")]))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", groups[groups.rindex("{"):]))
+    if groups.startswith("["):
+        return int(groups[1:groups.index("]")].split(",")[-1])
+    return len(re.match(r"\{\{([\d,]*)\}", groups).group(1).split(","))
+
+
+def all_gather_received_bytes(hlo_text: str, n_devices: int) -> int:
+    """Bytes one device receives through the program's all-gathers: of each, its result less its own part."""
+    ops, _ = executed_collectives(hlo_text)
+    return sum(o["times"] * o["bytes"] * (1 - 1 / group_size(o["groups"], n_devices))
+               for o in ops if o["kind"] == "all-gather")
 
 
 def collectives_per_step(hlo_text: str) -> dict[str, dict]:
