@@ -127,9 +127,17 @@ def test_dynamic_sampling_trains_only_groups_with_spread_and_keeps_the_batch():
     assert metrics["gen_rounds"] == 2 and metrics["idle_group_frac"] == 1.0
 
 
-def test_the_engine_sampler_on_a_mesh_is_refused_in_one_line():
-    with pytest.raises(UserError, match="rl.sampler=engine runs on one device, and this run's mesh has 8"):
-        _first_batch({"rl.sampler": "engine"})
+def test_the_engine_sampler_on_a_zero3_mesh_makes_the_static_samplers_batch():
+    """rl.sampler = engine on dp2×fsdp2×tp2 under ZeRO-3 (its weights resharded from the stored state into the
+    rollout layout, its slots over the data axes): the first batch equals the static sampler's, field for field,
+    and so do its metrics but the generator's log-probabilities' gap to the trainer's (rounding, within 1e-5)."""
+    mesh = {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3}
+    static, static_metrics, _, _ = _first_batch(mesh)
+    engine, engine_metrics, _, _ = _first_batch({**mesh, "rl.sampler": "engine", "rl.engine_slots": 6})
+    for key in ("inputs", "targets", "loss_mask", "advantages"):
+        np.testing.assert_array_equal(np.asarray(engine[key]), np.asarray(static[key]), err_msg=key)
+    assert abs(static_metrics.pop("logp_mismatch") - engine_metrics.pop("logp_mismatch")) <= 1e-5
+    assert engine_metrics == static_metrics
 
 
 def test_overlong_shaping_adds_dapos_length_penalty():

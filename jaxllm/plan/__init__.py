@@ -92,7 +92,7 @@ def plan(cfg, chip: str | None = None) -> dict:
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "attention_compiled": attention_compiled(cfg, shape),
         "pipeline": pipeline,
-        "generation": generation_theory(cfg, fns),
+        "generation": generation_theory(cfg, fns, chip),
         "allreduce": allreduce_report(cfg, shape, hlo, n_params),
         "zeropp": zeropp_report(cfg, shape, hlo),
         "finetune": finetune_state(cfg, shape),

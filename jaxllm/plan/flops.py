@@ -22,9 +22,10 @@ from jaxllm.models import attention, lora, transformer
 from jaxllm.plan.hlo import executed_bytes, executed_matmul_flops
 from jaxllm.trainer.loop import flops_per_token
 
-# peak dense bf16 FLOP/s and HBM bytes/s per chip (vendor specifications)
-CHIPS = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "tpu-v5p": (459e12, 2.765e12),
-         "tpu-v6e": (918e12, 1.64e12)}
+# peak dense bf16 FLOP/s, HBM bytes/s and interconnect bytes/s one chip receives at (vendor specifications:
+# NVLink 4's 900 GB/s is both ways, 450 GB/s in; TPU ICI as Google lists it per chip, 4,800 and 3,584 Gbit/s)
+CHIPS = {"h100": (989e12, 3.35e12, 450e9), "h200": (989e12, 4.8e12, 450e9), "tpu-v5p": (459e12, 2.765e12, 600e9),
+         "tpu-v6e": (918e12, 1.64e12, 448e9)}
 
 
 def check_chip(chip: str | None) -> None:
@@ -70,7 +71,7 @@ def flops_report(cfg, hlo_text: str, devices: int, chip: str | None = None) -> d
            "hfu_over_mfu": compiled / model, "unknown_trip_loops": unknown}
     if chip is not None:
         check_chip(chip)
-        peak, bandwidth = CHIPS[chip]
+        peak, bandwidth, _ = CHIPS[chip]
         moved = executed_bytes(hlo_text)
         out["roofline"] = {"chip": chip, "peak_flops": peak, "hbm_bytes_per_s": bandwidth, "bytes": moved,
                            "compute_s": compiled / peak, "memory_s": moved / bandwidth,

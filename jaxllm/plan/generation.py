@@ -2,26 +2,32 @@
 
 A rollout of train.global_batch prompts of seq_len/2 tokens and seq_len/2 new ones on the training mesh:
 the transient compute-dtype copy of the weights (gathered under ZeRO-3 or a pipeline) and the KV cache,
-each from the generator's own sizing (`jaxllm.generate`).
+each from the generator's own sizing (`jaxllm.generate`); and the resharding that makes the copy (the rollout
+engine runs it once per rollout): the bytes a device receives, and with a chip their time at its interconnect
+bandwidth (a lower bound: every link busy, no latency).
 """
 
 from __future__ import annotations
 
 from jaxllm.generate import cache, decode
+from jaxllm.plan.flops import CHIPS
 from jaxllm.plan.memory import dtype_bytes
 
 
-def generation_theory(cfg, fns) -> dict:
+def generation_theory(cfg, fns, chip: str | None = None) -> dict:
     """Generation's memory per device (no compiling): a rollout of train.global_batch prompts of seq_len/2
     tokens and seq_len/2 new ones on this mesh. The program reads a compute-dtype copy of the weights laid
     out as used (under ZeRO-3 or pp > 1 gathered: the whole model / tp), alive only while it runs, and
-    the KV cache; tests/test_plan.py checks both against the compiled program's temporaries."""
+    the KV cache; tests/test_plan.py checks both against the compiled program's temporaries, and
+    tests/test_engine.py the resharding's bytes against its compiled all-gathers."""
     m, dtype = cfg.model, cfg.precision.compute
     prompt = max(1, m.seq_len // 2)
     new = max(1, m.seq_len - prompt)
     slots = decode.bucket(prompt) + new
     values, formula = cache.per_token(m)
+    received = decode.reshard_bytes(m, dtype, fns)
     return {"rows": cfg.train.global_batch, "prompt": prompt, "new": new, "slots": slots,
-            "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns),
+            "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns), "reshard_bytes": received,
+            "reshard_s": None if chip is None else received / CHIPS[chip][2],
             "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, fns),
             "cache_per_token": {"values": values, "formula": formula, "bytes": values * dtype_bytes(dtype)}}

@@ -278,7 +278,10 @@ def _format_generation(g: dict, compute: str) -> list[str]:
             f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
             "fsdp/pp at the program's start, freed at its end",
             f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}   per token per layer, before any split: "
-            f"{g['cache_per_token']['formula']} values = {format_bytes(g['cache_per_token']['bytes'])}"]
+            f"{g['cache_per_token']['formula']} values = {format_bytes(g['cache_per_token']['bytes'])}",
+            f"  {'resharding received':<28}{format_bytes(g['reshard_bytes']):>12}   making that copy: at each "
+            "generation call (the rollout engine: once per rollout)"
+            + ("" if g["reshard_s"] is None else f"; ≥ {g['reshard_s'] * 1e6:,.1f} µs at the chip's interconnect")]
 
 
 def _format_allreduce(a: dict) -> list[str]:

@@ -6,8 +6,9 @@ new batch, which the following steps reuse:
 1. the step's prompts (`prompts.step_prompts`), each repeated `rl.group_size` times, group after group
    (with DAPO's dynamic sampling, `rl.max_num_gen_batches`, further rounds of prompts until the batch holds
    groups whose rewards differ: `_rollouts`);
-2. one completion per row from `jaxllm.generate` on the run's mesh, at `rl.temperature`, seeded by
-   (train.seed, rollout); the program hands every process all of them;
+2. one completion per row on the run's mesh, at `rl.temperature`, seeded by (train.seed, rollout): by
+   `jaxllm.generate`'s static program (which hands every process all of them), or with `rl.sampler = "engine"`
+   by the rollout engine, its weights resharded into the rollout layout once per rollout (timed as `reshard`);
 3. the rewards (`rewards.py`, with DAPO's overlong penalty where `rl.overlong_buffer` is set), which every
    process computes over every completion, so a group never straddles processes and all agree on its advantages;
 4. advantages (`advantages.py`) and rows (`rollouts.py`), as global arrays over the batch axes;
@@ -22,6 +23,7 @@ tokens of |generator − trainer|, which is rounding alone when both run the sam
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,9 @@ class RolloutBatches:
     has_validation = False
     steps_per_epoch = None
 
-    def __init__(self, cfg, tokenizer, prompts: prompts_lib.Prompts, fns, reference=None):
+    def __init__(self, cfg, tokenizer, prompts: prompts_lib.Prompts, fns, reference=None, clock=None):
         self.cfg, self.tokenizer, self.prompts, self.fns, self.reference = cfg, tokenizer, prompts, fns, reference
+        self.clock = clock  # the run's goodput clock (the engine's resharding is timed on it), or None
         self.score = rewards_lib.parse(cfg.rl.rewards, cfg.rl.format_pattern)
         self.per_step = cfg.train.global_batch // cfg.rl.group_size
         self.current = None  # (rollout index, batch, metrics)
@@ -52,10 +55,9 @@ class RolloutBatches:
         if cfg.rl.async_steps and jax.process_count() > 1:  # the sampler's collectives would race the step's
             raise ConfigError(f"rl.async_steps={cfg.rl.async_steps} runs in one process, and this run has "
                               f"{jax.process_count()}; set rl.async_steps=0")
-        devices = fns.layout.mesh.devices.size
-        if cfg.rl.sampler == "engine" and devices > 1:
-            raise ConfigError(f"rl.sampler=engine runs on one device, and this run's mesh has {devices}; set "
-                              "rl.sampler=static")
+        if cfg.rl.sampler == "engine" and jax.process_count() > 1:  # it reads each step's tokens on the host
+            raise ConfigError(f"rl.sampler=engine runs in one process, and this run has {jax.process_count()}; "
+                              "set rl.sampler=static")
         self.sampler = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.async_steps else None
 
     @property
@@ -87,7 +89,7 @@ class RolloutBatches:
             del self.padding[r]
         return float(np.mean([self.padding[r] for r in used])) if used else 0.0
 
-    def _round(self, r: int, k: int, params) -> dict:
+    def _round(self, r: int, k: int, sample) -> dict:
         """Round k of rollout r's generation: its prompts (the step's for k = 0; with dynamic sampling, further
         ones drawn from (seed, r, k)) each G times, their completions and rewards, as lists a row each."""
         cfg, rl = self.cfg, self.cfg.rl
@@ -96,7 +98,7 @@ class RolloutBatches:
         chosen = np.repeat(chosen, rl.group_size)
         prompt_ids = [self.prompts.ids[i] for i in chosen]
         seed = int(np.random.SeedSequence([cfg.train.seed, r] + ([k] if k else [])).generate_state(1)[0])
-        out = self._sample(prompt_ids, seed, params)
+        out = sample(prompt_ids, seed)
         completions = [out["tokens"][i, :n].tolist() for i, n in enumerate(out["lengths"])]
         total, each = self.score([self.prompts.texts[i] for i in chosen], [self._text(c) for c in completions],
                                  **{k: [v[i] for i in chosen] for k, v in self.prompts.columns.items()})
@@ -106,27 +108,27 @@ class RolloutBatches:
         return {"prompt_ids": prompt_ids, "completions": completions, "stopped": out["stopped"].tolist(),
                 "logprobs": list(out["logprobs"]), "total": total, "each": each}
 
-    def _sample(self, prompt_ids: list, seed: int, params) -> dict:
-        """One completion per prompt, as `generate_arrays` gives them: by `rl.sampler` (the same tokens)."""
+    def _sampler(self, params, timed: bool):
+        """`sample(prompt_ids, seed)`: one completion per prompt, as `generate_arrays` gives them, by `rl.sampler`
+        (the same tokens). The engine is built (its weights resharded) once, here, timed as `reshard` if `timed`."""
         rl = self.cfg.rl
-        sampling = {"temperature": rl.temperature, "stop_ids": self.tokenizer.stop_ids, "seed": seed}
+        sampling = {"temperature": rl.temperature, "stop_ids": self.tokenizer.stop_ids}
         if rl.sampler == "static":
-            return generate_arrays(params, self.cfg, prompt_ids, rl.max_new_tokens, on=self.fns, **sampling)
-        engine = Engine(params, self.cfg, slots=rl.engine_slots or len(prompt_ids))
-        done = engine.generate(prompt_ids, rl.max_new_tokens, **sampling)
-        out = {"tokens": np.zeros((len(done), rl.max_new_tokens), np.int32),
-               "logprobs": np.zeros((len(done), rl.max_new_tokens), np.float32),
-               "lengths": np.asarray([len(c.tokens) for c in done]), "stopped": np.asarray([c.stopped for c in done])}
-        for i, c in enumerate(done):
-            out["tokens"][i, :len(c.tokens)], out["logprobs"][i, :len(c.tokens)] = c.tokens, c.logprobs
-        return out
+            return lambda ids, seed: generate_arrays(params, self.cfg, ids, rl.max_new_tokens, on=self.fns, seed=seed,
+                                                     **sampling)
+        slots = rl.engine_slots or self.cfg.train.global_batch
+        with self.clock.timing("reshard") if timed and self.clock else contextlib.nullcontext():
+            engine = Engine(params, self.cfg, slots=slots, on=self.fns)
+        return lambda ids, seed: _as_arrays(engine.generate(ids, rl.max_new_tokens, seed=seed, **sampling),
+                                            rl.max_new_tokens)
 
-    def _rollouts(self, r: int, params) -> tuple[dict, int]:
+    def _rollouts(self, r: int, params, timed: bool = True) -> tuple[dict, int]:
         """The rows rollout r trains on, and the rounds of generation it took: round 0 whole, or with dynamic
         sampling (`rl.max_num_gen_batches`) the first per_step groups with reward spread over the rounds,
         filled where short with groups without (marked `idle`: their loss mask is zeroed)."""
         rl, g = self.cfg.rl, self.cfg.rl.group_size
-        first = self._round(r, 0, params)
+        sample = self._sampler(params, timed)
+        first = self._round(r, 0, sample)
         if not rl.max_num_gen_batches:
             return first, 1
         rounds = [first]
@@ -134,7 +136,7 @@ class RolloutBatches:
             spread = [_spread(x["total"], g) for x in rounds]
             if sum(map(np.sum, spread)) >= self.per_step or len(rounds) == rl.max_num_gen_batches:
                 break
-            rounds.append(self._round(r, len(rounds), params))
+            rounds.append(self._round(r, len(rounds), sample))
         order = [(j, i, True) for j, x in enumerate(spread) for i in np.flatnonzero(x)]
         order += [(j, i, False) for j, x in enumerate(spread) for i in np.flatnonzero(~x)]
         picked = order[:self.per_step]
@@ -156,7 +158,7 @@ class RolloutBatches:
         future = self.pending.pop(r, None)
         made, rounds, staleness = (*future.result(), k) if future is not None else (*self._rollouts(r, params), 0)
         snapshot = jax.tree.map(jnp.copy, params)
-        self.pending[r + k] = self.sampler.submit(self._rollouts, r + k, snapshot)
+        self.pending[r + k] = self.sampler.submit(self._rollouts, r + k, snapshot, False)
         return made, rounds, staleness
 
     def _make(self, r: int, sharding, params) -> tuple[dict, dict]:
@@ -220,3 +222,13 @@ def _spread(total, group_size: int) -> np.ndarray:
     """Per group of `total` (rewards, group after group): whether its rewards differ."""
     groups = np.asarray(total).reshape(-1, group_size)
     return groups.max(axis=1) > groups.min(axis=1)
+
+
+def _as_arrays(done: list, new: int) -> dict:
+    """The engine's completions as `generate_arrays` gives them: tokens and logprobs [n, new] (valid up to
+    `lengths`), lengths [n], stopped [n]."""
+    out = {"tokens": np.zeros((len(done), new), np.int32), "logprobs": np.zeros((len(done), new), np.float32),
+           "lengths": np.asarray([len(c.tokens) for c in done]), "stopped": np.asarray([c.stopped for c in done])}
+    for i, c in enumerate(done):
+        out["tokens"][i, :len(c.tokens)], out["logprobs"][i, :len(c.tokens)] = c.tokens, c.logprobs
+    return out

@@ -9,6 +9,8 @@ and the category that lost the most.
 - data: making the next batch while no step was running (a batch made while the previous step still ran on
   the devices is hidden by it and counts as step time); reading the data at start-up; GRPO's sampling and
   DPO's reference scoring, which need the previous step's parameters.
+- reshard: laying the weights out for the rollout engine (`rl.sampler = "engine"`), once per rollout, where the
+  trainer waits for it (with `rl.async_steps` the sampler thread does it, hidden behind the steps).
 - step: dispatching steps and waiting for them.
 - compile: tracing, lowering and compiling programs, wherever it happens (JAX reports each through
   `jax.monitoring`; the part it happened in gives that time up).
@@ -31,7 +33,7 @@ import types
 
 import jax
 
-CATEGORIES = ("data", "step", "compile", "eval", "checkpoint", "log", "profile", "setup")
+CATEGORIES = ("data", "reshard", "step", "compile", "eval", "checkpoint", "log", "profile", "setup")
 LOST = tuple(c for c in CATEGORIES if c != "step")
 
 # JAX's own durations of compiling (one each per program, not nested: tracing is reported at the top level only)

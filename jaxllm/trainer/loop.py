@@ -565,7 +565,7 @@ def _set_up(cfg: Config, clock: goodput.Clock):
     if hasattr(data, "resume_stages") and resume:  # a mixture's weights so far, and new ones from here
         notes = notes + data.resume_stages(meta, start)
     if t.objective == "grpo":  # the batches come from the policy's own samples
-        data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None)
+        data = RolloutBatches(cfg, tokenizer, data, fns, reference_params(cfg, fns) if cfg.rl.beta else None, clock)
     elif cfg.data.prefetch:  # built ahead on a thread (from the first batch asked for), from step `start` on
         data = ahead = prefetch.Prefetched(data, fns.batch_sharding, start, cfg.data.prefetch)
     if t.objective == "dpo":  # each batch scored by the reference before the step, if the loss reads it
