@@ -180,8 +180,8 @@ class Model:
         """A completion of each prompt (a string, or token ids; one prompt or a list of them, generated as one
         batch) with the KV cache, until a stop id of the tokenizer or `max_new_tokens`. temperature 0 is greedy;
         a row's draws depend on `seed` and its place in the list, not on the mesh. `timings` gets `compile_s` and
-        `run_s`. `slots` > 0: on the rollout engine (`generate/engine.py`: paged, continuously batched, on one
-        device) with that many slots, for many prompts of different lengths: the same tokens."""
+        `run_s`. `slots` > 0: on the rollout engine (`generate/engine.py`: paged, continuously batched, on the
+        model's mesh) with that many slots, for many prompts of different lengths: the same tokens."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         ids = [self._ids(p) for p in ([prompts] if single else prompts)]
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "stop_ids": self.tokenizer.stop_ids,
@@ -195,13 +195,12 @@ class Model:
                 for p, c in zip(ids, done)]
 
     def _engine(self, ids, max_new_tokens: int, slots: int, sampling: dict, timings: dict | None):
-        """The rollout engine's completions, on this process's first device (the parameters copied there)."""
+        """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""
         if jax.process_count() > 1:
-            raise ConfigError(f"generation on the rollout engine runs on one device, and this model spans "
-                              f"{jax.process_count()} processes; generate without it (one batch) or in one process")
+            raise ConfigError(f"generation on the rollout engine runs in one process, and this model spans "
+                              f"{jax.process_count()}; generate without it (one batch) or in one process")
         start = time.perf_counter()
-        params = jax.device_put(self.params, jax.local_devices()[0])
-        done = Engine(params, self.cfg, slots=slots).generate(ids, max_new_tokens, **sampling)
+        done = Engine(self.params, self.cfg, slots=slots, on=self.fns).generate(ids, max_new_tokens, **sampling)
         if timings is not None:
             timings.update(compile_s=0.0, run_s=time.perf_counter() - start)  # the engine compiles as it runs
         return done

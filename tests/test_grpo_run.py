@@ -75,7 +75,8 @@ def test_an_asynchronous_run_trains_on_rollouts_one_batch_stale(tmp_path):
 def test_rollouts_from_the_engine_train_as_the_static_ones(tmp_path):
     """rl.sampler = engine (one device; 4 slots for 16 completions, each group's prompt prefilled once): the same
     completions as the static sampler, so the same rewards, losses and updates: every metric equal but the
-    generator's own log-probabilities' gap to the trainer's (rounding, within 1e-5)."""
+    generator's own log-probabilities' gap to the trainer's (rounding, within 1e-5); the rows of sampling steps
+    carry the engine's resharding time."""
     from jaxllm.config import to_toml
 
     config = tmp_path / "grpo.toml"
@@ -86,6 +87,10 @@ def test_rollouts_from_the_engine_train_as_the_static_ones(tmp_path):
                                f"run.dir={tmp_path / name}", *keys], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
+    raw = lambda name: [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+    # the engine's resharding is timed in the rows whose step sampled (steps 1 and 3); the static sampler has none
+    assert [r["time/reshard_s"] > 0 for r in raw("engine")] == [True, False, True, False]
+    assert all(r["time/reshard_s"] == 0 for r in raw("static"))
     static, engine = rows(tmp_path / "static"), rows(tmp_path / "engine")
     for a, b in zip(static, engine, strict=True):
         assert abs(a.pop("logp_mismatch") - b.pop("logp_mismatch")) <= 1e-5

@@ -7,7 +7,7 @@
 `--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`) or `hf:DIR`
 (the model, its tokenizer.json and generation_config.json's stop ids). Several `--prompt`s generate as
 one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
-(paged, continuously batched, one device: `jaxllm/generate/engine.py`), for many prompts of different lengths,
+(paged, continuously batched, on the mesh: `jaxllm/generate/engine.py`), for many prompts of different lengths,
 and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}). key=value
 overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
 bfloat16 unless set), `distributed.*` for several processes. Prints each prompt with its completion on
