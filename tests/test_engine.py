@@ -1,5 +1,5 @@
 """The rollout engine (`jaxllm/generate/engine.py`: a paged KV cache, continuous batching, shared prompts) against
-the static engine (`generate/decode.py`), fp32, one device.
+the static engine (`generate/decode.py`) and one device, fp32.
 
 - Every request's tokens equal the static engine's and its log-probabilities are within 1e-5, greedy and sampled
   (the same seed: request i draws what row i draws), with the requests arriving in three orders, on 4 slots of
@@ -10,6 +10,10 @@ the static engine (`generate/decode.py`), fp32, one device.
 - A prompt of P tokens requested G = 8 times holds ⌈P / page⌉ pages of prompt tokens, + G where P is not a
   multiple of the page (each request's copy of the partial page), counted at the engine's peak; every page is
   free again at the end.
+- On four training meshes (ZeRO-3, a pipeline with windowed layers, latent attention, experts) the engine samples
+  one device's tokens, its resharding receives the planner's bytes and its decode step gathers no weights.
+- The Pallas paged-attention kernel (interpreted) decodes as the gathered pages do, on one device and in its
+  island on a mesh; the decode step exported for CUDA calls it; a model it cannot compute is refused.
 """
 
 import math
@@ -126,3 +130,50 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     step = engine.programs.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
                                         idle, idle, engine.seed, engine.settings).compile().as_text()
     assert all_gather_received_bytes(step, devices) < received / 10
+
+
+TRITON = "__gpu$xla.gpu.triton"
+KERNEL_MODEL = {"model.head_dim": 16, "model.n_kv_heads": 2, "model.attn_softcap": 5.0}  # GQA, soft cap, Triton's dots
+
+
+@pytest.mark.parametrize("mesh", tiers([None, "dp2_fsdp2_tp2_zero3"], fast=(None,)))
+def test_the_paged_kernel_decodes_as_the_gather_does(mesh):
+    """A decode step on JAX's Pallas paged-attention kernel (interpreted on CPU; pages of 16, grouped queries,
+    a soft cap), on one device and in its island on dp2×fsdp2×tp2: the tokens of the gathered pages, the
+    log-probabilities within 1e-5."""
+    one = equivalence_config("tiny-llama", **_overrides("llama"), **KERNEL_MODEL)
+    params = transformer.init_params(one.model, jax.random.key(0))
+    prompts, new = _requests()
+    want = Engine(params, one, slots=SLOTS, page=16, paged_kernel="xla").generate(prompts, new, temperature=1.0, seed=3)
+    cfg, on, given = one, None, params
+    if mesh is not None:
+        cfg = equivalence_config("tiny-llama", **_overrides("llama"), **KERNEL_MODEL, **MESHES[mesh][1])
+        on = step_fns(cfg)
+        given = jax.device_put(params, on.state_shardings.params)
+    engine = Engine(given, cfg, slots=SLOTS, page=16, on=on, paged_kernel="pallas_gpu")
+    assert engine.kernel == ("pallas_gpu", True)
+    for a, b in zip(want, engine.generate(prompts, new, temperature=1.0, seed=3), strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks_it_where_it_fits():
+    """The engine's decode step exported for CUDA from this CPU machine calls Triton (the paged kernel) with it,
+    and not with XLA's gather; `auto` is the gather on CPU; a model the kernel cannot compute is refused."""
+    from jaxllm.errors import ConfigError
+    from jaxllm.generate import engine as engine_lib
+
+    cfg = equivalence_config("tiny-llama", **_overrides("llama"), **KERNEL_MODEL)
+    engine = Engine(transformer.init_params(cfg.model, jax.random.key(0)), cfg, slots=SLOTS, page=16)
+    assert engine.kernel == (None, False)
+    idle = np.zeros(SLOTS, np.int32)
+    args = (engine.weights, engine.programs.pools(pages=9), idle, idle, idle, np.zeros((SLOTS, 2), np.int32), idle,
+            idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
+    for kernel, called in (("pallas_gpu", True), (None, False)):
+        decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decode
+        exported = jax.export.export(decode, platforms=["cuda"],
+                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+        assert (TRITON in exported(*args).mlir_module()) == called, kernel
+    windowed, _ = _model("windowed")
+    with pytest.raises(ConfigError, match="paged_kernel=pallas_gpu: the kernel does not compute this model"):
+        Engine(transformer.init_params(windowed.model, jax.random.key(0)), windowed, page=16, paged_kernel="pallas_gpu")

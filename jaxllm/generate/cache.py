@@ -64,11 +64,12 @@ def _entries(m, paged: bool = False) -> dict[str, tuple]:
     return {"k": stored_names(CACHE, paged), "v": stored_names(CACHE, paged)}
 
 
-def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None) -> tuple[int, ...]:
+def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None, paged: bool = False) -> tuple[int, ...]:
     if m.attention == "mla":
         return (repeats, rows, slots, per_token(m)[0])
     tp = 1 if layout is None else layout.mesh.shape["tp"]
-    return (repeats, rows, slots, heads_as_used(kv_heads(m), tp), head_dim(m))
+    heads = heads_as_used(kv_heads(m), tp)
+    return (repeats, heads, rows, slots, head_dim(m)) if paged else (repeats, rows, slots, heads, head_dim(m))
 
 
 def per_token(m) -> tuple[int, str]:
@@ -83,7 +84,7 @@ def per_token(m) -> tuple[int, str]:
 def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None, paged: bool = False) -> list[dict]:
     """An empty cache: one {"k", "v"} ({"k"} under MLA) per block of the stack, zeros laid out by their names.
     `paged`: the rollout engine's pool of `rows` pages of `slots` tokens."""
-    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout), dtype), names)
+    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout, paged), dtype), names)
              for n, names in _entries(m, paged).items()} for seg in segments(m) for _ in seg.pattern]
 
 

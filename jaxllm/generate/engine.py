@@ -1,12 +1,18 @@
-"""The rollout engine: a paged KV cache, continuous batching and shared prompts (one device).
+"""The rollout engine: a paged KV cache, continuous batching and shared prompts, on one device or a training mesh.
 
-Pages. Each block kind's keys and values (latent attention: its latent rows) live in a pool of fixed-size pages
-[repeats, n_pages, page, ...], and each of the engine's S slots holds a page table: its request's page ids in
-order (`attention.CacheView.pages`), so the request's token at position j is in page table[j // page] at offset
+Pages. Each block kind's keys and values live in a pool of fixed-size pages [repeats, kv_heads, n_pages, page,
+head_dim] (heads first, as the paged kernels read them; latent attention's rows [repeats, n_pages, page, r + d_r]),
+and each of the engine's S slots holds a page table: its request's page ids in order
+(`attention.CacheView.pages`), so the request's token at position j is in page table[j // page] at offset
 j % page. A request gets ⌈(prompt + max_new) / page⌉ pages when it is admitted and gives them back when it ends;
-page 0 is scratch, where padding and idle slots write. A decode step attends over a slot's pages gathered in
-order (XLA's gather) with the training mask by position, so a windowed layer masks as it does in training (and,
-as in the static engine, keeps its pages) and the latent cache keeps its small rows.
+page 0 is scratch, where padding and idle slots write. A decode step attends over a slot's pages: on a GPU, where
+it fits, by JAX's Pallas paged-attention kernel (`ops/paged_attention.py`), elsewhere gathered in order (XLA's
+gather) with the training mask by position, so a windowed layer masks as it does in training (and, as in the
+static engine, keeps its pages) and the latent cache keeps its small rows.
+
+The rollout layout. On a mesh (`on`), the weights are resharded once, when the engine is built, into
+`cache.generation_layout` (compute dtype, split over tp, whole over fsdp and pp); the slots are split over the
+data axes and the page pool is whole on every device (heads over tp), so a slot's pages are where its row is.
 
 Shared prompts. Requests with the same prompt share its prefill: the prompt's full pages are prefilled once and
 referenced by every such request; the page holding its last, partial page is copied for each (copy-on-write:
@@ -37,12 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.errors import ConfigError
 from jaxllm.generate.cache import init_cache, layout_for, padded_rows
 from jaxllm.generate.decode import Completion, _check, _dropless, _gathered_weights, bucket
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
-from jaxllm.models.attention import CacheView
+from jaxllm.models.attention import CacheView, head_dim
 from jaxllm.models.layers import matmul_precision
+from jaxllm.ops import paged_attention
 from jaxllm.sharding import use_layout
 
 
@@ -52,19 +60,19 @@ def _keys(seed, steps, indices):
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(base, s), i))(steps, indices)
 
 
-def _view(positions, active, pages, page: int) -> CacheView:
+def _view(positions, active, pages, page: int, kernel) -> CacheView:
     """The slots of rows whose tokens sit at `positions` [rows, t] (`active` [rows, t]: 0 for padding): slot j
-    of a row at position j, seen where it is at or before the row's last position."""
+    of a row at position j, seen where it is at or before the row's last position; `kernel` (kernel, interpret)."""
     slots = pages.shape[1] * page
     index = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (pages.shape[0], slots))
     last = jnp.max(jnp.where(active > 0, positions, -1), axis=1, keepdims=True)
-    return CacheView(None, None, 0, 0, index, (index <= last).astype(jnp.int32), pages)
+    return CacheView(None, None, 0, 0, index, (index <= last).astype(jnp.int32), pages, *kernel)
 
 
-def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int):
+def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int, kernel=(None, False)):
     """fp32 logits [rows, t, vocab] of tokens at positions, their keys and values written into their pages."""
     x = transformer.embed(p, tokens, positions, m, dtype)
-    view = _view(positions, active, pages, page)
+    view = _view(positions, active, pages, page, kernel)
     x, pools = transformer.cached_blocks(p["blocks"], pools, x, positions, active, view, m, dtype)
     return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size], pools
 
@@ -85,18 +93,21 @@ def _first(logits, seed, indices, settings):
     return sample(rows, _keys(seed, jnp.zeros_like(indices), indices), *settings)
 
 
-def _decode(w, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int):
+def _decode(w, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int,
+            kernel):
     """One token for every slot (idle ones compute on scratch): (pools, tokens [S], logprobs [S])."""
     with matmul_precision(dtype):
         logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
-                                 page)
+                                 page, kernel)
     token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
     return pools, token, logp
 
 
 def _copy_page(pools, src, dst):
-    """Every block's page `src` copied to page `dst` (a shared prompt's partial page, for one of its requests)."""
-    return [{k: a.at[:, dst].set(a[:, src]) for k, a in block.items()} for block in pools]
+    """Every block's page `src` copied to page `dst` (a shared prompt's partial page, for one of its requests): the
+    pages' dimension is the third of a pool of keys or values (heads first), the second of a latent pool."""
+    copy = lambda a: a.at[:, :, dst].set(a[:, :, src]) if a.ndim == 5 else a.at[:, dst].set(a[:, src])
+    return [{k: copy(a) for k, a in block.items()} for block in pools]
 
 
 def _pools(*, m, dtype, pages: int, page: int, layout):
@@ -113,7 +124,7 @@ class _Programs(NamedTuple):
     copy_page: object
 
 
-_compiled: dict = {}  # (model, dtype, page, stored layout) -> its programs; the newest few
+_compiled: dict = {}  # (model, dtype, page, stored layout, paged kernel) -> its programs; the newest few
 
 
 def _under(layout, f):
@@ -125,9 +136,10 @@ def _under(layout, f):
     return traced
 
 
-def _programs(m, dtype, page: int, stored) -> _Programs:
-    """The engine's programs for parameters `stored` as that layout says (None: one device), in the rollout layout."""
-    key, layout = (repr(m), str(dtype), page, stored), layout_for(stored)
+def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
+    """The engine's programs for parameters `stored` as that layout says (None: one device), in the rollout layout,
+    decoding with `kernel` (the paged kernel or None, interpreted or not)."""
+    key, layout = (repr(m), str(dtype), page, stored, kernel), layout_for(stored)
     if key not in _compiled:
         if len(_compiled) >= 8:
             _compiled.pop(next(iter(_compiled)))
@@ -137,7 +149,7 @@ def _programs(m, dtype, page: int, stored) -> _Programs:
             jit(functools.partial(_gathered_weights, m=m, dtype=dtype, layout=layout, stored=stored)),
             jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
             jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first),
-            jit(functools.partial(_decode, **kw), donate_argnums=1), jit(_copy_page, donate_argnums=0))
+            jit(functools.partial(_decode, **kw, kernel=kernel), donate_argnums=1), jit(_copy_page, donate_argnums=0))
     return _compiled[key]
 
 
@@ -193,17 +205,39 @@ class _Live:
     logprobs: list = dataclasses.field(default_factory=list)
 
 
+PAGED_KERNELS = ("auto", "xla") + paged_attention.KERNELS  # the engine's `paged_kernel`
+
+
+def _paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None, bool]:
+    """(the paged kernel a decode step calls, None for XLA's gather; whether interpreted): `auto` the GPU kernel on
+    a GPU where it fits the model (`paged_attention.fits`), else the gather; a kernel named runs interpreted off
+    its platform (tests) and is refused where it does not fit."""
+    if choice not in PAGED_KERNELS:
+        raise ConfigError(f"paged_kernel: '{choice}' is not one of {', '.join(PAGED_KERNELS)}")
+    platform = (layout.mesh.devices.flat[0] if layout is not None else jax.devices()[0]).platform
+    fits = paged_attention.fits(m.attention == "mla", m.sliding_window, head_dim(m), page)
+    if choice in ("auto", "xla"):
+        return ("pallas_gpu", False) if choice == "auto" and platform == "gpu" and fits else (None, False)
+    if not fits:
+        raise ConfigError(f"paged_kernel={choice}: the kernel does not compute this model's decode exactly (it "
+                          "takes no window and no latent cache, and needs head_dim and the page a multiple of "
+                          "16); use auto or xla")
+    return choice, platform != "gpu"
+
+
 class Engine:
     """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model: `slots` requests
     decoded at once (rounded up to a multiple of the data-parallel shards), `page` tokens a page. On one device,
     or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout layout; the
-    weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call."""
+    weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call.
+    `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice)."""
 
-    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None):
+    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto"):
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page = padded_rows(slots, self.layout), page
-        self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True))
+        self.kernel = _paged_kernel(paged_kernel, self.m, page, self.layout)
+        self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
         start = time.perf_counter()
         self.weights = jax.block_until_ready(self.programs.reshard(params))
         self.reshard_s = time.perf_counter() - start

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, norm, row_parallel
 from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
-from jaxllm.ops import cudnn_attention
+from jaxllm.ops import cudnn_attention, paged_attention
 from jaxllm.ops.pallas_attention import IMPLEMENTATIONS as PALLAS_KERNELS, supports
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope, yarn, yarn_attention_factor
@@ -236,10 +236,13 @@ class CacheView(NamedTuple):
     kind like its weights; `positions` and `segment_ids` [batch, slots] describe every slot, this
     call's tokens included (segment 0: padding or not yet written, so no token attends to it).
 
-    Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are a pool of pages [repeats, n_pages,
-    page, ...] and `pages` [batch, pages a row holds] each row's page ids in order, so a row's slot j is
+    Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are a pool of pages [repeats, kv_heads,
+    n_pages, page, head_dim] (heads first, as the paged kernels read it; latent attention's [repeats, n_pages,
+    page, r + d_r]) and `pages` [batch, pages a row holds] each row's page ids in order, so a row's slot j is
     page `pages[row, j // page]`, offset `j % page`, and a token at position j is written there (`start`
-    unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are written."""
+    unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are written. `kernel`: the
+    paged-attention kernel a decode step's full-causal layers attend with (`ops/paged_attention.py`; None:
+    the pages gathered, XLA's gather, and `attention`), `interpret` it on CPU (tests)."""
 
     k: jax.Array
     v: jax.Array
@@ -248,11 +251,24 @@ class CacheView(NamedTuple):
     positions: jax.Array
     segment_ids: jax.Array
     pages: jax.Array | None = None
+    kernel: str | None = None
+    interpret: bool = False
+
+
+PAGED_CACHE = ("layers", "kv_heads", "pages", "seq", "head_dim")  # a paged pool of keys or values, heads first
 
 
 def stored_names(names: tuple, paged: bool) -> tuple:
-    """A cache's logical dimensions as stored: a paged pool's second dimension is its pages, not the batch."""
-    return tuple("pages" if n == "batch" else n for n in names) if paged else names
+    """A cache's logical dimensions as stored: a paged pool's pages in place of the batch (keys and values
+    heads first: `PAGED_CACHE`)."""
+    if not paged:
+        return names
+    return PAGED_CACHE if names == CACHE else tuple("pages" if n == "batch" else n for n in names)
+
+
+def _heads_first(stored) -> bool:
+    """A paged pool of keys or values [repeats, kv_heads, n_pages, page, head_dim] (not a latent pool)."""
+    return stored.ndim == 5
 
 
 def cache_write(stored, new, cache: CacheView, positions, segment_ids):
@@ -261,17 +277,23 @@ def cache_write(stored, new, cache: CacheView, positions, segment_ids):
     if cache.pages is None:
         at = (cache.layer, 0, cache.start) + (0,) * (new.ndim - 2)
         return jax.lax.dynamic_update_slice(stored, new[None].astype(stored.dtype), at)
-    size = stored.shape[2]
+    size = stored.shape[-2]
     page = jnp.take_along_axis(cache.pages, positions // size, axis=1)
     page = jnp.where(segment_ids == 0, 0, page)
-    return stored.at[cache.layer, page, positions % size].set(new.astype(stored.dtype))
+    # the layer, page and offset index arrays are split by the heads' slice, so the target is [batch, t, ...] as new
+    at = (cache.layer, slice(None), page, positions % size) if _heads_first(stored) else (cache.layer, page,
+                                                                                          positions % size)
+    return stored.at[at].set(new.astype(stored.dtype))
 
 
 def cache_read(stored, cache: CacheView):
     """One repeat's slots [batch, slots, ...]: as stored, or paged, each row's pages gathered in order."""
     if cache.pages is None:
         return stored[cache.layer]
-    rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
+    if _heads_first(stored):
+        rows = jnp.swapaxes(stored[cache.layer, :, cache.pages], 2, 3)  # [batch, pages, kv_heads, page, d] → page first
+    else:
+        rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
     return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
 
 
@@ -286,9 +308,22 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), names)
     values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), names)
     written = cache._replace(k=keys, v=values)
-    out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
-                    segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m))
+    if cache.kernel is not None and q.shape[1] == 1:  # a decode step on the paged kernel
+        out = _paged_kernel(q, written, positions, masking(m, layer))
+    else:
+        out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
+                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m))
     return project_out(p, out, dtype), written
+
+
+def _paged_kernel(q, cache: CacheView, positions, masking_: Masking):
+    """A decode step's queries [rows, 1, h, d] over their rows' pages of this layer's pools by `cache.kernel`
+    (`ops/paged_attention.py`), a row at position p seeing positions 0 .. p; in its island on a mesh."""
+    k, v, lengths = cache.k[cache.layer], cache.v[cache.layer], positions[:, 0] + 1
+    layout = current_layout()
+    if layout is None:
+        return paged_attention.attend(q, k, v, cache.pages, lengths, masking_, cache.interpret)
+    return kernel_island.paged(q, k, v, cache.pages, lengths, layout, masking_, cache.interpret)
 
 
 def _check_positions(m) -> None:

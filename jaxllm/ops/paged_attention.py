@@ -1,0 +1,68 @@
+"""A decode step's attention over each row's pages, by the Pallas paged-attention kernel JAX ships for GPUs.
+
+The rollout engine's pools hold keys and values heads first, [kv_heads, n_pages, page, head_dim] a layer, the
+layout this kernel (and JAX's TPU one) reads, so a decode step hands it the pool, the rows' page tables and
+their lengths, and the kernel reads only the pages a row holds instead of XLA gathering them into a
+[rows, slots, ...] copy first. One query per row, causal by length (a row at position p sees positions
+0 .. p: the engine writes a request's tokens at their positions), grouped queries by kv head (query head i
+reads kv head i // (heads / kv_heads), as everywhere in jaxllm), the soft cap as the model's; the score scale is
+applied to the queries first (the kernel has none).
+
+Where it fits (`fits`): no sliding window on any layer (a per-layer window can be a traced value, and the
+kernel has none), keys and values of one width (not latent attention, whose pool holds latent rows), and
+Triton's smallest dot: head_dim and the page a multiple of 16. Elsewhere, and on TPU (JAX's TPU paged kernel
+takes no interpret mode, so its numbers cannot be checked off a TPU), the pages are gathered by XLA.
+
+The kernel splits each row's table into `k_splits` partitions of whole compute blocks and combines their
+partial softmaxes; the table is padded with page 0 (scratch) up to that shape, past the row's length, where the
+kernel skips whole partitions and masks the rest. Its final division adds float32's eps to the softmax's
+denominator (≥ 1): a relative change under 1.2e-7.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+
+from jaxllm.ops.masking import Masking
+
+KERNELS = ("pallas_gpu",)  # the paged kernels jaxllm calls; None (XLA's gather) elsewhere
+MAX_SPLITS, MAX_BLOCK_PAGES = 16, 8  # the kernel's defaults: partitions of a row's pages, pages per compute block
+
+
+def fits(latent: bool, window: int, head_dim: int, page: int) -> bool:
+    """Whether the GPU paged kernel computes a model's decode attention exactly: keys and values, not latent rows;
+    no sliding window; Triton's smallest dot for the head and the page."""
+    return not latent and not window and head_dim % 16 == 0 and page % 16 == 0
+
+
+def _kernel():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+    return gpu_paged
+
+
+def partitions(width: int) -> tuple[int, int, int]:
+    """(k_splits, pages per compute block, padded table width) for tables of `width` pages: up to 16 partitions
+    of whole compute blocks of up to 8 pages."""
+    splits = min(MAX_SPLITS, width)
+    per = -(-width // splits)
+    block = min(MAX_BLOCK_PAGES, per)
+    per = -(-per // block) * block
+    return splits, block, splits * per
+
+
+def attend(q, k_pool, v_pool, pages, lengths, masking: Masking, interpret: bool = False):
+    """Attention of q [rows, 1, heads, d] over k_pool, v_pool [kv_heads, n_pages, page, d] through each row's
+    `pages` [rows, width], seeing its first `lengths` [rows] positions. Returns [rows, 1, heads, d] in q's dtype."""
+    splits, block, width = partitions(pages.shape[1])
+    table = jnp.pad(pages, ((0, 0), (0, width - pages.shape[1])))
+    scaled = q[:, 0] * jnp.asarray(masking.score_scale(q.shape[-1]), q.dtype)
+    out = _kernel().paged_attention(scaled, k_pool.astype(q.dtype), v_pool.astype(q.dtype), table,
+                                    lengths.astype(jnp.int32), block_h=16, pages_per_compute_block=block,
+                                    k_splits=splits, interpret=interpret,
+                                    attn_logits_soft_cap=masking.softcap or None)
+    return out[:, None].astype(q.dtype)
+
