@@ -23,6 +23,9 @@
 #                          (ONLY='^issue62'): the LLaMA-1B step at seq 4096 with the default config (`auto` attention,
 #                          the chunked loss, the GPU flags) and its profile, the roofline beside it (jaxllm plan
 #                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`; about 7 minutes
+#   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
+#                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
+#                          (tools.bench.engine_decode; ONLY='^issue63')
 set -u
 out=${1:?usage: tools/bench/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -70,3 +73,4 @@ check issue62_profile_4k 120 $py -m tools.bench.profile_step $llama4k --steps 5 
 check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip h100 --json
 check issue62_dpo_auto 150 $py -m jaxllm train $llama ${pairs/model.attention_impl=chunked/} run.dir=$out/dpo_auto_run
 check issue62_mla_auto 150 $py -m tools.bench.train_step $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
+check issue63_engine_decode 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --json

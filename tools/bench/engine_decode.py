@@ -1,0 +1,95 @@
+"""`python -m tools.bench.engine_decode [--rows 64] [--prompt 2048] [--new 64] [--page 16] [--chip auto]
+[--kernels auto xla] [key=value ...]`: the rollout engine's decode step against the HBM bound, one device.
+
+--rows requests of --prompt random tokens each decode --new tokens greedily on --rows slots, so every step runs
+every slot. Each paged kernel named (`Engine(paged_kernel=...)`: `auto` is the Pallas kernel on a GPU where it
+fits, `xla` the gathered pages) is compiled by a first run, then timed --repeats times with --new tokens and with
+1 (prefill and the first token alone), medians kept: a decode step costs (t(new) − t(1)) / (new − 1). The bound is
+the bytes one step must read, the weights in the compute dtype (the embedding table only where it is the tied
+head) and every row's cached keys and values at the step's mean length, over the chip's HBM bandwidth
+(`jaxllm/plan/flops.CHIPS`). Default shape: LLaMA-1B in bf16 (the issue's); `key=value` overrides it. With
+--json the last stdout line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+SHAPE = ["model.preset=llama-1b", "model.vocab_size=128256", "precision.compute=bfloat16"]
+
+
+def step_bytes(cfg, rows: int, prompt: int, new: int) -> int:
+    """Bytes a decode step reads: the weights as used and the rows' cache at the mean length of the steps."""
+    import jax.numpy as jnp
+
+    from jaxllm.generate.cache import per_token
+    from jaxllm.models import transformer
+
+    m, size = cfg.model, jnp.dtype(cfg.precision.compute).itemsize
+    weights = transformer.count_params(m) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    length = prompt + (new + 1) / 2
+    return int(weights * size + rows * length * m.n_layers * per_token(m)[0] * size)
+
+
+def _seconds(engine, prompts, new: int, repeats: int) -> float:
+    engine.generate(prompts, new, temperature=0.0)  # compiles
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.generate(prompts, new, temperature=0.0)
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench.engine_decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chip", default="auto", help="the chip's HBM bandwidth for the bound (auto: h200 on an H200, "
+                    "else h100)")
+    ap.add_argument("--kernels", nargs="+", default=["auto", "xla"])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from jaxllm.config import build_config
+    from jaxllm.generate.engine import Engine
+    from jaxllm.models.transformer import init_params
+    from jaxllm.plan.flops import CHIPS, check_chip
+
+    chip = args.chip if args.chip != "auto" else "h200" if "H200" in jax.devices()[0].device_kind else "h100"
+    check_chip(chip)
+    cfg = build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides])
+    params = init_params(cfg.model, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, cfg.model.vocab_size, args.prompt)] for _ in range(args.rows)]
+    moved = step_bytes(cfg, args.rows, args.prompt, args.new)
+    bound = moved / CHIPS[chip][1]
+    out = {"rows": args.rows, "prompt": args.prompt, "new": args.new, "chip": chip, "step_bytes": moved,
+           "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {}}
+    for choice in args.kernels:
+        engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice)
+        step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
+        step /= args.new - 1
+        out["kernels"][choice] = {"kernel": engine.kernel[0] or "xla", "step_ms": step * 1e3,
+                                  "of_bound": bound / step}
+        print(f"{choice} ({engine.kernel[0] or 'xla gather'}): {step * 1e3:.3f} ms a decode step of {args.rows} "
+              f"rows; the bound {bound * 1e3:.3f} ms ({moved / 1e9:.3f} GB at {chip}'s HBM): "
+              f"{bound / step * 100:.1f}% of it", flush=True)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
