@@ -401,11 +401,12 @@ class PrecisionConfig:
     loss_scale_init: float = key(65536.0, "the first scale (65536 = 2^16; a power of two)")
     loss_scale_window: int = key(1000, "the finite steps in a row before a dynamic scale doubles")
     loss_scale_min: float = key(1.0, "the floor a dynamic scale never halves below")
-    matmul: str = key("default", "`default` (the compute dtype) or `fp8`: the weight matmuls of attention, MLP and "
+    matmul: str = key("default", "`default` (the compute dtype), `fp8`: the weight matmuls of attention, MLP and "
                                  "experts multiply E4M3 operands forward and E5M2 gradients backward, each scaled "
-                                 "per tensor")
-    fp8_exclude: list = key(["head"], "matmul groups kept in the compute dtype under `fp8`, from `attention`, `mlp`, "
-                                      "`experts`, `head`")
+                                 "per tensor, or `fp8_block`: DeepSeek-V3's E4M3 throughout, scaled per 1 × 128 tile "
+                                 "of activations and gradients and per 128 × 128 block of weights")
+    fp8_exclude: list = key(["head"], "matmul groups kept in the compute dtype under `fp8` and `fp8_block`, from "
+                                      "`attention`, `mlp`, `experts`, `head`")
     grad_reduce: str = key("compute", "ZeRO-3's gradient reduce-scatter in `compute` (the compute dtype: the "
                                       "transpose of cast-then-gather) or `float32` (through the ZeRO-3 island of "
                                       "parallel/zeropp.py)")

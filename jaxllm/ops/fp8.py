@@ -1,4 +1,5 @@
-"""FP8 matmuls with per-tensor current scaling (`precision.matmul = "fp8"`).
+"""FP8 matmuls with per-tensor current scaling (`precision.matmul = "fp8"`); DeepSeek-V3's tile- and
+block-wise scaling (`fp8_block`) is `fp8_block.py`'s, reached through the same `einsum` and `weight_grad`.
 
 A covered matmul quantizes both operands just before it: scale = amax / the format's largest
 finite value (448 for E4M3), so the largest element maps to ±448 and nothing saturates; the
@@ -32,30 +33,43 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
+from jaxllm.ops import fp8_block
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GROUPS = ("attention", "mlp", "experts", "head")  # the weight matmuls precision.matmul = "fp8" covers
-MATMULS = ("default", "fp8")  # precision.matmul
+MATMULS = ("default", "fp8", "fp8_block")  # precision.matmul
 PIPELINE_AXIS = "pp"
 
-_covered: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jaxllm_fp8", default=frozenset())
+class Coverage(frozenset):
+    """The groups of weight matmuls run in fp8, and how (`mode`: a `precision.matmul` other than default)."""
+
+    def __new__(cls, groups=(), mode: str = "fp8"):
+        covered = super().__new__(cls, groups)
+        covered.mode = mode
+        return covered
 
 
-def covered_groups(precision) -> frozenset:
-    """The groups of weight matmuls run in fp8 under a `precision` config section; ConfigError (one
+_covered: contextvars.ContextVar[Coverage] = contextvars.ContextVar("jaxllm_fp8", default=Coverage())
+
+
+def covered_groups(precision) -> Coverage:
+    """The groups of weight matmuls run in fp8 under a `precision` config section, and how; ConfigError (one
     line) for an unknown setting."""
     if precision.matmul not in MATMULS:
         raise ConfigError(f"precision.matmul: '{precision.matmul}' is not one of {', '.join(MATMULS)}")
     unknown = sorted(set(precision.fp8_exclude) - set(GROUPS))
     if unknown:
         raise ConfigError(f"precision.fp8_exclude: {unknown} are not matmul groups; choose from {', '.join(GROUPS)}")
-    return frozenset(GROUPS) - set(precision.fp8_exclude) if precision.matmul == "fp8" else frozenset()
+    if precision.matmul == "default":
+        return Coverage()
+    return Coverage(frozenset(GROUPS) - set(precision.fp8_exclude), precision.matmul)
 
 
 @contextlib.contextmanager
 def use(groups: frozenset):
-    """Trace the matmuls of `groups` in fp8 (a context, so building a program changes no global setting)."""
-    token = _covered.set(frozenset(groups))
+    """Trace the matmuls of `groups` in fp8 (a context, so building a program changes no global setting): per
+    tensor, or as a Coverage says."""
+    token = _covered.set(groups if isinstance(groups, Coverage) else Coverage(groups))
     try:
         yield
     finally:
@@ -118,6 +132,8 @@ def weight_grad(group: str, x: jax.Array, dy: jax.Array) -> jax.Array:
     dims = (((0, 1), (0, 1)), ((), ()))
     if group not in _covered.get():
         return jax.lax.dot_general(x, dy, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+    if _covered.get().mode == "fp8_block":
+        return fp8_block.weight_grad(x, dy)
     (qx, sx), (qg, sg) = quantize(x, E4M3), quantize(dy, E5M2)
     return (jax.lax.dot_general(qx, qg, dims, preferred_element_type=jnp.float32) * (sx * sg)).astype(x.dtype)
 
@@ -130,6 +146,8 @@ def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) ->
         return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
     if x.dtype != w.dtype:
         raise ValueError(f"fp8 einsum {spec}: operands of dtypes {x.dtype} and {w.dtype}; cast them to one")
+    if _covered.get().mode == "fp8_block":
+        return fp8_block.einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype))
     return _fp8_einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype))
 
 

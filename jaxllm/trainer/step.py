@@ -38,12 +38,12 @@ from jaxllm.models import attention, base_quant, lora
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
-from jaxllm.ops import fp8
+from jaxllm.ops import fp8, fp8_block
 from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import Schedule, make_schedule, model_chunks
 from jaxllm.schema import Config
-from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, is_names, param_rules, use_layout
+from jaxllm.sharding import BATCH_AXES, Layout, activation_rules, heads_as_used, is_names, param_rules, use_layout
 from jaxllm.trainer import bias_balance, gradients, guard, offload, preference
 from jaxllm.trainer.gradients import Paths, constrain_tree
 from jaxllm.trainer.objectives import LANGUAGE_MODEL, Objective, finish, grpo, gspo
@@ -348,6 +348,39 @@ def _check_allreduce(m, t, shape: dict) -> list[str]:
     return []
 
 
+def _fp8_block_widths(cfg, tp: int) -> dict[str, int]:
+    """The tensor-parallel dimensions (whole) of the matmuls `fp8_block` covers: each splits over tp."""
+    m, covered = cfg.model, fp8.covered_groups(cfg.precision)
+    widths = {}
+    if "attention" in covered:
+        widths["model.n_heads × head_dim"] = m.n_heads * attention.head_dim(m)
+        widths["the KV heads (as used) × head_dim"] = heads_as_used(attention.kv_heads(m), tp) * attention.head_dim(m)
+    if "mlp" in covered:
+        widths["model.d_ff"] = m.d_ff
+    if "experts" in covered and stack_lib.has_moe(m):
+        widths["model.moe.d_ff"] = m.moe.d_ff or m.d_ff
+    if "head" in covered:
+        widths["the padded vocabulary"] = transformer.padded_vocab(m)
+    return widths
+
+
+def _check_fp8_block(cfg, shape: dict) -> None:
+    """fp8_block's tiles and blocks stay on one device: each tensor-parallel weight dimension splits into
+    multiples of 128 per tp rank, and a sequence split over sp into multiples of 128 tokens (the weight gradient's
+    128 × 1 tiles); ConfigError (one line) otherwise."""
+    tp, sp, tile = shape["tp"], shape["sp"], fp8_block.TILE
+    if tp > 1 and cfg.model.attention == "mla":
+        raise ConfigError("precision.matmul=fp8_block with model.attention=mla and mesh.tp > 1 is not supported yet "
+                          "(its per-head blocks are not checked against the tp split); set mesh.tp=1 or matmul=fp8")
+    for name, width in (_fp8_block_widths(cfg, tp).items() if tp > 1 else ()):
+        if width % (tile * tp):
+            raise ConfigError(f"precision.matmul=fp8_block: {name} = {width} does not split into multiples of {tile} "
+                              f"over mesh.tp={tp} (its 128-wide tiles would straddle devices); change the model or tp")
+    if sp > 1 and cfg.model.seq_len % (tile * sp):
+        raise ConfigError(f"precision.matmul=fp8_block: model.seq_len={cfg.model.seq_len} does not split into "
+                          f"multiples of {tile} tokens over mesh.sp={sp}; change seq_len or sp")
+
+
 def check_config(cfg: Config, shape: dict) -> list[str]:
     """The step's keys (precision, ZeRO stage, batch and microbatches, sequence parallelism, loss chunks)
     against the mesh: ConfigError (one line) for what cannot run; notes to log."""
@@ -360,8 +393,10 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
               + zeropp.check_config(cfg, shape) + lora.check_config(m, cfg, zeropp.plan_of(cfg))
               + preference.check_config(cfg))
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
-        raise ConfigError("precision.matmul=fp8 with model.collective_matmul=true is not supported yet (its island "
-                          "multiplies chunks of one tensor); set one of them off")
+        raise ConfigError(f"precision.matmul={cfg.precision.matmul} with model.collective_matmul=true is not supported "
+                          "yet (its island multiplies chunks of one tensor); set one of them off")
+    if cfg.precision.matmul == "fp8_block":
+        _check_fp8_block(cfg, shape)
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
     for key in ("global_batch", "microbatches"):
