@@ -360,6 +360,9 @@ class TrainConfig:
     beta1: float = key(0.9, "optimizer constant: Adam's first-moment decay (AdamW 0.9)")
     beta2: float = key(0.95, "optimizer constant: Adam's second-moment decay (AdamW 0.95)")
     eps: float = key(1e-8, "optimizer constant: Adam's epsilon")
+    moment_dtype: str = key("float32", "`float32` or `bfloat16`: the dtype adamw keeps its two moment estimates in "
+                                       "between steps (DeepSeek-V3's bf16 halves them; each step updates them in fp32); "
+                                       "the master weights stay fp32")
     momentum: float = key(0.9, "optimizer constant: momentum (`sgd`)")
     weight_decay: float = key(0.1, "decoupled weight decay on matrices only (not norms, biases)")
     grad_clip: float = key(1.0, "global-norm clipping threshold (0 = off)")

@@ -227,3 +227,43 @@ def test_optimizer_step_on_fsdp_and_tp_matches_one_device(optimizer, stage):
         got, want, old = np.asarray(got), np.asarray(want), np.asarray(old)
         bound = GRAD_RTOL * np.linalg.norm(want - old) + np.linalg.norm(np.spacing(np.abs(want)))
         assert np.linalg.norm(got - want) <= bound
+
+
+def _adam_reference(grads: list, b1: float, b2: float, eps: float, stored) -> list:
+    """Adam's updates for a sequence of gradients (float64 arithmetic), the moments passed through `stored`
+    (a rounding) after each step."""
+    mu = nu = np.zeros_like(grads[0], np.float64)
+    out = []
+    for step, g in enumerate(grads, start=1):
+        mu, nu = b1 * mu + (1 - b1) * g, b2 * nu + (1 - b2) * g * g
+        out.append(mu / (1 - b1 ** step) / (np.sqrt(nu / (1 - b2 ** step)) + eps))
+        mu, nu = stored(mu), stored(nu)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adam_moments_kept_in_bfloat16_update_as_a_plain_reference(dtype):
+    """train.moment_dtype: the moments are stored in `dtype` between steps (bf16: half of fp32's bytes) and each
+    step's update is Adam's on them, against a NumPy Adam whose moments are rounded alike."""
+    import ml_dtypes
+
+    from jaxllm.trainer.optimizer import scale_by_adam_stored_in
+
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal((64, 32)).astype(np.float32) * 10.0 ** rng.uniform(-6, 0) for _ in range(5)]
+    tx = scale_by_adam_stored_in(jnp.dtype(dtype), 0.9, 0.95, 1e-8)
+    state = tx.init(jnp.zeros((64, 32)))
+    assert state.mu.dtype == state.nu.dtype == jnp.dtype(dtype)
+    stored = (lambda a: a.astype(np.float32).astype(np.float64)) if dtype == "float32" else (
+        lambda a: a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64))
+    for g, want in zip(grads, _adam_reference(grads, 0.9, 0.95, 1e-8, stored)):
+        update, state = tx.update(jnp.asarray(g), state)
+        np.testing.assert_allclose(np.asarray(update, np.float64), want, rtol=2e-5, atol=1e-7)
+
+
+def test_the_train_state_holds_bfloat16_moments_and_other_optimizers_are_refused():
+    _, fns = one_device_fns(**{"train.moment_dtype": "bfloat16"})
+    moments = [leaf for leaf in jax.tree.leaves(fns.abstract_state.opt_state) if leaf.ndim > 0]
+    assert moments and all(leaf.dtype == jnp.bfloat16 for leaf in moments)
+    with pytest.raises(ConfigError, match="train.moment_dtype=bfloat16 is for adamw's moments; train.optimizer=lion"):
+        validate(build_config(None, {**BASE, "train.moment_dtype": "bfloat16", "train.optimizer": "lion"}), 1)

@@ -8,7 +8,10 @@ falling back to Adam on 3-D and 4-D arrays; embeddings and the LM head use its A
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 from optax import contrib
 
@@ -70,8 +73,41 @@ def muon_dimensions(table):
     return jax.tree.map(dims, table, is_leaf=lambda x: isinstance(x, Leaf))
 
 
+MOMENT_DTYPES = ("float32", "bfloat16")  # train.moment_dtype
+
+
+class _AdamState(NamedTuple):
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_adam_stored_in(dtype, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Adam's moment estimates kept in `dtype` (DeepSeek-V3's bf16) between steps: each step reads them into fp32,
+    updates them as optax.scale_by_adam does, and rounds them back; the update itself is fp32's."""
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, dtype)
+        return _AdamState(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params), jax.tree.map(zeros, params))
+
+    def update(grads, state, params=None):
+        del params
+        f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, f32(state.mu), f32(grads))
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, f32(state.nu), f32(grads))
+        count = optax.safe_increment(state.count)
+        mu_hat, nu_hat = optax.tree.bias_correction(mu, b1, count), optax.tree.bias_correction(nu, b2, count)
+        updates = jax.tree.map(lambda m, v, g: (m / (jnp.sqrt(v) + eps)).astype(g.dtype), mu_hat, nu_hat, grads)
+        stored = lambda tree: jax.tree.map(lambda a: a.astype(dtype), tree)
+        return updates, _AdamState(count, stored(mu), stored(nu))
+
+    return optax.GradientTransformation(init, update)
+
+
 def _adamw(t, lr, mask, table):
-    return optax.adamw(lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+    if t.moment_dtype == "float32":
+        return optax.adamw(lr, b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+    return optax.chain(scale_by_adam_stored_in(jnp.dtype(t.moment_dtype), t.beta1, t.beta2, t.eps),
+                       optax.add_decayed_weights(t.weight_decay, mask), optax.scale_by_learning_rate(lr))
 
 
 def _sgd(t, lr, mask, table):
@@ -105,6 +141,11 @@ def check_config(t: TrainConfig) -> list[str]:
     """The optimizer and schedule keys: ConfigError (one line) for what cannot run; notes to log."""
     if t.optimizer not in OPTIMIZERS:
         raise ConfigError(f"train.optimizer: '{t.optimizer}' is not one of {', '.join(OPTIMIZERS)}")
+    if t.moment_dtype not in MOMENT_DTYPES:
+        raise ConfigError(f"train.moment_dtype: '{t.moment_dtype}' is not one of {', '.join(MOMENT_DTYPES)}")
+    if t.moment_dtype != "float32" and t.optimizer != "adamw":
+        raise ConfigError(f"train.moment_dtype={t.moment_dtype} is for adamw's moments; train.optimizer={t.optimizer} "
+                          "keeps its state in float32 (set moment_dtype=float32)")
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be positive, got {t.lr}")
     if schedule_steps(t) < t.steps:
