@@ -65,19 +65,6 @@ def test_yarn_with_mscale_all_dim_equals_transformers(tmp_path):
     assert np.abs(H.reference_logits(str(tmp_path / "out"), TOKENS) - ours).max() <= 1e-4
 
 
-def test_a_quantized_checkpoint_is_refused_in_one_line(model, tmp_path):
-    path = str(tmp_path / "fp8")
-    shutil.copytree(model, path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with pytest.raises(ModelFileError, match="quantization_config='fp8'.*dequantize") as e:
-        hf.config_for(path)
-    assert "\n" not in str(e.value)
-
-
 def test_the_latent_cache_decodes_what_the_forward_computes(model):
     """Greedy generation over the latent cache (absorbed up-projections) against the whole sequence through the
     training forward (per-head keys and values): every step's logits within 1e-5 (fp32), so the tokens equal."""

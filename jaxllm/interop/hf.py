@@ -39,8 +39,12 @@ log = logging.getLogger("jaxllm")
 INDEX, SINGLE = hf_config.INDEX, hf_config.SINGLE
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 FILE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# block FP8's weights and its power-of-two scales: numpy has no such dtypes, so safetensors' numpy and flax readers
+# cannot make their arrays; they are mapped from the file by the format's header (`Files.mapped`)
+FP8_FILE_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+SCALE_SUFFIX = "_scale_inv"  # block FP8: `X.weight_scale_inv` beside `X.weight`, which it multiplies
 # Buffers some files hold that are not parameters (GPT-2's causal mask, old rotary tables).
-IGNORED = re.compile(r"(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+IGNORED = re.compile(r"(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq|weight_scale_inv)$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -52,7 +56,9 @@ class Files:
 
     def __init__(self, path: str):
         self.path, self.where = path, hf_config.weight_map(path)
+        self.blocks = hf_config.fp8_blocks(hf_config.read(path))  # block FP8's (rows, columns), or None
         self._open: dict = {}
+        self._headers: dict = {}
 
     def handle(self, key: str, framework: str):
         file = self.where[key]
@@ -78,12 +84,49 @@ class Files:
 
     def dtype(self, key: str) -> str:
         raw = self.handle(key, "numpy").get_slice(key).get_dtype()
+        if raw == "F8_E4M3" and self.blocks and key + SCALE_SUFFIX in self.where:
+            return "float8_e4m3fn"
         if raw not in FILE_DTYPES:
-            raise ModelFileError(f"{self.path}: tensor '{key}' is {raw}; jaxllm reads F32, BF16 and F16")
+            raise ModelFileError(f"{self.path}: tensor '{key}' is {raw}; jaxllm reads F32, BF16 and F16, and E4M3 "
+                                 "weights with a weight_scale_inv beside them under a block-FP8 quantization_config")
         return FILE_DTYPES[raw]
 
+    def mapped(self, key: str) -> np.ndarray:
+        """A whole fp8 tensor (E4M3 weights, E8M0 scales), mapped read-only from its file: the safetensors format
+        is an 8-byte header length, the JSON header (each tensor's dtype, shape and byte offsets), the data."""
+        file = os.path.join(self.path, self.where[key])
+        if file not in self._headers:
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + n, json.loads(f.read(n)))
+        start, header = self._headers[file]
+        info = header[key]
+        return np.memmap(file, FP8_FILE_DTYPES[info["dtype"]], "r", start + info["data_offsets"][0],
+                         tuple(info["shape"]))
+
+    def _scales(self, key: str) -> np.ndarray:
+        """`key`'s weight_scale_inv as fp32: stored fp32 (DeepSeek-V3) or as powers of two (UE8M0)."""
+        raw = self.handle(key, "numpy").get_slice(key).get_dtype()
+        if raw in FP8_FILE_DTYPES:
+            return self.mapped(key).astype(np.float32)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return np.asarray(self.handle(key, "flax").get_tensor(key), np.float32)
+
+    def dequantized(self, key: str, index: tuple) -> np.ndarray:
+        """A slice of a block-FP8 weight in fp32: each E4M3 value times its block's weight_scale_inv (which
+        multiplies, despite its name); the last blocks of a dimension not a multiple of the block are partial."""
+        q = self.mapped(key)
+        scale = self._scales(key + SCALE_SUFFIX)
+        for axis, size in zip((-2, -1), self.blocks):
+            scale = np.repeat(scale, size, axis=axis)
+        scale = scale[..., :q.shape[-2], :q.shape[-1]]
+        return q[index].astype(np.float32) * scale[index]
+
     def read(self, key: str, index: tuple) -> np.ndarray:
-        """A slice of one tensor, as fp32 on the host (bf16 through safetensors' flax reader, on the CPU device)."""
+        """A slice of one tensor, as fp32 on the host (bf16 through safetensors' flax reader, on the CPU device;
+        block FP8 dequantized)."""
+        if self.dtype(key) == "float8_e4m3fn":
+            return self.dequantized(key, index)
         if self.dtype(key) == "bfloat16":
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 return np.asarray(self.handle(key, "flax").get_slice(key)[index], np.float32)
@@ -242,7 +285,8 @@ def source_dtype(path: str) -> str:
     if named in DTYPES:
         return named
     files = Files(path)
-    return files.dtype(next(iter(files.where)))
+    weights = (k for k in files.where if not k.endswith(SCALE_SUFFIX))
+    return next((d for d in map(files.dtype, weights) if d in DTYPES), "float32")
 
 
 # ---------------------------------------------------------------- export

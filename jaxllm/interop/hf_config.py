@@ -298,9 +298,6 @@ def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
     (`num_nextn_predict_layers`) where the files hold them (`tensors()`: their tensor names; transformers saves
     none)."""
     value = functools.partial(_value, hf)
-    if hf.get("quantization_config"):
-        raise ModelFileError(f"config.json quantization_config={hf['quantization_config'].get('quant_method')!r}: "
-                             "quantized weights (block FP8) are not read; dequantize the checkpoint to bf16 first")
     if hf.get("attention_bias"):
         _refuse(hf, "attention_bias", "not implemented")
     if value("num_key_value_heads") not in (None, hf["num_attention_heads"]):
@@ -357,9 +354,25 @@ def text_config(hf: dict) -> dict:
     return {"model_type": "gemma3_text", **hf.get("text_config", {})}
 
 
+def fp8_blocks(hf: dict) -> tuple[int, int] | None:
+    """The weight block (rows, columns) of a block-FP8 checkpoint (`quantization_config` with `quant_method` fp8,
+    as DeepSeek-V3 and Qwen3's FP8 releases publish them: E4M3 weights, `weight_scale_inv` per block); None
+    without a quantization_config; ModelFileError (one line) for another kind of quantization."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    block = q.get("weight_block_size")
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not (
+            isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelFileError(f"config.json quantization_config={q!r}: jaxllm reads block FP8 (quant_method 'fp8', "
+                             "fmt e4m3, weight_block_size [rows, columns]); dequantize other kinds to bf16 first")
+    return block[0], block[1]
+
+
 def model_keys(hf: dict, path: str | None = None) -> dict:
     """The `model.*` keys (dotted below `model`) of a Hugging Face config (a multimodal Gemma 3: its text tower);
     `path`, the model directory, where the weights decide a key (DeepSeek-V3's prediction layers)."""
+    fp8_blocks(hf)  # block-FP8 weights are dequantized as they are read (`hf.Files`); other quantization is refused
     hf = text_config(hf)
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
