@@ -187,7 +187,7 @@ run.wandb_project run.wandb_tags
 train.allreduce train.beta1 train.beta2 train.bucket_mb train.checkpoint_checksums train.checkpoint_every train.eps train.eval_batches train.eval_tasks train.eval_every train.global_batch
 train.grad_clip train.keep_checkpoints train.log_every train.max_consecutive_skips train.skip_nonfinite
 train.spike_factor train.spike_window train.loss_chunk train.mtp_weight train.lr train.microbatches
-train.min_lr_ratio train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
+train.min_lr_ratio train.moment_dtype train.momentum train.objective train.optimizer train.pp_gather_once train.pp_schedule train.pp_virtual
 train.epochs train.resume train.schedule_steps train.seed train.sequence_parallel train.steps train.warmup_ratio
 train.warmup_steps train.weight_decay train.zero_stage train.zeropp.block train.zeropp.grads train.zeropp.hpz
 train.zeropp.weights
