@@ -7,6 +7,8 @@ and with power-of-two UE8M0 ones:
   `Fp8Dequantize`) gives, bit for bit, and its logits equal transformers' on those weights (1e-4, as every family);
 - a dimension that is not a multiple of the block has a partial last block (DeepSeek-V3's kv_a_proj, 576 rows in
   blocks of 128), read as a NumPy reference does;
+- export from it writes every tensor as the source holds it (fp8 bytes and scales carried, not recomputed), a
+  projection that changed quantized in the source's blocks (against the reference quantizer here);
 - another kind of quantization is refused in one line.
 """
 
@@ -135,3 +137,42 @@ def test_another_quantization_is_refused_in_one_line(tmp_path):
     json.dump(config, open(os.path.join(source, "config.json"), "w"))
     with pytest.raises(ModelFileError, match="quantization_config=.*jaxllm reads block FP8"):
         hf.load_pretrained(source)
+
+
+def raw_tensors(path: str) -> dict:
+    """key -> (dtype, bytes) of every tensor of a model directory, fp8 ones included."""
+    files, out = hf.Files(path), {}
+    for key in files.where:
+        raw = files.handle(key, "numpy").get_slice(key).get_dtype()
+        value = np.asarray(files.mapped(key)) if raw in hf.FP8_FILE_DTYPES else np.asarray(
+            files.handle(key, "flax").get_tensor(key))
+        out[key] = (raw, value.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("scales", ["fp32", "ue8m0"])
+def test_export_carries_the_fp8_bytes_and_scales_and_quantizes_what_changed(scales, tmp_path):
+    """Import → export of a block-FP8 checkpoint writes every tensor as the source holds it (the fp8 bytes and the
+    scales carried, not recomputed); a projection changed by training is quantized in the source's blocks, and
+    transformers reads the export."""
+    import jax
+
+    source = H.build("deepseek_v3", str(tmp_path / "fp32"))
+    write_block_fp8(source, str(tmp_path / "fp8"), power_of_two=scales == "ue8m0")
+    cfg, params = hf.load_pretrained(str(tmp_path / "fp8"))
+    hf.save_pretrained(params, cfg, str(tmp_path / "same"), source=str(tmp_path / "fp8"))
+    assert raw_tensors(str(tmp_path / "same")) == raw_tensors(str(tmp_path / "fp8"))
+    assert json.load(open(tmp_path / "same" / "config.json"))["quantization_config"]["weight_block_size"] == [BLOCK] * 2
+
+    changed = jax.tree.map(lambda x: x, params)
+    changed["blocks"][0]["attn"]["wo"] = params["blocks"][0]["attn"]["wo"] * 1.5
+    hf.save_pretrained(changed, cfg, str(tmp_path / "trained"), source=str(tmp_path / "fp8"))
+    before, after = raw_tensors(str(tmp_path / "fp8")), raw_tensors(str(tmp_path / "trained"))
+    differ = sorted(k for k in before if before[k] != after[k])
+    assert differ and all(re.search(r"o_proj\.weight(_scale_inv)?$", k) for k in differ), differ
+    key = differ[0].removesuffix("_scale_inv")
+    want = hf.Files(str(tmp_path / "fp8")).read(key, ()) * 1.5
+    q, s = quantize(want, BLOCK, power_of_two=scales == "ue8m0")
+    np.testing.assert_array_equal(hf.Files(str(tmp_path / "trained")).read(key, ()),
+                                  q.astype(np.float32) * np.kron(s.astype(np.float32), np.ones((BLOCK, BLOCK), np.float32)))
+    assert np.isfinite(H.reference_logits(str(tmp_path / "trained"), TOKENS)).all()  # transformers loads it

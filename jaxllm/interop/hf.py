@@ -345,6 +345,43 @@ def _to_file(leaves: list, values: list[np.ndarray], m) -> np.ndarray:
     return np.ascontiguousarray(einops.rearrange(value, f"{dst} -> {src}"))
 
 
+class BlockFp8Source:
+    """A block-FP8 source's projections, written back as published: a tensor equal to the source's dequantized one
+    with the source's fp8 bytes and scales (carried, not recomputed), another quantized in the source's blocks
+    (scale = the block's amax / 448 in fp32, rounded up to a power of two where the source's scales are UE8M0)."""
+
+    def __init__(self, source: str):
+        self.files = Files(source)
+
+    def encode(self, key: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """[(key, tensor)] as the file holds them: `value` itself, or its E4M3 values and their scales."""
+        scale_key = key + SCALE_SUFFIX
+        if not (self.files.blocks and scale_key in self.files.where):
+            return [(key, value)]
+        if np.array_equal(self.files.read(key, ()), value):
+            raw = self.files.handle(scale_key, "numpy").get_slice(scale_key).get_dtype()
+            scale = self.files.mapped(scale_key) if raw in FP8_FILE_DTYPES else self.files._scales(scale_key)
+            return [(key, np.asarray(self.files.mapped(key))), (scale_key, np.asarray(scale))]
+        power_of_two = self.files.handle(scale_key, "numpy").get_slice(scale_key).get_dtype() == "F8_E8M0"
+        return list(zip((key, scale_key), quantize_blocks(value, self.files.blocks, power_of_two)))
+
+
+def quantize_blocks(w: np.ndarray, blocks: tuple[int, int], power_of_two: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(E4M3 w / scale, scale) per block of w's last two dimensions (the last blocks partial where a dimension is
+    not a multiple): scale = amax / 448 (fp32; UE8M0: rounded up to a power of two and stored as E8M0)."""
+    (br, bc), (r, c) = blocks, w.shape[-2:]
+    padded = np.pad(w.astype(np.float32), [(0, 0)] * (w.ndim - 2) + [(0, -r % br), (0, -c % bc)])
+    tiles = padded.reshape(*w.shape[:-2], padded.shape[-2] // br, br, padded.shape[-1] // bc, bc)
+    top = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    scale = np.abs(tiles).max(axis=(-3, -1), keepdims=True) / top
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    if power_of_two:
+        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
+    q = np.clip(tiles / scale, -top, top).astype(ml_dtypes.float8_e4m3fn).reshape(padded.shape)[..., :r, :c]
+    scale = scale[..., 0, :, 0]
+    return np.ascontiguousarray(q), scale.astype(ml_dtypes.float8_e8m0fnu) if power_of_two else scale
+
+
 def _write_shards(tensors, out: str, dtype: str, max_shard_bytes: int) -> dict[str, str]:
     """Write (key, tensor) pairs as safetensors shards of at most `max_shard_bytes`; returns (key -> file,
     total bytes)."""
@@ -356,7 +393,8 @@ def _write_shards(tensors, out: str, dtype: str, max_shard_bytes: int) -> dict[s
         shards.append((name, list(current)))
 
     for key, value in tensors:
-        value = value.astype(DTYPES[dtype])
+        if value.dtype == np.float32 and not key.endswith(SCALE_SUFFIX):  # block FP8's are written as they are
+            value = value.astype(DTYPES[dtype])
         if current and size + value.nbytes > max_shard_bytes:
             flush()
             current, size = {}, 0
@@ -383,7 +421,8 @@ def save_pretrained(params: dict, config, path: str, *, dtype: str = "float32", 
     """Write `params` as a Hugging Face model directory `path` that transformers' from_pretrained loads:
     safetensors in `dtype`, config.json, generation_config.json. `config` is the `Config` `load_pretrained`
     returns (or its model section); `source` (a Hugging Face directory the run started from) lends its token
-    ids and generation config, `tokenizer` (a directory) its tokenizer files. Written to `path`.partial and
+    ids and generation config (and a block-FP8 source its format: its projections are written in block FP8,
+    `BlockFp8Source`), `tokenizer` (a directory) its tokenizer files. Written to `path`.partial and
     renamed, so `path` is whole or absent."""
     m = config.model if isinstance(config, Config) else config
     hf_config.exportable(m)
@@ -395,7 +434,10 @@ def save_pretrained(params: dict, config, path: str, *, dtype: str = "float32", 
     if lead:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
+    fp8 = BlockFp8Source(source) if hf_config.fp8_blocks(_source_config(source)) else None
     tensors = _file_tensors(params, m)
+    if fp8 is not None:
+        tensors = (pair for key, value in tensors for pair in fp8.encode(key, value))
     if not lead:
         for _ in tensors:  # every process takes part in each gather
             pass
@@ -407,10 +449,18 @@ def save_pretrained(params: dict, config, path: str, *, dtype: str = "float32", 
     os.replace(partial, path)
 
 
+def _source_config(source: str | None) -> dict:
+    """The source directory's config.json ({} without one)."""
+    return hf_config.read(source) if source and os.path.isfile(os.path.join(source, "config.json")) else {}
+
+
 def _write_metadata(out: str, m, dtype: str, where: dict, total: int, source: str | None,
                     tokenizer: str | None) -> None:
-    src = hf_config.read(source) if source and os.path.isfile(os.path.join(source, "config.json")) else {}
-    _write_json(os.path.join(out, "config.json"), hf_config.hf_config(m, dtype, src))
+    src = _source_config(source)
+    config = hf_config.hf_config(m, dtype, src)
+    if hf_config.fp8_blocks(src):  # the projections written as the source publishes them (`BlockFp8Source`)
+        config["quantization_config"] = src["quantization_config"]
+    _write_json(os.path.join(out, "config.json"), config)
     if len(set(where.values())) > 1:
         _write_json(os.path.join(out, INDEX), {"metadata": {"total_size": total}, "weight_map": where})
     generation = os.path.join(source or "", "generation_config.json")
