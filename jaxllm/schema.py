@@ -406,9 +406,11 @@ class PrecisionConfig:
     loss_scale_min: float = key(1.0, "the floor a dynamic scale never halves below")
     matmul: str = key("default", "`default` (the compute dtype), `fp8`: the weight matmuls of attention, MLP and "
                                  "experts multiply E4M3 operands forward and E5M2 gradients backward, each scaled "
-                                 "per tensor, or `fp8_block`: DeepSeek-V3's E4M3 throughout, scaled per 1 × 128 tile "
-                                 "of activations and gradients and per 128 × 128 block of weights")
-    fp8_exclude: list = key(["head"], "matmul groups kept in the compute dtype under `fp8` and `fp8_block`, from "
+                                 "per tensor, `fp8_block`: DeepSeek-V3's E4M3 throughout, scaled per 1 × 128 tile "
+                                 "of activations and gradients and per 128 × 128 block of weights, or `mxfp8`: E4M3 "
+                                 "in blocks of 32 along each contraction with power-of-two scales (OCP MX; a GPU's "
+                                 "block-scaled dot, emulated elsewhere)")
+    fp8_exclude: list = key(["head"], "matmul groups kept in the compute dtype under `fp8`, `fp8_block`, `mxfp8`, from "
                                       "`attention`, `mlp`, `experts`, `head`")
     grad_reduce: str = key("compute", "ZeRO-3's gradient reduce-scatter in `compute` (the compute dtype: the "
                                       "transpose of cast-then-gather) or `float32` (through the ZeRO-3 island of "

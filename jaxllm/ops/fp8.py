@@ -1,5 +1,6 @@
 """FP8 matmuls with per-tensor current scaling (`precision.matmul = "fp8"`); DeepSeek-V3's tile- and
-block-wise scaling (`fp8_block`) is `fp8_block.py`'s, reached through the same `einsum` and `weight_grad`.
+block-wise scaling (`fp8_block`) is `fp8_block.py`'s and MXFP8 (`mxfp8`) `mxfp8.py`'s, reached through the same
+`einsum` and `weight_grad`.
 
 A covered matmul quantizes both operands just before it: scale = amax / the format's largest
 finite value (448 for E4M3), so the largest element maps to ±448 and nothing saturates; the
@@ -33,28 +34,29 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
-from jaxllm.ops import fp8_block
+from jaxllm.ops import fp8_block, mxfp8
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GROUPS = ("attention", "mlp", "experts", "head")  # the weight matmuls precision.matmul = "fp8" covers
-MATMULS = ("default", "fp8", "fp8_block")  # precision.matmul
+MATMULS = ("default", "fp8", "fp8_block", "mxfp8")  # precision.matmul
 PIPELINE_AXIS = "pp"
 
 class Coverage(frozenset):
-    """The groups of weight matmuls run in fp8, and how (`mode`: a `precision.matmul` other than default)."""
+    """The groups of weight matmuls run in fp8, how (`mode`: a `precision.matmul` other than default), and for which
+    platform the program is built (MXFP8 calls the GPU's scaled dot there)."""
 
-    def __new__(cls, groups=(), mode: str = "fp8"):
+    def __new__(cls, groups=(), mode: str = "fp8", platform: str | None = None):
         covered = super().__new__(cls, groups)
-        covered.mode = mode
+        covered.mode, covered.platform = mode, platform
         return covered
 
 
 _covered: contextvars.ContextVar[Coverage] = contextvars.ContextVar("jaxllm_fp8", default=Coverage())
 
 
-def covered_groups(precision) -> Coverage:
-    """The groups of weight matmuls run in fp8 under a `precision` config section, and how; ConfigError (one
-    line) for an unknown setting."""
+def covered_groups(precision, platform: str | None = None) -> Coverage:
+    """The groups of weight matmuls run in fp8 under a `precision` config section, and how, for `platform`;
+    ConfigError (one line) for an unknown setting."""
     if precision.matmul not in MATMULS:
         raise ConfigError(f"precision.matmul: '{precision.matmul}' is not one of {', '.join(MATMULS)}")
     unknown = sorted(set(precision.fp8_exclude) - set(GROUPS))
@@ -62,7 +64,7 @@ def covered_groups(precision) -> Coverage:
         raise ConfigError(f"precision.fp8_exclude: {unknown} are not matmul groups; choose from {', '.join(GROUPS)}")
     if precision.matmul == "default":
         return Coverage()
-    return Coverage(frozenset(GROUPS) - set(precision.fp8_exclude), precision.matmul)
+    return Coverage(frozenset(GROUPS) - set(precision.fp8_exclude), precision.matmul, platform)
 
 
 @contextlib.contextmanager
@@ -134,6 +136,8 @@ def weight_grad(group: str, x: jax.Array, dy: jax.Array) -> jax.Array:
         return jax.lax.dot_general(x, dy, dims, preferred_element_type=jnp.float32).astype(x.dtype)
     if _covered.get().mode == "fp8_block":
         return fp8_block.weight_grad(x, dy)
+    if _covered.get().mode == "mxfp8":
+        return mxfp8.weight_grad(x, dy)
     (qx, sx), (qg, sg) = quantize(x, E4M3), quantize(dy, E5M2)
     return (jax.lax.dot_general(qx, qg, dims, preferred_element_type=jnp.float32) * (sx * sg)).astype(x.dtype)
 
@@ -148,6 +152,8 @@ def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) ->
         raise ValueError(f"fp8 einsum {spec}: operands of dtypes {x.dtype} and {w.dtype}; cast them to one")
     if _covered.get().mode == "fp8_block":
         return fp8_block.einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype))
+    if _covered.get().mode == "mxfp8":
+        return mxfp8.einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype), _covered.get().platform)
     return _fp8_einsum(spec, x, w, jnp.dtype(out_dtype or x.dtype))
 
 

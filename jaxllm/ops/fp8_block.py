@@ -38,9 +38,9 @@ _INVERSE_TOP = float(np.float32(1 / _TOP))
 _DOT = {"preferred_element_type": jnp.float32, "precision": "highest"}
 
 
-def _pad(x, axis: int):
-    """x padded with zeros along `axis` to a multiple of TILE."""
-    extra = -x.shape[axis] % TILE
+def pad(x, axis: int, tile: int = TILE):
+    """x padded with zeros along `axis` to a multiple of `tile`."""
+    extra = -x.shape[axis] % tile
     return x if not extra else jnp.pad(x, [(0, extra if a == axis % x.ndim else 0) for a in range(x.ndim)])
 
 
@@ -48,11 +48,12 @@ def _scale(amax):
     return jnp.where(amax > 0, jnp.maximum(amax * jnp.float32(_INVERSE_TOP), jnp.finfo(jnp.float32).tiny), 1.0)
 
 
-def quantize_tiles(x):
-    """x in 1 × TILE tiles along its last axis (padded): (q [..., tiles, TILE] E4M3, scale [..., tiles, 1] fp32)."""
-    t = _pad(x.astype(jnp.float32), -1)
-    t = t.reshape(*t.shape[:-1], -1, TILE)
-    scale = _scale(jnp.max(jnp.abs(t), axis=-1, keepdims=True))
+def quantize_tiles(x, tile: int = TILE, scale_of=_scale):
+    """x in 1 × `tile` tiles along its last axis (padded): (q [..., tiles, tile] E4M3, scale [..., tiles, 1] fp32),
+    each tile's scale `scale_of` its amax."""
+    t = pad(x.astype(jnp.float32), -1, tile)
+    t = t.reshape(*t.shape[:-1], -1, tile)
+    scale = scale_of(jnp.max(jnp.abs(t), axis=-1, keepdims=True))
     return jnp.clip(t / scale, -_TOP, _TOP).astype(E4M3), scale
 
 
@@ -64,7 +65,7 @@ def tiles_value(q, scale):
 
 def quantize_blocks(w):
     """w [B, K, N] in TILE × TILE blocks (padded): (q [B, K/T, T, N/T, T] E4M3, scale [B, K/T, 1, N/T, 1] fp32)."""
-    b = _pad(_pad(w.astype(jnp.float32), 1), 2)
+    b = pad(pad(w.astype(jnp.float32), 1), 2)
     b = b.reshape(b.shape[0], b.shape[1] // TILE, TILE, b.shape[2] // TILE, TILE)
     scale = _scale(jnp.max(jnp.abs(b), axis=(2, 4), keepdims=True))
     return jnp.clip(b / scale, -_TOP, _TOP).astype(E4M3), scale
@@ -112,9 +113,10 @@ def weight_grad(x, dy):
     return dw.reshape(*x.shape[2:], *dy.shape[2:]).astype(x.dtype)
 
 
-def einsum(spec: str, x, w, out_dtype):
-    """jnp.einsum(spec, x, w) of a weight matmul through `product`: x's own last index is the tokens' (see the
-    module docstring), every index of x is in w or the output."""
+def einsum(spec: str, x, w, out_dtype, product=product):
+    """jnp.einsum(spec, x, w) of a weight matmul through `product` (x [B, R, T, K], w [B, K, N] -> fp32
+    [B, R, T, N]): x's own last index is the tokens' (see the module docstring), every index of x is in w or the
+    output."""
     ins, out = spec.split("->")
     xs, ws = ins.split(",")
     size = dict(zip(xs, x.shape)) | dict(zip(ws, w.shape))

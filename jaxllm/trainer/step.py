@@ -38,7 +38,7 @@ from jaxllm.models import attention, base_quant, lora
 from jaxllm.models import moe as moe_lib
 from jaxllm.models import transformer
 from jaxllm.models.layers import matmul_precision
-from jaxllm.ops import fp8, fp8_block
+from jaxllm.ops import fp8, fp8_block, mxfp8
 from jaxllm.parallel import allreduce, zeropp
 from jaxllm.parallel.load_balance import zigzag_order
 from jaxllm.parallel.pipeline_schedules import Schedule, make_schedule, model_chunks
@@ -167,7 +167,7 @@ def loss_chunk(cfg: Config, shape: dict) -> int:
     return transformer.default_loss_chunk(cfg.model, cfg.precision.compute, shape["sp"], shape["tp"])
 
 
-def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> Paths:
+def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective, platform: str) -> Paths:
     m, t, mesh = cfg.model, cfg.train, layout.mesh
     return Paths(
         model=m, dtype=jnp.dtype(cfg.precision.compute), objective=objective, microbatches=t.microbatches,
@@ -176,7 +176,7 @@ def _paths(cfg: Config, layout: Layout, sh: Shardings, objective: Objective) -> 
         microbatch_sharding=NamedSharding(mesh, P(None, BATCH_AXES)),
         order=None if layout.sequence_order is None else np.asarray(layout.sequence_order),
         schedule=pipeline_schedule(m, t, mesh.shape["pp"]) if mesh.shape["pp"] > 1 else None,
-        pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision), allreduce=t.allreduce,
+        pp_gather_once=t.pp_gather_once, fp8=fp8.covered_groups(cfg.precision, platform), allreduce=t.allreduce,
         bucket_bytes=int(t.bucket_mb * 2**20), zeropp=zeropp.plan_of(cfg), mtp_weight=t.mtp_weight,
         trainable=trained(m)[1], seed=t.seed)
 
@@ -285,7 +285,8 @@ def objective_of(cfg: Config) -> Objective:
 def make_step_fns(cfg: Config, mesh, objective: Objective | None = None, platform: str | None = None) -> StepFns:
     """The step's programs on `mesh` for `objective` (None: the config's, `objective_of`), compiled for `platform`
     (None: the mesh's devices'; `cuda` or `tpu` to export for one from here): `auto` attention resolves for it."""
-    cfg = attention.for_platform(cfg, platform or mesh.devices.flat[0].platform, mesh.shape["sp"])
+    platform = platform or mesh.devices.flat[0].platform
+    cfg = attention.for_platform(cfg, platform, mesh.shape["sp"])
     m, t = cfg.model, cfg.train
     objective = objective_of(cfg) if objective is None else objective
     layout = Layout(mesh=mesh, params=param_rules(shard_over_fsdp=t.zero_stage == 3, hpz=t.zeropp.hpz),
@@ -293,7 +294,7 @@ def make_step_fns(cfg: Config, mesh, objective: Objective | None = None, platfor
                     context_attention=m.cp_strategy, sequence_order=sequence_order(m, mesh.shape["sp"]))
     tx = make_optimizer(t, trained(m)[0])
     sh = _shardings(cfg, layout, tx)
-    g = _paths(cfg, layout, sh, objective)
+    g = _paths(cfg, layout, sh, objective, platform)
     replicated, batch_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P(BATCH_AXES))
     init = functools.partial(init_state, cfg=cfg, tx=tx)
     abstract_state = jax.tree.map(lambda s, shd: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shd),
@@ -364,20 +365,24 @@ def _fp8_block_widths(cfg, tp: int) -> dict[str, int]:
     return widths
 
 
+BLOCKS = {"fp8_block": fp8_block.TILE, "mxfp8": mxfp8.BLOCK}  # precision.matmul -> its tile along a contraction
+
+
 def _check_fp8_block(cfg, shape: dict) -> None:
-    """fp8_block's tiles and blocks stay on one device: each tensor-parallel weight dimension splits into
-    multiples of 128 per tp rank, and a sequence split over sp into multiples of 128 tokens (the weight gradient's
-    128 × 1 tiles); ConfigError (one line) otherwise."""
-    tp, sp, tile = shape["tp"], shape["sp"], fp8_block.TILE
+    """fp8_block's and mxfp8's tiles stay on one device: each tensor-parallel weight dimension splits into
+    multiples of the tile (128; MXFP8's blocks 32) per tp rank, and a sequence split over sp into multiples of
+    the tile's tokens (the weight gradient's tiles); ConfigError (one line) otherwise."""
+    mode = cfg.precision.matmul
+    tp, sp, tile = shape["tp"], shape["sp"], BLOCKS[mode]
     if tp > 1 and cfg.model.attention == "mla":
-        raise ConfigError("precision.matmul=fp8_block with model.attention=mla and mesh.tp > 1 is not supported yet "
+        raise ConfigError(f"precision.matmul={mode} with model.attention=mla and mesh.tp > 1 is not supported yet "
                           "(its per-head blocks are not checked against the tp split); set mesh.tp=1 or matmul=fp8")
     for name, width in (_fp8_block_widths(cfg, tp).items() if tp > 1 else ()):
         if width % (tile * tp):
-            raise ConfigError(f"precision.matmul=fp8_block: {name} = {width} does not split into multiples of {tile} "
-                              f"over mesh.tp={tp} (its 128-wide tiles would straddle devices); change the model or tp")
+            raise ConfigError(f"precision.matmul={mode}: {name} = {width} does not split into multiples of {tile} "
+                              f"over mesh.tp={tp} (its {tile}-wide tiles would straddle devices); change the model or tp")
     if sp > 1 and cfg.model.seq_len % (tile * sp):
-        raise ConfigError(f"precision.matmul=fp8_block: model.seq_len={cfg.model.seq_len} does not split into "
+        raise ConfigError(f"precision.matmul={mode}: model.seq_len={cfg.model.seq_len} does not split into "
                           f"multiples of {tile} tokens over mesh.sp={sp}; change seq_len or sp")
 
 
@@ -395,7 +400,7 @@ def check_config(cfg: Config, shape: dict) -> list[str]:
     if fp8.covered_groups(cfg.precision) and m.collective_matmul:
         raise ConfigError(f"precision.matmul={cfg.precision.matmul} with model.collective_matmul=true is not supported "
                           "yet (its island multiplies chunks of one tensor); set one of them off")
-    if cfg.precision.matmul == "fp8_block":
+    if cfg.precision.matmul in BLOCKS:
         _check_fp8_block(cfg, shape)
     if t.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
