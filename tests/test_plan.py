@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from harness import subprocess_env
@@ -500,3 +501,24 @@ def test_generation_weights_copy_and_cache_are_in_the_compiled_program(plans, st
     if stage == 3:  # about 1/N stored (biases without an embed dimension stay whole), N times that gathered
         assert N * stored < 1.1 * g["weights_copy_bytes"]
     assert temp >= g["weights_copy_bytes"] + g["cache_bytes"]
+
+
+@pytest.mark.parametrize("fmt", ["default", "fp8", "fp8_block", "mxfp8"])
+def test_what_a_matmul_keeps_for_its_backward_is_the_planners_per_element_bytes(fmt):
+    """JAX's saved residuals of one covered bf16 matmul (x [2, 256, 256], w [256, 384]) against
+    `matmul_formats.per_element`: within the few fp32 scalars and empty markers the formats add."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxllm.ops import fp8
+    from jaxllm.plan.matmul_formats import per_element
+
+    x, w = jnp.ones((2, 256, 256), jnp.bfloat16), jnp.ones((256, 384), jnp.bfloat16)
+    coverage = fp8.Coverage() if fmt == "default" else fp8.Coverage({"mlp"}, fmt)
+
+    def loss(a, b):
+        with fp8.use(coverage):
+            return fp8.einsum("mlp", "btk,kn->btn", a, b).astype(jnp.float32).sum()
+
+    kept = sum(a.size * a.dtype.itemsize for a, _ in saved_residuals(loss, x, w))
+    per_x, per_w = per_element(fmt, 2)
+    assert abs(kept - (x.size * per_x + w.size * per_w)) <= 16, (kept, x.size * per_x + w.size * per_w)

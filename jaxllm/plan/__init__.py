@@ -45,6 +45,7 @@ from jaxllm.plan.compiled import compile_step, host_state_bytes, remat_summary, 
 from jaxllm.plan.finetune import finetune_state
 from jaxllm.plan.flops import check_chip, flops_report
 from jaxllm.plan.generation import generation_theory
+from jaxllm.plan.matmul_formats import matmul_formats
 from jaxllm.plan.hlo import collective_report, matmul_operands, memory_summary
 from jaxllm.plan.memory import loss_theory, theory
 from jaxllm.plan.pipeline import pipeline_compiled, pipeline_theory
@@ -81,6 +82,7 @@ def plan(cfg, chip: str | None = None) -> dict:
                    "host_bytes": host_state_bytes(fns.abstract_state, compiled)},
         "remat": remat_summary(cfg, shape, memory["temp_bytes"]),
         "loss": loss_theory(cfg, shape),
+        "matmul_formats": matmul_formats(cfg, shape),
         "collectives": report["collectives"],
         "unknown_trip_loops": report["unknown_trip_loops"],
         # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp

@@ -29,6 +29,8 @@ def format_table(p: dict) -> str:
         lines += _format_pipeline(pl)
     if "generation" in p:
         lines += _format_generation(p["generation"], c["compute"])
+    if "matmul_formats" in p:
+        lines += _format_matmul_formats(p["matmul_formats"], p["config"]["compute"])
     if p.get("allreduce"):
         lines += _format_allreduce(p["allreduce"])
     if p.get("zeropp"):
@@ -269,6 +271,20 @@ def _format_pipeline(pl: dict) -> list[str]:
                 if cp["moved_dtype"] != pl["dtype"] else f"the program moves {cp['moved_dtype']}")
         lines.append(f"  (element type of the compiled permutes of one slot: {types}; {note}; "
                      "compiled counts every collective-permute of the step)")
+    return lines
+
+
+def _format_matmul_formats(f: dict, compute: str) -> list[str]:
+    if not f["dense_layers"] or not f["groups"]:
+        return []
+    lines = ["", f"kept for the backward by the covered matmuls ({', '.join(f['groups'])}) of {f['dense_layers']} "
+                 f"dense layers, {f['tokens']} tokens a device and microbatch, by precision.matmul (compute {compute}):"]
+    for name, v in f["formats"].items():
+        lines.append(f"  {name:<28}{format_bytes(v['input_bytes'] + v['weight_bytes']):>12}   inputs "
+                     f"{format_bytes(v['input_bytes'])} at {v['x']:.3g} B, weights {format_bytes(v['weight_bytes'])} "
+                     f"at {v['w']:.3g} B an element")
+    if f["other_layers"]:
+        lines.append(f"  ({f['other_layers']} expert or latent-attention layers not estimated)")
     return lines
 
 
