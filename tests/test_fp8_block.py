@@ -91,8 +91,8 @@ def block_product(spec, x, w, g):
         return (y, *vjp(g.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, dtype", H.tiers([(c, d) for c in CASES for d in ("float32", "bfloat16")],
+                                                fast=(("dense", "bfloat16"),)))
 def test_the_tiled_product_and_its_gradients_equal_a_numpy_reference(case, dtype):
     spec, x_shape, w_shape, ref = CASES[case]
     rng = np.random.default_rng(0)
@@ -146,6 +146,7 @@ def _loss_and_grads(**over):
     return H.loss_and_grads(H.step_fns(cfg), params)
 
 
+@pytest.mark.slow
 def test_tiles_never_cross_a_row():
     """The product of 4 rows at once is each row's alone: outputs and input gradients row for row, the weight's
     gradient the sum of the rows' (fp32 rounding)."""
@@ -160,7 +161,8 @@ def test_tiles_never_cross_a_row():
     np.testing.assert_allclose(whole[2], sum(r[2] for r in rows), rtol=0, atol=1e-6 * float(jnp.abs(whole[2]).max()))
 
 
-@pytest.mark.parametrize("mesh", H.tiers(list(EXACT), fast=("dp2_fsdp2_zero3_mb4",)))
+@pytest.mark.slow  # 5-7 s each; the fast tier's fp8_block share is the dense reference, the outlier and the refusals
+@pytest.mark.parametrize("mesh", list(EXACT))
 def test_fp8_block_on_a_mesh_of_rows_equals_one_device(mesh):
     """Splitting the rows (data parallel, ZeRO-3, microbatches, a pipeline's stages) changes no scale: loss and
     gradients equal one device's with as many rows a microbatch (1e-5)."""

@@ -57,7 +57,7 @@ def mx_product(x, w, g):
         return (y, *vjp(g.astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", H.tiers(["float32", "bfloat16"], fast=("bfloat16",)))
 def test_the_emulated_product_and_its_gradients_equal_a_numpy_reference(dtype):
     rng = np.random.default_rng(0)
     # each element also scaled by 10^u, u in [-5, 0]: a block's small values fall among E4M3's subnormals, where
@@ -74,6 +74,7 @@ def test_the_emulated_product_and_its_gradients_equal_a_numpy_reference(dtype):
         assert err.max() <= 1e-5 * np.abs(b).max(), (name, err.max() / np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_the_blocks_and_scales_are_jaxs_own_mx_quantization():
     stablehlo = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo")
     rng = np.random.default_rng(1)
@@ -92,6 +93,7 @@ def _exported_calls(platform: str, cfg) -> str:
     return exported(fns.abstract_state, fns.abstract_batch(H.BATCH, H.SEQ)).mlir_module()
 
 
+@pytest.mark.slow
 def test_the_step_for_cuda_calls_the_block_scaled_dot_and_a_tiny_llama_trains_alike():
     cfg = H.equivalence_config("tiny-llama", **{"precision.matmul": "mxfp8"})
     assert "__op$block_scaled_dot" in _exported_calls("cuda", cfg)
