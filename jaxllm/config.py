@@ -20,7 +20,7 @@ import typing
 
 from jaxllm.data import dataset
 from jaxllm.errors import ConfigError
-from jaxllm.interop import hf_config
+from jaxllm.interop import gguf_io, hf_config
 from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
@@ -224,6 +224,8 @@ def source_model_keys(source: str) -> dict:
         return {}
     if source.startswith("hf:"):
         return hf_config.model_keys(hf_config.read(source[3:]), source[3:])
+    if source.startswith("gguf:"):
+        return hf_config.model_keys(gguf_io.GgufFiles(source[5:]).config)
     if source.startswith("run:"):
         run_dir, _ = split_run_source(source)
         saved = _current(load_toml(os.path.join(run_dir, "config.toml")))
@@ -231,7 +233,7 @@ def source_model_keys(source: str) -> dict:
         if keys.get("positions") == "learned" and not keys.get("max_positions"):  # its table has seq_len rows
             keys["max_positions"] = saved.get("model.seq_len", 0)
         return keys
-    raise ConfigError(f"init.from: '{source}' is not \"\", \"hf:DIR\" or \"run:DIR[@STEP]\"")
+    raise ConfigError(f"init.from: '{source}' is not \"\", \"hf:DIR\", \"gguf:FILE\" or \"run:DIR[@STEP]\"")
 
 
 def _check_against_source(cfg: Config, explicit: dict, source: dict) -> None:

@@ -252,10 +252,15 @@ def config_for(path: str, overrides: dict | None = None):
 def load_params(path: str, m, shardings=None) -> dict:
     """fp32 parameters of model config `m` from the safetensors files in `path`, placed as `shardings` says
     (a tree like the parameters; default: the first device). Each device's block is read from the files."""
-    files = Files(path)
+    return load_from(Files(path), m, shardings, hf_config.rope_interleaved(hf_config.read(path)))
+
+
+def load_from(files, m, shardings=None, interleaved: bool = False) -> dict:
+    """`load_params` from `files` (anything serving tensors by transformers' names as `Files` does: a GGUF file's,
+    `gguf_io.GgufFiles`); `interleaved`: the checkpoint's RoPE rows are pairs (DeepSeek's)."""
     shapes = transformer.param_shapes(m)
     by_path = leaf_entries(m, fused=any(k.endswith(".experts.gate_up_proj") for k in files.where),
-                           interleaved=hf_config.rope_interleaved(hf_config.read(path)))
+                           interleaved=interleaved)
     if shardings is None:
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), shapes)
 

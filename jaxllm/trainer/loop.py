@@ -29,7 +29,7 @@ from jaxllm.data import dataset, prefetch
 from jaxllm.errors import CheckpointError, ConfigError, Stopped, TrainingDiverged, UserError
 from jaxllm.eval import run as eval_run, tasks as eval_tasks
 from jaxllm.generate import generate
-from jaxllm.interop import hf, peft
+from jaxllm.interop import gguf_io, hf, peft
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
 from jaxllm.models import attention, lora, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
@@ -161,6 +161,8 @@ def _source_params(cfg: Config, fns):
     source, m = cfg.init.from_, cfg.model
     if source.startswith("hf:"):
         base = hf.load_params(source[3:], lora.base_model(m), fns.base_shardings)
+    elif source.startswith("gguf:"):
+        base = hf.load_from(gguf_io.GgufFiles(source[5:]), lora.base_model(m), fns.base_shardings)
     else:
         run_dir, step = split_run_source(source)
         target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=sh),

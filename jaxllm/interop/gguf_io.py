@@ -1,0 +1,112 @@
+"""GGUF files in (`init.from = "gguf:FILE"`): llama.cpp's format, as llama.cpp, Ollama and LM Studio hold models.
+
+A GGUF file carries the architecture in its metadata (`general.architecture` and `ARCH.*` keys) and every tensor
+under llama.cpp's names, quantized or not. jaxllm reads it through the `gguf` package (llama.cpp's own Python
+reader): the metadata becomes the Hugging Face config.json it stands for (`hf_config`), each tensor is
+dequantized to fp32 by `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants:
+whatever the package reads) and named as transformers names it, so the Hugging Face tables
+(`hf.load_from`) place it. llama.cpp permutes the rows of q and k for arch `llama` (its RoPE pairs (x0, x1), ...
+where transformers' takes halves); that is undone here, as transformers' GGUF loader undoes it.
+
+Architectures: llama (and Mistral converted as llama). Others are refused in one line, naming the architecture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxllm.errors import ModelFileError
+
+ARCHITECTURES = ("llama",)
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _reader(path: str):
+    import gguf  # the `gguf` package: llama.cpp's reader
+
+    if not os.path.isfile(path):
+        raise ModelFileError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as e:
+        raise ModelFileError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def metadata(reader) -> dict:
+    """The file's key-value metadata (arrays of strings or numbers as lists; the tokenizer's long arrays too)."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def hf_config(meta: dict, tensor_names: set[str]) -> dict:
+    """The Hugging Face config.json the metadata stands for (ModelFileError for an architecture jaxllm lacks)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelFileError(f"GGUF general.architecture={arch!r}: jaxllm reads {', '.join(ARCHITECTURES)}")
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    heads = a("attention.head_count")
+    return {"model_type": "llama", "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+            "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": a("attention.head_count_kv", heads),
+            "head_dim": a("attention.key_length", a("embedding_length") // heads),
+            "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+            "max_position_embeddings": a("context_length"),
+            "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
+            "tie_word_embeddings": "output.weight" not in tensor_names, "hidden_act": "silu"}
+
+
+def hf_name(name: str) -> str:
+    """transformers' name of a llama.cpp tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, i, kind = stem.split(".", 2)
+        if kind not in _LAYER:
+            raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the llama layers jaxllm reads")
+        return f"model.layers.{i}.{_LAYER[kind]}.{suffix}"
+    if stem not in _GLOBAL:
+        raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the llama models jaxllm reads")
+    return f"{_GLOBAL[stem]}.{suffix}"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k rows (each head's RoPE pairs interleaved) back to transformers' (halves)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GgufFiles:
+    """A GGUF file's tensors as `hf.Files` serves a model directory's: by transformers' name, fp32 on the host."""
+
+    def __init__(self, path: str):
+        self.path, self.reader = path, _reader(path)
+        self.meta = metadata(self.reader)
+        self.tensors = {hf_name(t.name): t for t in self.reader.tensors}
+        self.config = hf_config(self.meta, {t.name for t in self.reader.tensors})
+        self.where = dict.fromkeys(self.tensors, os.path.basename(path))
+        self._cache: dict[str, np.ndarray] = {}
+
+    def full_key(self, key: str) -> str:
+        if key not in self.tensors:
+            raise ModelFileError(f"{self.path}: no tensor for '{key}', which this model's metadata needs")
+        return key
+
+    def _whole(self, key: str) -> np.ndarray:
+        if key not in self._cache:
+            import gguf
+
+            t = self.tensors[key]
+            try:
+                w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+            except NotImplementedError:
+                raise ModelFileError(f"{self.path}: tensor {t.name!r} is {t.tensor_type.name}, which the gguf "
+                                     "package cannot dequantize") from None
+            heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
+            part = key.split(".")[-2]
+            self._cache = {key: _unpermute(w, heads[part]) if part in heads else w}  # one tensor at a time
+        return self._cache[key]
+
+    def read(self, key: str, index: tuple) -> np.ndarray:
+        return self._whole(key)[index]

