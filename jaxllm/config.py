@@ -202,9 +202,9 @@ def build_config(config_file: str | None = None, overrides: list[str] | dict | N
         _set(cfg, key, value)
     _check_against_source(cfg, explicit, source)
     if cfg.data.tokenizer == "init":  # the tokenizer beside the imported model
-        if not cfg.init.from_.startswith("hf:"):
-            raise ConfigError("data.tokenizer=init reads the tokenizer of init.from's Hugging Face folder; set "
-                              "init.from=hf:DIR or name the tokenizer")
+        if not cfg.init.from_.startswith(("hf:", "gguf:")):
+            raise ConfigError("data.tokenizer=init reads the tokenizer of init.from's Hugging Face folder or GGUF "
+                              "file; set init.from=hf:DIR or gguf:FILE, or name the tokenizer")
         cfg.data.tokenizer = cfg.init.from_
     return cfg
 

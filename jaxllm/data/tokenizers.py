@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.errors import DataError
+from jaxllm.errors import DataError, ModelFileError
+from jaxllm.interop import gguf_io
 
 EOT_TEXT = "<|endoftext|>"  # how decode() renders the end-of-text token, as tiktoken does
 
@@ -369,7 +370,34 @@ def _chat_template(where: str, folder: Path, config: dict) -> str | None:
 
 
 TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}
-CHOICES = ", ".join([*TOKENIZERS, f"{HF_PREFIX}DIR"])
+CHOICES = ", ".join([*TOKENIZERS, f"{HF_PREFIX}DIR", "gguf:FILE"])
+
+
+GGUF_PREFIX = "gguf:"
+
+
+def _gguf(name: str) -> HFTokenizer:
+    """`data.tokenizer = "gguf:FILE"`: the tokenizer a GGUF file carries in its metadata (`gguf_io.tokenizer`:
+    its vocabulary, merges and pre-tokenizer, its control tokens special), with its bos, eos, whether llama.cpp adds
+    the BOS (`tokenizer.ggml.add_bos_token`) and its chat template (`tokenizer.chat_template`)."""
+    path = name[len(GGUF_PREFIX):]
+    try:
+        meta = gguf_io.metadata(gguf_io._reader(path))
+        tok, control = gguf_io.tokenizer(meta)
+    except ModelFileError as e:
+        raise DataError(f"data.tokenizer={name}: {e}") from None
+    tok.no_truncation()
+    tok.no_padding()
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    if eos is None:
+        raise DataError(f"data.tokenizer={name}: the file names no tokenizer.ggml.eos_token_id; give another tokenizer")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    texts = {"eos_token": tok.id_to_token(int(eos))} | ({"bos_token": tok.id_to_token(int(bos))} if bos is not None
+                                                        else {})
+    return HFTokenizer(name=name, vocab_size=vocab, eot=int(eos), bos=None if bos is None else int(bos),
+                       stop_ids=(int(eos),), source_dir=os.path.dirname(os.path.abspath(path)),
+                       add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+                       special_texts=texts, chat_template=meta.get("tokenizer.chat_template"), tok=tok)
 
 
 def check_name(name: str) -> None:
@@ -377,13 +405,19 @@ def check_name(name: str) -> None:
     tokenizer.json exist)."""
     if name.startswith(HF_PREFIX):
         _hf_dir(name)
+    elif name.startswith(GGUF_PREFIX):
+        if not os.path.isfile(name[len(GGUF_PREFIX):]):
+            raise DataError(f"data.tokenizer={name}: no such GGUF file")
     elif name not in TOKENIZERS:
         raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {CHOICES}")
 
 
 def get_tokenizer(name: str):
-    """The tokenizer called `name`: "byte", "gpt2" or "hf:DIR" (a Hugging Face tokenizer folder)."""
+    """The tokenizer called `name`: "byte", "gpt2", "hf:DIR" (a Hugging Face tokenizer folder) or "gguf:FILE" (the
+    tokenizer a GGUF file carries)."""
     check_name(name)
     if name.startswith(HF_PREFIX):
         return _hf(name)
+    if name.startswith(GGUF_PREFIX):
+        return _gguf(name)
     return TOKENIZERS[name]()

@@ -110,3 +110,32 @@ class GgufFiles:
 
     def read(self, key: str, index: tuple) -> np.ndarray:
         return self._whole(key)[index]
+
+
+# llama.cpp's pre-tokenizer for each `tokenizer.ggml.pre` jaxllm reads (llama.cpp's llama-vocab.cpp): the splits
+# before the byte-level BPE, as `tokenizers` pre-tokenizers. GPT-2's regex is ByteLevel's own.
+_DIGITS_FIRST = ("smollm",)  # each digit its own piece, then GPT-2's rule
+_GPT2_RULE = ("gpt2", "default")
+
+
+def tokenizer(meta: dict):
+    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` (byte-level BPE, `model` gpt2: the vocabulary,
+    its merges and the pre-tokenizer `pre` names); its control tokens special, as llama.cpp parses them. Returns
+    (tokenizer, its control tokens' texts). ModelFileError (one line) for a kind not read yet."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2" or pre not in _DIGITS_FIRST + _GPT2_RULE:
+        raise ModelFileError(f"GGUF tokenizer.ggml.model={kind!r} with tokenizer.ggml.pre={pre!r}: jaxllm reads the "
+                             f"byte-level BPE (gpt2) with pre {', '.join(_DIGITS_FIRST + _GPT2_RULE)}; give "
+                             "data.tokenizer another tokenizer")
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    merges = [tuple(str(m).split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = byte_level if pre in _GPT2_RULE else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+    tok.decoder = decoders.ByteLevel()
+    control = [t for t, kind in zip(tokens, meta.get("tokenizer.ggml.token_type", [])) if int(kind) == 3]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tok, control
