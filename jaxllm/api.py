@@ -257,8 +257,14 @@ class Model:
         """Write the model where another tool reads it. `format="hf"`: a directory transformers' `from_pretrained`
         loads, in `dtype` (default: that of the checkpoint the run started from; float32 for random weights), with
         its source's generation config and the run's Hugging Face tokenizer files; a LoRA run's adapters merged
-        in, or with `adapter=True` alone, as a PEFT adapter directory for its base."""
-        if format != "hf":
-            raise ConfigError(f"export format {format!r}: one of hf")
+        in, or with `adapter=True` alone, as a PEFT adapter directory for its base. `format="gguf"`: a GGUF file
+        llama.cpp reads (`dtype` f32, f16, bf16 or q8_0; default f32), a LoRA run's adapters merged in, with the
+        tokenizer and chat template of a GGUF tokenizer."""
+        if format not in ("hf", "gguf"):
+            raise ConfigError(f"export format {format!r}: one of hf, gguf")
+        if format == "gguf":
+            if adapter:
+                raise ConfigError("a GGUF export writes the model with its adapters merged in; export --adapter as hf")
+            return export.gguf_file(self.cfg, self.params, os.fspath(path), dtype or "f32", what=self.source)
         export.hf_directory(self.cfg, self.params, os.fspath(path), dtype=dtype, max_shard_size=max_shard_size,
                             adapter=adapter, what=self.source)

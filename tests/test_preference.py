@@ -139,7 +139,7 @@ def assert_metrics_match(ours: dict, theirs: dict, beta: float):
 
 
 def assert_grads_match(cfg, grads, theirs):
-    ours = dict(hf._file_tensors(jax.tree.map(jax.numpy.asarray, grads), cfg.model))
+    ours = dict(hf.file_tensors(jax.tree.map(jax.numpy.asarray, grads), cfg.model))
     assert sorted(ours) == sorted(theirs)
     for name, g in theirs.items():
         np.testing.assert_allclose(ours[name], g, rtol=1e-5, atol=1e-5 * np.abs(g).max(), err_msg=name)

@@ -37,7 +37,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("run_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest)")
-    exp.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the source's)")
+    exp.add_argument("--format", default="hf", choices=("hf", "gguf"), help="hf: a Hugging Face model directory "
+                     "(default); gguf: a GGUF file (OUT_DIR is then the file) for llama.cpp, Ollama, LM Studio")
+    exp.add_argument("--dtype", default=None, help="hf: float32, bfloat16 or float16 (default: the source's); gguf: "
+                     "f32 (default), f16, bf16 or q8_0")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     exp.add_argument("--adapter", action="store_true",
                      help="a LoRA run (model.lora): write its adapters as a PEFT adapter directory rather than the "
@@ -55,7 +58,7 @@ def run(args) -> None:
                  "train.resume=true", args.hf_dir, args.run_dir, config)
         return
     model = jaxllm.load(args.run_dir, args.step, args.overrides)
-    model.export(args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, adapter=args.adapter)
+    model.export(args.out_dir, args.format, dtype=args.dtype, max_shard_size=args.max_shard_size, adapter=args.adapter)
 
 
 def main(argv: list[str] | None = None) -> int:

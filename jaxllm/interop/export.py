@@ -1,12 +1,13 @@
-"""A model's parameters written where other tools read them: a Hugging Face model directory, or a LoRA run's
-adapters as a PEFT adapter directory (`jaxllm.load(...).export`, `jaxllm hf export`)."""
+"""A model's parameters written where other tools read them: a Hugging Face model directory, a GGUF file, or a
+LoRA run's adapters as a PEFT adapter directory (`jaxllm.load(...).export`, `jaxllm hf export`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 from jaxllm.errors import ConfigError
-from jaxllm.interop import hf, hf_config, peft
+from jaxllm.interop import gguf_io, hf, hf_config, peft
 from jaxllm.models import lora
 
 log = logging.getLogger("jaxllm")
@@ -35,3 +36,20 @@ def hf_directory(cfg, params, out_dir: str, dtype: str | None = None, max_shard_
                        source=source, tokenizer=tokenizer)
     log.info("exported %s to %s (%s)%s", what, out_dir, dtype,
              "" if tokenizer else "; the run used no Hugging Face tokenizer, so the export has none")
+
+
+def gguf_file(cfg, params, path: str, dtype: str = "f32", what: str = "the model") -> None:
+    """Write `params` (of `cfg.model`; a LoRA model's adapters merged in) as a GGUF file llama.cpp reads, in `dtype`
+    (`gguf_io.OUT_TYPES`), with the tokenizer and chat template of the run's tokenizer where it is a GGUF file's.
+    Written to `path`.partial and renamed, so `path` is whole or absent."""
+    m = lora.base_model(cfg.model)
+    hf_config.exportable(m)
+    if cfg.model.lora.rank:
+        params = peft.merged(params)
+    tokenizer = cfg.data.tokenizer
+    meta = gguf_io.tokenizer_metadata(tokenizer[5:]) if tokenizer.startswith("gguf:") else None
+    partial = path + ".partial"
+    gguf_io.write(hf.file_tensors(params, m), hf_config.hf_config(m, "float32"), partial, dtype, meta)
+    os.replace(partial, path)
+    log.info("exported %s to %s (GGUF, %s)%s", what, path, dtype,
+             "" if meta else "; the run used no GGUF tokenizer, so the file carries none")

@@ -139,3 +139,96 @@ def tokenizer(meta: dict):
     control = [t for t, kind in zip(tokens, meta.get("tokenizer.ggml.token_type", [])) if int(kind) == 3]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     return tok, control
+
+
+# ---------------------------------------------------------------- GGUF out
+
+OUT_TYPES = ("f32", "f16", "bf16", "q8_0")  # `jaxllm hf export --format gguf --dtype`
+_GGUF_NAME = {v: k for k, v in _LAYER.items()}
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                   "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                   "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
+
+
+def gguf_name(key: str) -> str:
+    """llama.cpp's name of a transformers tensor (the inverse of `hf_name`)."""
+    if key.startswith("model.layers."):
+        _, _, i, *kind, suffix = key.split(".")
+        return f"blk.{i}.{_GGUF_NAME['.'.join(kind)]}.{suffix}"
+    stem, _, suffix = key.rpartition(".")
+    return f"{ {v: k for k, v in _GLOBAL.items()}[stem]}.{suffix}"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' q/k rows (halves) as llama.cpp stores them (pairs): the inverse of `_unpermute`."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _encoded(w: np.ndarray, out: str):
+    """(the tensor's data, its GGML type): norms and vectors stay F32 (as llama.cpp writes them); matrices in `out`
+    (Q8_0: blocks of 32 along a row with an fp16 scale, through the gguf package's quantizer)."""
+    import gguf
+
+    types = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    kind = types["f32" if w.ndim < 2 or (out == "q8_0" and w.shape[-1] % 32) else out]
+    if kind == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(w, np.float32), kind
+    return gguf.quants.quantize(np.ascontiguousarray(w, np.float32), kind), kind
+
+
+def write(tensors, config: dict, path: str, out: str = "f32", tokenizer_meta: dict | None = None) -> None:
+    """A GGUF file of arch llama at `path`: `tensors` ((transformers name, fp32 host tensor) pairs, as
+    `hf.file_tensors` gives them) renamed and q/k permuted as llama.cpp's converter writes them, in `out`; the
+    architecture keys from `config` (the Hugging Face config.json the model stands for) and the tokenizer's
+    `tokenizer.ggml.*` and chat template from `tokenizer_meta` where given."""
+    import gguf
+
+    if out not in OUT_TYPES:
+        raise ModelFileError(f"--dtype {out}: a GGUF export writes one of {', '.join(OUT_TYPES)}")
+    kind = config.get("model_type")
+    extra = [k for k in ("sliding_window", "rope_scaling", "attention_bias", "mlp_bias") if config.get(k)]
+    if kind not in ("llama", "mistral") or extra:
+        raise ModelFileError(f"GGUF export: model type {kind!r}{' with ' + ', '.join(extra) if extra else ''} is not "
+                             "written yet; jaxllm writes plain llama GGUF files (export a Hugging Face directory)")
+    writer = gguf.GGUFWriter(path, "llama")
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    for add, key in ((writer.add_block_count, "num_hidden_layers"), (writer.add_context_length, "max_position_embeddings"),
+                     (writer.add_embedding_length, "hidden_size"), (writer.add_feed_forward_length, "intermediate_size"),
+                     (writer.add_head_count, "num_attention_heads"), (writer.add_head_count_kv, "num_key_value_heads"),
+                     (writer.add_layer_norm_rms_eps, "rms_norm_eps"), (writer.add_vocab_size, "vocab_size")):
+        add(config[key])
+    writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 1e4))
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    for key, value in (tokenizer_meta or {}).items():
+        _add(writer, key, value)
+    for key, w in tensors:
+        if key.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _permute(w, heads if "q_proj" in key else kv)
+        data, kind = _encoded(w, out)
+        writer.add_tensor(gguf_name(key), data, raw_dtype=kind)  # uint8 blocks: the writer reads their shape
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add(writer, key: str, value) -> None:
+    """One tokenizer key of a source file's metadata, written with the type it had."""
+    if isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_string(key, value)
+
+
+def tokenizer_metadata(path: str) -> dict:
+    """The tokenizer keys and chat template of a GGUF file, to carry into an export."""
+    meta = metadata(_reader(path))
+    return {k: meta[k] for k in _TOKENIZER_KEYS if k in meta}

@@ -304,7 +304,7 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _file_tensors(params: dict, m):
+def file_tensors(params: dict, m):
     """(file key, fp32 host tensor) for every tensor of the checkpoint, in the table's order, one at a time."""
     by_key: dict[tuple, list[tuple[tuple, Entry]]] = {}  # (key, stack) -> the leaves it holds
     for path, e in leaf_entries(m, interleaved=True).items():  # DeepSeek's RoPE rows as published
@@ -440,7 +440,7 @@ def save_pretrained(params: dict, config, path: str, *, dtype: str = "float32", 
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     fp8 = BlockFp8Source(source) if hf_config.fp8_blocks(_source_config(source)) else None
-    tensors = _file_tensors(params, m)
+    tensors = file_tensors(params, m)
     if fp8 is not None:
         tensors = (pair for key, value in tensors for pair in fp8.encode(key, value))
     if not lead:
