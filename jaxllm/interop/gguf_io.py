@@ -9,7 +9,10 @@ whatever the package reads) and named as transformers names it, so the Hugging F
 where transformers' takes halves); that is undone here, as transformers' GGUF loader undoes it.
 
 Architectures: llama (and Mistral converted as llama), qwen2 (its q/k/v biases) and qwen3 (its q/k norms), whose
-rows llama.cpp does not permute. Others are refused in one line, naming the architecture.
+rows llama.cpp does not permute, and gemma3 (its four norms a layer, which llama.cpp stores as the 1 + w they
+multiply by: read back as w; what the file leaves out — the local RoPE base, the 5 local : 1 global pattern, the
+query scale — is transformers' Gemma 3 default, as its GGUF loader takes it). Others are refused in one line,
+naming the architecture.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import numpy as np
 
 from jaxllm.errors import ModelFileError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm
+_GEMMA_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -51,25 +57,28 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         raise ModelFileError(f"GGUF general.architecture={arch!r}: jaxllm reads {', '.join(ARCHITECTURES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     heads = a("attention.head_count")
-    return {"model_type": arch, "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+    gemma = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": a("attention.sliding_window")}
+    return {"model_type": "gemma3_text" if arch == "gemma3" else arch, **(gemma if arch == "gemma3" else {}),
+            "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
             "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
             "num_key_value_heads": a("attention.head_count_kv", heads),
             "head_dim": a("attention.key_length", a("embedding_length") // heads),
             "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
             "max_position_embeddings": a("context_length"),
             "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
-            "tie_word_embeddings": "output.weight" not in tensor_names, "hidden_act": "silu",
-            "use_sliding_window": False}
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+            **({} if arch == "gemma3" else {"hidden_act": "silu", "use_sliding_window": False})}
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """transformers' name of a llama.cpp tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
     stem, _, suffix = name.rpartition(".")
+    layer = _GEMMA_LAYER if arch == "gemma3" else _LAYER
     if stem.startswith("blk."):
         _, i, kind = stem.split(".", 2)
-        if kind not in _LAYER:
+        if kind not in layer:
             raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the layers jaxllm reads")
-        return f"model.layers.{i}.{_LAYER[kind]}.{suffix}"
+        return f"model.layers.{i}.{layer[kind]}.{suffix}"
     if stem not in _GLOBAL:
         raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the models jaxllm reads")
     return f"{_GLOBAL[stem]}.{suffix}"
@@ -86,8 +95,9 @@ class GgufFiles:
     def __init__(self, path: str):
         self.path, self.reader = path, _reader(path)
         self.meta = metadata(self.reader)
-        self.tensors = {hf_name(t.name): t for t in self.reader.tensors}
         self.config = hf_config(self.meta, {t.name for t in self.reader.tensors})
+        arch = self.meta["general.architecture"]
+        self.tensors = {hf_name(t.name, arch): t for t in self.reader.tensors}
         self.where = dict.fromkeys(self.tensors, os.path.basename(path))
         self._cache: dict[str, np.ndarray] = {}
 
@@ -109,6 +119,8 @@ class GgufFiles:
             heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
             part = key.split(".")[-2]
             permuted = self.config["model_type"] == "llama" and part in heads  # llama.cpp permutes llama's alone
+            if self.config["model_type"] == "gemma3_text" and key.endswith("norm.weight"):
+                w = w - 1  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
             self._cache = {key: _unpermute(w, heads[part]) if permuted else w}  # one tensor at a time
         return self._cache[key]
 
