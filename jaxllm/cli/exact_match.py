@@ -25,7 +25,7 @@ log = logging.getLogger("jaxllm")
 
 def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="jaxllm exact-match", description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
+    p.add_argument("--from", dest="source", required=True, help="a run directory, hf:DIR or gguf:FILE")
     p.add_argument("--data", required=True, help="a JSONL file of held-out examples")
     p.add_argument("--limit", type=int, default=0, help="the first N examples only (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=32)
