@@ -141,13 +141,8 @@ def test_another_quantization_is_refused_in_one_line(tmp_path):
 
 def raw_tensors(path: str) -> dict:
     """key -> (dtype, bytes) of every tensor of a model directory, fp8 ones included."""
-    files, out = hf.Files(path), {}
-    for key in files.where:
-        raw = files.handle(key, "numpy").get_slice(key).get_dtype()
-        value = np.asarray(files.mapped(key)) if raw in hf.FP8_FILE_DTYPES else np.asarray(
-            files.handle(key, "flax").get_tensor(key))
-        out[key] = (raw, value.tobytes())
-    return out
+    files = hf.Files(path)
+    return {key: (files.raw_dtype(key), files.stored(key).tobytes()) for key in files.where}
 
 
 @pytest.mark.slow

@@ -382,7 +382,7 @@ def _gguf(name: str) -> HFTokenizer:
     the BOS (`tokenizer.ggml.add_bos_token`) and its chat template (`tokenizer.chat_template`)."""
     path = name[len(GGUF_PREFIX):]
     try:
-        meta = gguf_io.metadata(gguf_io._reader(path))
+        meta = gguf_io.file_metadata(path)
         tok, control = gguf_io.tokenizer(meta)
     except ModelFileError as e:
         raise DataError(f"data.tokenizer={name}: {e}") from None

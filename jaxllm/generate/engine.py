@@ -208,7 +208,7 @@ class _Live:
 PAGED_KERNELS = ("auto", "xla") + paged_attention.KERNELS  # the engine's `paged_kernel`
 
 
-def _paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None, bool]:
+def _choose_paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None, bool]:
     """(the paged kernel a decode step calls, None for XLA's gather; whether interpreted): `auto` the GPU kernel on
     a GPU where it fits the model (`paged_attention.fits`), else the gather; a kernel named runs interpreted off
     its platform (tests) and is refused where it does not fit."""
@@ -236,7 +236,7 @@ class Engine:
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page = padded_rows(slots, self.layout), page
-        self.kernel = _paged_kernel(paged_kernel, self.m, page, self.layout)
+        self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
         start = time.perf_counter()
         self.weights = jax.block_until_ready(self.programs.reshard(params))

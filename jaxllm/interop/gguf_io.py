@@ -32,6 +32,7 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 _GEMMA_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_GGUF = {v: k for k, v in _GLOBAL.items()}
 
 
 def _reader(path: str):
@@ -48,6 +49,11 @@ def _reader(path: str):
 def metadata(reader) -> dict:
     """The file's key-value metadata (arrays of strings or numbers as lists; the tokenizer's long arrays too)."""
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def file_metadata(path: str) -> dict:
+    """`metadata` of the GGUF file at `path` (ModelFileError, one line, for a missing or unreadable file)."""
+    return metadata(_reader(path))
 
 
 def hf_config(meta: dict, tensor_names: set[str]) -> dict:
@@ -173,7 +179,7 @@ def gguf_name(key: str) -> str:
         _, _, i, *kind, suffix = key.split(".")
         return f"blk.{i}.{_GGUF_NAME['.'.join(kind)]}.{suffix}"
     stem, _, suffix = key.rpartition(".")
-    return f"{ {v: k for k, v in _GLOBAL.items()}[stem]}.{suffix}"
+    return f"{_GLOBAL_GGUF[stem]}.{suffix}"
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -246,5 +252,5 @@ def _add(writer, key: str, value) -> None:
 
 def tokenizer_metadata(path: str) -> dict:
     """The tokenizer keys and chat template of a GGUF file, to carry into an export."""
-    meta = metadata(_reader(path))
+    meta = file_metadata(path)
     return {k: meta[k] for k in _TOKENIZER_KEYS if k in meta}

@@ -82,8 +82,12 @@ class Files:
                                  "do not match the config")
         return full
 
+    def raw_dtype(self, key: str) -> str:
+        """The file's dtype name of a tensor ("F32", "BF16", "F8_E4M3", ...)."""
+        return self.handle(key, "numpy").get_slice(key).get_dtype()
+
     def dtype(self, key: str) -> str:
-        raw = self.handle(key, "numpy").get_slice(key).get_dtype()
+        raw = self.raw_dtype(key)
         if raw == "F8_E4M3" and self.blocks and key + SCALE_SUFFIX in self.where:
             return "float8_e4m3fn"
         if raw not in FILE_DTYPES:
@@ -104,19 +108,19 @@ class Files:
         return np.memmap(file, FP8_FILE_DTYPES[info["dtype"]], "r", start + info["data_offsets"][0],
                          tuple(info["shape"]))
 
-    def _scales(self, key: str) -> np.ndarray:
-        """`key`'s weight_scale_inv as fp32: stored fp32 (DeepSeek-V3) or as powers of two (UE8M0)."""
-        raw = self.handle(key, "numpy").get_slice(key).get_dtype()
-        if raw in FP8_FILE_DTYPES:
-            return self.mapped(key).astype(np.float32)
+    def stored(self, key: str) -> np.ndarray:
+        """A whole tensor as the file holds it (its dtype and bits; fp8 ones mapped, the rest through safetensors'
+        flax reader on the CPU device)."""
+        if self.raw_dtype(key) in FP8_FILE_DTYPES:
+            return np.asarray(self.mapped(key))
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return np.asarray(self.handle(key, "flax").get_tensor(key), np.float32)
+            return np.asarray(self.handle(key, "flax").get_tensor(key))
 
     def dequantized(self, key: str, index: tuple) -> np.ndarray:
         """A slice of a block-FP8 weight in fp32: each E4M3 value times its block's weight_scale_inv (which
         multiplies, despite its name); the last blocks of a dimension not a multiple of the block are partial."""
         q = self.mapped(key)
-        scale = self._scales(key + SCALE_SUFFIX)
+        scale = self.stored(key + SCALE_SUFFIX).astype(np.float32)  # fp32 (DeepSeek-V3) or powers of two (UE8M0)
         for axis, size in zip((-2, -1), self.blocks):
             scale = np.repeat(scale, size, axis=axis)
         scale = scale[..., :q.shape[-2], :q.shape[-1]]
@@ -125,9 +129,10 @@ class Files:
     def read(self, key: str, index: tuple) -> np.ndarray:
         """A slice of one tensor, as fp32 on the host (bf16 through safetensors' flax reader, on the CPU device;
         block FP8 dequantized)."""
-        if self.dtype(key) == "float8_e4m3fn":
+        dtype = self.dtype(key)
+        if dtype == "float8_e4m3fn":
             return self.dequantized(key, index)
-        if self.dtype(key) == "bfloat16":
+        if dtype == "bfloat16":
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 return np.asarray(self.handle(key, "flax").get_slice(key)[index], np.float32)
         return np.asarray(self.handle(key, "numpy").get_slice(key)[index], np.float32)
@@ -364,10 +369,8 @@ class BlockFp8Source:
         if not (self.files.blocks and scale_key in self.files.where):
             return [(key, value)]
         if np.array_equal(self.files.read(key, ()), value):
-            raw = self.files.handle(scale_key, "numpy").get_slice(scale_key).get_dtype()
-            scale = self.files.mapped(scale_key) if raw in FP8_FILE_DTYPES else self.files._scales(scale_key)
-            return [(key, np.asarray(self.files.mapped(key))), (scale_key, np.asarray(scale))]
-        power_of_two = self.files.handle(scale_key, "numpy").get_slice(scale_key).get_dtype() == "F8_E8M0"
+            return [(key, self.files.stored(key)), (scale_key, self.files.stored(scale_key))]
+        power_of_two = self.files.raw_dtype(scale_key) == "F8_E8M0"
         return list(zip((key, scale_key), quantize_blocks(value, self.files.blocks, power_of_two)))
 
 

@@ -48,9 +48,9 @@ def _data(out: Path) -> dict:
     return {"pretrain": len(low), "finetune": len(rows), "held": len(held)}
 
 
-def exact_match(run_dir: Path, data: Path) -> tuple[int, int]:
-    """(hits, total) of `jaxllm exact-match` on a run's newest checkpoint."""
-    text = jaxllm_cli("exact-match", "--from", str(run_dir), "--data", str(data))
+def exact_match(run_dir: Path | str, data: Path, *overrides: str) -> tuple[int, int]:
+    """(hits, total) of `jaxllm exact-match` on a run's newest checkpoint (or any `--from` source), with run keys."""
+    text = jaxllm_cli("exact-match", "--from", str(run_dir), "--data", str(data), *overrides)
     hits, total = re.search(r"exact_match (\d+)/(\d+)", text).groups()
     return int(hits), int(total)
 

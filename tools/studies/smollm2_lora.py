@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.studies.lora_addition import jaxllm_cli
+from tools.studies.lora_addition import exact_match, jaxllm_cli
 
 PROMPT = "Write the word in capital letters: "
 
@@ -38,7 +38,7 @@ def words(path: str, n: int) -> list[str]:
 
     from jaxllm.interop import gguf_io
 
-    tokens = gguf_io.metadata(gguf_io._reader(path))["tokenizer.ggml.tokens"]
+    tokens = gguf_io.file_metadata(path)["tokenizer.ggml.tokens"]
     found = sorted({str(t)[1:] for t in tokens if re.fullmatch(r"Ġ[a-z]{5,8}", str(t))})
     return [found[i] for i in np.random.default_rng(0).permutation(len(found))[:n]]
 
@@ -49,11 +49,9 @@ def write(rows: list[str], path: Path) -> None:
                             for w in rows))
 
 
-def exact_match(source: str, data: Path) -> tuple[int, int]:
-    text = jaxllm_cli("exact-match", "--from", source, "--data", str(data), "precision.compute=float32",
-                      "data.format=chat", f"data.source={data}")
-    hits, total = re.search(r"exact_match (\d+)/(\d+)", text).groups()
-    return int(hits), int(total)
+def held_out(source: str, data: Path) -> tuple[int, int]:
+    """Exact match of `source` on the held-out chats, in fp32."""
+    return exact_match(source, data, "precision.compute=float32", "data.format=chat", f"data.source={data}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     write(chosen[:args.train_words], out / "train.jsonl")
     write(chosen[args.train_words:], out / "heldout.jsonl")
     seconds, start = {}, time.perf_counter()
-    before = exact_match(source, out / "heldout.jsonl")
+    before = held_out(source, out / "heldout.jsonl")
     seconds["untuned eval"] = time.perf_counter() - start
     start = time.perf_counter()
     jaxllm_cli("train", f"init.from={source}", "data.tokenizer=init", "data.format=chat", "data.pack=false",
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                f"run.dir={out / 'run'}")
     seconds["LoRA training"] = time.perf_counter() - start
     start = time.perf_counter()
-    after = exact_match(str(out / "run"), out / "heldout.jsonl")
+    after = held_out(str(out / "run"), out / "heldout.jsonl")
     seconds["tuned eval"] = time.perf_counter() - start
     print("| model | held-out exact match |\n|---|---:|")
     print(f"| SmolLM2-135M-Instruct, untuned | {before[0]}/{before[1]} |")
