@@ -38,10 +38,10 @@ TASKS = list(SPECS)
 GENERATION = {name for name, spec in SPECS.items() if spec["output_type"] == "generate_until"}
 
 
-def absolute_copies(folder: Path) -> list[Path]:
+def absolute_copies(folder: Path, task_files: list[Path] = TASK_FILES) -> list[Path]:
     """The task files with absolute data paths, as lm-evaluation-harness needs them."""
     out = []
-    for path in TASK_FILES:
+    for path in task_files:
         spec = yaml.safe_load(path.read_text())
         files = spec["dataset_kwargs"]["data_files"]
         spec["dataset_kwargs"]["data_files"] = {k: str(path.parent / v) for k, v in files.items()}
@@ -67,18 +67,23 @@ def setup(tmp_path_factory):
 
 
 def lm_eval_run(model_dir: str, task_files: list[Path], **options) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return lm_eval_with(model, transformers.AutoTokenizer.from_pretrained(model_dir), task_files, SEQ, **options)
+
+
+def lm_eval_with(model, tokenizer, task_files: list[Path], max_length: int, **options) -> dict:
+    """lm-evaluation-harness's Hugging Face backend on a transformers model and tokenizer, over `task_files`."""
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"
     os.environ["HF_UPDATE_DOWNLOAD_COUNTS"] = "0"
     import lm_eval
-    import torch
-    import transformers
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=SEQ, batch_size=4)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=4)
     manager = TaskManager(include_path=str(task_files[0].parent), include_defaults=False)
     return lm_eval.simple_evaluate(model=lm, tasks=[p.stem for p in task_files], task_manager=manager,
                                    log_samples=True, bootstrap_iters=0, **options)

@@ -378,12 +378,12 @@ GGUF_PREFIX = "gguf:"
 
 def _gguf(name: str) -> HFTokenizer:
     """`data.tokenizer = "gguf:FILE"`: the tokenizer a GGUF file carries in its metadata (`gguf_io.tokenizer`:
-    its vocabulary, merges and pre-tokenizer, its control tokens special), with its bos, eos, whether llama.cpp adds
+    byte-level or SentencePiece BPE, its control tokens special), with its bos, eos, whether llama.cpp adds
     the BOS (`tokenizer.ggml.add_bos_token`) and its chat template (`tokenizer.chat_template`)."""
     path = name[len(GGUF_PREFIX):]
     try:
         meta = gguf_io.file_metadata(path)
-        tok, control = gguf_io.tokenizer(meta)
+        tok = gguf_io.tokenizer(meta)
     except ModelFileError as e:
         raise DataError(f"data.tokenizer={name}: {e}") from None
     tok.no_truncation()

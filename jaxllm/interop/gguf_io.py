@@ -17,6 +17,7 @@ naming the architecture.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -36,10 +37,18 @@ _GLOBAL_GGUF = {v: k for k, v in _GLOBAL.items()}
 
 
 def _reader(path: str):
-    import gguf  # the `gguf` package: llama.cpp's reader
-
     if not os.path.isfile(path):
         raise ModelFileError(f"{path}: no such GGUF file")
+    stat = os.stat(path)
+    return _parsed(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, mtime_ns: int, size: int):
+    """The gguf package's reader of a file, kept for the file as it is (the config, the tokenizer and the tensors
+    each read it; parsing a 262k-token vocabulary takes the reader seconds)."""
+    import gguf  # the `gguf` package: llama.cpp's reader
+
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError) as e:
@@ -138,19 +147,36 @@ class GgufFiles:
 # before the byte-level BPE, as `tokenizers` pre-tokenizers. GPT-2's regex is ByteLevel's own.
 _DIGITS_FIRST = ("smollm",)  # each digit its own piece, then GPT-2's rule
 _GPT2_RULE = ("gpt2", "default")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 
 
 def tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*` (byte-level BPE, `model` gpt2: the vocabulary,
-    its merges and the pre-tokenizer `pre` names); its control tokens special, as llama.cpp parses them. Returns
-    (tokenizer, its control tokens' texts). ModelFileError (one line) for a kind not read yet."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A `tokenizers.Tokenizer` from the file's `tokenizer.ggml.*`: the byte-level BPE (`model` gpt2: vocabulary,
+    merges and the pre-tokenizer `pre` names) or SentencePiece's BPE (`model` llama: vocabulary and its merge
+    order, byte fallback); its control tokens special and its user-defined ones whole, as llama.cpp parses them.
+    ModelFileError (one line) for a kind not read yet."""
+    from tokenizers import AddedToken
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _DIGITS_FIRST + _GPT2_RULE:
+    if kind == "gpt2" and pre in _DIGITS_FIRST + _GPT2_RULE:
+        tok = _byte_level_bpe(meta, pre)
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(meta)
+    else:
         raise ModelFileError(f"GGUF tokenizer.ggml.model={kind!r} with tokenizer.ggml.pre={pre!r}: jaxllm reads the "
-                             f"byte-level BPE (gpt2) with pre {', '.join(_DIGITS_FIRST + _GPT2_RULE)}; give "
-                             "data.tokenizer another tokenizer")
+                             f"byte-level BPE (gpt2) with pre {', '.join(_DIGITS_FIRST + _GPT2_RULE)} and "
+                             "SentencePiece's (llama); give data.tokenizer another tokenizer")
+    tokens, types = meta["tokenizer.ggml.tokens"], [int(t) for t in meta.get("tokenizer.ggml.token_type", [])]
+    tok.add_special_tokens([AddedToken(str(t), special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == _CONTROL])
+    tok.add_tokens([AddedToken(str(t), special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    return tok
+
+
+def _byte_level_bpe(meta: dict, pre: str):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
     merges = [tuple(str(m).split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
@@ -158,9 +184,29 @@ def tokenizer(meta: dict):
     tok.pre_tokenizer = byte_level if pre in _GPT2_RULE else pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
-    control = [t for t, kind in zip(tokens, meta.get("tokenizer.ggml.token_type", [])) if int(kind) == 3]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    return tok, control
+    return tok
+
+
+def _sentencepiece_bpe(meta: dict):
+    """SentencePiece's BPE as llama.cpp runs it on a `llama` vocabulary: spaces spelled "▁" (one prepended where
+    `add_space_prefix`), no pre-tokenizer, the best-ranked pair merged first, unknown characters as their
+    <0xXX> bytes. The file keeps no merges: they are every split of a token into two tokens, ranked by the token's
+    place in the vocabulary (Gemma's scores are all equal; its file order is its merge order), longer left parts
+    first. (Runs of spaces, tabs and newlines are user-defined tokens, matched whole before the BPE.)"""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a token spelled twice keeps its first id
+    merges = [(t[:j], t[j:]) for t in vocab for j in range(1, len(t)) if t[:j] in vocab and t[j:] in vocab]
+    merges.sort(key=lambda m: (vocab[m[0] + m[1]], -len(m[0]), -len(m[1])))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True,
+                               unk_token=None if unk is None else tokens[int(unk)]))
+    prefix = [normalizers.Prepend("▁")] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
+    tok.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    return tok
 
 
 # ---------------------------------------------------------------- GGUF out
