@@ -1,8 +1,10 @@
 """GGUF in (`init.from = "gguf:FILE"`, `jaxllm/interop/gguf_io.py`).
 
-- A tiny random LLaMA, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) written here as llama.cpp's converter writes
+- A tiny random LLaMA, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 2 (norms stored as 1 + w, soft caps,
+  windows; the query scale the file leaves out as llama.cpp sets it) written here as llama.cpp's converter writes
   them (the `gguf` package's writer, llama.cpp's names, LLaMA's q and k rows permuted, F32) import with
-  transformers' logits for the same weights (1e-5): the metadata makes the config, the permutation is undone.
+  the model jaxllm imports from the transformers directory (logits within 1e-6) and transformers' logits (1e-4, as
+  every import is held to): the metadata makes the config, the permutation is undone.
 - Bad input is one line: an architecture jaxllm lacks (named), a tokenizer kind not read, a file that is not GGUF,
   one cut short, a tensor type the gguf package cannot dequantize (named).
 - GGUF out: a tiny LLaMA as F32 (transformers' GGUF loader gives jaxllm's logits; read back bitwise) and Q8_0.
@@ -29,6 +31,7 @@ from jaxllm.interop import export, gguf_io, hf
 from jaxllm.models import transformer
 
 LAYER_NAMES = {v: k for k, v in gguf_io._LAYER.items()}
+GEMMA_NAMES = {v: k for k, v in gguf_io._GEMMA_LAYER.items()}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -56,16 +59,22 @@ def write_gguf(hf_dir: str, path: str, arch: str = "llama", raw: dict | None = N
     writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if arch == "gemma2":
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
     for key, w in tensors.items():
         parts = key.split(".")
         if key.startswith("model.layers."):
-            kind = LAYER_NAMES[".".join(parts[3:-1])]
+            kind = (GEMMA_NAMES if arch == "gemma2" else LAYER_NAMES)[".".join(parts[3:-1])]
             if arch == "llama" and kind in ("attn_q", "attn_k") and parts[-1] == "weight":
                 w = _permute(w, cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"])
             name = f"blk.{parts[2]}.{kind}.{parts[-1]}"
         else:
             name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[key]
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
         if name in (raw or {}):
             block, size = gguf.GGML_QUANT_SIZES[raw[name]]
             w = np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
@@ -78,22 +87,40 @@ def write_gguf(hf_dir: str, path: str, arch: str = "llama", raw: dict | None = N
 
 def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
     cfg = build_config(None, {"init.from": source, "model.seq_len": tokens.shape[1], "precision.compute": "float32"})
-    params = hf.load_from(gguf_io.GgufFiles(source[5:]), cfg.model)
+    files = gguf_io.GgufFiles(source[5:]) if source.startswith("gguf:") else hf.Files(source[3:])
+    params = hf.load_from(files, cfg.model)
     return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
 
 
 ARCHS = {"llama": ("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
-         "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {})}  # GGUF arch -> (tiny family, its overrides)
+         "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
+         "gemma2": ("gemma2", {"query_pre_attn_scalar": H.HEAD_DIM})}  # GGUF arch -> (tiny family, its overrides)
+
+
+def _norms_held_as_one_plus(hf_dir: str) -> None:
+    """Round a Gemma model's norm weights w to what (1 + w) in fp32 holds, so the file's 1 + w gives w back exactly
+    and transformers' reference reads the weights jaxllm reads (otherwise up to 6e-8 a weight apart)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    save_file({k: (v + 1) - 1 if k.endswith("norm.weight") else v for k, v in tensors.items()}, path,
+              metadata={"format": "pt"})
+    assert all(t.dtype == torch.float32 for t in tensors.values())
 
 
 @pytest.mark.parametrize("arch", tiers(list(ARCHS), fast=("llama",)))
 def test_a_model_written_as_llama_cpp_writes_it_imports_with_transformers_logits(arch, tmp_path):
     family, over = ARCHS[arch]
     source = H.build(family, str(tmp_path / "hf"), **over)
+    if arch.startswith("gemma"):
+        _norms_held_as_one_plus(source)
     write_gguf(source, str(tmp_path / "tiny.gguf"), arch)
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 24, 0)
-    ours = logits_of(f"gguf:{tmp_path / 'tiny.gguf'}", tokens)
-    assert np.abs(ours[..., :H.VOCAB_SIZE] - H.reference_logits(source, tokens)).max() <= 1e-5
+    ours = logits_of(f"gguf:{tmp_path / 'tiny.gguf'}", tokens)[..., :H.VOCAB_SIZE]
+    assert np.abs(ours - logits_of(f"hf:{source}", tokens)[..., :H.VOCAB_SIZE]).max() <= 1e-6  # the same model
+    assert np.abs(ours - H.reference_logits(source, tokens)).max() <= 1e-4  # as test_hf_interop's imports
 
 
 def test_bad_gguf_files_are_refused_in_one_line(tmp_path, capsys):

@@ -9,10 +9,10 @@ whatever the package reads) and named as transformers names it, so the Hugging F
 where transformers' takes halves); that is undone here, as transformers' GGUF loader undoes it.
 
 Architectures: llama (and Mistral converted as llama), qwen2 (its q/k/v biases) and qwen3 (its q/k norms), whose
-rows llama.cpp does not permute, and gemma3 (its four norms a layer, which llama.cpp stores as the 1 + w they
-multiply by: read back as w; what the file leaves out — the local RoPE base, the 5 local : 1 global pattern, the
-query scale — is transformers' Gemma 3 default, as its GGUF loader takes it). Others are refused in one line,
-naming the architecture.
+rows llama.cpp does not permute, gemma2 and gemma3 (four norms a layer, which llama.cpp stores as the 1 + w they
+multiply by: read back as w; what the file leaves out is filled as llama.cpp fills it — Gemma 2's query scale —
+or from transformers' Gemma 3 defaults — the local RoPE base, the 5 local : 1 global pattern, the query scale —
+as its GGUF loader takes them). Others are refused in one line, naming the architecture.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxllm.errors import ModelFileError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -72,23 +73,29 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         raise ModelFileError(f"GGUF general.architecture={arch!r}: jaxllm reads {', '.join(ARCHITECTURES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     heads = a("attention.head_count")
-    gemma = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": a("attention.sliding_window")}
-    return {"model_type": "gemma3_text" if arch == "gemma3" else arch, **(gemma if arch == "gemma3" else {}),
-            "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
-            "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
-            "num_key_value_heads": a("attention.head_count_kv", heads),
-            "head_dim": a("attention.key_length", a("embedding_length") // heads),
-            "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
-            "max_position_embeddings": a("context_length"),
-            "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
-            "tie_word_embeddings": "output.weight" not in tensor_names,
-            **({} if arch == "gemma3" else {"hidden_act": "silu", "use_sliding_window": False})}
+    head_dim = a("attention.key_length", a("embedding_length") // heads)
+    config = {"model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+              "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
+              "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
+              "num_key_value_heads": a("attention.head_count_kv", heads), "head_dim": head_dim,
+              "rms_norm_eps": a("attention.layer_norm_rms_epsilon"), "rope_theta": a("rope.freq_base", 10000.0),
+              "max_position_embeddings": a("context_length"),
+              "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
+              "tie_word_embeddings": "output.weight" not in tensor_names}
+    if arch not in GEMMA:
+        return {**config, "hidden_act": "silu", "use_sliding_window": False}
+    config |= {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": a("attention.sliding_window")}
+    if arch == "gemma2":  # the query scale llama.cpp uses: hidden / heads for the 27B (46 layers), else head_dim
+        scalar = a("embedding_length") // heads if a("block_count") == 46 else head_dim
+        config |= {"query_pre_attn_scalar": scalar, "attn_logit_softcapping": a("attn_logit_softcapping"),
+                   "final_logit_softcapping": a("final_logit_softcapping")}
+    return config
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
     """transformers' name of a llama.cpp tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
     stem, _, suffix = name.rpartition(".")
-    layer = _GEMMA_LAYER if arch == "gemma3" else _LAYER
+    layer = _GEMMA_LAYER if arch in GEMMA else _LAYER
     if stem.startswith("blk."):
         _, i, kind = stem.split(".", 2)
         if kind not in layer:
@@ -134,7 +141,7 @@ class GgufFiles:
             heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
             part = key.split(".")[-2]
             permuted = self.config["model_type"] == "llama" and part in heads  # llama.cpp permutes llama's alone
-            if self.config["model_type"] == "gemma3_text" and key.endswith("norm.weight"):
+            if self.meta["general.architecture"] in GEMMA and key.endswith("norm.weight"):
                 w = w - 1  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
             self._cache = {key: _unpermute(w, heads[part]) if permuted else w}  # one tensor at a time
         return self._cache[key]
