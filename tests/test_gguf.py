@@ -1,7 +1,8 @@
 """GGUF in (`init.from = "gguf:FILE"`, `jaxllm/interop/gguf_io.py`).
 
-- A tiny random LLaMA, Qwen2 (q/k/v biases), Qwen3 (q/k norms) and Gemma 2 (norms stored as 1 + w, soft caps,
-  windows; the query scale the file leaves out as llama.cpp sets it) written here as llama.cpp's converter writes
+- A tiny random LLaMA, Qwen2 (q/k/v biases), Qwen3 (q/k norms), Gemma 2 (norms stored as 1 + w, soft caps,
+  windows; the query scale the file leaves out as llama.cpp sets it), Qwen2-MoE (a shared expert and its gate, a
+  dense layer) and Qwen3-MoE (top-k weights normalised, a dense layer) written here as llama.cpp's converter writes
   them (the `gguf` package's writer, llama.cpp's names, LLaMA's q and k rows permuted, F32) import with
   the model jaxllm imports from the transformers directory (logits within 1e-6) and transformers' logits (1e-4, as
   every import is held to): the metadata makes the config, the permutation is undone.
@@ -40,8 +41,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, path: str, arch: str = "llama", raw: dict | None = None) -> None:
-    """A transformers directory as a GGUF file of `arch`, F32, the way llama.cpp's converter names it (and permutes
-    q and k, for llama alone); the tensors `raw` names written as zero bytes of the GGML type it gives."""
+    """A transformers directory as a GGUF file of `arch`, F32, the way llama.cpp's converter writes it
+    (`_llama_cpp_tensors`); the tensors `raw` names written as zero bytes of the GGML type it gives."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -49,6 +50,20 @@ def write_gguf(hf_dir: str, path: str, arch: str = "llama", raw: dict | None = N
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     tensors = {k: v.to(torch.float32).numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
     writer = gguf.GGUFWriter(path, arch)
+    _write_keys(writer, cfg, arch)
+    for name, w in _llama_cpp_tensors(tensors, cfg, arch):
+        if name in (raw or {}):
+            block, size = gguf.GGML_QUANT_SIZES[raw[name]]
+            w = np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
+        writer.add_tensor(name, np.ascontiguousarray(w), raw_dtype=(raw or {}).get(name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_keys(writer, cfg: dict, arch: str) -> None:
+    """The architecture's keys, as llama.cpp's converter writes them from config.json."""
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -63,26 +78,45 @@ def write_gguf(hf_dir: str, path: str, arch: str = "llama", raw: dict | None = N
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+# llama.cpp's names of a Qwen MoE layer's experts (each expert's matrix stacked into one [experts, out, in]), its
+# router and its shared expert
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _llama_cpp_tensors(tensors: dict, cfg: dict, arch: str):
+    """(llama.cpp's name, tensor) of each transformers tensor: LLaMA's q and k rows permuted, Gemma's norms as 1 + w,
+    experts stacked, the shared expert's gate a vector."""
+    stacks: dict[str, list] = {}
     for key, w in tensors.items():
         parts = key.split(".")
-        if key.startswith("model.layers."):
-            kind = (GEMMA_NAMES if arch == "gemma2" else LAYER_NAMES)[".".join(parts[3:-1])]
-            if arch == "llama" and kind in ("attn_q", "attn_k") and parts[-1] == "weight":
-                w = _permute(w, cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"])
-            name = f"blk.{parts[2]}.{kind}.{parts[-1]}"
-        else:
-            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                    "lm_head.weight": "output.weight"}[key]
-        if arch == "gemma2" and name.endswith("norm.weight"):
+        if not key.startswith("model.layers."):
+            gemma_norm = arch == "gemma2" and key == "model.norm.weight"
+            yield {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}[key], w + 1 if gemma_norm else w
+            continue
+        if parts[4] == "experts":
+            stacks.setdefault(f"blk.{parts[2]}.{EXPERT_NAMES[parts[6]]}.weight", []).append((int(parts[5]), w))
+            continue
+        layer = ".".join(parts[3:-1])
+        kind = MOE_NAMES.get(layer) or (GEMMA_NAMES if arch == "gemma2" else LAYER_NAMES)[layer]
+        if arch == "llama" and kind in ("attn_q", "attn_k") and parts[-1] == "weight":
+            w = _permute(w, cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"])
+        if arch == "gemma2" and kind.endswith("norm"):
             w = w + 1  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
-        if name in (raw or {}):
-            block, size = gguf.GGML_QUANT_SIZES[raw[name]]
-            w = np.zeros((*w.shape[:-1], w.shape[-1] // block * size), np.uint8)
-        writer.add_tensor(name, np.ascontiguousarray(w), raw_dtype=(raw or {}).get(name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        yield f"blk.{parts[2]}.{kind}.{parts[-1]}", w.reshape(-1) if kind == "ffn_gate_inp_shexp" else w
+    for name, experts in stacks.items():
+        yield name, np.stack([w for _, w in sorted(experts, key=lambda e: e[0])])
 
 
 def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
@@ -94,7 +128,8 @@ def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
 
 ARCHS = {"llama": ("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
          "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
-         "gemma2": ("gemma2", {"query_pre_attn_scalar": H.HEAD_DIM})}  # GGUF arch -> (tiny family, its overrides)
+         "gemma2": ("gemma2", {"query_pre_attn_scalar": H.HEAD_DIM}), "qwen2moe": ("qwen2_moe", {}),
+         "qwen3moe": ("qwen3_moe", {})}  # GGUF arch -> (tiny family, its overrides)
 
 
 def _norms_held_as_one_plus(hf_dir: str) -> None:
@@ -124,7 +159,7 @@ def test_a_model_written_as_llama_cpp_writes_it_imports_with_transformers_logits
 
 
 def test_bad_gguf_files_are_refused_in_one_line(tmp_path, capsys):
-    """An architecture jaxllm lacks, a tokenizer kind not read, a file that is not GGUF, one cut short, a tensor
+    """An architecture jaxllm lacks, Mixtral's experts in a llama file, a tokenizer kind not read, a file that is not GGUF, one cut short, a tensor
     type the gguf package cannot dequantize (Q8_1): each one line naming it (`jaxllm generate`: exit code 2)."""
     import gguf
 
@@ -138,6 +173,8 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path, capsys):
     writer.close()
     with pytest.raises(ModelFileError, match="GGUF general.architecture='bert': jaxllm reads llama"):
         gguf_io.GgufFiles(str(tmp_path / "bert.gguf"))
+    with pytest.raises(ModelFileError, match="GGUF llama with 8 experts .*: not read yet"):
+        gguf_io.hf_config({"general.architecture": "llama", "llama.expert_count": 8}, set())
     with pytest.raises(DataError, match="tokenizer.ggml.model=None .*jaxllm reads the byte-level BPE"):
         get_tokenizer(f"gguf:{tmp_path / 'bert.gguf'}")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")

@@ -24,12 +24,19 @@ import numpy as np
 
 from jaxllm.errors import ModelFileError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 GEMMA = ("gemma2", "gemma3")
+_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          # MoE layers (Qwen2-MoE, Qwen3-MoE): each expert's matrices stacked [experts, out, in]; gate and up are
+          # read as transformers 5's one gate|up tensor (`GgufFiles._whole` joins them)
+          "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_up_proj",
+          "ffn_up_exps": "mlp.experts.gate_up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+          "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+          "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 # Gemma's four norms a layer: llama.cpp's ffn_norm is its pre-feedforward norm
 _GEMMA_LAYER = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
@@ -72,9 +79,12 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
     if arch not in ARCHITECTURES:
         raise ModelFileError(f"GGUF general.architecture={arch!r}: jaxllm reads {', '.join(ARCHITECTURES)}")
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    if arch == "llama" and a("expert_count"):
+        raise ModelFileError(f"GGUF llama with {a('expert_count')} experts (Mixtral as llama.cpp converts it): not read "
+                             "yet; import its Hugging Face directory (init.from = \"hf:DIR\")")
     heads = a("attention.head_count")
     head_dim = a("attention.key_length", a("embedding_length") // heads)
-    config = {"model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+    config = {"model_type": _MODEL_TYPE.get(arch, arch),
               "hidden_size": a("embedding_length"), "intermediate_size": a("feed_forward_length"),
               "num_hidden_layers": a("block_count"), "num_attention_heads": heads,
               "num_key_value_heads": a("attention.head_count_kv", heads), "head_dim": head_dim,
@@ -82,6 +92,8 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
               "max_position_embeddings": a("context_length"),
               "vocab_size": a("vocab_size", len(meta.get("tokenizer.ggml.tokens", []))),
               "tie_word_embeddings": "output.weight" not in tensor_names}
+    if arch in ("qwen2moe", "qwen3moe"):
+        config |= _experts(meta, arch, tensor_names)
     if arch not in GEMMA:
         return {**config, "hidden_act": "silu", "use_sliding_window": False}
     config |= {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": a("attention.sliding_window")}
@@ -92,6 +104,19 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
     return config
 
 
+def _experts(meta: dict, arch: str, tensor_names: set[str]) -> dict:
+    """Qwen MoE's expert keys; the layers without stacked experts are dense (`mlp_only_layers`). llama.cpp
+    normalises Qwen3-MoE's top-k weights and not Qwen2-MoE's, as transformers' configs say."""
+    a = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    layers = a("block_count")
+    return {"num_experts": a("expert_count"), "num_experts_per_tok": a("expert_used_count"),
+            "moe_intermediate_size": a("expert_feed_forward_length"), "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names],
+            "norm_topk_prob": arch == "qwen3moe", "output_router_logits": False,
+            **({"shared_expert_intermediate_size": a("expert_shared_feed_forward_length"), "qkv_bias": True}
+               if arch == "qwen2moe" else {})}
+
+
 def hf_name(name: str, arch: str = "llama") -> str:
     """transformers' name of a llama.cpp tensor ('blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight')."""
     stem, _, suffix = name.rpartition(".")
@@ -100,7 +125,8 @@ def hf_name(name: str, arch: str = "llama") -> str:
         _, i, kind = stem.split(".", 2)
         if kind not in layer:
             raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the layers jaxllm reads")
-        return f"model.layers.{i}.{layer[kind]}.{suffix}"
+        stacked = kind.endswith("_exps")  # transformers 5 names its stacked experts' tensors without ".weight"
+        return f"model.layers.{i}.{layer[kind]}" + ("" if stacked else f".{suffix}")
     if stem not in _GLOBAL:
         raise ModelFileError(f"GGUF tensor {name!r}: not a tensor of the models jaxllm reads")
     return f"{_GLOBAL[stem]}.{suffix}"
@@ -119,7 +145,9 @@ class GgufFiles:
         self.meta = metadata(self.reader)
         self.config = hf_config(self.meta, {t.name for t in self.reader.tensors})
         arch = self.meta["general.architecture"]
-        self.tensors = {hf_name(t.name, arch): t for t in self.reader.tensors}
+        self.tensors: dict[str, list] = {}  # transformers' name -> the file's tensors it joins (gate|up: two)
+        for t in sorted(self.reader.tensors, key=lambda t: "ffn_up_exps" in t.name):  # gate before up
+            self.tensors.setdefault(hf_name(t.name, arch), []).append(t)
         self.where = dict.fromkeys(self.tensors, os.path.basename(path))
         self._cache: dict[str, np.ndarray] = {}
 
@@ -130,14 +158,10 @@ class GgufFiles:
 
     def _whole(self, key: str) -> np.ndarray:
         if key not in self._cache:
-            import gguf
-
-            t = self.tensors[key]
-            try:
-                w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-            except NotImplementedError:
-                raise ModelFileError(f"{self.path}: tensor {t.name!r} is {t.tensor_type.name}, which the gguf "
-                                     "package cannot dequantize") from None
+            parts = [self._dequantized(t) for t in self.tensors[key]]
+            w = np.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
+            if key.endswith("shared_expert_gate.weight"):
+                w = w.reshape(1, -1)  # llama.cpp keeps the shared expert's gate a vector
             heads = {"q_proj": self.config["num_attention_heads"], "k_proj": self.config["num_key_value_heads"]}
             part = key.split(".")[-2]
             permuted = self.config["model_type"] == "llama" and part in heads  # llama.cpp permutes llama's alone
@@ -145,6 +169,15 @@ class GgufFiles:
                 w = w - 1  # llama.cpp stores Gemma's norms as the 1 + w they multiply by
             self._cache = {key: _unpermute(w, heads[part]) if permuted else w}  # one tensor at a time
         return self._cache[key]
+
+    def _dequantized(self, t) -> np.ndarray:
+        import gguf
+
+        try:
+            return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError:
+            raise ModelFileError(f"{self.path}: tensor {t.name!r} is {t.tensor_type.name}, which the gguf "
+                                 "package cannot dequantize") from None
 
     def read(self, key: str, index: tuple) -> np.ndarray:
         return self._whole(key)[index]
