@@ -106,6 +106,11 @@ class MoeConfig:
     router_bias: bool = key(False, "a per-expert bias added to the scores to choose experts (not to weight them), "
                                    "fixed unless `bias_update_rate` moves it (DeepSeek-V3's "
                                    "`e_score_correction_bias`); on whenever `bias_update_rate` > 0")
+    router_logit_bias: bool = key(False, "a learned per-expert bias added to the router's logits, which choose and "
+                                         "weight the experts alike (gpt-oss's router bias; trained by its gradient)")
+    expert_biases: bool = key(False, "biases on each expert's projections (gpt-oss)")
+    gate_input: bool = key(False, "each chosen expert's input, not its output, multiplied by the token's gate, and "
+                                  "the outputs summed as they are (Llama 4)")
     seq_balance_weight: float = key(0.0, "weight of DeepSeek-V3's sequence-wise balance loss (per sequence, on scores "
                                          "normalised over the experts; a mean over MoE layers); 0 = off")
 
@@ -193,8 +198,10 @@ class ModelConfig:
     seq_len: int = key(256, "training context length")
     # The features a family is made of.
     norm: str = key("layernorm", "`layernorm` (scale and bias) or `rmsnorm` (scale only)")
-    mlp: str = key("gelu_tanh", "`gelu_tanh` (transformers' `gelu_new`), `swiglu` (silu(gate)·up) or `geglu_tanh` "
-                                "(gelu_tanh(gate)·up, Gemma)")
+    mlp: str = key("gelu_tanh", "`gelu_tanh` (transformers' `gelu_new`), `swiglu` (silu(gate)·up), `geglu_tanh` "
+                                "(gelu_tanh(gate)·up, Gemma) or `swiglu_clamped` (gpt-oss: the gate clamped above "
+                                "at `mlp_limit`, up to ±`mlp_limit`, then (up + 1)·gate·σ(1.702·gate))")
+    mlp_limit: float = key(7.0, "`swiglu_clamped`: the clamp (gpt-oss's `swiglu_limit`)")
     positions: str = key("learned", "`learned` (a table of `max_positions` rows) or `rope`")
     max_positions: int = key(0, "the longest sequence the model is for (the learned table's rows); 0 = `seq_len`; "
                                 "`seq_len` may not exceed it")
@@ -212,6 +219,11 @@ class ModelConfig:
     attn_softcap: float = key(0.0, "attention logit soft cap: scores → cap·tanh(scores/cap) before the mask (Gemma "
                                    "2); 0 = none")
     final_softcap: float = key(0.0, "output logit soft cap: logits → cap·tanh(logits/cap) (Gemma 2); 0 = none")
+    attn_sinks: bool = key(False, "attention sinks (gpt-oss's): a learned logit per query head and layer "
+                                  "(`attn.sinks`, [heads]) that joins each query's softmax denominator and is then "
+                                  "dropped, so a query may attend to nothing; `dense`, `chunked`, the "
+                                  "context-parallel islands and generation compute it, the fused kernels are "
+                                  "refused; see \"Attention\"")
     query_pre_attn_scalar: float = key(0.0, "scores scaled by this^−½ instead of head_dim^−½ (Gemma's "
                                             "`query_pre_attn_scalar`); 0 = head_dim")
     rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
@@ -246,6 +258,17 @@ class ModelConfig:
                                     "(not) entries repeated down the stack, e.g. `[\"local\", \"global\"]` as Gemma 2; "
                                     "its length must divide `n_layers` (a list of `n_layers` entries fits any stack); "
                                     "empty: every layer. The windows are per-layer data scanned with the layers")
+    attention_chunk: int = key(0, "chunked local attention (Llama 4's `attention_chunk_size`): on the `local` layers "
+                                  "of `window_pattern` (every layer if empty) a query sees only the keys of its own "
+                                  "chunk of this many positions (position // chunk), causally; 0 = none")
+    rope_global: bool = key(True, "RoPE on the `global` layers of `window_pattern`; false: those layers have no "
+                                  "positions at all (Llama 4's NoPE layers)")
+    attn_temperature_floor: int = key(0, "attention temperature tuning on the layers without RoPE (Llama 4's "
+                                         "`floor_scale`): queries × (ln(1 + ⌊(position + 1) / floor⌋) · "
+                                         "`attn_temperature_scale` + 1); 0 = off")
+    attn_temperature_scale: float = key(0.1, "that tuning's scale (Llama 4's `attn_scale`)")
+    qk_l2_norm: bool = key(False, "q and k divided by their root mean square over head_dim, without a weight, after "
+                                  "RoPE, on the layers with RoPE (Llama 4's `use_qk_norm`)")
     attention_impl: str = key("auto", "how attention is computed: `dense` (the whole [t, t] score array: the readable "
                                       "reference), `chunked` (query and key blocks with an online softmax and a "
                                       "recomputing backward: O(t) memory, masked-out blocks skipped), `pallas_tpu` "

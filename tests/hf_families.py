@@ -30,8 +30,8 @@ import os
 import numpy as np
 
 FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
-                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 VOCAB_SIZE = 301
 HIDDEN = 64
@@ -75,6 +75,21 @@ DEEPSEEK = dict(num_hidden_layers=3, first_k_dense_replace=1, num_key_value_head
                 rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.6}
+# gpt-oss: 4 layers (2 windowed, 2 full, alternating), a window shorter than a 64-token test sequence, 4 experts
+# (top-2) with biases, a clamp the tiny activations exceed (gates and ups of std ~0.8), YaRN without truncation over
+# an original context of 32, and the sinks (random, as every weight).
+GPT_OSS = dict(num_hidden_layers=4, head_dim=HEAD_DIM, intermediate_size=48, num_local_experts=4,
+               num_experts_per_tok=2, sliding_window=12, swiglu_limit=0.5, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
+# Llama 4 (text): 4 layers, RoPE (chunked attention, chunks of 8 < the sequence; the weightless q/k norm) on layers
+# 0, 1, 3 and none on layer 2 (temperature tuning with floor 4, so the scale passes 1 within 16 positions); MoE on
+# layers 1 and 3 (4 experts, top-1 sigmoid scores on the inputs, a shared expert), dense ones of another width;
+# llama3-scaled interleaved RoPE.
+LLAMA4 = dict(num_hidden_layers=4, head_dim=HEAD_DIM, intermediate_size=48, intermediate_size_mlp=96,
+              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+              attention_chunk_size=8, floor_scale=4, attn_scale=0.1, use_qk_norm=True, tie_word_embeddings=False,
+              rope_parameters=dict(LLAMA31_ROPE))
 GEMMA_WINDOW = 12
 GEMMA_QUERY_SCALAR = 24
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0}
@@ -206,6 +221,10 @@ def _family_kwargs(family: str) -> tuple[str, dict]:
         return "Qwen3MoeConfig", dict(qwen_moe, norm_topk_prob=True, head_dim=HEAD_DIM)
     if family == "deepseek_v3":
         return "DeepseekV3Config", dict(llama_like, **DEEPSEEK)
+    if family == "gpt_oss":
+        return "GptOssConfig", dict(llama_like, **GPT_OSS)
+    if family == "llama4":
+        return "Llama4TextConfig", dict(llama_like, **LLAMA4)
     if family in GEMMA_LAYERS:
         gemma = dict(llama_like, num_hidden_layers=GEMMA_LAYERS[family], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=GEMMA_QUERY_SCALAR,

@@ -172,6 +172,9 @@ model.lora.rank model.lora.alpha model.lora.rslora model.lora.targets model.lora
 model.lora.double_quant init.adapter
 model.n_heads model.n_kv_heads model.n_layers model.norm model.norm_eps model.pattern model.positions
 model.attn_softcap model.embed_scale model.final_softcap model.norm_offset model.norm_placement model.qk_norm
+model.attn_sinks
+model.mlp_limit model.attention_chunk model.rope_global model.attn_temperature_floor model.attn_temperature_scale
+model.qk_l2_norm model.moe.router_logit_bias model.moe.expert_biases model.moe.gate_input
 model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast
 model.rope_beta_slow model.rope_truncate
 model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor

@@ -210,14 +210,17 @@ PAGED_KERNELS = ("auto", "xla") + paged_attention.KERNELS  # the engine's `paged
 
 def _choose_paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None, bool]:
     """(the paged kernel a decode step calls, None for XLA's gather; whether interpreted): `auto` the GPU kernel on
-    a GPU where it fits the model (`paged_attention.fits`), else the gather; a kernel named runs interpreted off
-    its platform (tests) and is refused where it does not fit."""
+    a GPU where it fits the model (`paged_attention.fits`, and no attention sinks), else the gather; a kernel named
+    runs interpreted off its platform (tests) and is refused where it does not fit."""
     if choice not in PAGED_KERNELS:
         raise ConfigError(f"paged_kernel: '{choice}' is not one of {', '.join(PAGED_KERNELS)}")
     platform = (layout.mesh.devices.flat[0] if layout is not None else jax.devices()[0]).platform
-    fits = paged_attention.fits(m.attention == "mla", m.sliding_window, head_dim(m), page)
+    fits = paged_attention.fits(m.attention == "mla", m.sliding_window, head_dim(m), page) and not m.attn_sinks
     if choice in ("auto", "xla"):
         return ("pallas_gpu", False) if choice == "auto" and platform == "gpu" and fits else (None, False)
+    if m.attn_sinks:
+        raise ConfigError(f"model.attn_sinks: the {choice} paged kernel cannot add a sink to the softmax; use "
+                          "paged_kernel=auto or xla")
     if not fits:
         raise ConfigError(f"paged_kernel={choice}: the kernel does not compute this model's decode exactly (it "
                           "takes no window and no latent cache, and needs head_dim and the page a multiple of "

@@ -17,11 +17,12 @@ from jaxllm.errors import ModelFileError
 from jaxllm.models import attention
 from jaxllm.models.moe import has_router_bias
 from jaxllm.models.transformer import shared_d_ff
+from jaxllm.ops.activations import CLAMPED_ALPHA
 from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-               "gemma3_text", "deepseek_v3")
+               "gemma3_text", "deepseek_v3", "gpt_oss", "llama4_text")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {
@@ -48,6 +49,14 @@ ABSENT = {
                         max_position_embeddings=131072, head_dim=256, query_pre_attn_scalar=256,
                         attn_logit_softcapping=None, final_logit_softcapping=None, rope_local_base_freq=10000.0,
                         sliding_window_pattern=6),
+    "gpt_oss": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=150000.0, sliding_window=128,
+                    max_position_embeddings=131072, head_dim=64, swiglu_limit=7.0, swiglu_alpha=CLAMPED_ALPHA,
+                    attention_bias=True, router_aux_loss_coef=0.001),
+    "llama4_text": dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, sliding_window=None,
+                        max_position_embeddings=131072, head_dim=128, intermediate_size_mlp=16384,
+                        interleave_moe_layer_step=1, no_rope_layer_interval=4, attention_chunk_size=8192,
+                        use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
+                        num_experts_per_tok=1, num_local_experts=16, router_aux_loss_coef=0.001, attention_bias=False),
     "deepseek_v3": dict(num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
                         max_position_embeddings=4096, head_dim=None, first_k_dense_replace=3, n_shared_experts=1,
                         n_routed_experts=256, num_experts_per_tok=8, norm_topk_prob=True, routed_scaling_factor=2.5,
@@ -68,7 +77,9 @@ ARCHITECTURE_KEYS = ("family", "n_layers", "d_model", "n_heads", "n_kv_heads", "
                      "moe.shared_gate", "moe.score", "moe.norm_topk", "moe.routed_scale", "moe.n_group",
                      "moe.topk_group", "moe.router_bias", "attention", "mla.q_lora_rank", "mla.kv_lora_rank",
                      "mla.qk_nope_head_dim", "mla.qk_rope_head_dim", "mla.v_head_dim", "rope_mscale_all_dim",
-                     "mtp_depth")
+                     "mtp_depth", "mlp_limit", "attn_sinks", "moe.router_logit_bias", "moe.expert_biases",
+                     "moe.gate_input", "attention_chunk", "rope_global", "attn_temperature_floor",
+                     "attn_temperature_scale", "qk_l2_norm")
 
 
 INDEX = "model.safetensors.index.json"
@@ -189,7 +200,7 @@ def _windows(hf: dict) -> dict:
     if kind in QWEN_MOE:  # no windows (`_qwen_moe` refuses use_sliding_window)
         return {"sliding_window": 0, "window_pattern": []}
     window = hf.get("sliding_window", ABSENT[kind]["sliding_window"]) or 0
-    if kind not in ("qwen2", "qwen3", "gemma2", "gemma3_text") or not window:
+    if kind not in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss") or not window:
         return {"sliding_window": window, "window_pattern": []}
     if hf.get("layer_types") is not None:
         sliding = [t == "sliding_attention" for t in hf["layer_types"]]
@@ -273,6 +284,48 @@ def _stack_keys(kinds: list[str]) -> dict:
     return {"pattern": segments[0]["pattern"], "segments": []} if len(segments) == 1 else {"segments": segments}
 
 
+def _gpt_oss(hf: dict) -> dict:
+    """gpt-oss: attention sinks, q/k/v/o biases, windows on the layers `layer_types` names, YaRN; every layer MoE,
+    the router with a bias and a softmax over the chosen experts' logits (= the softmax over all of them
+    renormalised over the chosen: `norm_topk`), experts with biases and the clamped SwiGLU."""
+    value = functools.partial(_value, hf)
+    if value("swiglu_alpha") != CLAMPED_ALPHA:
+        _refuse(hf, "swiglu_alpha", f"jaxllm's clamped SwiGLU has gpt-oss's {CLAMPED_ALPHA}")
+    keys = dict(_decoder(hf, "llama", tied=False), attn_bias="qkvo" if value("attention_bias") else "none",
+                mlp_bias=False, mlp="swiglu_clamped", mlp_limit=float(value("swiglu_limit")), attn_sinks=True,
+                pattern=["moe"])
+    keys.update(_experts(hf["num_local_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], True,
+                         value("router_aux_loss_coef")))
+    return {**keys, "moe.router_logit_bias": True, "moe.expert_biases": True}
+
+
+def _llama4(hf: dict) -> dict:
+    """Llama 4's text model: the layers `no_rope_layers` marks 1 have RoPE (interleaved pairs, read as halves by
+    the table), chunked local attention (`attention_chunk_size`) and the weightless q/k norm (`use_qk_norm`), the
+    others no positions and attention temperature tuning (`floor_scale`, `attn_scale`); `moe_layers` (or every
+    `interleave_moe_layer_step`-th layer) MoE with one shared expert and top-k sigmoid routing whose score scales
+    the expert's input, the rest dense of `intermediate_size_mlp`."""
+    value, n = functools.partial(_value, hf), hf["num_hidden_layers"]
+    if (hf.get("router_jitter_noise") or 0.0) > 0:
+        _refuse(hf, "router_jitter_noise", "routing with noise is not deterministic; set it to 0")
+    rope = hf.get("no_rope_layers") or [int((i + 1) % value("no_rope_layer_interval") != 0) for i in range(n)]
+    step = value("interleave_moe_layer_step")
+    moe_layers = hf.get("moe_layers")
+    moe_layers = set(range(step - 1, n, step) if moe_layers is None else moe_layers)
+    chunk = hf.get("attention_chunk_size", ABSENT["llama4_text"]["attention_chunk_size"]) or 0
+    keys = dict(_decoder(hf, "llama", tied=False), d_ff=value("intermediate_size_mlp"), mlp_bias=False,
+                attn_bias="qkvo" if value("attention_bias") else "none", sliding_window=0,
+                window_pattern=[] if all(rope) else ["local" if r else "global" for r in rope],
+                attention_chunk=chunk, rope_global=all(rope), qk_l2_norm=bool(value("use_qk_norm")),
+                attn_temperature_floor=value("floor_scale") if value("attn_temperature_tuning") else 0,
+                attn_temperature_scale=float(value("attn_scale")),
+                **_stack_keys(["moe" if i in moe_layers else "dense" for i in range(n)]))
+    d_ff = hf["intermediate_size"]
+    keys.update(_experts(value("num_local_experts"), value("num_experts_per_tok"), d_ff, False,
+                         value("router_aux_loss_coef"), shared=d_ff))
+    return {**keys, "moe.score": "sigmoid", "moe.gate_input": True}
+
+
 def _qwen_moe(hf: dict) -> dict:
     """Qwen2-MoE and Qwen3-MoE: which layers are MoE (`mlp_only_layers`, `decoder_sparse_step`) as the stack's
     segments, the experts and Qwen2-MoE's gated shared expert."""
@@ -348,10 +401,11 @@ def _gemma(hf: dict) -> dict:
 
 
 def text_config(hf: dict) -> dict:
-    """The language model's config.json keys: a multimodal Gemma 3's `text_config`, or `hf` itself."""
-    if hf.get("model_type") != "gemma3":
+    """The language model's config.json keys: a multimodal Gemma 3's or Llama 4's `text_config`, or `hf` itself."""
+    text = {"gemma3": "gemma3_text", "llama4": "llama4_text"}.get(hf.get("model_type"))
+    if text is None:
         return hf
-    return {"model_type": "gemma3_text", **hf.get("text_config", {})}
+    return {"model_type": text, **hf.get("text_config", {})}
 
 
 def fp8_blocks(hf: dict) -> tuple[int, int] | None:
@@ -382,6 +436,10 @@ def model_keys(hf: dict, path: str | None = None) -> dict:
         return _gpt2(hf)
     if kind == "deepseek_v3":
         return _deepseek(hf, lambda: weight_map(path) if path else {})
+    if kind == "gpt_oss":
+        return _gpt_oss(hf)
+    if kind == "llama4_text":
+        return _llama4(hf)
     return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
@@ -392,6 +450,10 @@ def source_dtype(hf: dict) -> str | None:
 
 def model_type(m: ModelConfig) -> str:
     """The transformers model type that computes what `m` describes."""
+    if m.mlp == "swiglu_clamped":
+        return "gpt_oss"
+    if m.moe.gate_input or m.qk_l2_norm or m.attention_chunk or not m.rope_global:
+        return "llama4_text"
     if m.mlp == "gelu_tanh":
         return "gpt2"
     if m.mlp == "geglu_tanh":
@@ -481,6 +543,13 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
         out.update(_qwen_moe_out(m))
     if kind == "deepseek_v3":
         out.update(_deepseek_out(m))
+    if kind == "llama4_text":
+        out.update(_llama4_out(m))
+    if kind == "gpt_oss":
+        out.update(attention_bias=m.attn_bias == "qkvo", sliding_window=m.sliding_window or None,
+                   layer_types=_layer_types(m), num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k,
+                   intermediate_size=m.moe.d_ff or m.d_ff, swiglu_limit=m.mlp_limit, swiglu_alpha=CLAMPED_ALPHA,
+                   router_aux_loss_coef=m.moe.balance_weight)
     return out
 
 
@@ -500,6 +569,20 @@ def _deepseek_out(m: ModelConfig) -> dict:
     if m.rope_mscale_all_dim and m.rope_scaling != "none":
         out["rope_scaling"] = dict(_rope_out(m)["rope_scaling"] or {}, mscale_all_dim=m.rope_mscale_all_dim)
     return out
+
+
+def _llama4_out(m: ModelConfig) -> dict:
+    """Llama 4's keys: which layers have RoPE (and chunks, the q/k norm) and which are MoE, the two widths, the
+    temperature tuning."""
+    rope = [m.rope_global or local for local in attention.local_layers(m)]
+    return {"attention_bias": m.attn_bias == "qkvo", "intermediate_size": m.moe.d_ff or m.d_ff,
+            "intermediate_size_mlp": m.d_ff, "num_local_experts": m.moe.n_experts,
+            "num_experts_per_tok": m.moe.top_k, "router_jitter_noise": 0.0,
+            "router_aux_loss_coef": m.moe.balance_weight,
+            "moe_layers": [i for i, k in enumerate(stack.layer_kinds(m)) if k == "moe"],
+            "no_rope_layers": [int(r) for r in rope], "attention_chunk_size": m.attention_chunk or None,
+            "use_qk_norm": m.qk_l2_norm, "attn_temperature_tuning": m.attn_temperature_floor > 0,
+            "floor_scale": m.attn_temperature_floor or 8192, "attn_scale": m.attn_temperature_scale}
 
 
 def _qwen_moe_out(m: ModelConfig) -> dict:
@@ -533,7 +616,8 @@ def _gemma_out(m: ModelConfig) -> dict:
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}
 
 
 def _deepseek_wrong(m: ModelConfig) -> list[str]:
@@ -551,11 +635,30 @@ def _deepseek_wrong(m: ModelConfig) -> list[str]:
     return wrong
 
 
+def _gpt_oss_wrong(m: ModelConfig) -> list[str]:
+    """What of gpt-oss's features a model lacks: MoE layers only, its router and experts, the sinks."""
+    e, wrong = m.moe, []
+    if m.segments or m.pattern != ["moe"]:
+        wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments} (gpt-oss: MoE layers only)")
+    features = {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": e.router_logit_bias,
+                "model.moe.expert_biases": e.expert_biases, "model.moe.norm_topk": e.norm_topk}
+    wrong += [f"{k}=false (gpt-oss has it)" for k, v in features.items() if not v]
+    if (e.score, e.routed_scale, e.n_group, bool(shared_d_ff(m)), has_router_bias(m)) != ("softmax", 1.0, 1, False,
+                                                                                         False):
+        wrong.append("model.moe routing or shared experts other than gpt-oss's (softmax top-k, none shared)")
+    return wrong
+
+
 def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
     """What of the layer stack and the experts `kind`'s config.json cannot say."""
     e, wrong = m.moe, []
     if kind == "deepseek_v3":
         return _deepseek_wrong(m)
+    if kind == "gpt_oss":
+        return _gpt_oss_wrong(m)
+    features = {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": e.router_logit_bias,
+                "model.moe.expert_biases": e.expert_biases}
+    wrong += [f"{k}=true (gpt-oss's alone)" for k, v in features.items() if v]
     if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
     if kind not in ("mixtral", *QWEN_MOE):
@@ -576,11 +679,11 @@ def exportable(m: ModelConfig) -> None:
     kind = model_type(m)
     family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}.get(
         kind, "llama")
-    want = FAMILIES[family]
+    want = {**FAMILIES[family], "mlp": "swiglu_clamped"} if kind == "gpt_oss" else FAMILIES[family]
     fixed = ("norm", "mlp", "positions", "norm_offset", "norm_placement", "qk_norm", "embed_scale")
     fixed += ("attn_bias", "mlp_bias") if kind in ("gpt2", "gemma2", "gemma3_text") else ()
     wrong = [f"model.{k}={getattr(m, k)!r}" for k in fixed if getattr(m, k) != want[k]]
-    if kind in ("qwen2", "qwen3", *QWEN_MOE) and m.mlp_bias:
+    if kind in ("qwen2", "qwen3", "gpt_oss", *QWEN_MOE) and m.mlp_bias:
         wrong.append("model.mlp_bias=true")
     if kind in ("qwen3", "qwen3_moe") and m.attn_bias == "qkv":
         wrong.append("model.attn_bias='qkv'")

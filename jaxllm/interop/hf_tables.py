@@ -100,6 +100,42 @@ def _routed_experts(key: str, fused: bool) -> list[Entry]:
     return out + [Entry(f"{key}.experts.down_proj", (*ours, "w_down"), "x e f -> x f e")]
 
 
+def _gpt_oss(m) -> list[Entry]:
+    """gpt-oss: LLaMA's attention with q/k/v/o biases and the sinks; every layer's router (weight and bias) and
+    experts as published: gate|up [x, e, 2f] with gate and up interleaved along the last axis (`(f p)`), its bias
+    likewise, down [x, f, e] and its bias."""
+    key, ours = "model.layers.{i}.mlp", ("moe", "experts")
+    attention = _llama_attention("qkvo", False) + [Entry("model.layers.{i}.self_attn.sinks", ("attn", "sinks"),
+                                                         "h -> h")]
+    experts = [Entry(f"{key}.router.weight", ("moe", "router"), "x e -> e x"),
+               Entry(f"{key}.router.bias", ("moe", "router_logit_bias"), "x -> x"),
+               Entry(f"{key}.experts.down_proj", (*ours, "w_down"), "x f e -> x f e"),
+               Entry(f"{key}.experts.down_proj_bias", (*ours, "b_down"), "x e -> x e")]
+    for part, name in enumerate(("gate", "up")):
+        experts += [Entry(f"{key}.experts.gate_up_proj", (*ours, f"w_{name}"), "x e (f p) -> p x e f", part, parts=2),
+                    Entry(f"{key}.experts.gate_up_proj_bias", (*ours, f"b_{name}"), "x (f p) -> p x f", part, parts=2)]
+    top = _llama("", False, m.tie_embeddings, attention=attention)
+    return [e for e in top if ".mlp." not in e.key] + experts
+
+
+def _llama4(m) -> list[Entry]:
+    """Llama 4's text model: LLaMA's attention with q's and k's rows read from RoPE's interleaved pairs as halves
+    (every layer alike: a layer without RoPE computes the same scores either way) and written back as pairs;
+    `feed_forward` the dense layers' SwiGLU, or the MoE layers' router, experts (gate|up [x, e, 2f] halves, down
+    [x, f, e]) and shared expert."""
+    key, head_dim = "model.layers.{i}.feed_forward", m.head_dim or m.d_model // m.n_heads
+    pairs = ("d", halves(0, head_dim))
+    attention = [Entry(e.key, e.path, e.pattern, order=pairs) if e.path[1] in ("wq", "wk") else e
+                 for e in _llama_attention("qkvo" if m.attn_bias == "qkvo" else "", False)]
+    experts = [Entry(f"{key}.router.weight", ("moe", "router"), "x e -> e x"),
+               Entry(f"{key}.experts.down_proj", ("moe", "experts", "w_down"), "x f e -> x f e"),
+               *[Entry(f"{key}.experts.gate_up_proj", ("moe", "experts", leaf), "x e (p f) -> p x e f", part, parts=2)
+                 for part, leaf in enumerate(("w_gate", "w_up"))],
+               *_mlp(f"{key}.shared_expert", ("moe", "shared")), *_mlp(key, ("mlp",))]
+    top = _llama("", False, m.tie_embeddings, attention=attention)
+    return [e for e in top if ".mlp." not in e.key] + experts
+
+
 def _qwen_experts(fused: bool) -> list[Entry]:
     """Qwen2-MoE's and Qwen3-MoE's router and experts, and shared expert with its gate (Qwen2-MoE)."""
     key = "model.layers.{i}.mlp"
@@ -166,6 +202,10 @@ def entries(m, fused: bool = False, interleaved: bool = False) -> list[Entry]:
     kind = model_type(m)
     if kind == "deepseek_v3":
         return _deepseek(m, fused, interleaved)
+    if kind == "gpt_oss":
+        return _gpt_oss(m)
+    if kind == "llama4_text":
+        return _llama4(m)
     experts = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}.get(kind, "")
     return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
                   experts, m.norm_placement, m.qk_norm, fused)

@@ -19,14 +19,14 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, norm, row_parallel
-from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, attention
+from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, SINK_IMPLEMENTATIONS, attention, refuse_sinks
 from jaxllm.ops import cudnn_attention, paged_attention
 from jaxllm.ops.pallas_attention import IMPLEMENTATIONS as PALLAS_KERNELS, supports
 from jaxllm.ops.masking import Masking
 from jaxllm.ops.rope import frequencies, rope, yarn, yarn_attention_factor
 from jaxllm.parallel import allgather_attention, kernel_island, ring_attention, ulysses_attention
 from jaxllm.errors import ConfigError
-from jaxllm.sharding import constrain, current_layout
+from jaxllm.sharding import constrain, current_layout, weight
 
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 RING_KERNELS = ("pallas_gpu",)  # the fused kernels the ring runs its pairs on (`parallel/ring_attention.py`)
@@ -166,22 +166,32 @@ def rope_scale(m) -> float:
     return m.rope_attention_factor or yarn_attention_factor(m.rope_factor)
 
 
-def attend(q, k, v, positions, segment_ids, m=None, layer=None):
+def attend(q, k, v, positions, segment_ids, m=None, layer=None, sinks=None):
     """The attention kernel for this run: the dispatch point for context parallelism and the implementation.
 
     With the sequence split over `sp`, the layout's `context_attention` strategy
     (`model.cp_strategy`: ring, allgather or ulysses) runs as a shard_map island; otherwise
-    `model.attention_impl` (resolved by `implementation`) with the model's masking.
+    `model.attention_impl` (resolved by `implementation`) with the model's masking. `sinks` [heads] fp32: the
+    layer's attention sinks (`model.attn_sinks`; None: none), which every path but the fused kernels computes.
     """
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:
         fused = {"kernel": m.attention_impl} if m is not None and m.attention_impl in RING_KERNELS else {}
+        with_sinks = {} if sinks is None else {"sinks": sinks}
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
-                                                                  masking(m, layer), **fused)
+                                                                  masking(m, layer), **fused, **with_sinks)
     impl = implementation(m)
     if layout is not None and impl in PALLAS_KERNELS:  # custom calls the partitioner cannot split
+        if sinks is not None:
+            raise refuse_sinks(impl)
         return kernel_island.attend(q, k, v, positions, segment_ids, layout, masking(m, layer), impl)
-    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), impl)
+    return attention(q, k, v, positions, positions, segment_ids, segment_ids, masking(m, layer), impl, sinks)
+
+
+def layer_sinks(p: dict):
+    """The layer's attention sinks as attention reads them ([heads] fp32, split over tp as the heads), or None
+    (`model.attn_sinks` off: no `sinks` leaf)."""
+    return weight(p["sinks"], ("heads",), jnp.float32) if "sinks" in p else None
 
 
 def _project(p: dict, x, positions, m, dtype, layer=None):
@@ -222,7 +232,7 @@ def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
     """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output. `layer`: this layer's row of
     `layer_data` (its window, its RoPE), where those differ by layer."""
     q, k, v = _project(p, x, positions, m, dtype, layer)
-    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, layer), "attention")
+    out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, layer, layer_sinks(p)), "attention")
     return project_out(p, out, dtype)
 
 
@@ -307,12 +317,14 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     names = stored_names(CACHE, cache.pages is not None)
     keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), names)
     values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), names)
-    written = cache._replace(k=keys, v=values)
+    written, sinks = cache._replace(k=keys, v=values), layer_sinks(p)
     if cache.kernel is not None and q.shape[1] == 1:  # a decode step on the paged kernel
+        if sinks is not None:
+            raise refuse_sinks(f"{cache.kernel} paged")
         out = _paged_kernel(q, written, positions, masking(m, layer))
     else:
         out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
-                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m))
+                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m), sinks)
     return project_out(p, out, dtype), written
 
 
@@ -422,6 +434,8 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
     if not (gpu or tpu):
         return plain, (f"{platform}'s choice: chunked from {CHUNKED_FROM} tokens or under a window shorter than "
                        "the sequence, else dense")
+    if m.attn_sinks:
+        return plain, "the fused kernels cannot add attention sinks (model.attn_sinks)"
     if windows_differ(m):
         return plain, "the fused kernels take one window for every layer"
     if gpu and jax.default_backend() in GPU_PLATFORMS:
@@ -435,7 +449,8 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
 
 def _ring_choice(cfg, gpu: bool, sp: int) -> tuple[str, str]:
     m = cfg.model
-    if not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window:
+    if (not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window
+            or m.attn_sinks):
         return "chunked", f"model.cp_strategy={m.cp_strategy} over mesh.sp={sp}: the chunked kernel in each island"
     chunks = sp * (2 if m.cp_load_balance else 1)
     why = supports("pallas_gpu", masking(m), *_call_shapes(m, chunks), positions_are_index=True)
@@ -474,6 +489,8 @@ def _check_implementation(m, sp: int) -> list[str]:
     if m.attention_impl not in ("auto", *IMPLEMENTATIONS):
         raise ConfigError(f"model.attention_impl: '{m.attention_impl}' is not one of auto, "
                           f"{', '.join(IMPLEMENTATIONS)}")
+    if m.attn_sinks and m.attention_impl not in ("auto", *SINK_IMPLEMENTATIONS):
+        raise refuse_sinks(m.attention_impl)
     if sp > 1 and m.attention_impl not in ("auto", "chunked"):
         _check_ring_kernel(m, sp)
     if m.attention_impl in FUSED_PLATFORM:
@@ -500,10 +517,11 @@ def _check_mla(m) -> None:
         raise ConfigError("model.mla: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be at least "
                           "1, q_lora_rank 0 (no query compression) or more")
     wrong = [f"model.{k}={getattr(m, k)!r}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
-                                                           ("qk_norm", False)) if getattr(m, k) != ok]
+                                                           ("qk_norm", False), ("attn_sinks", False))
+             if getattr(m, k) != ok]
     if wrong:
-        raise ConfigError(f"model.attention=mla is built with RoPE, no attention biases and no q/k norms; change "
-                          f"{', '.join(wrong)}")
+        raise ConfigError(f"model.attention=mla is built with RoPE, no attention biases, no q/k norms and no "
+                          f"attention sinks; change {', '.join(wrong)}")
 
 
 def check_config(m, shape: dict) -> list[str]:

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models import lora, taps
 from jaxllm.ops import fp8
-from jaxllm.ops.activations import GATES, gelu_tanh
+from jaxllm.ops.activations import GLUS, gelu_tanh, glu
 from jaxllm.parallel import collective_matmul
 from jaxllm.sharding import constrain, current_layout, weight
 
@@ -131,14 +131,21 @@ def gelu_mlp(p: dict, x: jax.Array, dtype) -> jax.Array:
     return add_bias(row_parallel(h, p["w_out"], ("mlp", "embed"), dtype, "mlp"), p, "b_out", None, dtype)
 
 
-def gated_mlp(p: dict, x: jax.Array, dtype, activation) -> jax.Array:
-    """A gated feed-forward: activation(x W_gate + b) * (x W_up + b), then W_down. LLaMA's SwiGLU (silu) and
-    Gemma's GeGLU (tanh GELU), `ops/activations.GATES`."""
+def gated_mlp(p: dict, x: jax.Array, dtype, mlp: str, limit: float = 0.0) -> jax.Array:
+    """A gated feed-forward: activation(x W_gate + b) * (x W_up + b), then W_down. LLaMA's SwiGLU (silu),
+    Gemma's GeGLU (tanh GELU) and gpt-oss's clamped SwiGLU (`ops/activations.glu`)."""
     gate, up = column_parallel(x, [(p["w_gate"], ("embed", "mlp")), (p["w_up"], ("embed", "mlp"))], dtype,
                                "mlp")
     gate, up = add_bias(gate, p, "b_gate", ("mlp",), dtype), add_bias(up, p, "b_up", ("mlp",), dtype)
-    h = checkpoint_name(constrain(activation(gate) * up, ("batch", "seq", "mlp")), "mlp_hidden")
+    h = checkpoint_name(constrain(glu(mlp, gate, up, limit), ("batch", "seq", "mlp")), "mlp_hidden")
     return add_bias(row_parallel(h, p["w_down"], ("mlp", "embed"), dtype, "mlp"), p, "b_down", None, dtype)
 
 
-MLPS = {"gelu_tanh": gelu_mlp, **{name: functools.partial(gated_mlp, activation=act) for name, act in GATES.items()}}
+MLPS = ("gelu_tanh", *GLUS)  # `model.mlp`
+
+
+def feed_forward(m):
+    """The dense feed-forward of `model.mlp`: p, x [b, s, D], dtype -> [b, s, D]."""
+    if m.mlp == "gelu_tanh":
+        return gelu_mlp
+    return functools.partial(gated_mlp, mlp=m.mlp, limit=m.mlp_limit)

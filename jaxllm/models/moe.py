@@ -16,10 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.models import lora
-from jaxllm.ops.moe import SCORES, Routing, aux_losses, local_moe, route
+from jaxllm.ops.moe import SCORES, Experts, Routing, aux_losses, local_moe, route
 from jaxllm.parallel.expert_dispatch import expert_parallel_moe
 from jaxllm.errors import ConfigError
 from jaxllm.sharding import BATCH_AXES, current_layout, island_mesh, weight
+
+
+# each expert leaf's logical names: weights [E, in, out], biases [E, out]
+EXPERT_NAMES = {"w_in": ("experts", "embed", "mlp"), "w_gate": ("experts", "embed", "mlp"),
+                "w_up": ("experts", "embed", "mlp"), "w_out": ("experts", "mlp", "embed"),
+                "w_down": ("experts", "mlp", "embed"), "b_in": ("experts", "mlp"), "b_gate": ("experts", "mlp"),
+                "b_up": ("experts", "mlp"), "b_out": ("experts", "embed"), "b_down": ("experts", "embed")}
 
 
 def zero_stats(m) -> dict:
@@ -56,8 +63,10 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     """
     e = m.moe
     bias = weight(p["router_bias"], ("router",), jnp.float32) if "router_bias" in p else None
+    logit_bias = weight(p["router_logit_bias"], ("router",), jnp.float32) if "router_logit_bias" in p else None
     logits, probs, gates, experts = route(weight(p["router"], ("embed", "router"), jnp.float32), h, e.top_k,
-                                          routing(m), None if bias is None else jax.lax.stop_gradient(bias))
+                                          routing(m), None if bias is None else jax.lax.stop_gradient(bias),
+                                          logit_bias)
     layout = current_layout()
     # The expert-parallel island is manual over the batch axes: it runs wherever those are not manual yet (also
     # inside a pipeline stage); MoE keeps out of ZeRO-0/1's accumulation island (`trainer.gradients.uses_island`).
@@ -65,18 +74,18 @@ def moe_ffn(p: dict, h: jax.Array, m, dtype):
     # Into the island the weights go in fp32 on CPU: their gradients are summed over the batch axes
     # at its edge, and XLA:CPU aborts on bf16 all-reduces (AllReducePromotion). expert_ffn casts.
     w_dtype = jnp.float32 if island and jax.default_backend() == "cpu" else dtype
-    w = {n: lora.expert_parts(a, ("experts",) + (("mlp", "embed") if n in ("w_out", "w_down") else ("embed", "mlp")),
-                              w_dtype, weight) for n, a in p["experts"].items()}
+    w = {n: lora.expert_parts(a, EXPERT_NAMES[n], w_dtype, weight) for n, a in p["experts"].items()}
     # a capacity queues tokens in the sequence's order, however it is laid out (dropless queues drop nothing)
     order = layout.sequence_order if layout is not None and e.capacity_factor > 0 else None
+    spec = Experts(m.mlp, m.mlp_limit, e.gate_input)
     if island:
-        y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, m.mlp, dtype,
+        y, dropped = expert_parallel_moe(w, h, gates, experts, e.n_experts, e.capacity_factor, spec, dtype,
                                          island_mesh(layout), order)
     else:
         b, s, d = h.shape
         groups = batch_groups(layout)
         y, dropped = local_moe(w, h.reshape(b * s, d), gates.reshape(b * s, -1), experts.reshape(b * s, -1),
-                               e.n_experts, e.capacity_factor, m.mlp, dtype, groups if b % groups == 0 else 1, order)
+                               e.n_experts, e.capacity_factor, spec, dtype, groups if b % groups == 0 else 1, order)
         y = y.reshape(b, s, d)
     aux = aux_losses(logits, probs, experts)
     stats = {**aux, "dropped": dropped.astype(jnp.float32) / experts.size, "layers": jnp.float32(1),

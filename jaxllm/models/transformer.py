@@ -36,7 +36,7 @@ from jaxllm.errors import ConfigError
 from jaxllm.models import attention, lora, mla
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, head_dim, kv_heads
-from jaxllm.models.layers import MLPS, NORMS, norm
+from jaxllm.models.layers import MLPS, NORMS, feed_forward, norm
 from jaxllm.ops import fp8
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.schema import ModelConfig
@@ -106,6 +106,8 @@ def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
     if m.qk_norm:  # RMSNorm over head_dim, one scale shared by the heads
         scale = Leaf(R + (Dh,), L + ("head_dim",), "norm_scale")
         attn.update(q_norm={"scale": scale}, k_norm={"scale": scale})
+    if m.attn_sinks:  # gpt-oss's attention sinks: one logit per query head (`ops/attention.py`), read in fp32
+        attn["sinks"] = Leaf(R + (H,), L + ("heads",), "zeros")
     return attn
 
 
@@ -150,6 +152,12 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
         moe["shared_gate"] = Leaf(R + (D, 1), L + ("embed", "gate"), "normal")
     if moe_lib.has_router_bias(m):  # moved by `trainer/bias_balance.py` only, or fixed
         moe["router_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
+    if m.moe.router_logit_bias:
+        moe["router_logit_bias"] = Leaf(R + (E,), L + ("router",), "zeros")
+    if m.moe.expert_biases:  # b_gate, b_up [E, F] (b_in), b_down [E, D] (b_out)
+        experts.update({"b" + n[1:]: Leaf(R + (E, D) if n in ("w_out", "w_down") else R + (E, F),
+                                          L + ("experts", "embed" if n in ("w_out", "w_down") else "mlp"), "zeros")
+                        for n in names})
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
 
@@ -310,7 +318,7 @@ def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, c
 def _dense_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
     x, h, cache = _attention_half(p, x, positions, segment_ids, m, dtype, cache, layer)
     with jax.named_scope("mlp"):
-        y = MLPS[m.mlp](p["mlp"], h, dtype)
+        y = feed_forward(m)(p["mlp"], h, dtype)
     return _residual(m, p, x, y, "post_mlp_norm"), {}, cache
 
 
@@ -319,7 +327,7 @@ def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=
     with jax.named_scope("moe"):
         y, stats = moe_lib.moe_ffn(p["moe"], h, m, dtype)
         if "shared" in p["moe"]:
-            shared = MLPS[m.mlp](p["moe"]["shared"], h, dtype)
+            shared = feed_forward(m)(p["moe"]["shared"], h, dtype)
             if "shared_gate" in p["moe"]:
                 w = weight(p["moe"]["shared_gate"], ("embed", "gate"), dtype)
                 shared = shared * jax.nn.sigmoid(jnp.einsum("bsd,dg->bsg", h, w))
@@ -603,9 +611,11 @@ def aux_metrics(aux: dict) -> dict:
 
 
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
-# fp32 statistics) and the router and its bias (routing is fp32). Every other leaf is cast to the compute dtype at use.
+# fp32 statistics), the router and its bias (routing is fp32) and attention sinks (logits of the fp32 softmax).
+# Every other leaf is cast to the compute dtype at use.
 READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
-                "final_norm", "enorm", "hnorm", "router", "router_bias")
+                "final_norm", "enorm", "hnorm", "router", "router_bias", "router_logit_bias",
+                "sinks")
 
 
 def compute_weights(params: dict, dtype) -> dict:
@@ -647,6 +657,11 @@ def _check_features(m: ModelConfig) -> None:
     for key, choices in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS), ("attn_bias", ATTN_BIASES),
                          ("norm_placement", NORM_PLACEMENTS)):
         _check_choice(key, getattr(m, key), tuple(choices))
+    unbuilt = {"attention_chunk": m.attention_chunk, "rope_global": not m.rope_global,
+               "attn_temperature_floor": m.attn_temperature_floor, "qk_l2_norm": m.qk_l2_norm}
+    if any(unbuilt.values()):  # Llama 4's attention features: the keys exist, the attention does not compute them yet
+        raise ConfigError(f"model.{next(k for k, v in unbuilt.items() if v)}: not computed yet (Llama 4's attention "
+                          "features); jaxllm refuses what it would not compute exactly")
     if m.max_positions < 0 or m.head_dim < 0:
         raise ConfigError("model.max_positions and model.head_dim must be 0 (derived) or more")
     if m.seq_len > max_positions(m):

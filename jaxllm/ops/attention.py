@@ -8,6 +8,10 @@ The mask and the scores are `ops/masking.py`'s. Implementations: `dense` (the re
 whole [t, s] score array), `chunked` (`ops/chunked_attention.py`: blocks and an online softmax, O(t)
 memory in both passes), JAX's fused Pallas kernels `pallas_tpu` and `pallas_gpu` (`ops/pallas_attention.py`)
 and cuDNN's (`ops/cudnn_attention.py`); each fused kernel's module says what it can express (`supports`).
+
+Attention sinks (gpt-oss's, `sinks` [h] fp32, one logit per query head): each query's softmax runs over its keys
+and one more column, the head's sink, never masked, whose probability is then dropped, so a query may give less
+than all of its weight to the values. `dense` and `chunked` compute them; the fused kernels cannot and refuse.
 """
 
 from __future__ import annotations
@@ -15,30 +19,48 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.errors import ConfigError
 from jaxllm.ops import pallas_attention
 from jaxllm.ops.chunked_attention import chunked_attention
 from jaxllm.ops.cudnn_attention import cudnn_attention
-from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, scores_of, ungrouped, visible
+from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, grouped_sinks, scores_of, ungrouped, visible
 
 IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS, "cudnn")
 FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}  # the backend each fused kernel needs
 
 
-def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL):
-    """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]."""
+def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, sinks=None):
+    """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]. `sinks` [h]: each
+    head's sink logit joins every query's softmax as one more column, dropped before the values."""
     qg = grouped(q, k.shape[2])
     mask = visible(q_pos, k_pos, q_seg, k_seg, masking.window)
     scores = jnp.where(mask[:, None, None], scores_of(qg, k, masking), NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # [b, kv, g, t, s + 1]: the sink's column last, never masked
+        sink = jnp.broadcast_to(grouped_sinks(sinks, k.shape[2])[None, :, :, None, None], (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
     return ungrouped(jnp.einsum("bkgts,bskd->btkgd", probs, v))
 
 
-def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense"):
-    """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here."""
+SINK_IMPLEMENTATIONS = ("dense", "chunked")  # those that compute attention sinks
+
+
+def refuse_sinks(impl: str) -> ConfigError:
+    """The one line refusing attention sinks on a kernel that cannot add them to its softmax."""
+    return ConfigError(f"model.attn_sinks: the {impl} kernel cannot add a sink to the softmax; use "
+                       "model.attention_impl=chunked or dense")
+
+
+def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense", sinks=None):
+    """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here.
+    `sinks` [h] fp32 (None: none): attention sinks, on `dense` and `chunked` only (ConfigError elsewhere)."""
+    if sinks is not None and impl not in SINK_IMPLEMENTATIONS:
+        raise refuse_sinks(impl)
     if impl == "dense":
-        return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+        return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks)
     if impl == "chunked":
-        return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
+        return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks=sinks)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking)
     if impl in pallas_attention.IMPLEMENTATIONS:

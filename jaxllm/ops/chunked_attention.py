@@ -19,6 +19,12 @@ that reaches it into the same running state (`fold`) and sums each block's gradi
 
 `count` (tests) returns, beside the output, how many key blocks the forward visited, counted in the
 branch that runs.
+
+Attention sinks (`sinks` [h], gpt-oss's): each query's running state starts from its head's sink instead of
+empty, (max, sum, out) = (sink, 1, 0), so the sink joins the softmax's denominator once, whatever the order and
+number of key blocks folded in after (the ring's too). The backward's dQ, dK, dV keep their form (they use the
+final denominator, sink included, and the sink's value is 0, so rowsum(dO · O) is still the correction term);
+the sink's own gradient is −Σ P_sink · rowsum(dO · O) over the rows of its head (`sink_gradient`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.ops.masking import NEG_INF, Masking, grouped, scores_of, ungrouped, visible
+from jaxllm.ops.masking import NEG_INF, Masking, grouped, grouped_sinks, scores_of, ungrouped, visible
 
 BLOCK = 512  # rows of q and of k per block: [512, 512] fp32 scores per (kv head, group) at a time
 
@@ -73,10 +79,14 @@ def keys(k, v, k_pos, k_seg, block: int) -> Keys:
     return Keys(blocked(k, block), blocked(v, block), blocked(k_pos, block), blocked(k_seg, block, -1))
 
 
-def empty(qs: Queries, dv: int):
-    """The online softmax's state before any key: (out [nq, b, kv, g, B, dv], max and sum [nq, b, kv, g, B])."""
+def empty(qs: Queries, dv: int, sinks=None):
+    """The online softmax's state before any key: (out [nq, b, kv, g, B, dv], max and sum [nq, b, kv, g, B]); with
+    `sinks` [h], each row's head's sink already in it (max = sink, sum = exp(0) = 1, out 0: the sink's value)."""
     nq, b, B, kv, g, _ = qs.q.shape
     rows = (nq, b, kv, g, B)
+    if sinks is not None:
+        m = jnp.broadcast_to(grouped_sinks(sinks, kv)[None, None, :, :, None], rows)
+        return jnp.zeros((*rows, dv), jnp.float32), m, jnp.ones(rows, jnp.float32)
     return jnp.zeros((*rows, dv), jnp.float32), jnp.full(rows, NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32)
 
 
@@ -140,6 +150,16 @@ def output_gradient(d_out, out, kv_heads: int, block: int):
     return do, jnp.einsum("nbtkgd,nbtkgd->nbkgt", do, out)
 
 
+def sink_gradient(sinks, stats, delta):
+    """The sinks' gradient [h] fp32 from the rows' saved softmax statistics (max, sum [nq, b, kv, g, B]) and
+    rowsum(dO · O) (`output_gradient`): −Σ over the rows of each head of P_sink · rowsum(dO · O), the sink's value
+    being 0. Rows that see nothing (padding) have dO = 0 there and add nothing."""
+    m, l = stats
+    kv = m.shape[2]
+    p_sink = jnp.exp(grouped_sinks(sinks, kv)[None, None, :, :, None] - m) / l
+    return -jnp.einsum("nbkgt,nbkgt->kg", p_sink, delta).reshape(-1)
+
+
 def gradients(qs: Queries, ks: Keys, stats, do, delta, masking: Masking, dq):
     """dq (blocked as qs.q, fp32) plus the share of the key blocks `ks`, and their dk, dv (blocked, fp32), from
     the rows' saved softmax statistics and output gradient (`output_gradient`): one key block at a time."""
@@ -174,10 +194,10 @@ def gradients(qs: Queries, ks: Keys, stats, do, delta, masking: Masking, dq):
     return dq, dk, dv
 
 
-def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k):
+def _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks=None):
     """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited)."""
     qs, ks = queries(q, q_pos, q_seg, k.shape[2], block_q), keys(k, v, k_pos, k_seg, block_k)
-    state, count = fold(empty(qs, v.shape[-1]), qs, ks, masking)
+    state, count = fold(empty(qs, v.shape[-1], sinks), qs, ks, masking)
     out, stats = finish(state)
     return ungrouped(unblocked(out, q.shape[1])).astype(q.dtype), (qs, ks, out, stats), count
 
@@ -196,39 +216,42 @@ def no_cotangents(*ints):
     return tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ints)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, softcap, scale, block_q, block_k):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, softcap, scale, block_q, block_k):
     masking = Masking(window, softcap, scale)
-    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k)[0]
+    return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)[0]
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, window, softcap, scale, block_q, block_k):
+def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, softcap, scale, block_q, block_k):
     masking = Masking(window, softcap, scale)
-    out, residuals, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k)
-    return out, (residuals, (q_pos, k_pos, q_seg, k_seg, window))
+    out, residuals, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)
+    return out, (residuals, (q_pos, k_pos, q_seg, k_seg, window), sinks)
 
 
 def _attention_bwd(softcap, scale, block_q, block_k, saved, d_out):
-    (qs, ks, out, stats), ints = saved
+    (qs, ks, out, stats), ints, sinks = saved
     masking = Masking(ints[-1], softcap, scale)
     do, delta = output_gradient(d_out, out, ks.k.shape[3], block_q)
     dq, dk, dv = gradients(qs, ks, stats, do, delta, masking, jnp.zeros(qs.q.shape, jnp.float32))
     t, s = ints[0].shape[1], ints[1].shape[1]
+    d_sinks = None if sinks is None else sink_gradient(sinks, stats, delta).astype(sinks.dtype)
     return (ungrouped(unblocked(dq, t)).astype(d_out.dtype), unblocked(dk, s).astype(ks.k.dtype),
-            unblocked(dv, s).astype(ks.v.dtype), *no_cotangents(*ints))
+            unblocked(dv, s).astype(ks.v.dtype), *no_cotangents(*ints), d_sinks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = Masking(), block: int = BLOCK,
-                      count: bool = False):
+                      count: bool = False, sinks=None):
     """Attention of q [b, t, h, dk] against k [b, s, kv, dk], v [b, s, kv, dv] in blocks of `block` rows (fewer
-    when the sequence is shorter). With `count`, also the number of key blocks the forward visited."""
+    when the sequence is shorter), with attention sinks `sinks` [h] (None: none). With `count`, also the number of
+    key blocks the forward visited."""
     block_q, block_k = min(block, q.shape[1]), min(block, k.shape[1])
     q_pos, k_pos, q_seg, k_seg = tied(q, q_pos, k_pos, q_seg, k_seg)
     if count:
-        out, _, visited = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k)
+        out, _, visited = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)
         return out, visited
     window = jnp.asarray(masking.window, jnp.int32)
-    return _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, masking.softcap, masking.scale, block_q, block_k)
+    return _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, masking.softcap, masking.scale, block_q,
+                      block_k)

@@ -53,6 +53,11 @@ def ungrouped(x):
     return rearrange(x, "b t k g d -> b t (k g) d")
 
 
+def grouped_sinks(sinks, kv_heads: int):
+    """Attention sinks [h] -> [kv, g] fp32, grouped as `grouped` groups the query heads."""
+    return sinks.astype(jnp.float32).reshape(kv_heads, -1)
+
+
 def values_as_wide_as_keys(v, dk: int):
     """v [b, s, kv, dv] zero-padded to dk: for kernels that take one head dimension. The padded columns of the
     output are zeros (each output row is a weighted sum of value rows) and are sliced off, so the first dv are

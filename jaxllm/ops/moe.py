@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.ops import fp8
-from jaxllm.ops.activations import GATES, gelu_tanh
+from jaxllm.ops.activations import gelu_tanh, glu
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,21 @@ class Routing:
     routed_scale: float = 1.0  # the gates times this
     n_group: int = 1  # experts in n_group equal groups; the top k chosen within the topk_group best groups
     topk_group: int = 1
+
+
+@dataclass(frozen=True)
+class Experts:
+    """What the experts compute beyond their weights: `mlp` (`model.mlp`), `limit` (the clamped SwiGLU's) and
+    `gate_input` (Llama 4: each chosen expert's input, not its output, scaled by the gate)."""
+
+    mlp: str = "swiglu"
+    limit: float = 0.0
+    gate_input: bool = False
+
+
+def experts_of(spec) -> Experts:
+    """`spec` as `Experts` (a bare `model.mlp` name: that feed-forward, gates on the outputs)."""
+    return spec if isinstance(spec, Experts) else Experts(spec)
 
 
 SCORES = {"softmax": lambda logits: jax.nn.softmax(logits, axis=-1), "sigmoid": jax.nn.sigmoid}
@@ -75,9 +90,13 @@ def select(scores: jax.Array, top_k: int, routing: Routing = Routing(), bias: ja
     return gates * routing.routed_scale, experts.astype(jnp.int32)
 
 
-def route(router_w: jax.Array, x: jax.Array, top_k: int, routing: Routing = Routing(), bias: jax.Array | None = None):
-    """(logits [..., E], scores [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]."""
+def route(router_w: jax.Array, x: jax.Array, top_k: int, routing: Routing = Routing(), bias: jax.Array | None = None,
+          logit_bias: jax.Array | None = None):
+    """(logits [..., E], scores [..., E], gates [..., k], experts [..., k]) in fp32 for tokens x [..., D]; `bias`
+    only chooses (`select`), `logit_bias` joins the logits (gpt-oss's router bias)."""
     logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router_w.astype(jnp.float32))
+    if logit_bias is not None:
+        logits = logits + logit_bias
     scores = SCORES[routing.score](logits)
     return logits, scores, *select(scores, top_k, routing, bias)
 
@@ -104,11 +123,14 @@ def queue_positions(experts: jax.Array, n_experts: int, seq_order: np.ndarray | 
     return jnp.sum(place * onehot, axis=-1).reshape(k, t).T
 
 
-def dispatch(x: jax.Array, experts: jax.Array, positions: jax.Array, n_experts: int, slots: int) -> jax.Array:
-    """Tokens x [T, D] into expert buffers [E, C, D]; pairs past the capacity are dropped."""
+def dispatch(x: jax.Array, experts: jax.Array, positions: jax.Array, n_experts: int, slots: int,
+             scale: jax.Array | None = None) -> jax.Array:
+    """Tokens x [T, D] into expert buffers [E, C, D], each (token, choice) times `scale` [T, k] where given; pairs
+    past the capacity are dropped."""
     t, k = experts.shape
     index = jnp.where(positions < slots, experts * slots + positions, n_experts * slots)  # out of range: dropped
-    rows = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1])).reshape(t * k, -1)
+    rows = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
+    rows = (rows if scale is None else rows * scale[..., None].astype(x.dtype)).reshape(t * k, -1)
     buffer = jnp.zeros((n_experts * slots, x.shape[-1]), x.dtype).at[index.reshape(-1)].add(rows, mode="drop")
     return buffer.reshape(n_experts, slots, -1)
 
@@ -123,9 +145,11 @@ def combine(out: jax.Array, experts: jax.Array, positions: jax.Array, gates: jax
     return jnp.einsum("tkd,tk->td", picked, weights)
 
 
-def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
-    """Every expert's feed-forward on its buffer [E, C, D] (`model.mlp`: gelu_tanh, or a gated one; no biases). A
-    weight given as a tuple (W, scale·A, B) carries low-rank adapters, added to W's product unmerged."""
+def expert_ffn(p: dict, buffer: jax.Array, spec, dtype) -> jax.Array:
+    """Every expert's feed-forward on its buffer [E, C, D] (`spec`, an `Experts` or a `model.mlp` name: gelu_tanh, or
+    a gated one; biases b_* [E, out] where `p` has them). A weight given as a tuple (W, scale·A, B) carries
+    low-rank adapters, added to W's product unmerged."""
+    spec = experts_of(spec)
     h = buffer.astype(dtype)
 
     def expert_matmul(spec, x, name):  # the "experts" group of precision.matmul
@@ -137,11 +161,16 @@ def expert_ffn(p: dict, buffer: jax.Array, mlp: str, dtype) -> jax.Array:
         low = jnp.einsum(f"{xs},{ws[:2]}r->{xs[:2]}r", x, a)
         return fp8.einsum("experts", spec, x, w) + jnp.einsum(f"{xs[:2]}r,{ws[0]}r{ws[2]}->{out}", low, b)
 
-    if mlp == "gelu_tanh":
-        hidden = gelu_tanh(expert_matmul("ecd,edf->ecf", h, "w_in"))
-        return expert_matmul("ecf,efd->ecd", hidden, "w_out")
-    gate, up = expert_matmul("ecd,edf->ecf", h, "w_gate"), expert_matmul("ecd,edf->ecf", h, "w_up")
-    return expert_matmul("ecf,efd->ecd", GATES[mlp](gate) * up, "w_down")
+    def project(spec, x, name):  # the matmul, plus the expert's bias where there is one
+        y = expert_matmul(spec, x, name)
+        bias = "b" + name[1:]
+        return y + p[bias].astype(dtype)[:, None, :] if bias in p else y
+
+    if spec.mlp == "gelu_tanh":
+        hidden = gelu_tanh(project("ecd,edf->ecf", h, "w_in"))
+        return project("ecf,efd->ecd", hidden, "w_out")
+    gate, up = project("ecd,edf->ecf", h, "w_gate"), project("ecd,edf->ecf", h, "w_up")
+    return project("ecf,efd->ecd", glu(spec.mlp, gate, up, spec.limit), "w_down")
 
 
 def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:
@@ -155,17 +184,26 @@ def aux_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array) -> dict:
             "load": load}
 
 
-def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_factor: float, mlp: str, dtype,
+def gated_pairs(x, gates, experts, positions, n_experts: int, slots: int, spec: Experts):
+    """(expert buffers [E, C, D], the weights `combine` takes): the gates on the outputs, or (`gate_input`) on the
+    inputs and the outputs summed as they are."""
+    if spec.gate_input:
+        return dispatch(x, experts, positions, n_experts, slots, gates), jnp.ones_like(gates)
+    return dispatch(x, experts, positions, n_experts, slots), gates
+
+
+def local_moe(p: dict, x: jax.Array, gates, experts, n_experts: int, capacity_factor: float, spec, dtype,
               groups: int = 1, seq_order: np.ndarray | None = None):
-    """The routed experts on tokens x [T, D] in `groups` equal groups, all experts local, queued in the sequence's
-    order (`queue_positions`). Returns (y [T, D], dropped pairs count)."""
+    """The routed experts (`spec`: `Experts`, or a `model.mlp` name) on tokens x [T, D] in `groups` equal groups,
+    all experts local, queued in the sequence's order (`queue_positions`). Returns (y [T, D], dropped pairs
+    count)."""
     t, k = experts.shape
-    slots = capacity(t // groups, n_experts, k, capacity_factor)
+    slots, spec = capacity(t // groups, n_experts, k, capacity_factor), experts_of(spec)
 
     def one(x, gates, experts):
         pos = queue_positions(experts, n_experts, seq_order)
-        out = expert_ffn(p, dispatch(x, experts, pos, n_experts, slots), mlp, dtype)
-        return combine(out, experts, pos, gates), jnp.sum(pos >= slots)
+        buffer, weights = gated_pairs(x, gates, experts, pos, n_experts, slots, spec)
+        return combine(expert_ffn(p, buffer, spec, dtype), experts, pos, weights), jnp.sum(pos >= slots)
 
     split = lambda a: a.reshape(groups, t // groups, *a.shape[1:])
     y, dropped = jax.vmap(one)(split(x), split(gates), split(experts))

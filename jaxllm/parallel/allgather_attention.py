@@ -11,6 +11,9 @@ and V, each with a result of b·s·(kv/tp)·d·E bytes ((sp-1)/sp of it received
 int32 positions and segment ids (b·s·4 bytes each). Backward: reduce-scatters of the K/V
 gradients (on CPU, an all-reduce and a slice). Simpler than the ring and one collective
 round, at the price of holding the whole K/V on every rank.
+
+Attention sinks (`sinks` [h], split over tp as the heads, whole over sp): a rank's rows are whole, so the chunked
+kernel adds each sink once; the island's transpose sums the sinks' gradient over sp.
 """
 
 from __future__ import annotations
@@ -21,15 +24,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.ops.chunked_attention import BLOCK, chunked_attention
 from jaxllm.ops.masking import CAUSAL, Masking
-from jaxllm.parallel.ring_attention import manual_axes, specs
+from jaxllm.parallel.ring_attention import manual_axes, sinks_spec, specs
 from jaxllm.sharding import Layout, island_mesh
 
 
-def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, block: int = BLOCK):
-    """Attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows."""
+def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, block: int = BLOCK,
+           sinks=None):
+    """Attention of the sequence-split q, k, v with the model's `masking` and attention `sinks` ([h]; None: none),
+    in blocks of `block` rows."""
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
 
-    def local(q, k, v, pos, seg, window):
+    def local(q, k, v, pos, seg, window, sinks):
         gather = lambda x: jax.lax.all_gather(x, "sp", axis=1, tiled=True)
         if jax.default_backend() == "cpu" and k.dtype == jnp.bfloat16:
             # XLA:CPU aborts on the bf16 reduce-scatter that transposes this gather
@@ -38,8 +43,9 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
         else:
             k, v = gather(k), gather(v)
         here = Masking(window, masking.softcap, masking.scale)
-        return chunked_attention(q, k, v, pos, gather(pos), seg, gather(seg), here, block)
+        return chunked_attention(q, k, v, pos, gather(pos), seg, gather(seg), here, block, sinks=sinks)
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
-                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P()),
-                         out_specs=q_spec)(q, k, v, positions, segment_ids, jnp.asarray(masking.window, jnp.int32))
+                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P(), sinks_spec(layout, sinks)),
+                         out_specs=q_spec)(q, k, v, positions, segment_ids, jnp.asarray(masking.window, jnp.int32),
+                                           sinks)

@@ -34,11 +34,11 @@ AXIS = "ep"
 
 
 def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Array, n_experts: int,
-                        capacity_factor: float, mlp: str, dtype, mesh, seq_order=None):
-    """Routed experts on tokens x [..., D] (the leading dimension split over the batch axes; gates
-    and experts [..., k]), experts split over ep, queued in the sequence's order (`seq_order`: as
+                        capacity_factor: float, spec, dtype, mesh, seq_order=None):
+    """Routed experts (`spec`: `moe.Experts`, or a `model.mlp` name) on tokens x [..., D] (the leading dimension
+    split over the batch axes; gates and experts [..., k]), experts split over ep, queued in the sequence's order (`seq_order`: as
     `moe.queue_positions` takes it). Returns (y like x, dropped pairs over all devices)."""
-    ep = mesh.shape[AXIS]
+    ep, spec = mesh.shape[AXIS], moe.experts_of(spec)
     local_experts = n_experts // ep
 
     def local(p, x, gates, experts):
@@ -47,14 +47,14 @@ def expert_parallel_moe(p: dict, x: jax.Array, gates: jax.Array, experts: jax.Ar
         t, k = experts.shape
         slots = moe.capacity(t, n_experts, k, capacity_factor)
         pos = moe.queue_positions(experts, n_experts, seq_order)
-        buffer = moe.dispatch(x, experts, pos, n_experts, slots)  # [E, C, D], experts in rank order
+        buffer, weights = moe.gated_pairs(x, gates, experts, pos, n_experts, slots, spec)  # [E, C, D], rank order
         buffer = buffer.reshape(ep, local_experts, slots, -1)
         buffer = jax.lax.all_to_all(buffer, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (source), E/ep, C, D]
         rows = buffer.transpose(1, 0, 2, 3).reshape(local_experts, ep * slots, -1)
-        out = moe.expert_ffn(p, rows, mlp, dtype).astype(x.dtype)
+        out = moe.expert_ffn(p, rows, spec, dtype).astype(x.dtype)
         out = out.reshape(local_experts, ep, slots, -1).transpose(1, 0, 2, 3)
         out = jax.lax.all_to_all(out, AXIS, split_axis=0, concat_axis=0, tiled=True)  # [ep (owner), E/ep, C, D]
-        y = moe.combine(out.reshape(n_experts, slots, -1), experts, pos, gates).reshape(shape)
+        y = moe.combine(out.reshape(n_experts, slots, -1), experts, pos, weights).reshape(shape)
         return y, jax.lax.psum(jnp.sum(pos >= slots), BATCH_AXES)
 
     tokens = P(BATCH_AXES)

@@ -26,6 +26,12 @@ log-sum-exp, the blocks and their dK, dV travelling as above. Packed segments, w
 caps and values narrower than keys make pairs that are neither, and stay on the chunked
 kernel (validation refuses the fused choice there, naming why).
 
+Attention sinks (`sinks` [h/tp] on each rank, the heads' own): each rank's queries start their running softmax
+from their head's sink (`chunked_attention.empty`), so the sink joins each query's denominator once, not once per
+ring step; each rank computes the sinks' gradient from its own queries' statistics (`chunked_attention.
+sink_gradient`), and the island's transpose sums it over sp (the sinks enter replicated over sp). The fused
+ring cannot add a sink, and validation refuses it (`model.attn_sinks`).
+
 Collectives per call (per device, t = s/sp, E = bytes per element): forward, sp−1
 collective-permutes of K and V, 2·b·t·(kv/tp)·d·E bytes each, plus b·t int32 positions and
 segment ids; backward, sp−1 of the same and sp of the fp32 dK and dV (2·b·t·(kv/tp)·d·4 bytes).
@@ -42,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.ops import chunked_attention as chunked
 from jaxllm.ops import pallas_attention
+from jaxllm.ops.attention import refuse_sinks
 from jaxllm.ops.masking import CAUSAL, Masking, ungrouped
 from jaxllm.parallel import kernel_island
 from jaxllm.sharding import Layout, island_mesh, manual_spec
@@ -61,13 +68,23 @@ def specs(layout: Layout, q, k, axes: set[str] | None = None):
             manual_spec(("batch", "seq"), rules, mesh, q.shape[:2], axes))
 
 
+def sinks_spec(layout: Layout, sinks, axes: set[str] | None = None):
+    """The spec of attention sinks [h] in the islands over `axes` (None: `manual_axes`): split over tp as the query
+    heads, whole on every sp rank (P() when there are none)."""
+    if sinks is None:
+        return P()
+    axes = manual_axes(layout) if axes is None else axes
+    return manual_spec(("heads",), layout.activations, layout.mesh, sinks.shape, axes)
+
+
 def _send(x, n: int):
     """Everything in x to the next rank of the ring."""
     return jax.lax.ppermute(x, "sp", [(j, (j + 1) % n) for j in range(n)])
 
 
-def _forward(q, k, v, pos, seg, masking: Masking, n: int, block: int):
-    """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited on this rank)."""
+def _forward(q, k, v, pos, seg, masking: Masking, n: int, block: int, sinks=None):
+    """(out [b, t, h, dv] in q's dtype, residuals, key blocks visited on this rank); `sinks` join each query's
+    softmax once, in its starting state."""
     qs = chunked.queries(q, pos, seg, k.shape[2], block)
     ks = chunked.keys(k, v, pos, seg, block)
 
@@ -76,24 +93,25 @@ def _forward(q, k, v, pos, seg, masking: Masking, n: int, block: int):
         nxt = _send(ks, n)  # independent of this step's work: it can overlap
         return (*chunked.fold(state, qs, ks, masking, count), nxt), None
 
-    (state, count, ks), _ = jax.lax.scan(body, (chunked.empty(qs, v.shape[-1]), jnp.int32(0), ks), length=n - 1)
+    (state, count, ks), _ = jax.lax.scan(body, (chunked.empty(qs, v.shape[-1], sinks), jnp.int32(0), ks),
+                                         length=n - 1)
     state, count = chunked.fold(state, qs, ks, masking, count)
     out, stats = chunked.finish(state)
     return ungrouped(chunked.unblocked(out, q.shape[1])).astype(q.dtype), (qs, out, stats), count
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _ring(q, k, v, pos, seg, window, softcap, scale, n, block):
-    return _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _ring(q, k, v, pos, seg, window, sinks, softcap, scale, n, block):
+    return _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block, sinks)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, window, softcap, scale, n, block):
-    out, residuals, _ = _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block)
-    return out, (residuals, k, v, pos, seg, window)
+def _ring_fwd(q, k, v, pos, seg, window, sinks, softcap, scale, n, block):
+    out, residuals, _ = _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block, sinks)
+    return out, (residuals, k, v, pos, seg, window, sinks)
 
 
 def _ring_bwd(softcap, scale, n, block, saved, d_out):
-    (qs, out, stats), k, v, pos, seg, window = saved
+    (qs, out, stats), k, v, pos, seg, window, sinks = saved
     masking = Masking(window, softcap, scale)
     do, delta = chunked.output_gradient(d_out, out, k.shape[2], block)
     ks = chunked.keys(k, v, pos, seg, block)
@@ -109,8 +127,9 @@ def _ring_bwd(softcap, scale, n, block, saved, d_out):
     dq, dk_here, dv_here = grads(dq, ks)
     dk, dv = _send((dk + dk_here, dv + dv_here), n)  # the last step's gradients go home with the block's
     t = pos.shape[1]
+    d_sinks = None if sinks is None else chunked.sink_gradient(sinks, stats, delta).astype(sinks.dtype)
     return (ungrouped(chunked.unblocked(dq, t)).astype(d_out.dtype), chunked.unblocked(dk, t).astype(k.dtype),
-            chunked.unblocked(dv, t).astype(v.dtype), *chunked.no_cotangents(pos, seg, window))
+            chunked.unblocked(dv, t).astype(v.dtype), *chunked.no_cotangents(pos, seg, window), d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -237,8 +256,9 @@ def _fused_pairs(kernel: str, masking: Masking, d: int, interpret: bool):
 
 
 def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = CAUSAL, count_blocks: bool = False,
-           block: int = chunked.BLOCK, kernel: str = "chunked", interpret: bool = False):
-    """Ring attention of the sequence-split q, k, v with the model's `masking`, in blocks of `block` rows (fewer
+           block: int = chunked.BLOCK, kernel: str = "chunked", interpret: bool = False, sinks=None):
+    """Ring attention of the sequence-split q, k, v with the model's `masking` and attention `sinks` ([h] fp32;
+    None: none; the chunked kernel only), in blocks of `block` rows (fewer
     when a rank holds fewer), on `kernel` (chunked, or pallas_gpu for rows of one segment, in sequence order or
     the zig-zag one `layout.sequence_order` says, the positions their index: validation's word; `interpret` runs
     it on CPU, for tests). With `count_blocks` (tests only, forward only) also returns, per sp rank, how many
@@ -250,17 +270,21 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     q_spec, kv_spec, pos_spec = specs(layout, q, k, axes)
     block = min(block, q.shape[1] // n)
     pairs = None if kernel == "chunked" else _fused_pairs(kernel, masking, q.shape[-1], interpret)
+    if pairs is not None and sinks is not None:
+        raise refuse_sinks(f"{kernel} ring")
 
-    def local(q, k, v, pos, seg, window):
+    def local(q, k, v, pos, seg, window, sinks):
         if pairs is not None:
             return _fused_ring(q, k, v, n, 1 if layout.sequence_order is None else 2, pairs)
         pos, seg = chunked.tied(q, pos, seg)
         if count_blocks:
-            out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block)
+            out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block,
+                                     sinks)
             return out, count[None]
-        return _ring(q, k, v, pos, seg, window, masking.softcap, masking.scale, n, block)
+        return _ring(q, k, v, pos, seg, window, sinks, masking.softcap, masking.scale, n, block)
 
     window = jnp.asarray(masking.window, jnp.int32)
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
-                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P()),
-                         out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids, window)
+                         in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P(), sinks_spec(layout, sinks, axes)),
+                         out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids,
+                                                                                   window, sinks)
