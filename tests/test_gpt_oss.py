@@ -34,6 +34,18 @@ def test_gpt_oss_config_reads_as_its_features(gpt_oss):
         True, True, True, 2, 48)
 
 
+@pytest.mark.slow  # a compile of the train step on 8 devices
+def test_the_plan_counts_the_parameters_transformers_counts(gpt_oss):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.plan import plan
+
+    report = plan(build_config(None, {"init.from": f"hf:{gpt_oss}", "model.seq_len": 32, "train.global_batch": 8}))
+    theirs = AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.float32)
+    assert report["published_params"] == sum(p.numel() for p in theirs.parameters()) < report["params"]
+
+
 def test_what_gpt_oss_cannot_be_is_refused(gpt_oss):
     import dataclasses
 
@@ -65,3 +77,15 @@ def test_a_gpt_oss_run_on_ep2_fsdp2_dp2_starts_at_transformers_loss_and_equals_o
     sharded = step_fns(build_config(None, {**one, **mesh}))
     assert_matches(*loss_and_grads(sharded, params), (params, float(loss), jax.device_get(grads)))
     chex.assert_trees_all_equal_structs(grads, params)
+
+
+@pytest.mark.slow
+def test_gpt_oss_on_sp2_tp2_dp2_equals_one_device(gpt_oss):
+    """Sinks under the ring (once each, at the final merge), windows of 12 over a split sequence, the experts and
+    their biases under context parallelism, heads and sinks split over tp: loss and gradients equal one device's."""
+    one = {"init.from": f"hf:{gpt_oss}", "model.seq_len": 32, "precision.compute": "float32",
+           "train.global_batch": 16, "mesh.dp": 1}
+    cfg, params = hf.load_pretrained(gpt_oss, overrides=one)
+    loss, grads = loss_and_grads(step_fns(cfg), params)
+    sharded = step_fns(build_config(None, {**one, "mesh.sp": 2, "mesh.tp": 2, "mesh.dp": 2}))
+    assert_matches(*loss_and_grads(sharded, params), (params, float(loss), jax.device_get(grads)))

@@ -233,6 +233,13 @@ def count_params(m: ModelConfig, embeddings: bool = True, active: bool = False) 
     return total
 
 
+def published_params(m: ModelConfig) -> int:
+    """The parameter count as the model's published files hold it (transformers' count): without the rows the
+    vocabulary is padded with (the embedding's, and the head's where it is untied)."""
+    padding = (padded_vocab(m) - m.vocab_size) * m.d_model
+    return count_params(m) - padding * (1 if m.tie_embeddings else 2)
+
+
 def layer_costs(m: ModelConfig) -> pipeline_schedules.Costs:
     """What a layer's forward, recomputation, input gradient and weight gradients cost, from its flops per token
     (the zero-bubble tables are built for these): its matmuls (2 per weight), attention's scores and values

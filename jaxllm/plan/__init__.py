@@ -77,6 +77,7 @@ def plan(cfg, chip: str | None = None) -> dict:
     return {
         "config": _config_summary(cfg, shape),
         "params": n_params,
+        "published_params": transformer.published_params(m),
         "memory": {**{k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
                                               "total_bytes")},
                    "host_bytes": host_state_bytes(fns.abstract_state, compiled)},

@@ -50,7 +50,8 @@ def _format_memory(p: dict) -> list[str]:
     preset = f"preset {c['preset']}, " if c["preset"] else ""
     lines = [
         f"plan: {preset}{c['family']} {c['n_layers']} layers, d_model={c['d_model']}, vocab={c['vocab_size']}; "
-        f"Φ = {p['params']:,} parameters ({p['params'] / 1e6:.2f}M)",
+        f"Φ = {p['params']:,} parameters ({p['params'] / 1e6:.2f}M; {p['published_params']:,} without the vocabulary's "
+        "padding rows, as transformers counts)",
         f"      mesh {mesh} over {p['devices']} {p['platform']} device(s)",
         f"      zero_stage={stage}, microbatches={c['microbatches']}, global_batch={c['global_batch']}, "
         f"seq_len={c['seq_len']}, compute={c['compute']}, optimizer={c['optimizer']}, remat={c['remat']}",
