@@ -30,8 +30,8 @@ import os
 import numpy as np
 
 FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
-                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4")
 
 VOCAB_SIZE = 301
 HIDDEN = 64
@@ -283,7 +283,15 @@ def _torch_dtype(dtype: str):
 
 
 def _is_router(name: str, module) -> bool:
-    return type(module).__name__.endswith("TopKRouter") or name.endswith("block_sparse_moe.gate")
+    return (type(module).__name__.endswith("TopKRouter") or type(module).__name__ == "Llama4Router"
+            or name.endswith("block_sparse_moe.gate"))
+
+
+def _router_logits(module, out):
+    """A router module's logits from its output (Llama 4's returns (scores, logits); the others' logits first)."""
+    if type(module).__name__ == "Llama4Router":
+        return out[1]
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _perturb(model, generator) -> None:
@@ -337,7 +345,7 @@ def _router_layer_margins(model, tokens) -> list[float]:
     top_k = model.config.num_experts_per_tok
     captured = []
     hooks = [
-        module.register_forward_hook(lambda _m, _inp, out: captured.append(out[0] if isinstance(out, tuple) else out))
+        module.register_forward_hook(lambda m, _inp, out: captured.append(_router_logits(m, out)))
         for name, module in model.named_modules()
         if _is_router(name, module)
     ]

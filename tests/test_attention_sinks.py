@@ -185,8 +185,8 @@ def rel(a, b) -> float:
 
 SINKS = {"model.attn_sinks": True}
 MESHES = [pytest.param({"mesh.sp": 2, "model.cp_strategy": "ring"}, id="sp2-ring"),
-          pytest.param({"mesh.sp": 2, "model.cp_strategy": "ulysses"}, id="sp2-ulysses"),
-          pytest.param({"mesh.sp": 2, "model.cp_strategy": "allgather"}, id="sp2-allgather"),
+          pytest.param({"mesh.sp": 2, "model.cp_strategy": "ulysses"}, id="sp2-ulysses", marks=pytest.mark.slow),
+          pytest.param({"mesh.sp": 2, "model.cp_strategy": "allgather"}, id="sp2-allgather", marks=pytest.mark.slow),
           pytest.param({"mesh.sp": 2, "mesh.tp": 2, "model.cp_strategy": "ring"}, id="sp2-tp2-ring",
                        marks=pytest.mark.slow),
           pytest.param({"mesh.sp": 2, "mesh.tp": 2, "model.cp_strategy": "ulysses"}, id="sp2-tp2-ulysses",
@@ -238,6 +238,7 @@ def test_cached_generation_with_sinks_equals_the_whole_sequence_forward():
                   - np.asarray(transformer.logits(params, seq, cfg.model))).max() > 1e-2
 
 
+@pytest.mark.slow  # the cached generation test above is the fast tier's
 def test_the_paged_engine_with_sinks_equals_the_static_cache():
     cfg = generation_config()
     params = with_sinks(cfg)

@@ -126,6 +126,10 @@ def assert_same_tokens(family: str, what: str, tokens, logits, ref_tokens, ref_l
 
 
 UNTIED = {"qwen3", "gemma2", "gemma3"}  # see the module's docstring
+# transformers' Llama 4 counts a row's left padding into the positions of its attention temperature tuning (an
+# arange over the cache, not the position ids), so its left-padded batch disagrees with its own unpadded runs (up
+# to 11 in a logit here; equal with the tuning off): there jaxllm is held to the unpadded runs, tokens and logits
+PADDING_DIFFERS = {"llama4"}
 
 
 @pytest.mark.parametrize("family", tiers(H.FAMILIES, {"gpt2"}))
@@ -139,10 +143,15 @@ def test_greedy_generation_equals_transformers(family, checkpoint):
     assert distinct >= MIN_DISTINCT, f"{family}: a row has only {distinct} distinct new tokens"
 
     model = transformers_model(path)
-    alone = np.concatenate([theirs(model, [p])[0] for p in PROMPTS])
-    assert_same_tokens(family, "transformers on the prompt alone", tokens, logits, alone)
-    ref_tokens, ref_logits = theirs(model, PROMPTS)
-    assert_same_tokens(family, "transformers' left-padded batch", tokens, logits, ref_tokens, ref_logits)
+    alone = [theirs(model, [p]) for p in PROMPTS]
+    assert_same_tokens(family, "transformers on the prompt alone", tokens, logits,
+                       np.concatenate([a[0] for a in alone]))
+    if family in PADDING_DIFFERS:
+        ref_tokens, ref_logits = (np.concatenate([a[i] for a in alone]) for i in (0, 1))
+    else:
+        ref_tokens, ref_logits = theirs(model, PROMPTS)
+    what = "transformers on the prompt alone" if family in PADDING_DIFFERS else "transformers' left-padded batch"
+    assert_same_tokens(family, what, tokens, logits, ref_tokens, ref_logits)
     diff = np.abs(logits - ref_logits).max()
     assert diff <= LOGIT_ATOL, f"{family}: logits differ from transformers' by up to {diff:.3g}"
 

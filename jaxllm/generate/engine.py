@@ -215,11 +215,15 @@ def _choose_paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None,
     if choice not in PAGED_KERNELS:
         raise ConfigError(f"paged_kernel: '{choice}' is not one of {', '.join(PAGED_KERNELS)}")
     platform = (layout.mesh.devices.flat[0] if layout is not None else jax.devices()[0]).platform
-    fits = paged_attention.fits(m.attention == "mla", m.sliding_window, head_dim(m), page) and not m.attn_sinks
+    fits = (paged_attention.fits(m.attention == "mla", m.sliding_window, head_dim(m), page, m.attention_chunk)
+            and not m.attn_sinks)
     if choice in ("auto", "xla"):
         return ("pallas_gpu", False) if choice == "auto" and platform == "gpu" and fits else (None, False)
     if m.attn_sinks:
         raise ConfigError(f"model.attn_sinks: the {choice} paged kernel cannot add a sink to the softmax; use "
+                          "paged_kernel=auto or xla")
+    if m.attention_chunk:
+        raise ConfigError(f"model.attention_chunk: the {choice} paged kernel cannot mask by attention chunks; use "
                           "paged_kernel=auto or xla")
     if not fits:
         raise ConfigError(f"paged_kernel={choice}: the kernel does not compute this model's decode exactly (it "

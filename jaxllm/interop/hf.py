@@ -282,10 +282,13 @@ def load_from(files, m, shardings=None, interleaved: bool = False) -> dict:
 def load_pretrained(path: str, shardings=None, overrides: dict | None = None):
     """(Config, fp32 params) of a Hugging Face model directory; `shardings` places the parameters (a tree like
     them, e.g. a run's `StepFns.state_shardings.params`), `overrides` sets run keys such as model.seq_len.
-    A multimodal Gemma 3 gives its text tower (exported as gemma3_text); the rest is not read."""
+    A multimodal Gemma 3 or Llama 4 gives its text model (exported as gemma3_text, llama4_text); the rest is not
+    read."""
     cfg = config_for(path, overrides)
-    if hf_config.read(path).get("model_type") == "gemma3":
-        log.info("%s: a multimodal Gemma 3; reading its text tower, the vision tower and projector skipped", path)
+    kind = hf_config.read(path).get("model_type")
+    if kind in ("gemma3", "llama4"):
+        log.info("%s: a multimodal %s; reading its text model, the vision model and projector skipped", path,
+                 {"gemma3": "Gemma 3", "llama4": "Llama 4"}[kind])
     return cfg, load_params(path, cfg.model, shardings)
 
 

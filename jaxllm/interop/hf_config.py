@@ -649,16 +649,37 @@ def _gpt_oss_wrong(m: ModelConfig) -> list[str]:
     return wrong
 
 
+def _llama4_wrong(m: ModelConfig) -> list[str]:
+    """What of Llama 4's text model a model lacks or has beyond it: no windows (chunks instead), RoPE on the local
+    layers, top-k sigmoid scores on the experts' inputs, one ungated shared expert as wide as an expert."""
+    e, wrong = m.moe, []
+    if m.sliding_window:
+        wrong.append(f"model.sliding_window={m.sliding_window} (Llama 4 has chunks, not windows)")
+    if stack.has_moe(m) and ((e.score, e.gate_input, e.norm_topk, e.routed_scale, e.n_group, e.shared_gate)
+                             != ("sigmoid", True, False, 1.0, 1, False) or has_router_bias(m)
+                             or shared_d_ff(m) != (e.d_ff or m.d_ff)):
+        wrong.append("model.moe other than Llama 4's (sigmoid top-k on the inputs, one ungated shared expert as "
+                     "wide as an expert)")
+    return wrong
+
+
 def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
     """What of the layer stack and the experts `kind`'s config.json cannot say."""
     e, wrong = m.moe, []
+    if kind != "llama4_text":
+        llama4 = {"model.attention_chunk": m.attention_chunk, "model.rope_global": not m.rope_global,
+                  "model.attn_temperature_floor": m.attn_temperature_floor, "model.qk_l2_norm": m.qk_l2_norm,
+                  "model.moe.gate_input": e.gate_input}
+        wrong += [f"{k} (Llama 4's alone)" for k, v in llama4.items() if v]
     if kind == "deepseek_v3":
-        return _deepseek_wrong(m)
+        return wrong + _deepseek_wrong(m)
     if kind == "gpt_oss":
-        return _gpt_oss_wrong(m)
+        return wrong + _gpt_oss_wrong(m)
     features = {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": e.router_logit_bias,
                 "model.moe.expert_biases": e.expert_biases}
     wrong += [f"{k}=true (gpt-oss's alone)" for k, v in features.items() if v]
+    if kind == "llama4_text":
+        return wrong + _llama4_wrong(m)
     if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
     if kind not in ("mixtral", *QWEN_MOE):

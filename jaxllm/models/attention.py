@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.layers import add_bias, column_parallel, norm, row_parallel
-from jaxllm.ops.attention import FUSED_PLATFORM, IMPLEMENTATIONS, SINK_IMPLEMENTATIONS, attention, refuse_sinks
+from jaxllm.ops.attention import (CHUNK_IMPLEMENTATIONS, FUSED_PLATFORM, IMPLEMENTATIONS, SINK_IMPLEMENTATIONS,
+                                  attention, refuse_chunk, refuse_sinks)
 from jaxllm.ops import cudnn_attention, paged_attention
 from jaxllm.ops.pallas_attention import IMPLEMENTATIONS as PALLAS_KERNELS, supports
 from jaxllm.ops.masking import Masking
@@ -60,24 +61,65 @@ def local_rope(m) -> list[bool]:
     return [bool(m.rope_local_theta) and local for local in local_layers(m)]
 
 
+def layer_chunks(m) -> list[int]:
+    """Each layer's attention chunk (0: none): `model.attention_chunk` on the `local` layers (Llama 4's chunked
+    local attention: a query sees the keys of its own chunk of positions only)."""
+    return [m.attention_chunk if local else 0 for local in local_layers(m)]
+
+
+def layer_rope(m) -> list[bool]:
+    """Each layer: whether it applies RoPE (`model.positions = rope`; on the `global` layers only with
+    `model.rope_global`, Llama 4's layers without RoPE)."""
+    return [m.positions == "rope" and (local or m.rope_global) for local in local_layers(m)]
+
+
+def layer_temperatures(m) -> list[float]:
+    """Each layer's attention temperature scale (0: none): `model.attn_temperature_scale` on the layers without
+    RoPE when `model.attn_temperature_floor` is set (`temperature`)."""
+    tuned = m.attn_temperature_floor > 0
+    return [m.attn_temperature_scale if tuned and not on else 0.0 for on in layer_rope(m)]
+
+
+def layer_l2_norms(m) -> list[bool]:
+    """Each layer: whether its queries and keys are L2-normed after RoPE (`model.qk_l2_norm`, on the RoPE layers)."""
+    return [m.qk_l2_norm and on for on in layer_rope(m)]
+
+
 def layer_data(m) -> dict | None:
     """What differs by layer, one row per layer, for the layer scan to carry: "window" [n_layers] int32 when the
-    windows differ, "rope" [n_layers, head_dim/2] fp32 frequencies when the RoPE does; None when nothing does."""
+    windows differ, "chunk" [n_layers] int32 when the attention chunks do, "rope" [n_layers, head_dim/2] fp32
+    frequencies when the RoPE does (a layer without RoPE: zeros, the identity rotation exactly), "temperature"
+    [n_layers] fp32 when the temperature scales do, "l2" [n_layers] bool when the L2 q/k norms do; None when
+    nothing does."""
     data = {}
     if windows_differ(m):
         data["window"] = jnp.asarray(layer_windows(m), jnp.int32)
-    if len(set(local_rope(m))) > 1:
-        data["rope"] = jnp.stack([rope_frequencies(m, local) for local in local_rope(m)])
+    if len(set(layer_chunks(m))) > 1:
+        data["chunk"] = jnp.asarray(layer_chunks(m), jnp.int32)
+    if len(set(local_rope(m))) > 1 or len(set(layer_rope(m))) > 1:
+        off = [m.positions == "rope" and not on for on in layer_rope(m)]
+        data["rope"] = jnp.stack([jnp.zeros(rope_dim(m) // 2, jnp.float32) if no else rope_frequencies(m, local)
+                                  for no, local in zip(off, local_rope(m))])
+    if len(set(layer_temperatures(m))) > 1:
+        data["temperature"] = jnp.asarray(layer_temperatures(m), jnp.float32)
+    if len(set(layer_l2_norms(m))) > 1:
+        data["l2"] = jnp.asarray(layer_l2_norms(m), jnp.bool_)
     return data or None
 
 
+def _of_layer(m, layer, key: str, per_layer):
+    """The layer's own `key` from its row of `layer_data` where it differs by layer, else every layer's value."""
+    return layer[key] if layer and key in layer else per_layer(m)[0]
+
+
 def masking(m, layer=None) -> Masking:
-    """The model's mask features beyond causal-by-position within a segment (no model: none): the window (the
-    layer's own, a traced int32 scalar in `layer`, when the windows differ), the soft cap and the scale."""
+    """The model's mask features beyond causal-by-position within a segment (no model: none): the window and the
+    attention chunk (the layer's own, traced int32 scalars in `layer`, where they differ by layer), the soft cap
+    and the scale."""
     if m is None:
         return Masking()
-    window = layer["window"] if layer and "window" in layer else layer_windows(m)[0]
-    return Masking(window=window, softcap=m.attn_softcap, scale=softmax_scale(m))
+    return Masking(window=_of_layer(m, layer, "window", layer_windows), softcap=m.attn_softcap,
+                   scale=softmax_scale(m), chunk=_of_layer(m, layer, "chunk", layer_chunks))
 
 
 def softmax_scale(m) -> float | None:
@@ -101,8 +143,9 @@ def implementation(m) -> str:
 
 
 def _auto(m) -> str:
-    """`auto`'s choice: `chunked` from CHUNKED_FROM tokens on or under a window shorter than seq_len, else `dense`."""
-    windowed = any(0 < w < m.seq_len for w in layer_windows(m))
+    """`auto`'s choice: `chunked` from CHUNKED_FROM tokens on or under a window or an attention chunk shorter than
+    seq_len (the blocks it rules out are skipped), else `dense`."""
+    windowed = any(0 < w < m.seq_len for w in layer_windows(m) + layer_chunks(m))
     return "chunked" if m.seq_len >= CHUNKED_FROM or windowed else "dense"
 
 
@@ -175,6 +218,8 @@ def attend(q, k, v, positions, segment_ids, m=None, layer=None, sinks=None):
     layer's attention sinks (`model.attn_sinks`; None: none), which every path but the fused kernels computes.
     """
     layout = current_layout()
+    if m is not None and m.attention_chunk and implementation(m) not in CHUNK_IMPLEMENTATIONS:
+        raise refuse_chunk(implementation(m))
     if layout is not None and layout.mesh.shape["sp"] > 1:
         fused = {"kernel": m.attention_impl} if m is not None and m.attention_impl in RING_KERNELS else {}
         with_sinks = {} if sinks is None else {"sinks": sinks}
@@ -206,12 +251,34 @@ def _project(p: dict, x, positions, m, dtype, layer=None):
     if m.qk_norm:  # over head_dim, before RoPE
         q = norm("rmsnorm", p["q_norm"], q, m.norm_eps, m.norm_offset)
         k = norm("rmsnorm", p["k_norm"], k, m.norm_eps, m.norm_offset)
-    if m.positions == "rope":
+    if m.positions == "rope" and (layer and "rope" in layer or layer_rope(m)[0]):
         q, k = apply_rope(q, positions, m, layer), apply_rope(k, positions, m, layer)
+    l2 = _of_layer(m, layer, "l2", layer_l2_norms)
+    if l2 is not False:  # Llama 4's weightless norm, after RoPE, on the RoPE layers
+        q, k = l2_norm(q, m.norm_eps, l2), l2_norm(k, m.norm_eps, l2)
+    temperature = _of_layer(m, layer, "temperature", layer_temperatures)
+    if not (isinstance(temperature, (int, float)) and temperature == 0):  # the layers without RoPE
+        q = tuned_queries(q, positions, m.attn_temperature_floor, temperature)
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
     return q, k, v
+
+
+def l2_norm(x, eps: float, on=True):
+    """x · rsqrt(mean(x², over head_dim) + eps) in fp32, cast back (transformers' `Llama4TextL2Norm`, no weight);
+    `on` a traced bool (the layer's, where it differs by layer): x itself where false."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return normed if on is True else jnp.where(on, normed, x)
+
+
+def tuned_queries(q, positions, floor: int, scale):
+    """Llama 4's attention temperature tuning on the layers without RoPE: q [b, t, h, d] times
+    log1p(floor((position + 1) / floor)) · scale + 1 per query, in fp32 and cast back (`scale` traced where it
+    differs by layer; 0 there: a factor of exactly 1)."""
+    factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor)) * scale + 1.0
+    return (q.astype(jnp.float32) * factor[:, :, None, None]).astype(q.dtype)
 
 
 def apply_rope(x, positions, m, layer=None):
@@ -321,6 +388,8 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     if cache.kernel is not None and q.shape[1] == 1:  # a decode step on the paged kernel
         if sinks is not None:
             raise refuse_sinks(f"{cache.kernel} paged")
+        if m.attention_chunk:
+            raise refuse_chunk(f"{cache.kernel} paged")
         out = _paged_kernel(q, written, positions, masking(m, layer))
     else:
         out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
@@ -436,6 +505,8 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
                        "the sequence, else dense")
     if m.attn_sinks:
         return plain, "the fused kernels cannot add attention sinks (model.attn_sinks)"
+    if m.attention_chunk:
+        return plain, "the fused kernels cannot mask by attention chunks (model.attention_chunk)"
     if windows_differ(m):
         return plain, "the fused kernels take one window for every layer"
     if gpu and jax.default_backend() in GPU_PLATFORMS:
@@ -450,7 +521,7 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
 def _ring_choice(cfg, gpu: bool, sp: int) -> tuple[str, str]:
     m = cfg.model
     if (not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window
-            or m.attn_sinks):
+            or m.attn_sinks or m.attention_chunk):
         return "chunked", f"model.cp_strategy={m.cp_strategy} over mesh.sp={sp}: the chunked kernel in each island"
     chunks = sp * (2 if m.cp_load_balance else 1)
     why = supports("pallas_gpu", masking(m), *_call_shapes(m, chunks), positions_are_index=True)
@@ -491,6 +562,8 @@ def _check_implementation(m, sp: int) -> list[str]:
                           f"{', '.join(IMPLEMENTATIONS)}")
     if m.attn_sinks and m.attention_impl not in ("auto", *SINK_IMPLEMENTATIONS):
         raise refuse_sinks(m.attention_impl)
+    if m.attention_chunk and m.attention_impl not in ("auto", *CHUNK_IMPLEMENTATIONS):
+        raise refuse_chunk(m.attention_impl)
     if sp > 1 and m.attention_impl not in ("auto", "chunked"):
         _check_ring_kernel(m, sp)
     if m.attention_impl in FUSED_PLATFORM:
@@ -517,11 +590,13 @@ def _check_mla(m) -> None:
         raise ConfigError("model.mla: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be at least "
                           "1, q_lora_rank 0 (no query compression) or more")
     wrong = [f"model.{k}={getattr(m, k)!r}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
-                                                           ("qk_norm", False), ("attn_sinks", False))
+                                                           ("qk_norm", False), ("attn_sinks", False),
+                                                           ("rope_global", True), ("attn_temperature_floor", 0),
+                                                           ("qk_l2_norm", False))
              if getattr(m, k) != ok]
     if wrong:
-        raise ConfigError(f"model.attention=mla is built with RoPE, no attention biases, no q/k norms and no "
-                          f"attention sinks; change {', '.join(wrong)}")
+        raise ConfigError(f"model.attention=mla is built with RoPE on every layer, no attention biases, no q/k norms, "
+                          f"no attention sinks and no temperature tuning; change {', '.join(wrong)}")
 
 
 def check_config(m, shape: dict) -> list[str]:

@@ -664,11 +664,9 @@ def _check_features(m: ModelConfig) -> None:
     for key, choices in (("norm", NORMS), ("mlp", MLPS), ("positions", POSITIONS), ("attn_bias", ATTN_BIASES),
                          ("norm_placement", NORM_PLACEMENTS)):
         _check_choice(key, getattr(m, key), tuple(choices))
-    unbuilt = {"attention_chunk": m.attention_chunk, "rope_global": not m.rope_global,
-               "attn_temperature_floor": m.attn_temperature_floor, "qk_l2_norm": m.qk_l2_norm}
-    if any(unbuilt.values()):  # Llama 4's attention features: the keys exist, the attention does not compute them yet
-        raise ConfigError(f"model.{next(k for k, v in unbuilt.items() if v)}: not computed yet (Llama 4's attention "
-                          "features); jaxllm refuses what it would not compute exactly")
+    for key in ("attention_chunk", "attn_temperature_floor"):  # Llama 4's (`models/attention.py`)
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)}: must be positive, or 0 for none")
     if m.max_positions < 0 or m.head_dim < 0:
         raise ConfigError("model.max_positions and model.head_dim must be 0 (derived) or more")
     if m.seq_len > max_positions(m):

@@ -12,6 +12,7 @@ and cuDNN's (`ops/cudnn_attention.py`); each fused kernel's module says what it 
 Attention sinks (gpt-oss's, `sinks` [h] fp32, one logit per query head): each query's softmax runs over its keys
 and one more column, the head's sink, never masked, whose probability is then dropped, so a query may give less
 than all of its weight to the values. `dense` and `chunked` compute them; the fused kernels cannot and refuse.
+So with Llama 4's attention chunks (`Masking.chunk`: a query sees only keys of its own chunk of positions).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from jaxllm.errors import ConfigError
 from jaxllm.ops import pallas_attention
 from jaxllm.ops.chunked_attention import chunked_attention
 from jaxllm.ops.cudnn_attention import cudnn_attention
-from jaxllm.ops.masking import CAUSAL, NEG_INF, Masking, grouped, grouped_sinks, scores_of, ungrouped, visible
+from jaxllm.ops.masking import (CAUSAL, NEG_INF, Masking, grouped, grouped_sinks, is_off, scores_of, ungrouped,
+                                visible)
 
 IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS, "cudnn")
 FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}  # the backend each fused kernel needs
@@ -33,7 +35,7 @@ def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking 
     """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]. `sinks` [h]: each
     head's sink logit joins every query's softmax as one more column, dropped before the values."""
     qg = grouped(q, k.shape[2])
-    mask = visible(q_pos, k_pos, q_seg, k_seg, masking.window)
+    mask = visible(q_pos, k_pos, q_seg, k_seg, masking.window, masking.chunk)
     scores = jnp.where(mask[:, None, None], scores_of(qg, k, masking), NEG_INF)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -44,6 +46,7 @@ def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking 
 
 
 SINK_IMPLEMENTATIONS = ("dense", "chunked")  # those that compute attention sinks
+CHUNK_IMPLEMENTATIONS = ("dense", "chunked")  # those that mask by attention chunks (`Masking.chunk`)
 
 
 def refuse_sinks(impl: str) -> ConfigError:
@@ -52,11 +55,20 @@ def refuse_sinks(impl: str) -> ConfigError:
                        "model.attention_impl=chunked or dense")
 
 
+def refuse_chunk(impl: str) -> ConfigError:
+    """The one line refusing chunked local attention on a kernel that cannot mask by chunks."""
+    return ConfigError(f"model.attention_chunk: the {impl} kernel cannot mask by attention chunks; use "
+                       "model.attention_impl=chunked or dense")
+
+
 def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense", sinks=None):
     """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here.
-    `sinks` [h] fp32 (None: none): attention sinks, on `dense` and `chunked` only (ConfigError elsewhere)."""
+    `sinks` [h] fp32 (None: none): attention sinks, on `dense` and `chunked` only (ConfigError elsewhere); so are
+    attention chunks (`masking.chunk`)."""
     if sinks is not None and impl not in SINK_IMPLEMENTATIONS:
         raise refuse_sinks(impl)
+    if not is_off(masking.chunk) and impl not in CHUNK_IMPLEMENTATIONS:
+        raise refuse_chunk(impl)
     if impl == "dense":
         return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks)
     if impl == "chunked":

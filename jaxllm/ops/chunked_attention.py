@@ -8,7 +8,7 @@ a scan over the query blocks recomputes the probabilities from the saved (max, s
 dK and dV, and adds its share of dQ into one [t]-long accumulator.
 
 A (query block, key block) pair whose positions rule out every pair (all keys after all queries, or
-all before the window) is skipped with `lax.cond`: by position, not by index, so the test is the
+all before the window, or all in chunks before the queries' first) is skipped with `lax.cond`: by position, not by index, so the test is the
 positions' min and max and holds for any order (zig-zag included). Causal masks skip about half the
 blocks; a window leaves O(t·window) work. Sequences that are not a multiple of the block are padded
 with keys no query sees (segment −1) and queries that see nothing (their rows give 0 and are cut).
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.ops.masking import NEG_INF, Masking, grouped, grouped_sinks, scores_of, ungrouped, visible
+from jaxllm.ops.masking import NEG_INF, Masking, is_off, grouped, grouped_sinks, scores_of, ungrouped, visible
 
 BLOCK = 512  # rows of q and of k per block: [512, 512] fp32 scores per (kv head, group) at a time
 
@@ -90,14 +90,20 @@ def empty(qs: Queries, dv: int, sinks=None):
     return jnp.zeros((*rows, dv), jnp.float32), jnp.full(rows, NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32)
 
 
-def _reachable(qp, kp, window):
-    """Whether any query of a block may see any key of another, by their positions alone."""
-    return (qp.max() >= kp.min()) & ((window <= 0) | (qp.min() - kp.max() < window))
+def _reachable(qp, kp, masking: Masking):
+    """Whether any query of a block may see any key of another, by their positions alone: some key not after
+    some query, within the window, and (with chunks) some key's chunk not before the first query's."""
+    window, chunk = masking.window, masking.chunk
+    reach = (qp.max() >= kp.min()) & ((window <= 0) | (qp.min() - kp.max() < window))
+    if is_off(chunk):
+        return reach
+    c = jnp.maximum(chunk, 1)
+    return reach & ((chunk <= 0) | (qp.min() // c <= kp.max() // c))
 
 
 def _scores(qg, kj, qp, kp, qs, ks, masking):
     """A block's fp32 scores, capped and masked, and its mask [b, 1, 1, Bq, Bk]."""
-    mask = visible(qp, kp, qs, ks, masking.window)[:, None, None]
+    mask = visible(qp, kp, qs, ks, masking.window, masking.chunk)[:, None, None]
     return jnp.where(mask, scores_of(qg, kj, masking), NEG_INF), mask
 
 
@@ -116,7 +122,7 @@ def _fold_block(acc, qg, qp, qs, ks: Keys, masking, count):
             pv = jnp.einsum("bkgts,bskd->bkgtd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
             return o * fade[..., None] + pv, m_new, l * fade + p.sum(-1), c + 1
 
-        return jax.lax.cond(_reachable(qp, kp, masking.window), fold_in, lambda c: c, carry), None
+        return jax.lax.cond(_reachable(qp, kp, masking), fold_in, lambda c: c, carry), None
 
     (o, m, l, count), _ = jax.lax.scan(step, (*acc, count), ks)
     return (o, m, l), count
@@ -184,7 +190,7 @@ def gradients(qs: Queries, ks: Keys, stats, do, delta, masking: Masking, dq):
                 dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qi.astype(jnp.float32)) * scale
                 return dk, dv, dq
 
-            return jax.lax.cond(_reachable(qp, kp, masking.window), add, lambda c: c, carry), None
+            return jax.lax.cond(_reachable(qp, kp, masking), add, lambda c: c, carry), None
 
         start = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32), dq)
         (dk, dv, dq), _ = jax.lax.scan(step, start, per_query)
@@ -212,25 +218,26 @@ def tied(q, *ints):
 
 
 def no_cotangents(*ints):
-    """The cotangents of integer inputs (positions, segment ids, a traced window): float0 zeros."""
-    return tuple(np.zeros(x.shape, jax.dtypes.float0) for x in ints)
+    """The cotangents of integer inputs (positions, segment ids, a traced window, `Masking.limits`): float0 zeros,
+    each input's structure kept."""
+    return tuple(jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), x) for x in ints)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, softcap, scale, block_q, block_k):
-    masking = Masking(window, softcap, scale)
+def _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, limits, sinks, softcap, scale, block_q, block_k):
+    masking = Masking(softcap=softcap, scale=scale).with_limits(limits)
     return _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)[0]
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, softcap, scale, block_q, block_k):
-    masking = Masking(window, softcap, scale)
+def _attention_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, limits, sinks, softcap, scale, block_q, block_k):
+    masking = Masking(softcap=softcap, scale=scale).with_limits(limits)
     out, residuals, _ = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)
-    return out, (residuals, (q_pos, k_pos, q_seg, k_seg, window), sinks)
+    return out, (residuals, (q_pos, k_pos, q_seg, k_seg, limits), sinks)
 
 
 def _attention_bwd(softcap, scale, block_q, block_k, saved, d_out):
     (qs, ks, out, stats), ints, sinks = saved
-    masking = Masking(ints[-1], softcap, scale)
+    masking = Masking(softcap=softcap, scale=scale).with_limits(ints[-1])
     do, delta = output_gradient(d_out, out, ks.k.shape[3], block_q)
     dq, dk, dv = gradients(qs, ks, stats, do, delta, masking, jnp.zeros(qs.q.shape, jnp.float32))
     t, s = ints[0].shape[1], ints[1].shape[1]
@@ -252,6 +259,5 @@ def chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = Ma
     if count:
         out, _, visited = _forward(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, block_q, block_k, sinks)
         return out, visited
-    window = jnp.asarray(masking.window, jnp.int32)
-    return _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, window, sinks, masking.softcap, masking.scale, block_q,
-                      block_k)
+    return _attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking.limits(), sinks, masking.softcap, masking.scale,
+                      block_q, block_k)

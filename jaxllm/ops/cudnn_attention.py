@@ -33,6 +33,8 @@ def supports(masking: Masking, q_shape, k_shape, v_shape, dtype, one_segment_row
         return f"cudnn needs a key head dimension that is a multiple of 8 up to 256 and values no wider (got {dk} and {dv})"
     if not isinstance(masking.window, int):
         return "cudnn takes one window for every layer"
+    if not isinstance(masking.chunk, int) or masking.chunk:
+        return "cudnn cannot mask by attention chunks (model.attention_chunk)"
     return None
 
 

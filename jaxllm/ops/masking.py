@@ -1,13 +1,15 @@
 """The mask rule and the scores every attention implementation shares.
 
 A query sees a key when their segment ids are equal and 0 ≤ q_pos − k_pos (< window, when a window is
-set): causal by *position*, so reordered sequences and packed documents work. Scores are fp32:
+set; and q_pos // chunk = k_pos // chunk, when a chunk is set: Llama 4's chunked local attention): causal by
+*position*, so reordered sequences and packed documents work. Scores are fp32:
 (q · scale)·k, then cap·tanh(score/cap) with a soft cap (Gemma 2), then the mask. Queries are grouped
 by the K/V head they share ([b, t, kv, g, d]), so grouped-query attention never repeats K/V.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -23,25 +25,57 @@ class Masking:
 
     window: a key is visible when q_pos − k_pos < window (0: no window); an int, or a traced int32
     scalar when the window differs by layer. softcap: scores → softcap·tanh(scores/softcap) before the
-    mask (0: none). scale: the score scale (None: 1/√head_dim; Gemma's query_pre_attn_scalar^−½)."""
+    mask (0: none). scale: the score scale (None: 1/√head_dim; Gemma's query_pre_attn_scalar^−½). chunk: a key
+    is visible when q_pos // chunk = k_pos // chunk (0: no chunks; Llama 4's `attention_chunk_size`); an int, or a
+    traced int32 scalar when it differs by layer."""
 
     window: int | jax.Array = 0
     softcap: float = 0.0
     scale: float | None = None
+    chunk: int | jax.Array = 0
 
     def score_scale(self, head_dim: int) -> float:
         return head_dim ** -0.5 if self.scale is None else self.scale
+
+    def limits(self) -> dict:
+        """The mask's integers as traced int32 scalars, for a custom VJP or a shard_map island to carry: the
+        window always, the chunk only when one is set (a Python 0 stays out, so a run without chunks traces what
+        it always has)."""
+        out = {"window": jnp.asarray(self.window, jnp.int32)}
+        if not is_off(self.chunk):
+            out["chunk"] = jnp.asarray(self.chunk, jnp.int32)
+        return out
+
+    def with_limits(self, limits: dict) -> "Masking":
+        """This masking with `limits` (`limits()`'s dict, traced) in place of its window and chunk."""
+        return dataclasses.replace(self, **limits)
 
 
 CAUSAL = Masking()
 
 
-def visible(q_pos, k_pos, q_seg, k_seg, window=0) -> jax.Array:
-    """[b, t, s]: whether each query sees each key (same segment, 0 ≤ q_pos − k_pos < window or no window)."""
+def is_off(limit) -> bool:
+    """A window or chunk known at trace time to be 0 (none)."""
+    return isinstance(limit, int) and limit == 0
+
+
+def same_chunk(q_pos, k_pos, chunk):
+    """q_pos // chunk == k_pos // chunk (broadcast as given), true everywhere where chunk ≤ 0 (a traced chunk)."""
+    if isinstance(chunk, int):
+        return q_pos // chunk == k_pos // chunk
+    c = jnp.maximum(chunk, 1)  # no division by 0 where the layer has no chunks
+    return (chunk <= 0) | (q_pos // c == k_pos // c)
+
+
+def visible(q_pos, k_pos, q_seg, k_seg, window=0, chunk=0) -> jax.Array:
+    """[b, t, s]: whether each query sees each key (same segment, 0 ≤ q_pos − k_pos < window or no window, and
+    in the same chunk of positions or no chunks)."""
     mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
-    if isinstance(window, int) and window == 0:
-        return mask
-    return mask & ((window <= 0) | (q_pos[:, :, None] - k_pos[:, None, :] < window))
+    if not is_off(window):
+        mask = mask & ((window <= 0) | (q_pos[:, :, None] - k_pos[:, None, :] < window))
+    if not is_off(chunk):
+        mask = mask & same_chunk(q_pos[:, :, None], k_pos[:, None, :], chunk)
+    return mask
 
 
 def grouped(q, kv_heads: int):

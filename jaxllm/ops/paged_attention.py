@@ -8,7 +8,7 @@ their lengths, and the kernel reads only the pages a row holds instead of XLA ga
 reads kv head i // (heads / kv_heads), as everywhere in jaxllm), the soft cap as the model's; the score scale is
 applied to the queries first (the kernel has none).
 
-Where it fits (`fits`): no sliding window on any layer (a per-layer window can be a traced value, and the
+Where it fits (`fits`): no sliding window and no attention chunks on any layer (a per-layer window can be a traced value, and the
 kernel has none), keys and values of one width (not latent attention, whose pool holds latent rows), and
 Triton's smallest dot: head_dim and the page a multiple of 16. Elsewhere, and on TPU (JAX's TPU paged kernel
 takes no interpret mode, so its numbers cannot be checked off a TPU), the pages are gathered by XLA.
@@ -31,10 +31,11 @@ KERNELS = ("pallas_gpu",)  # the paged kernels jaxllm calls; None (XLA's gather)
 MAX_SPLITS, MAX_BLOCK_PAGES = 16, 8  # the kernel's defaults: partitions of a row's pages, pages per compute block
 
 
-def fits(latent: bool, window: int, head_dim: int, page: int) -> bool:
+def fits(latent: bool, window: int, head_dim: int, page: int, chunk: int = 0) -> bool:
     """Whether the GPU paged kernel computes a model's decode attention exactly: keys and values, not latent rows;
-    no sliding window; Triton's smallest dot for the head and the page."""
-    return not latent and not window and head_dim % 16 == 0 and page % 16 == 0
+    no sliding window and no attention chunks (`model.attention_chunk`); Triton's smallest dot for the head and the
+    page."""
+    return not latent and not window and not chunk and head_dim % 16 == 0 and page % 16 == 0
 
 
 def _kernel():

@@ -61,6 +61,8 @@ def supports(impl: str, masking: Masking, q_shape, k_shape, v_shape, positions_a
     if not positions_are_index:
         return (f"{impl} masks by index, not position: custom positions (or positions not known to be each "
                 f"segment's index plus an offset)")
+    if not isinstance(masking.chunk, int) or masking.chunk:
+        return f"{impl} cannot mask by attention chunks (model.attention_chunk)"
     window = masking.window
     if not isinstance(window, int):
         return f"{impl} needs a window fixed at trace time (a Python int), not a traced one"

@@ -34,7 +34,7 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     in blocks of `block` rows."""
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
 
-    def local(q, k, v, pos, seg, window, sinks):
+    def local(q, k, v, pos, seg, limits, sinks):
         gather = lambda x: jax.lax.all_gather(x, "sp", axis=1, tiled=True)
         if jax.default_backend() == "cpu" and k.dtype == jnp.bfloat16:
             # XLA:CPU aborts on the bf16 reduce-scatter that transposes this gather
@@ -42,10 +42,10 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
             k, v = (gather(x.astype(jnp.float32)).astype(x.dtype) for x in (k, v))
         else:
             k, v = gather(k), gather(v)
-        here = Masking(window, masking.softcap, masking.scale)
+        here = masking.with_limits(limits)
         return chunked_attention(q, k, v, pos, gather(pos), seg, gather(seg), here, block, sinks=sinks)
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P(), sinks_spec(layout, sinks)),
-                         out_specs=q_spec)(q, k, v, positions, segment_ids, jnp.asarray(masking.window, jnp.int32),
+                         out_specs=q_spec)(q, k, v, positions, segment_ids, masking.limits(),
                                            sinks)

@@ -48,8 +48,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.ops import chunked_attention as chunked
 from jaxllm.ops import pallas_attention
-from jaxllm.ops.attention import refuse_sinks
-from jaxllm.ops.masking import CAUSAL, Masking, ungrouped
+from jaxllm.ops.attention import refuse_chunk, refuse_sinks
+from jaxllm.ops.masking import CAUSAL, Masking, is_off, ungrouped
 from jaxllm.parallel import kernel_island
 from jaxllm.sharding import Layout, island_mesh, manual_spec
 
@@ -101,18 +101,19 @@ def _forward(q, k, v, pos, seg, masking: Masking, n: int, block: int, sinks=None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _ring(q, k, v, pos, seg, window, sinks, softcap, scale, n, block):
-    return _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block, sinks)[0]
+def _ring(q, k, v, pos, seg, limits, sinks, softcap, scale, n, block):
+    return _forward(q, k, v, pos, seg, Masking(softcap=softcap, scale=scale).with_limits(limits), n, block, sinks)[0]
 
 
-def _ring_fwd(q, k, v, pos, seg, window, sinks, softcap, scale, n, block):
-    out, residuals, _ = _forward(q, k, v, pos, seg, Masking(window, softcap, scale), n, block, sinks)
-    return out, (residuals, k, v, pos, seg, window, sinks)
+def _ring_fwd(q, k, v, pos, seg, limits, sinks, softcap, scale, n, block):
+    out, residuals, _ = _forward(q, k, v, pos, seg, Masking(softcap=softcap, scale=scale).with_limits(limits), n,
+                                 block, sinks)
+    return out, (residuals, k, v, pos, seg, limits, sinks)
 
 
 def _ring_bwd(softcap, scale, n, block, saved, d_out):
-    (qs, out, stats), k, v, pos, seg, window, sinks = saved
-    masking = Masking(window, softcap, scale)
+    (qs, out, stats), k, v, pos, seg, limits, sinks = saved
+    masking = Masking(softcap=softcap, scale=scale).with_limits(limits)
     do, delta = chunked.output_gradient(d_out, out, k.shape[2], block)
     ks = chunked.keys(k, v, pos, seg, block)
     grads = lambda dq, ks: chunked.gradients(qs, ks, stats, do, delta, masking, dq)
@@ -129,7 +130,7 @@ def _ring_bwd(softcap, scale, n, block, saved, d_out):
     t = pos.shape[1]
     d_sinks = None if sinks is None else chunked.sink_gradient(sinks, stats, delta).astype(sinks.dtype)
     return (ungrouped(chunked.unblocked(dq, t)).astype(d_out.dtype), chunked.unblocked(dk, t).astype(k.dtype),
-            chunked.unblocked(dv, t).astype(v.dtype), *chunked.no_cotangents(pos, seg, window), d_sinks)
+            chunked.unblocked(dv, t).astype(v.dtype), *chunked.no_cotangents(pos, seg, limits), d_sinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -272,19 +273,19 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     pairs = None if kernel == "chunked" else _fused_pairs(kernel, masking, q.shape[-1], interpret)
     if pairs is not None and sinks is not None:
         raise refuse_sinks(f"{kernel} ring")
+    if pairs is not None and not is_off(masking.chunk):
+        raise refuse_chunk(f"{kernel} ring")
 
-    def local(q, k, v, pos, seg, window, sinks):
+    def local(q, k, v, pos, seg, limits, sinks):
         if pairs is not None:
             return _fused_ring(q, k, v, n, 1 if layout.sequence_order is None else 2, pairs)
         pos, seg = chunked.tied(q, pos, seg)
         if count_blocks:
-            out, _, count = _forward(q, k, v, pos, seg, Masking(window, masking.softcap, masking.scale), n, block,
-                                     sinks)
+            out, _, count = _forward(q, k, v, pos, seg, masking.with_limits(limits), n, block, sinks)
             return out, count[None]
-        return _ring(q, k, v, pos, seg, window, sinks, masking.softcap, masking.scale, n, block)
+        return _ring(q, k, v, pos, seg, limits, sinks, masking.softcap, masking.scale, n, block)
 
-    window = jnp.asarray(masking.window, jnp.int32)
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P(), sinks_spec(layout, sinks, axes)),
                          out_specs=(q_spec, P("sp")) if count_blocks else q_spec)(q, k, v, positions, segment_ids,
-                                                                                   window, sinks)
+                                                                                   masking.limits(), sinks)

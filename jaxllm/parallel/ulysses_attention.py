@@ -38,7 +38,7 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
     n = layout.mesh.shape["sp"]
     q_spec, kv_spec, pos_spec = specs(layout, q, k)
 
-    def local(q, k, v, pos, seg, window, sinks):
+    def local(q, k, v, pos, seg, limits, sinks):
         if k.shape[2] % n:  # fewer local KV heads than sp: repeat so each rank gets its own
             k, v = (jnp.repeat(x, n // k.shape[2], axis=2) for x in (k, v))
         to_heads = lambda x: jax.lax.all_to_all(x, "sp", split_axis=2, concat_axis=1, tiled=True)
@@ -48,10 +48,10 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking = C
             heads = sinks.shape[0] // n
             sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index("sp") * heads, heads)
         out = chunked_attention(to_heads(q), to_heads(k), to_heads(v), pos, pos, seg, seg,
-                                Masking(window, masking.softcap, masking.scale), block, sinks=sinks)
+                                masking.with_limits(limits), block, sinks=sinks)
         return jax.lax.all_to_all(out, "sp", split_axis=1, concat_axis=2, tiled=True)
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=manual_axes(layout), check_vma=False,
                          in_specs=(q_spec, kv_spec, kv_spec, pos_spec, pos_spec, P(), sinks_spec(layout, sinks)),
-                         out_specs=q_spec)(q, k, v, positions, segment_ids, jnp.asarray(masking.window, jnp.int32),
+                         out_specs=q_spec)(q, k, v, positions, segment_ids, masking.limits(),
                                            sinks)
