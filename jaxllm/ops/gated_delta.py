@@ -1,0 +1,180 @@
+"""The gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention) on one device's arrays: a recurrent
+form (`recurrent`, a scan over tokens: decode, and the readable reference) and a chunked parallel form
+(`chunked`, within-chunk matmuls in WY/UT form and a scan over chunks: training and prefill). Plain JAX.
+
+The recurrence, per (value) head, with a state S [dk, dv] (zero unless `initial_state` gives one):
+
+    S ← exp(g_t) · S                        g_t ≤ 0: the token's log decay
+    S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t)        β_t ∈ (0, 1): the delta rule's step, S moves k_t's read towards v_t
+    o_t = Sᵀ q_t
+
+i.e. S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ. Conventions are transformers' pure-torch path
+(`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` in models/qwen3_next/modeling_qwen3_next.py):
+with `use_qk_l2norm` q and k are first L2-normalised over dk (x · rsqrt(Σx² + 1e-6), FLA's `l2norm`), then q
+is always scaled by dk^-1/2; everything is computed in fp32 and o is returned in q's dtype, the state in fp32.
+
+Layout: q, k [b, t, hk, dk]; v [b, t, hv, dv]; g, beta [b, t, hv]; state [b, hv, dk, dv]; o [b, t, hv, dv] —
+the layout of transformers' functions and of the projections that feed them, so no caller transposes. hv is a
+multiple of hk (grouped value heads: each q/k head serves hv/hk consecutive value heads, repeated here like
+transformers' `repeat_interleave`). Internally the time (or chunk) axis is moved to the front for the scan.
+
+Chunked form (chunk size C; t padded at the end with k = v = q = 0, g = 0, β = 0 — a padded token neither
+decays nor writes the state — and the padding sliced off). Inside a chunk let G_i = Σ_{j≤i} g_j (the chunk's
+cumulative log decay) and D_ij = exp(G_i − G_j) for j ≤ i (0 above the diagonal; the exponent is masked
+before the exp, so nothing overflows). With S0 the state entering the chunk, the UT transform
+(I + A) with A_ij = β_i k_iᵀ k_j D_ij strictly below the diagonal gives (one unit-lower-triangular solve)
+
+    u = (I + A)⁻¹ (β v)            the chunk's "new values" if S0 were 0
+    w = (I + A)⁻¹ (β k exp(G))     how much of each new value S0 already predicts
+    v_new = u − w S0
+    o     = (q exp(G)) S0 + ((q kᵀ) ∘ D) v_new                 (D including the diagonal)
+    S1    = exp(G_C) S0 + Σ_j (k_j exp(G_C − G_j)) v_newⱼᵀ
+
+u, w and the masked q kᵀ of all chunks are computed at once (batched matmuls and solves), and a `lax.scan`
+over the chunks carries S: only the three matmuls with S are sequential.
+
+Packed documents: `resets` [b, t] bool, true at each document's first token, zeroes the state before that
+token (equivalently, that token's decay is exp(−∞)); `segment_ids` [b, t] (the batch contract's: one id per
+document, padding 0) is turned into resets where the id changes (position 0 is never a reset: the sequence
+continues `initial_state`; pass `resets` to drop it). In the recurrent form the carried state is zeroed at a
+reset. In the chunked form a reset inside a chunk is exact: with seg_i = the number of resets in the chunk up to
+and including i, D_ij is also zeroed where seg_i ≠ seg_j (so A, and hence (I + A)⁻¹, is block diagonal by
+document and no within-chunk interaction crosses a document start), the S0 terms (q exp(G) and w) are kept only
+for tokens with seg_i = 0 (before the chunk's first reset), and in S1 exp(G_C) S0 is dropped if the chunk has a
+reset and only tokens of the chunk's last document (seg_j = seg_C) write. G still sums g across a reset, but
+only differences within one document are ever used, so the decay of a document's first token (which acts on a
+zero state) has no effect, as in the recurrence.
+
+Memory (per layer, b·hv heads): `recurrent` keeps the state [dk, dv] and the outputs; under `jax.grad` its scan
+saves a state per token, O(t·dk·dv) — fine for decode, too much for training. `chunked` holds O(t·C) for D, A
+and q kᵀ, O(t·(dk + dv)) for u, w and the inputs, and the state. Under `jax.grad` the chunk scan saves the state
+entering every chunk, O(t/C · dk·dv) (t·256 floats per head at dk = dv = 128, C = 64, i.e. more than the O(t·C)
+of the within-chunk arrays when dk·dv > C²), besides the within-chunk arrays: still linear in t but not
+O(t·C). A custom VJP that keeps only the inputs (and perhaps every k-th state) and recomputes the states in a
+reverse pass, as FLA's kernels do, is a later step; not done here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST  # fp32 matmuls stay fp32 on accelerators (no TF32 / bf16 passes)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """FLA's / transformers' `l2norm` over the last axis: x · rsqrt(Σx² + eps)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def resets_of(segment_ids: jax.Array) -> jax.Array:
+    """[b, t] bool: true where a token's segment id differs from the previous token's (never at position 0)."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+
+
+def _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets):
+    """fp32 inputs with q/k heads repeated to the value heads, q (and k) normalised and scaled; the resets."""
+    hk, hv = k.shape[2], v.shape[2]
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of the key heads ({hk})")
+    f32 = jnp.float32
+    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    if hv != hk:
+        q, k = jnp.repeat(q, hv // hk, axis=2), jnp.repeat(k, hv // hk, axis=2)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    if resets is None and segment_ids is not None:
+        resets = resets_of(segment_ids)
+    return q, k, v, g, beta, resets
+
+
+def _initial(initial_state, b, h, dk, dv):
+    if initial_state is None:
+        return jnp.zeros((b, h, dk, dv), jnp.float32)
+    return initial_state.astype(jnp.float32)
+
+
+def recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm: bool = False, segment_ids=None,
+              resets=None):
+    """The gated delta rule token by token: a `lax.scan` over t carrying the state [b, hv, dk, dv].
+    Returns (o [b, t, hv, dv] in q's dtype, final state [b, hv, dk, dv] fp32). One token at a time (decode):
+    call with t = 1 and pass the returned state back as `initial_state`."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    state = _initial(initial_state, b, h, dk, dv)
+    if resets is None:
+        resets = jnp.zeros((b, t), bool)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, beta_t, r_t = xs  # [b, h, d] / [b, h] / [b]
+        s = jnp.where(r_t[:, None, None, None], 0.0, s)
+        s = s * jnp.exp(g_t)[..., None, None]
+        read = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - read))[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, resets))
+    state, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1).astype(out_dtype), state
+
+
+def chunked(q, k, v, g, beta, chunk: int = 64, initial_state=None, *, use_qk_l2norm: bool = False,
+            segment_ids=None, resets=None):
+    """The gated delta rule in chunks of `chunk` tokens (WY/UT form within a chunk, a scan over chunks carrying
+    the state; see the module docstring). Any t (padded inside to a multiple of `chunk`). Same arguments and
+    results as `recurrent`."""
+    out_dtype = q.dtype
+    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets)
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    state = _initial(initial_state, b, h, dk, dv)
+    if resets is None:
+        resets = jnp.zeros((b, t), bool)
+    c = chunk
+    pad = -t % c
+    n = (t + pad) // c
+
+    def chunks(x):  # [b, t, h, ...] -> [b, h, n, c, ...], zero-padded
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x, 2, 1)
+        return x.reshape(x.shape[:2] + (n, c) + x.shape[3:])
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    resets = jnp.pad(resets, [(0, 0), (0, pad)]).reshape(b, 1, n, c)
+    seg = jnp.cumsum(resets.astype(jnp.int32), axis=-1)  # [b, 1, n, c]: resets in the chunk up to here
+    first = seg == 0  # tokens that still see the state entering the chunk
+    last = seg == seg[..., -1:]  # tokens of the chunk's last document: those that write the leaving state
+    carries = ~resets.any(axis=-1)  # [b, 1, n]: the entering state survives the chunk
+
+    cum = jnp.cumsum(g, axis=-1)  # [b, h, n, c]: G
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    same = causal & (seg[..., :, None] == seg[..., None, :])  # [b, 1, n, c, c]
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.exp(jnp.where(same, diff, -jnp.inf))  # D, 0 where masked
+    kb = k * beta[..., None]
+    ut = jnp.einsum("...ik,...jk->...ij", kb, k, precision=HIGHEST) * decay
+    ut = jnp.where(causal & ~jnp.eye(c, dtype=bool), ut, 0.0) + jnp.eye(c, dtype=ut.dtype)  # I + A
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.where(first, jnp.exp(cum), 0.0)[..., None]], axis=-1)
+    uw = jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    attn = jnp.einsum("...ik,...jk->...ij", q, k, precision=HIGHEST) * decay
+    q_in = q * jnp.where(first, jnp.exp(cum), 0.0)[..., None]  # reads S0
+    k_out = k * jnp.where(last, jnp.exp(cum[..., -1:] - cum), 0.0)[..., None]  # writes S1
+    keep = jnp.where(carries, jnp.exp(cum[..., -1]), 0.0)  # [b, h, n]
+
+    def step(s, xs):
+        u_c, w_c, attn_c, q_c, k_c, keep_c = xs
+        v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s, precision=HIGHEST)
+        o = (jnp.einsum("bhik,bhkv->bhiv", q_c, s, precision=HIGHEST)
+             + jnp.einsum("bhij,bhjv->bhiv", attn_c, v_new, precision=HIGHEST))
+        s = keep_c[..., None, None] * s + jnp.einsum("bhjk,bhjv->bhkv", k_c, v_new, precision=HIGHEST)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, attn, q_in, k_out, keep))
+    state, o = jax.lax.scan(step, state, xs)  # o [n, b, h, c, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
+    return jnp.moveaxis(o, 1, 2).astype(out_dtype), state
