@@ -134,38 +134,49 @@ def chunked(q, k, v, g, beta, chunk: int = 64, initial_state=None, *, use_qk_l2n
     state = _initial(initial_state, b, h, dk, dv)
     if resets is None:
         resets = jnp.zeros((b, t), bool)
-    c = chunk
-    pad = -t % c
-    n = (t + pad) // c
+    pad = -t % chunk
+    n = (t + pad) // chunk
 
     def chunks(x):  # [b, t, h, ...] -> [b, h, n, c, ...], zero-padded
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = jnp.moveaxis(x, 2, 1)
-        return x.reshape(x.shape[:2] + (n, c) + x.shape[3:])
+        return x.reshape(x.shape[:2] + (n, chunk) + x.shape[3:])
 
-    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
-    resets = jnp.pad(resets, [(0, 0), (0, pad)]).reshape(b, 1, n, c)
+    resets = jnp.pad(resets, [(0, 0), (0, pad)]).reshape(b, 1, n, chunk)
+    parts = _within_chunks(*(chunks(x) for x in (q, k, v, g, beta)), resets)
+    state, o = _across_chunks(state, parts)  # o [n, b, h, c, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :t]
+    return jnp.moveaxis(o, 1, 2).astype(out_dtype), state
+
+
+def _within_chunks(q, k, v, g, beta, resets):
+    """Every chunk's own products, all chunks at once ([b, h, n, c, ...]; `resets` [b, 1, n, c]): u and w of the UT
+    transform, the decayed q·kᵀ, the queries that read the entering state, the keys that write the leaving one
+    and the factor the entering state survives by."""
+    c, dv = q.shape[-2], v.shape[-1]
     seg = jnp.cumsum(resets.astype(jnp.int32), axis=-1)  # [b, 1, n, c]: resets in the chunk up to here
     first = seg == 0  # tokens that still see the state entering the chunk
     last = seg == seg[..., -1:]  # tokens of the chunk's last document: those that write the leaving state
     carries = ~resets.any(axis=-1)  # [b, 1, n]: the entering state survives the chunk
-
     cum = jnp.cumsum(g, axis=-1)  # [b, h, n, c]: G
     causal = jnp.tril(jnp.ones((c, c), bool))
     same = causal & (seg[..., :, None] == seg[..., None, :])  # [b, 1, n, c, c]
-    diff = cum[..., :, None] - cum[..., None, :]
-    decay = jnp.exp(jnp.where(same, diff, -jnp.inf))  # D, 0 where masked
+    decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # D, 0 where masked
     kb = k * beta[..., None]
     ut = jnp.einsum("...ik,...jk->...ij", kb, k, precision=HIGHEST) * decay
     ut = jnp.where(causal & ~jnp.eye(c, dtype=bool), ut, 0.0) + jnp.eye(c, dtype=ut.dtype)  # I + A
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.where(first, jnp.exp(cum), 0.0)[..., None]], axis=-1)
     uw = jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = uw[..., :dv], uw[..., dv:]
     attn = jnp.einsum("...ik,...jk->...ij", q, k, precision=HIGHEST) * decay
     q_in = q * jnp.where(first, jnp.exp(cum), 0.0)[..., None]  # reads S0
     k_out = k * jnp.where(last, jnp.exp(cum[..., -1:] - cum), 0.0)[..., None]  # writes S1
     keep = jnp.where(carries, jnp.exp(cum[..., -1]), 0.0)  # [b, h, n]
+    return uw[..., :dv], uw[..., dv:], attn, q_in, k_out, keep
 
+
+def _across_chunks(state, parts):
+    """The scan over chunks carrying the state [b, h, dk, dv]: the only sequential work. Returns (the final state,
+    o [n, b, h, c, dv])."""
     def step(s, xs):
         u_c, w_c, attn_c, q_c, k_c, keep_c = xs
         v_new = u_c - jnp.einsum("bhik,bhkv->bhiv", w_c, s, precision=HIGHEST)
@@ -174,7 +185,4 @@ def chunked(q, k, v, g, beta, chunk: int = 64, initial_state=None, *, use_qk_l2n
         s = keep_c[..., None, None] * s + jnp.einsum("bhjk,bhjv->bhkv", k_c, v_new, precision=HIGHEST)
         return s, o
 
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, attn, q_in, k_out, keep))
-    state, o = jax.lax.scan(step, state, xs)  # o [n, b, h, c, dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
-    return jnp.moveaxis(o, 1, 2).astype(out_dtype), state
+    return jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 2, 0) for x in parts))
