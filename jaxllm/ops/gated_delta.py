@@ -73,8 +73,9 @@ def resets_of(segment_ids: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
 
 
-def _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets):
-    """fp32 inputs with q/k heads repeated to the value heads, q (and k) normalised and scaled; the resets."""
+def _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, segment_ids, resets):
+    """fp32 inputs with q/k heads repeated to the value heads, q (and k) normalised and scaled; the resets [b, t]
+    (none: all false); the entering state [b, hv, dk, dv] fp32 (none: zeros)."""
     hk, hv = k.shape[2], v.shape[2]
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of the key heads ({hk})")
@@ -85,15 +86,11 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets):
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    if resets is None and segment_ids is not None:
-        resets = resets_of(segment_ids)
-    return q, k, v, g, beta, resets
-
-
-def _initial(initial_state, b, h, dk, dv):
-    if initial_state is None:
-        return jnp.zeros((b, h, dk, dv), jnp.float32)
-    return initial_state.astype(jnp.float32)
+    b, t, h, dk = k.shape
+    if resets is None:
+        resets = jnp.zeros((b, t), bool) if segment_ids is None else resets_of(segment_ids)
+    state = jnp.zeros((b, h, dk, v.shape[-1]), f32) if initial_state is None else initial_state.astype(f32)
+    return q, k, v, g, beta, resets, state
 
 
 def recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm: bool = False, segment_ids=None,
@@ -102,12 +99,7 @@ def recurrent(q, k, v, g, beta, initial_state=None, *, use_qk_l2norm: bool = Fal
     Returns (o [b, t, hv, dv] in q's dtype, final state [b, hv, dk, dv] fp32). One token at a time (decode):
     call with t = 1 and pass the returned state back as `initial_state`."""
     out_dtype = q.dtype
-    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets)
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
-    state = _initial(initial_state, b, h, dk, dv)
-    if resets is None:
-        resets = jnp.zeros((b, t), bool)
+    q, k, v, g, beta, resets, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, segment_ids, resets)
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, beta_t, r_t = xs  # [b, h, d] / [b, h] / [b]
@@ -128,12 +120,9 @@ def chunked(q, k, v, g, beta, chunk: int = 64, initial_state=None, *, use_qk_l2n
     the state; see the module docstring). Any t (padded inside to a multiple of `chunk`). Same arguments and
     results as `recurrent`."""
     out_dtype = q.dtype
-    q, k, v, g, beta, resets = _prepare(q, k, v, g, beta, use_qk_l2norm, segment_ids, resets)
-    b, t, h, dk = k.shape
+    q, k, v, g, beta, resets, state = _prepare(q, k, v, g, beta, initial_state, use_qk_l2norm, segment_ids, resets)
+    b, t, h, _ = k.shape
     dv = v.shape[-1]
-    state = _initial(initial_state, b, h, dk, dv)
-    if resets is None:
-        resets = jnp.zeros((b, t), bool)
     pad = -t % chunk
     n = (t + pad) // chunk
 
