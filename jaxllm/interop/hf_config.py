@@ -452,7 +452,7 @@ def model_type(m: ModelConfig) -> str:
     """The transformers model type that computes what `m` describes."""
     if m.mlp == "swiglu_clamped":
         return "gpt_oss"
-    if m.moe.gate_input or m.qk_l2_norm or m.attention_chunk or not m.rope_global:
+    if any(_llama4_features(m).values()):
         return "llama4_text"
     if m.mlp == "gelu_tanh":
         return "gpt2"
@@ -635,13 +635,25 @@ def _deepseek_wrong(m: ModelConfig) -> list[str]:
     return wrong
 
 
+def _gpt_oss_features(m: ModelConfig) -> dict[str, bool]:
+    """The features gpt-oss alone has: key -> whether `m` has it."""
+    return {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": m.moe.router_logit_bias,
+            "model.moe.expert_biases": m.moe.expert_biases}
+
+
+def _llama4_features(m: ModelConfig) -> dict[str, bool]:
+    """The features Llama 4 alone has: key -> whether `m` has it."""
+    return {"model.attention_chunk": bool(m.attention_chunk), "model.rope_global=false": not m.rope_global,
+            "model.attn_temperature_floor": bool(m.attn_temperature_floor), "model.qk_l2_norm": m.qk_l2_norm,
+            "model.moe.gate_input": m.moe.gate_input}
+
+
 def _gpt_oss_wrong(m: ModelConfig) -> list[str]:
     """What of gpt-oss's features a model lacks: MoE layers only, its router and experts, the sinks."""
     e, wrong = m.moe, []
     if m.segments or m.pattern != ["moe"]:
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments} (gpt-oss: MoE layers only)")
-    features = {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": e.router_logit_bias,
-                "model.moe.expert_biases": e.expert_biases, "model.moe.norm_topk": e.norm_topk}
+    features = {**_gpt_oss_features(m), "model.moe.norm_topk": e.norm_topk}
     wrong += [f"{k}=false (gpt-oss has it)" for k, v in features.items() if not v]
     if (e.score, e.routed_scale, e.n_group, bool(shared_d_ff(m)), has_router_bias(m)) != ("softmax", 1.0, 1, False,
                                                                                          False):
@@ -665,19 +677,14 @@ def _llama4_wrong(m: ModelConfig) -> list[str]:
 
 def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
     """What of the layer stack and the experts `kind`'s config.json cannot say."""
-    e, wrong = m.moe, []
-    if kind != "llama4_text":
-        llama4 = {"model.attention_chunk": m.attention_chunk, "model.rope_global": not m.rope_global,
-                  "model.attn_temperature_floor": m.attn_temperature_floor, "model.qk_l2_norm": m.qk_l2_norm,
-                  "model.moe.gate_input": e.gate_input}
-        wrong += [f"{k} (Llama 4's alone)" for k, v in llama4.items() if v]
+    e = m.moe
+    wrong = [f"{k} ({name}'s alone)" for own, name, features in (("gpt_oss", "gpt-oss", _gpt_oss_features(m)),
+                                                                  ("llama4_text", "Llama 4", _llama4_features(m)))
+             if kind != own for k, on in features.items() if on]
     if kind == "deepseek_v3":
         return wrong + _deepseek_wrong(m)
     if kind == "gpt_oss":
         return wrong + _gpt_oss_wrong(m)
-    features = {"model.attn_sinks": m.attn_sinks, "model.moe.router_logit_bias": e.router_logit_bias,
-                "model.moe.expert_biases": e.expert_biases}
-    wrong += [f"{k}=true (gpt-oss's alone)" for k, v in features.items() if v]
     if kind == "llama4_text":
         return wrong + _llama4_wrong(m)
     if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):

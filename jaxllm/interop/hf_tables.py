@@ -114,8 +114,7 @@ def _gpt_oss(m) -> list[Entry]:
     for part, name in enumerate(("gate", "up")):
         experts += [Entry(f"{key}.experts.gate_up_proj", (*ours, f"w_{name}"), "x e (f p) -> p x e f", part, parts=2),
                     Entry(f"{key}.experts.gate_up_proj_bias", (*ours, f"b_{name}"), "x (f p) -> p x f", part, parts=2)]
-    top = _llama("", False, m.tie_embeddings, attention=attention)
-    return [e for e in top if ".mlp." not in e.key] + experts
+    return _llama("", False, m.tie_embeddings, attention=attention, feed_forward=experts)
 
 
 def _llama4(m) -> list[Entry]:
@@ -132,8 +131,7 @@ def _llama4(m) -> list[Entry]:
                *[Entry(f"{key}.experts.gate_up_proj", ("moe", "experts", leaf), "x e (p f) -> p x e f", part, parts=2)
                  for part, leaf in enumerate(("w_gate", "w_up"))],
                *_mlp(f"{key}.shared_expert", ("moe", "shared")), *_mlp(key, ("mlp",))]
-    top = _llama("", False, m.tie_embeddings, attention=attention)
-    return [e for e in top if ".mlp." not in e.key] + experts
+    return _llama("", False, m.tie_embeddings, attention=attention, feed_forward=experts)
 
 
 def _qwen_experts(fused: bool) -> list[Entry]:
@@ -178,10 +176,11 @@ def _deepseek(m, fused: bool, interleaved: bool) -> list[Entry]:
 
 
 def _llama(biases: str, mlp_bias: bool, tied: bool, experts: str = "", placement: str = "pre",
-           qk_norm: bool = False, fused: bool = False, attention: list[Entry] | None = None) -> list[Entry]:
-    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3, DeepSeek-V3
-    (`experts`: whose MoE layers, "mixtral" or "qwen"; `fused`: Qwen's experts as fused tensors; `attention`: the
-    attention's entries where they are not LLaMA's)."""
+           qk_norm: bool = False, fused: bool = False, attention: list[Entry] | None = None,
+           feed_forward: list[Entry] | None = None) -> list[Entry]:
+    """LLaMA's table, and the families built like it: Mistral, Qwen2/3, Mixtral, Qwen MoE, Gemma 2/3, DeepSeek-V3,
+    gpt-oss, Llama 4 (`experts`: whose MoE layers, "mixtral" or "qwen"; `fused`: Qwen's experts as fused tensors;
+    `attention`, `feed_forward`: the attention's and the feed-forwards' entries where they are not LLaMA's)."""
     top = [Entry("model.embed_tokens.weight", ("embed", "tok"), "v e -> v e"),
            Entry("model.norm.weight", ("final_norm", "scale"), "e -> e")]
     if not tied:
@@ -189,6 +188,8 @@ def _llama(biases: str, mlp_bias: bool, tied: bool, experts: str = "", placement
     layer = [Entry(f"model.layers.{{i}}.{name}.weight", (ours, "scale"), "e -> e")
              for name, ours in _NORMS[placement].items()]
     layer += _llama_attention(biases, qk_norm) if attention is None else attention
+    if feed_forward is not None:
+        return top + layer + feed_forward
     if experts:  # the MoE layers' entries; the dense layers' (Qwen MoE's dense layers) stay beside them
         layer += _mixtral_experts() if experts == "mixtral" else _qwen_experts(fused)
     return top + layer + _mlp("model.layers.{i}.mlp", ("mlp",), mlp_bias)
