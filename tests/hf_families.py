@@ -440,6 +440,22 @@ def build(
     return out_dir
 
 
+def build_multimodal(family: str, out: str, config_class: str, text_class: str, vision: dict, **keys) -> str:
+    """A tiny `*ForConditionalGeneration` (`config_class` with `family`'s tiny text model as `text_class` beside
+    the small vision tower `vision`; `keys` the rest of the config), perturbed as `build` perturbs, saved to `out`."""
+    import torch
+
+    transformers = _transformers()
+    _, text = _family_kwargs(family)
+    config = getattr(transformers, config_class)(text_config=getattr(transformers, text_class)(**text).to_dict(),
+                                                 vision_config=vision, **keys)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
+    _perturb(model, torch.Generator().manual_seed(0))
+    model.save_pretrained(out)
+    return out
+
+
 def _to_v4_config(family: str, cfg: dict) -> dict:
     """Rewrite a transformers-5 config.json dict into what transformers 4.x wrote for the family.
 

@@ -128,20 +128,10 @@ def test_a_run_starts_at_transformers_loss(family, where, models, tmp_path):
 def multimodal_gemma3(out: str) -> str:
     """A tiny Gemma3ForConditionalGeneration (a one-layer vision tower beside hf_families' Gemma 3 text model),
     perturbed as hf_families perturbs, saved."""
-    import torch
-    import transformers
-
-    _, text = H._family_kwargs("gemma3")
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    config = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text).to_dict(),
-                                       vision_config=vision, mm_tokens_per_image=4, image_token_index=300,
-                                       boi_token_index=298, eoi_token_index=299)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    H._perturb(model, torch.Generator().manual_seed(0))
-    model.save_pretrained(out)
-    return out
+    return H.build_multimodal("gemma3", out, "Gemma3Config", "Gemma3TextConfig", vision, mm_tokens_per_image=4,
+                              image_token_index=300, boi_token_index=298, eoi_token_index=299)
 
 
 @pytest.mark.slow

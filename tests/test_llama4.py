@@ -42,21 +42,11 @@ def test_llama4_config_reads_as_its_features(llama4):
 def multimodal_llama4(out: str) -> str:
     """A tiny `Llama4ForConditionalGeneration` (the text model of hf_families' "llama4", a one-layer vision model),
     perturbed as hf_families perturbs, saved: its text model under `language_model.*`."""
-    import torch
-    import transformers
-
-    _, text = H._family_kwargs("llama4")
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
                   pixel_shuffle_ratio=0.5)
-    config = transformers.Llama4Config(text_config=transformers.Llama4TextConfig(**text).to_dict(),
-                                       vision_config=vision, image_token_index=300, boi_token_index=298,
-                                       eoi_token_index=299)
-    torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(config).eval()
-    H._perturb(model, torch.Generator().manual_seed(0))
-    model.save_pretrained(out)
-    return out
+    return H.build_multimodal("llama4", out, "Llama4Config", "Llama4TextConfig", vision, image_token_index=300,
+                              boi_token_index=298, eoi_token_index=299)
 
 
 @pytest.mark.slow
