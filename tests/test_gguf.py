@@ -126,6 +126,7 @@ def logits_of(source: str, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(lambda p, t: transformer.logits(p, t, cfg.model))(params, jnp.asarray(tokens)))
 
 
+TO_TRANSFORMERS = {"gemma2": 1e-4}  # where jaxllm and transformers part by more than 1e-5, as HF imports
 ARCHS = {"llama": ("llama3.1", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
          "qwen2": ("qwen2", {}), "qwen3": ("qwen3", {}),
          "gemma2": ("gemma2", {"query_pre_attn_scalar": H.HEAD_DIM}), "qwen2moe": ("qwen2_moe", {}),
@@ -155,7 +156,9 @@ def test_a_model_written_as_llama_cpp_writes_it_imports_with_transformers_logits
     tokens = H.sample_tokens(H.VOCAB_SIZE, 2, 24, 0)
     ours = logits_of(f"gguf:{tmp_path / 'tiny.gguf'}", tokens)[..., :H.VOCAB_SIZE]
     assert np.abs(ours - logits_of(f"hf:{source}", tokens)[..., :H.VOCAB_SIZE]).max() <= 1e-6  # the same model
-    assert np.abs(ours - H.reference_logits(source, tokens)).max() <= 1e-4  # as test_hf_interop's imports
+    # transformers' logits within 1e-5; Gemma 2 within test_hf_interop's 1e-4, which its import from the
+    # transformers directory itself needs (its soft caps: 1.1e-5 apart either way)
+    assert np.abs(ours - H.reference_logits(source, tokens)).max() <= TO_TRANSFORMERS.get(arch, 1e-5)
 
 
 def test_bad_gguf_files_are_refused_in_one_line(tmp_path, capsys):
