@@ -129,6 +129,22 @@ class MlaConfig:
 
 
 @dataclass
+class LinearAttnConfig:
+    """Gated DeltaNet (Qwen3-Next's linear attention, `models/gated_deltanet.py`), the token mixer of the `linear`
+    and `linear_moe` block kinds: a short causal convolution, then the gated delta rule's fixed-size state per
+    value head in place of a KV cache."""
+
+    num_k_heads: int = key(2, "query/key heads (transformers' `linear_num_key_heads`)")
+    num_v_heads: int = key(4, "value heads, a multiple of the key heads: each q/k head serves num_v_heads / "
+                              "num_k_heads consecutive value heads (`linear_num_value_heads`)")
+    head_k_dim: int = key(32, "each query/key head's dimension (`linear_key_head_dim`)")
+    head_v_dim: int = key(32, "each value head's dimension (`linear_value_head_dim`)")
+    conv_kernel: int = key(4, "the causal depthwise convolution's width over q, k and v (`linear_conv_kernel_dim`)")
+    chunk: int = key(64, "tokens per chunk of the chunked (training) form: within-chunk matmuls, a state carried "
+                         "between chunks; numerics only, any value computes the same recurrence")
+
+
+@dataclass
 class LoraConfig:
     """Low-rank adapters on a frozen base (`model.lora`, `jaxllm/models/lora.py`): each targeted weight W is used as
     W + scale·A·B, only A and B trained; the base is held in the compute dtype (or quantized), with no optimizer
@@ -224,6 +240,9 @@ class ModelConfig:
                                   "dropped, so a query may attend to nothing; `dense`, `chunked`, the "
                                   "context-parallel islands and generation compute it, the fused kernels are "
                                   "refused; see \"Attention\"")
+    attn_output_gate: bool = key(False, "an output gate on attention (Qwen3-Next's gated attention): each head's "
+                                        "output × σ(x W_gate) before the output projection (`attn.wg`, [embed, "
+                                        "heads, head_dim]; transformers' q_proj holds it beside each head's query)")
     query_pre_attn_scalar: float = key(0.0, "scores scaled by this^−½ instead of head_dim^−½ (Gemma's "
                                             "`query_pre_attn_scalar`); 0 = head_dim")
     rope_theta: float = key(10000.0, "RoPE's base: the wavelengths' scale")
@@ -233,6 +252,9 @@ class ModelConfig:
                                     "original/low slowed by the factor, shorter than original/high kept, smooth "
                                     "between) or `yarn` (YaRN: frequencies between interpolated and kept by a ramp "
                                     "over the dimensions, `rope_beta_*`, and cos/sin × `rope_attention_factor`)")
+    rope_fraction: float = key(1.0, "the part of each head RoPE rotates: its first head_dim × this dimensions "
+                                    "(transformers' `partial_rotary_factor`, Qwen3-Next's 0.25), the rest pass as "
+                                    "they are")
     rope_local_theta: float = key(0.0, "RoPE base of the `local` layers of `window_pattern`, unscaled (Gemma 3's "
                                        "local layers); 0 = every layer's RoPE is the one above")
     rope_factor: float = key(8.0, "`linear`, `llama3` and `yarn` scaling: the factor (long) wavelengths are slowed by")
@@ -279,8 +301,11 @@ class ModelConfig:
                                       "otherwise and on CPU `chunked` from `seq_len` 4096 on or with a window shorter "
                                       "than `seq_len`, else `dense`; the choice and why are logged; see \"Attention\"")
     init_std: float = key(0.02, "standard deviation of the random initialisation")
-    pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (`[\"dense\", \"moe\"]` "
-                                   "puts an MoE feed-forward in every second layer); the stack is scanned")
+    pattern: list = key(["dense"], "the block kinds repeated down the stack: `dense` or `moe` (attention, then a dense "
+                                   "or an MoE feed-forward), `linear` or `linear_moe` (Gated DeltaNet, `model.linear_"
+                                   "attn`, in place of attention); `[\"dense\", \"moe\"]` puts an MoE feed-forward "
+                                   "in every second layer, `[\"linear_moe\", \"linear_moe\", \"linear_moe\", "
+                                   "\"moe\"]` is Qwen3-Next's stack; the stack is scanned")
     segments: list = key([], "the stack as segments run in turn, each a table `{layers = N, pattern = [...]}` (its "
                              "pattern repeated over its N layers, scanned): `[{layers = 3, pattern = [\"dense\"]}, "
                              "{layers = 58, pattern = [\"moe\"]}]` puts three dense layers first; the layers add up "
@@ -306,6 +331,7 @@ class ModelConfig:
                             "generation and evaluation ignore them; 0 = none")
     moe: MoeConfig = field(default_factory=MoeConfig)
     mla: MlaConfig = field(default_factory=MlaConfig)
+    linear_attn: LinearAttnConfig = field(default_factory=LinearAttnConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

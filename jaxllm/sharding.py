@@ -54,6 +54,9 @@ TENSOR_RULES: Rules = (
     ("depth", ()),  # the multi-token prediction modules' stack (`models/mtp.py`): replicated over pp like the head
     ("mtp_in", ()),  # their projection's input, the embedding and the hidden state joined
     ("lora_rank", ()),  # a LoRA adapter's rank (`models/lora.py`): small, whole on every device
+    ("linear_heads", ("tp",)),  # Gated DeltaNet's key-head groups (`models/gated_deltanet.py`), split like heads
+    ("linear_group", ()),  # a group's channels (its q, k, r value heads, their gates)
+    ("conv_kernel", ()),  # the short convolution's taps (and the generation state's window)
 )
 
 # "pages": the rollout engine's page pool (`generate/engine.py`), whole on every device: any slot's page table

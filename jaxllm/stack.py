@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from jaxllm.errors import ConfigError
 
-KINDS = ("dense", "moe")
+KINDS = ("dense", "moe", "linear", "linear_moe")  # attention or Gated DeltaNet (`linear`), a dense or MoE feed-forward
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,22 @@ def kinds(m) -> list[str]:
     return [kind for seg in segments(m) for kind in seg.pattern]
 
 
+def is_moe(kind: str) -> bool:
+    """A block kind with the MoE feed-forward."""
+    return kind in ("moe", "linear_moe")
+
+
+def is_linear(kind: str) -> bool:
+    """A block kind with Gated DeltaNet (linear attention) in place of attention."""
+    return kind in ("linear", "linear_moe")
+
+
 def has_moe(m) -> bool:
-    return "moe" in kinds(m)
+    return any(map(is_moe, kinds(m)))
+
+
+def has_linear(m) -> bool:
+    return any(map(is_linear, kinds(m)))
 
 
 def layer_kinds(m) -> list[str]:
@@ -75,7 +89,7 @@ def from_layer_kinds(kinds_: list[str]) -> list[dict]:
 
 def _check_pattern(where: str, pattern) -> None:
     if not isinstance(pattern, list) or not pattern or any(k not in KINDS for k in pattern):
-        raise ConfigError(f"{where}: {pattern} — block kinds are {' and '.join(map(repr, KINDS))}, e.g. "
+        raise ConfigError(f"{where}: {pattern} — block kinds are {', '.join(map(repr, KINDS))}, e.g. "
                           "[\"dense\", \"moe\"] for an MoE feed-forward every second layer")
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.gated_deltanet import GatedDeltaNetSizes, gated_deltanet
+from jaxllm.models.gated_deltanet import (GatedDeltaNetSizes, cached_gated_deltanet, empty_state, from_hf, gated_deltanet,
+                                          state_bytes, to_hf)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -42,10 +44,8 @@ def _torch_layer():
             if name == "A_log":
                 new = new - 1.0  # decays exp(-softplus(..) e^A_log) of a few per cent a token: the state matters
             param.copy_(new)
-    p = {"in_proj_qkvz": layer.in_proj_qkvz.weight.T, "in_proj_ba": layer.in_proj_ba.weight.T,
-         "conv1d": layer.conv1d.weight[:, 0, :], "dt_bias": layer.dt_bias, "A_log": layer.A_log,
-         "norm": layer.norm.weight, "out_proj": layer.out_proj.weight.T}
-    return layer, {name: jnp.asarray(w.detach().numpy()) for name, w in p.items()}
+    hf = {name: w.detach().numpy() for name, w in layer.state_dict().items()}
+    return layer, {name: jnp.asarray(w) for name, w in from_hf(hf, SIZES).items()}
 
 
 def test_matches_transformers():
@@ -76,3 +76,32 @@ def test_packed_documents_equal_each_alone():
     joint = np.asarray(gated_deltanet(p, x, SIZES))
     leak = np.abs(joint[:, n1:] - second).max(axis=(0, 2))
     assert leak[:K - 1].min() > 1e-3 * scale and leak[K:].max() > 1e-3 * scale, leak
+
+
+def test_transformers_layout_round_trips_bit_for_bit():
+    layer, p = _torch_layer()
+    hf = {name: w.detach().numpy() for name, w in layer.state_dict().items()}
+    back = to_hf({name: np.asarray(w) for name, w in p.items()}, SIZES)
+    assert set(back) == set(hf)
+    for name, w in hf.items():
+        np.testing.assert_array_equal(back[name], w, err_msg=name)
+
+
+def test_carried_state_continues_the_sequence():
+    """A prompt (after left padding, its own document), then tokens one at a time with the carried state, equals
+    the whole sequence at once: the state and window are all that pass between calls, and they do not grow."""
+    _, p = _torch_layer()
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 30, D)).astype(np.float32))
+    pad, prompt = 3, 20
+    want = np.asarray(gated_deltanet(p, x[:, pad:], SIZES, chunk=16))
+    resets = jnp.zeros((2, prompt), bool).at[:, 0].set(True).at[:, pad].set(True)  # padding, then the prompt
+    start = empty_state(SIZES, 2, jnp.float32)
+    y, carried = cached_gated_deltanet(p, x[:, :prompt], SIZES, start, resets, chunk=16)
+    got = [np.asarray(y[:, pad:])]
+    for t in range(prompt, 30):
+        y, carried = cached_gated_deltanet(p, x[:, t:t + 1], SIZES, carried, jnp.zeros((2, 1), bool))
+        got.append(np.asarray(y))
+        assert jax.tree.map(jnp.shape, carried) == jax.tree.map(jnp.shape, start)
+    got = np.concatenate(got, axis=1)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+    assert state_bytes(SIZES, 2, jnp.float32) == sum(a.nbytes for a in carried)

@@ -177,6 +177,8 @@ model.mlp_limit model.attention_chunk model.rope_global model.attn_temperature_f
 model.qk_l2_norm model.moe.router_logit_bias model.moe.expert_biases model.moe.gate_input
 model.query_pre_attn_scalar model.rope_local_theta model.rope_attention_factor model.rope_beta_fast
 model.rope_beta_slow model.rope_truncate
+model.attn_output_gate model.rope_fraction model.linear_attn.num_k_heads model.linear_attn.num_v_heads
+model.linear_attn.head_k_dim model.linear_attn.head_v_dim model.linear_attn.conv_kernel model.linear_attn.chunk
 model.preset model.remat model.remat_group model.rope_factor model.rope_high_freq_factor model.rope_low_freq_factor
 model.rope_original_context model.rope_scaling model.rope_theta model.seq_len model.sliding_window
 model.tie_embeddings model.vocab_size model.window_pattern

@@ -13,7 +13,10 @@ compute dtype's size (`cache_bytes`, read from the layout); kv_heads fewer than 
 as the weights are (`sharding.heads_as_used`). Latent attention (`model.attention = "mla"`) caches one
 [latent | RoPE key] row per token instead, [repeats, batch, slots, kv_lora_rank + qk_rope_head_dim] under
 "k" (`mla.LATENT_CACHE`, whole on every tp rank): n_layers · batch/(dp·fsdp·ep) · slots · (kv_lora_rank +
-qk_rope_head_dim) · B. `layout_for` turns what a caller has (a StepFns, Layout
+qk_rope_head_dim) · B. A linear (Gated DeltaNet) block holds no KV cache but its fixed-size state
+(`gated_deltanet.LinearState`): {"conv": [repeats, batch, K − 1, hk · conv_width] in the compute dtype,
+"state": [repeats, batch, hv, dk, dv] fp32}, the key-head groups over tp, whatever the number of slots
+(`LINEAR_CACHE`, `gated_deltanet.state_bytes`). `layout_for` turns what a caller has (a StepFns, Layout
 or Mesh) into generation's layout.
 """
 
@@ -27,8 +30,9 @@ from jax.sharding import Mesh
 
 from jaxllm.mesh import batch_shards
 from jaxllm.models.attention import CACHE, head_dim, kv_heads, stored_names
+from jaxllm.models import gated_deltanet
 from jaxllm.models.mla import LATENT_CACHE
-from jaxllm.stack import segments
+from jaxllm.stack import is_linear, layer_kinds, segments
 from jaxllm.sharding import ACTIVATION_RULES, WEIGHT_RULES, Layout, constrain, heads_as_used, with_rule
 
 
@@ -81,19 +85,47 @@ def per_token(m) -> tuple[int, str]:
     return 2 * kv * d, f"2 × kv_heads × head_dim = 2 × {kv} × {d}"
 
 
+LINEAR_CACHE = {"conv": ("layers", "batch", "conv_kernel", "linear_heads"),
+                "state": ("layers", "batch", "linear_heads", "head_dim", "head_dim")}
+
+
+def _linear_state(m, repeats: int, rows: int, dtype) -> dict:
+    """A linear block's empty generation state, stacked over its repeats, laid out by `LINEAR_CACHE`."""
+    empty = gated_deltanet.empty_state(gated_deltanet.sizes_of(m), rows, dtype)
+    return {n: constrain(jnp.zeros((repeats,) + a.shape, a.dtype), LINEAR_CACHE[n])
+            for n, a in zip(("conv", "state"), empty)}
+
+
 def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None, paged: bool = False) -> list[dict]:
-    """An empty cache: one {"k", "v"} ({"k"} under MLA) per block of the stack, zeros laid out by their names.
-    `paged`: the rollout engine's pool of `rows` pages of `slots` tokens."""
-    return [{n: constrain(jnp.zeros(_shape(m, seg.repeats, rows, slots, layout, paged), dtype), names)
-             for n, names in _entries(m, paged).items()} for seg in segments(m) for _ in seg.pattern]
+    """An empty cache: one {"k", "v"} ({"k"} under MLA) per attention block of the stack, zeros laid out by their
+    names, and a linear block's empty state. `paged`: the rollout engine's pool of `rows` pages of `slots`
+    tokens (no linear blocks: `generate/engine.py` refuses them)."""
+    def entry(kind: str, repeats: int) -> dict:
+        if is_linear(kind):
+            return _linear_state(m, repeats, rows, dtype)
+        return {n: constrain(jnp.zeros(_shape(m, repeats, rows, slots, layout, paged), dtype), names)
+                for n, names in _entries(m, paged).items()}
+    return [entry(kind, seg.repeats) for seg in segments(m) for kind in seg.pattern]
+
+
+def _own_bytes(shape: tuple, names: tuple, layout: Layout | None, itemsize: int) -> int:
+    own = shape if layout is None else layout.sharding(names, layout.activations, shape).shard_shape(shape)
+    return math.prod(own) * itemsize
 
 
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
-    """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh."""
+    """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh: the
+    attention layers' KV cache and the linear layers' states."""
     layout = layout_for(on)
-    shape = _shape(m, m.n_layers, padded_rows(rows, layout), slots, layout)  # every layer's, as one stack
+    rows = padded_rows(rows, layout)
+    kinds = layer_kinds(m)
+    attention_layers, linear_layers = sum(not is_linear(k) for k in kinds), sum(map(is_linear, kinds))
     total = 0
-    for names in _entries(m).values():
-        own = shape if layout is None else layout.sharding(names, layout.activations, shape).shard_shape(shape)
-        total += math.prod(own) * jnp.dtype(dtype).itemsize
+    if attention_layers:
+        shape = _shape(m, attention_layers, rows, slots, layout)  # every attention layer's, as one stack
+        total += sum(_own_bytes(shape, names, layout, jnp.dtype(dtype).itemsize) for names in _entries(m).values())
+    if linear_layers:
+        empty = gated_deltanet.empty_state(gated_deltanet.sizes_of(m), rows, dtype)
+        total += sum(_own_bytes((linear_layers,) + a.shape, LINEAR_CACHE[n], layout, a.dtype.itemsize)
+                     for n, a in zip(("conv", "state"), empty))
     return total

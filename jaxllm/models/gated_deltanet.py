@@ -1,51 +1,54 @@
-"""The Gated DeltaNet layer (Qwen3-Next's linear attention) as one pure function on plain arrays: transformers'
+"""The Gated DeltaNet layer (Qwen3-Next's linear attention) as one pure function: transformers'
 `Qwen3NextGatedDeltaNet` (models/qwen3_next/modeling_qwen3_next.py, its pure-torch path: `causal_conv1d_fn` /
-`torch_chunk_gated_delta_rule` and `Qwen3NextRMSNormGated`) without a cache, around the recurrence of
-`jaxllm/ops/gated_delta.py`.
+`torch_chunk_gated_delta_rule` and `Qwen3NextRMSNormGated`) around the recurrence of `jaxllm/ops/gated_delta.py`;
+the token mixer of the `linear` and `linear_moe` block kinds (`model.linear_attn`).
 
-    qkvz = x W_qkvz, ba = x W_ba             interleaved per key-head group (below)
+    qkvz = x W_qkvz, ba = x W_ba             per key-head group (below)
     q, k, v = silu(causal depthwise conv1d over time (kernel K, no bias) of [q | k | v])      z is not convolved
     β = sigmoid(b);  g = −exp(A_log) · softplus(a + dt_bias)                                 (g in fp32)
     o = gated delta rule(l2norm(q), l2norm(k), v, g, β)                  (`gated_delta.chunked`, use_qk_l2norm)
     y = (RMSNorm(o) · w · silu(z)) W_out                 per value head over dv; not zero-centred; fp32 inside
 
-Parameters `p` (names as transformers', matrices in jaxllm's [in, out] orientation, i.e. transformers' transposed):
+Parameters (`LINEAR_PARAMS`), every one laid out by key-head group — hk groups, each one key head's q and k and
+its r = hv / hk value heads — so tensor parallelism splits the groups (`linear_heads`) like attention's heads:
 
-    in_proj_qkvz [D, 2·hk·dk + 2·hv·dv]   in_proj_ba [D, 2·hv]   conv1d [2·hk·dk + hv·dv, K] (transformers'
-    conv1d.weight [C, 1, K] squeezed; no bias)   dt_bias [hv]   A_log [hv]   norm [dv]   out_proj [hv·dv, D]
+    in_proj_qkvz [D, hk, 2·dk + 2·r·dv]   each group's [q (dk) | k (dk) | v (r·dv) | z (r·dv)], transformers'
+                                          interleaving (`fix_query_key_value_ordering`) as it is
+    in_proj_ba   [D, hk, 2·r]              each group's [b (r) | a (r)]
+    conv1d       [hk, 2·dk + r·dv, K]      each group's [q | k | v] channels' taps
+    dt_bias, A_log [hk, r]    norm [dv]    out_proj [hk, r·dv, D]
 
-Interleaving (transformers' `fix_query_key_value_ordering`): the qkvz output is hk groups, one per key head, each
-[q (dk) | k (dk) | v (r·dv) | z (r·dv)] with r = hv / hk, the r value heads of a group consecutive; the ba output
-is hk groups of [b (r) | a (r)]. The convolution's channels are [q heads | k heads | v heads] (hk·dk, hk·dk,
-hv·dv), in head order, as transformers concatenates them.
+`from_hf` / `to_hf` convert to and from transformers' tensors (the conv's channels there are [all q | all k |
+all v]; matrices [out, in]); the convolution is depthwise, so regrouping its channels changes nothing computed.
 
 Layouts: x [b, t, D] → y [b, t, D]; inside, q, k [b, t, hk, dk], v, z [b, t, hv, dv], g, β [b, t, hv], the
-layout of `gated_delta`. Sizes come in a `GatedDeltaNetSizes`.
+layout of `gated_delta`.
 
 Packed documents: `segment_ids` [b, t] (one id per document, padding 0). The convolution's window does not reach
 across a document start (the taps that would read an earlier document read zero, as at the start of the
 sequence) and the recurrence's state is zeroed at each document start (`gated_delta`'s `segment_ids`), so every
-document gives what it gives alone.
+document gives what it gives alone. Left padding (generation's) is a document of its own, so the prompt after it
+starts from a zero state and an empty window: what transformers' zeroed padding gives.
 
-Precision: the projections are plain matmuls under the caller's matmul precision (`layers.matmul_precision`);
-the convolution, g, the recurrence and the gated norm are computed in fp32 and cast back to x's dtype where
-transformers casts (the conv output, the norm's x̂ before the weight and its output).
+Generation (`cached_gated_deltanet`) carries per layer a `LinearState`: the convolution's last K − 1 inputs and
+the recurrence's state [b, hv, dk, dv] fp32, fixed in size whatever the length (`state_bytes`).
 
-Not built here: sharding / tensor parallelism (no `constrain`, no column/row-parallel split of the heads: the
-arrays are one device's), the decode cache (conv state and recurrent state; `gated_delta.recurrent` is the
-per-token form a cached path would call), context parallelism (a sequence split across devices would have to
-pass the conv's last K−1 inputs and the recurrent state between shards), the integration into
-`transformer.py` / the model config / HF weight conversion, and a custom VJP for the chunked recurrence.
+Precision: the projections are matmuls under the caller's matmul precision; the convolution, g, the recurrence
+and the gated norm are computed in fp32 and cast back to x's dtype where transformers casts (the conv output,
+the norm's x̂ before the weight and its output).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxllm.errors import ConfigError
 from jaxllm.ops import gated_delta
+from jaxllm.sharding import weight
 
 
 class GatedDeltaNetSizes(NamedTuple):
@@ -58,33 +61,103 @@ class GatedDeltaNetSizes(NamedTuple):
     conv_kernel: int = 4
     eps: float = 1e-6
 
+    @property
+    def group(self) -> int:
+        """Value heads per key head (r)."""
+        return self.num_v_heads // self.num_k_heads
 
-def split_projections(qkvz: jax.Array, ba: jax.Array, s: GatedDeltaNetSizes):
-    """Un-interleave the projections as `fix_query_key_value_ordering`: qkvz [b, t, 2·hk·dk + 2·hv·dv] and
-    ba [b, t, 2·hv] → q, k [b, t, hk, dk], v, z [b, t, hv, dv], b, a [b, t, hv]."""
-    hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
-    if hv % hk:
-        raise ValueError(f"value heads ({hv}) must be a multiple of the key heads ({hk})")
-    r = hv // hk
-    lead = qkvz.shape[:-1]
-    qkvz = qkvz.reshape(lead + (hk, 2 * dk + 2 * r * dv))
-    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-    ba = ba.reshape(lead + (hk, 2 * r))
-    b, a = ba[..., :r], ba[..., r:]
-    return (q, k, v.reshape(lead + (hv, dv)), z.reshape(lead + (hv, dv)), b.reshape(lead + (hv,)),
-            a.reshape(lead + (hv,)))
+    @property
+    def conv_width(self) -> int:
+        """A group's convolved channels: its q, k and v."""
+        return 2 * self.head_k_dim + self.group * self.head_v_dim
 
 
-def causal_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+def sizes_of(m) -> GatedDeltaNetSizes:
+    """The layer's sizes from the model section (`model.linear_attn`, the norm's epsilon `model.norm_eps`)."""
+    a = m.linear_attn
+    return GatedDeltaNetSizes(a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim, a.conv_kernel, m.norm_eps)
+
+
+def check_config(m, shape: dict) -> None:
+    """`model.linear_attn` against the model and mesh: ConfigError (one line: the key and the fix)."""
+    a = m.linear_attn
+    for key in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "chunk"):
+        if getattr(a, key) < 1:
+            raise ConfigError(f"model.linear_attn.{key}={getattr(a, key)}: must be at least 1")
+    if a.num_v_heads % a.num_k_heads:
+        raise ConfigError(f"model.linear_attn.num_v_heads={a.num_v_heads} is not a multiple of num_k_heads="
+                          f"{a.num_k_heads}: each key head serves a whole group of value heads; change one of them")
+    if a.num_k_heads % shape["tp"]:
+        raise ConfigError(f"model.linear_attn.num_k_heads={a.num_k_heads} is not divisible by mesh.tp={shape['tp']}: "
+                          "tensor parallelism splits the key-head groups; use a tp that divides them")
+    if shape["sp"] > 1:
+        raise ConfigError(f"mesh.sp={shape['sp']} with linear attention layers (model.pattern {m.pattern}): their "
+                          "context parallelism (a state passed across sequence ranks) is not wired into the stack "
+                          "yet; use mesh.sp=1")
+
+
+def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
+    """Each parameter's (shape, logical names), in the grouped layout of the module docstring."""
+    hk, r, dk, dv, K = s.num_k_heads, s.group, s.head_k_dim, s.head_v_dim, s.conv_kernel
+    heads = ("linear_heads", "linear_group")
+    return {"in_proj_qkvz": ((d_model, hk, 2 * dk + 2 * r * dv), ("embed",) + heads),
+            "in_proj_ba": ((d_model, hk, 2 * r), ("embed",) + heads),
+            "conv1d": ((hk, s.conv_width, K), heads + ("conv_kernel",)),
+            "dt_bias": ((hk, r), heads), "A_log": ((hk, r), heads), "norm": ((dv,), ("head_dim",)),
+            "out_proj": ((hk, r * dv, d_model), heads + ("embed",))}
+
+
+FP32_PARAMS = ("A_log", "dt_bias")  # read in fp32 (g is computed in fp32); the rest in the compute dtype
+
+
+def used_weights(p: dict, dtype) -> dict:
+    """The layer's parameters as used: in the compute dtype (but `FP32_PARAMS`), laid out by their names."""
+    names = {name: names for name, (_, names) in param_shapes(GatedDeltaNetSizes(1, 1, 1, 1), 1).items()}
+    return {name: weight(w, names[name], jnp.float32 if name in FP32_PARAMS else dtype) for name, w in p.items()}
+
+
+def from_hf(w: dict, s: GatedDeltaNetSizes) -> dict:
+    """transformers' tensors (`in_proj_qkvz.weight` [out, in], `conv1d.weight` [C, 1, K], ...; NumPy or JAX) in
+    the grouped layout."""
+    hk, r, dk, dv = s.num_k_heads, s.group, s.head_k_dim, s.head_v_dim
+    conv = w["conv1d.weight"][:, 0, :]
+    q, k, v = conv[:hk * dk], conv[hk * dk:2 * hk * dk], conv[2 * hk * dk:]
+    cat = jnp.concatenate if isinstance(conv, jax.Array) else __import__("numpy").concatenate
+    return {"in_proj_qkvz": w["in_proj_qkvz.weight"].T.reshape(-1, hk, 2 * dk + 2 * r * dv),
+            "in_proj_ba": w["in_proj_ba.weight"].T.reshape(-1, hk, 2 * r),
+            "conv1d": cat([q.reshape(hk, dk, -1), k.reshape(hk, dk, -1), v.reshape(hk, r * dv, -1)], axis=1),
+            "dt_bias": w["dt_bias"].reshape(hk, r), "A_log": w["A_log"].reshape(hk, r), "norm": w["norm.weight"],
+            "out_proj": w["out_proj.weight"].T.reshape(hk, r * dv, -1)}
+
+
+def to_hf(p: dict, s: GatedDeltaNetSizes) -> dict:
+    """The grouped layout back in transformers' tensors (`from_hf`'s inverse, bit for bit)."""
+    hk, dk = s.num_k_heads, s.head_k_dim
+    conv = p["conv1d"]
+    cat = jnp.concatenate if isinstance(conv, jax.Array) else __import__("numpy").concatenate
+    flat = cat([conv[:, :dk].reshape(hk * dk, -1), conv[:, dk:2 * dk].reshape(hk * dk, -1),
+                conv[:, 2 * dk:].reshape(-1, conv.shape[-1])], axis=0)
+    return {"in_proj_qkvz.weight": p["in_proj_qkvz"].reshape(p["in_proj_qkvz"].shape[0], -1).T,
+            "in_proj_ba.weight": p["in_proj_ba"].reshape(p["in_proj_ba"].shape[0], -1).T,
+            "conv1d.weight": flat[:, None, :], "dt_bias": p["dt_bias"].reshape(-1), "A_log": p["A_log"].reshape(-1),
+            "norm.weight": p["norm"], "out_proj.weight": p["out_proj"].reshape(-1, p["out_proj"].shape[-1]).T}
+
+
+def causal_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None, window=None,
+                window_ids=None) -> jax.Array:
     """transformers' `causal_conv1d_fn` without bias and activation, channels last: x [b, t, c], w [c, K];
-    y_t = Σ_j w[:, j] · x_{t−(K−1)+j}, inputs before position 0 (and, with `segment_ids` [b, t], inputs of an
-    earlier document) read as zero. fp32."""
+    y_t = Σ_j w[:, j] · x_{t−(K−1)+j}. The K − 1 inputs before position 0 are `window` [b, K − 1, c] (generation's
+    carried inputs, or a context-parallel rank's halo; none: zeros); with `segment_ids` [b, t] an input of an
+    earlier document reads as zero (`window_ids` [b, K − 1] the window's ids; none: never the same). fp32."""
     t, kernel = x.shape[1], w.shape[1]
-    x = x.astype(jnp.float32)
-    w = w.astype(jnp.float32)
-    xp = jnp.pad(x, [(0, 0), (kernel - 1, 0), (0, 0)])
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    if window is None:
+        window = jnp.zeros((x.shape[0], kernel - 1, x.shape[2]), jnp.float32)
+    xp = jnp.concatenate([window.astype(jnp.float32), x], axis=1)
     if segment_ids is not None:
-        sp = jnp.pad(segment_ids, [(0, 0), (kernel - 1, 0)], constant_values=-1)
+        if window_ids is None:
+            window_ids = jnp.full((x.shape[0], kernel - 1), -1, segment_ids.dtype)
+        sp = jnp.concatenate([window_ids.astype(segment_ids.dtype), segment_ids], axis=1)
     y = jnp.zeros_like(x)
     for j in range(kernel):  # tap j reads lag kernel − 1 − j
         xs = xp[:, j:j + t]
@@ -105,24 +178,94 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> j
     return y.astype(dtype)
 
 
+class Mixed(NamedTuple):
+    """The layer's inputs to the convolution and what goes around it, from the projections."""
+    qkv: jax.Array  # [b, t, hk · conv_width]: each group's [q | k | v], the convolution's channels
+    z: jax.Array  # [b, t, hv, dv]
+    beta: jax.Array  # [b, t, hv]
+    g: jax.Array  # [b, t, hv] fp32
+
+
+def _project(p: dict, x: jax.Array, s: GatedDeltaNetSizes) -> Mixed:
+    hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+    bsz, t, _ = x.shape
+    qkvz = jnp.einsum("btd,dhc->bthc", x, p["in_proj_qkvz"])
+    ba = jnp.einsum("btd,dhc->bthc", x, p["in_proj_ba"])
+    qkv, z = qkvz[..., :s.conv_width], qkvz[..., s.conv_width:]
+    b, a = ba[..., :s.group].reshape(bsz, t, hv), ba[..., s.group:].reshape(bsz, t, hv)
+    g = -jnp.exp(p["A_log"].reshape(hv).astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"].reshape(hv).astype(jnp.float32))
+    return Mixed(qkv.reshape(bsz, t, hk * s.conv_width), z.reshape(bsz, t, hv, dv), jax.nn.sigmoid(b), g)
+
+
+def _split_heads(qkv: jax.Array, s: GatedDeltaNetSizes):
+    """The convolved channels [b, t, hk · conv_width] as q, k [b, t, hk, dk] and v [b, t, hv, dv]."""
+    bsz, t, _ = qkv.shape
+    qkv = qkv.reshape(bsz, t, s.num_k_heads, s.conv_width)
+    q, k, v = qkv[..., :s.head_k_dim], qkv[..., s.head_k_dim:2 * s.head_k_dim], qkv[..., 2 * s.head_k_dim:]
+    return q, k, v.reshape(bsz, t, s.num_v_heads, s.head_v_dim)
+
+
+def _output(p: dict, o: jax.Array, z: jax.Array, s: GatedDeltaNetSizes) -> jax.Array:
+    bsz, t = o.shape[:2]
+    o = gated_rms_norm(o, z, p["norm"], s.eps)  # [b, t, hv, dv]
+    return jnp.einsum("bthc,hcd->btd", o.reshape(bsz, t, s.num_k_heads, s.group * s.head_v_dim), p["out_proj"])
+
+
 def gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, chunk: int = 64,
                    segment_ids: jax.Array | None = None) -> jax.Array:
-    """The Gated DeltaNet layer: x [b, t, D] → y [b, t, D] (see the module docstring; `p` its parameters,
-    `segment_ids` [b, t] for packed documents, `chunk` the chunk size of the recurrence's chunked form)."""
+    """The Gated DeltaNet layer: x [b, t, D] → y [b, t, D] (see the module docstring; `p` its parameters in the
+    grouped layout, as the compute dtype's, `segment_ids` [b, t] for packed documents, `chunk` the chunk size
+    of the recurrence's chunked form)."""
     s = sizes
-    bsz, t, _ = x.shape
-    hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
-    qkvz = x @ p["in_proj_qkvz"]
-    ba = x @ p["in_proj_ba"]
-    q, k, v, z, b, a = split_projections(qkvz, ba, s)
-    mixed = jnp.concatenate([q.reshape(bsz, t, hk * dk), k.reshape(bsz, t, hk * dk),
-                             v.reshape(bsz, t, hv * dv)], axis=-1)
-    mixed = jax.nn.silu(causal_conv(mixed, p["conv1d"], segment_ids)).astype(x.dtype)
-    q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
-    q, k, v = q.reshape(bsz, t, hk, dk), k.reshape(bsz, t, hk, dk), v.reshape(bsz, t, hv, dv)
-    beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    o, _ = gated_delta.chunked(q, k, v, g, beta, chunk, use_qk_l2norm=True, segment_ids=segment_ids)
-    o = gated_rms_norm(o, z, p["norm"], s.eps)  # [b, t, hv, dv]
-    return o.reshape(bsz, t, hv * dv) @ p["out_proj"]
+    mixed = _project(p, x, s)
+    conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
+    qkv = jax.nn.silu(causal_conv(mixed.qkv, conv_w, segment_ids)).astype(x.dtype)
+    q, k, v = _split_heads(qkv, s)
+    o, _ = gated_delta.chunked(q, k, v, mixed.g, mixed.beta, chunk, use_qk_l2norm=True, segment_ids=segment_ids)
+    return _output(p, o, mixed.z, s)
+
+
+class LinearView(NamedTuple):
+    """What a linear layer's cached step reads: its carried state and where the new tokens start documents."""
+    state: "LinearState"
+    resets: jax.Array  # [b, t] bool
+
+
+class LinearState(NamedTuple):
+    """A linear layer's generation state: the convolution's last K − 1 inputs [b, K − 1, hk · conv_width] (in the
+    compute dtype, as projected) and the recurrence's state [b, hv, dk, dv] fp32."""
+    conv: jax.Array
+    state: jax.Array
+
+
+def empty_state(s: GatedDeltaNetSizes, rows: int, dtype) -> LinearState:
+    return LinearState(jnp.zeros((rows, s.conv_kernel - 1, s.num_k_heads * s.conv_width), dtype),
+                       jnp.zeros((rows, s.num_v_heads, s.head_k_dim, s.head_v_dim), jnp.float32))
+
+
+def state_bytes(s: GatedDeltaNetSizes, rows: int, dtype) -> int:
+    """One layer's generation state in bytes: (K − 1) · hk · conv_width inputs in the compute dtype and
+    hv · dk · dv fp32 per row, whatever the length."""
+    conv = (s.conv_kernel - 1) * s.num_k_heads * s.conv_width * jnp.dtype(dtype).itemsize
+    return rows * (conv + 4 * s.num_v_heads * s.head_k_dim * s.head_v_dim)
+
+
+def cached_gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, carried: LinearState, resets,
+                          chunk: int = 64):
+    """The layer continuing from `carried` (generation): x [b, t, D] the next t tokens of every row (a prompt, or
+    one token), `resets` [b, t] true where a row's new document starts (its state and window zeroed there:
+    the first prompt token after left padding, or a slot's first token). Returns (y, the state after x).
+    One token is the recurrent form's one step; longer inputs the chunked form from the carried state."""
+    s, t = sizes, x.shape[1]
+    mixed = _project(p, x, s)
+    ids = jnp.cumsum(resets, axis=1).astype(jnp.int32)  # a reset starts a new id: the window before it reads zero
+    window_ids = jnp.zeros(carried.conv.shape[:2], jnp.int32)
+    conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
+    qkv = jax.nn.silu(causal_conv(mixed.qkv, conv_w, ids, carried.conv, window_ids)).astype(x.dtype)
+    window = jnp.concatenate([carried.conv, mixed.qkv.astype(carried.conv.dtype)], axis=1)[:, t:]
+    q, k, v = _split_heads(qkv, s)
+    form = gated_delta.recurrent if t == 1 else functools.partial(gated_delta.chunked, chunk=chunk)
+    o, state = form(q, k, v, mixed.g, mixed.beta, initial_state=carried.state, use_qk_l2norm=True,
+                    resets=resets)
+    return _output(p, o, mixed.z, s), LinearState(window, state)

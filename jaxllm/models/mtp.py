@@ -64,7 +64,7 @@ def zero_metrics(m, batch: dict) -> dict:
 
 def moe_layers(m) -> int:
     """The MTP modules' MoE layers (each module's block is the stack's last kind)."""
-    return m.mtp_depth if m.mtp_depth and stack.kinds(m)[-1] == "moe" else 0
+    return m.mtp_depth if m.mtp_depth and stack.is_moe(stack.kinds(m)[-1]) else 0
 
 
 def _lm_sum(logp, lse, batch):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
-from jaxllm.models import attention, lora, mla
+from jaxllm.models import attention, gated_deltanet, lora, mla
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, feed_forward, norm
@@ -60,7 +60,8 @@ class Leaf:
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    # normal | normal_out (scaled residual output) | zeros | norm_scale (1 − model.norm_offset) | lora_a | lora_site
+    # normal | normal_out (scaled residual output) | zeros | ones | norm_scale (1 − model.norm_offset) | a_log
+    # (Gated DeltaNet's) | lora_a | lora_site
     init: str
 
 
@@ -103,6 +104,10 @@ def _attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
               "v": Leaf(R + (KV, Dh), L + ("kv_heads", "head_dim"), "zeros"),
               "o": Leaf(R + (D,), L + ("embed",), "zeros")}
     attn.update({f"b{x}": biases[x] for x in ATTN_BIASES[m.attn_bias]})
+    if m.attn_output_gate:  # Qwen3-Next's output gate, split over tp as the queries (with their bias, if any)
+        attn["wg"] = Leaf(R + (D, H, Dh), L + ("embed", "heads", "head_dim"), "normal")
+        if "bq" in attn:
+            attn["bg"] = biases["q"]
     if m.qk_norm:  # RMSNorm over head_dim, one scale shared by the heads
         scale = Leaf(R + (Dh,), L + ("head_dim",), "norm_scale")
         attn.update(q_norm={"scale": scale}, k_norm={"scale": scale})
@@ -161,7 +166,25 @@ def _moe_block(m: ModelConfig, repeats: int) -> dict:
     return {**{k: v for k, v in block.items() if k != "mlp"}, "moe": moe}
 
 
-BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block}
+def _linear_attention(m: ModelConfig, R: tuple, L: tuple) -> dict:
+    """Gated DeltaNet's weights (`models/gated_deltanet.py`), grouped by key head: A_log as transformers draws
+    it (log of U(1, 16)), dt_bias and the gated norm's weight at 1 (it is not zero-centred)."""
+    inits = {"A_log": "a_log", "dt_bias": "ones", "norm": "ones", "out_proj": "normal_out"}
+    return {name: Leaf(R + shape, L + names, inits.get(name, "normal"))
+            for name, (shape, names) in gated_deltanet.param_shapes(gated_deltanet.sizes_of(m), m.d_model).items()}
+
+
+def _linear(block_of):
+    """The block kind with Gated DeltaNet (`linear_attn`) in place of attention."""
+    def block(m: ModelConfig, repeats: int) -> dict:
+        mixer = _linear_attention(m, (repeats,), ("layers",))
+        return {("linear_attn" if k == "attn" else k): (mixer if k == "attn" else v)
+                for k, v in block_of(m, repeats).items()}
+    return block
+
+
+BLOCK_KINDS = {"dense": _dense_block, "moe": _moe_block, "linear": _linear(_dense_block),
+               "linear_moe": _linear(_moe_block)}
 
 
 def _mtp(m: ModelConfig) -> dict:
@@ -254,6 +277,10 @@ def _init_leaf(m: ModelConfig, key: jax.Array, leaf: Leaf):
         return jnp.zeros(leaf.shape, jnp.float32)
     if leaf.init == "norm_scale":
         return jnp.full(leaf.shape, 1.0 - m.norm_offset, jnp.float32)
+    if leaf.init == "ones":
+        return jnp.ones(leaf.shape, jnp.float32)
+    if leaf.init == "a_log":  # Gated DeltaNet's decay rates, as transformers draws them
+        return jnp.log(jax.random.uniform(key, leaf.shape, jnp.float32, 1.0, 16.0))
     if leaf.init == "lora_a":  # PEFT's default: Kaiming-uniform with a = √5, i.e. uniform in ±1/√fan_in
         bound = fan_in(leaf) ** -0.5
         return jax.random.uniform(key, leaf.shape, jnp.float32, -bound, bound)
@@ -307,17 +334,29 @@ def _residual(m: ModelConfig, p: dict, x, y, post: str):
     return constrain(x + (norm_of(m, p[post], y) if post in p else y), ACT)
 
 
-def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
-    """The first half of every block: (residual stream after attention, its normed copy for the
-    feed-forward, the KV cache with this layer written when generating with one). `layer`: the
-    layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
-    h = norm_of(m, p["ln1"], x)
+def _mixer(p: dict, h, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
+    """The block's token mixer on the normed stream h: attention (`attn`; latent under `model.attention = "mla"`)
+    or Gated DeltaNet (`linear_attn`); (its output, the cache or state with this layer written)."""
+    if "linear_attn" in p:
+        with jax.named_scope("linear_attention"):
+            w = gated_deltanet.used_weights(p["linear_attn"], dtype)
+            sizes, chunk = gated_deltanet.sizes_of(m), m.linear_attn.chunk
+            if cache is None:
+                return gated_deltanet.gated_deltanet(w, h, sizes, chunk, segment_ids), None
+            return gated_deltanet.cached_gated_deltanet(w, h, sizes, cache.state, cache.resets, chunk)
     kind = mla if m.attention == "mla" else attention
     with jax.named_scope("attention"):
         if cache is None:
-            y = kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer)
-        else:
-            y, cache = kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
+            return kind.attention_layer(p["attn"], h, positions, segment_ids, m, dtype, layer), None
+        return kind.cached_attention_layer(p["attn"], h, positions, segment_ids, cache, m, dtype, layer)
+
+
+def _attention_half(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=None, layer=None):
+    """The first half of every block: (residual stream after the token mixer, its normed copy for the
+    feed-forward, the KV cache (or linear state) with this layer written when generating with one). `layer`:
+    the layer's row of `attention.layer_data` (its window, its RoPE), where those differ by layer."""
+    h = norm_of(m, p["ln1"], x)
+    y, cache = _mixer(p, h, positions, segment_ids, m, dtype, cache, layer)
     x = _residual(m, p, x, y, "post_attn_norm")
     return x, norm_of(m, p["ln2"], x), cache
 
@@ -342,7 +381,7 @@ def _moe_apply(p: dict, x, positions, segment_ids, m: ModelConfig, dtype, cache=
     return _residual(m, p, x, y, "post_mlp_norm"), stats, cache
 
 
-BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply}
+BLOCK_APPLY = {"dense": _dense_apply, "moe": _moe_apply, "linear": _dense_apply, "linear_moe": _moe_apply}
 
 SAVED_NAMES = ("query", "key", "value", "attention", "mlp_hidden")  # the activations save-named keeps
 REMAT_POLICIES = {
@@ -441,21 +480,46 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
     return x, total
 
 
+def _cache_view(kv: dict, slots: CacheView, r, resets):
+    """What one block's cached step reads from its cache entry: a linear block's state and resets, or the KV
+    cache's view (MLA's: no "v") at repeat r."""
+    if "state" in kv:
+        return gated_deltanet.LinearView(gated_deltanet.LinearState(kv["conv"][r], kv["state"][r]), resets)
+    return slots._replace(k=kv["k"], v=kv.get("v"), layer=r)
+
+
+def _cache_entry(kv: dict, written, r) -> dict:
+    """A block's cache entry with what its cached step wrote (a linear block's state at repeat r)."""
+    if isinstance(written, gated_deltanet.LinearState):
+        return {"conv": kv["conv"].at[r].set(written.conv), "state": kv["state"].at[r].set(written.state)}
+    return {"k": written.k, "v": written.v} if written.v is not None else {"k": written.k}
+
+
+def cache_resets(segment_ids, slots: CacheView):
+    """[b, t] where the tokens written at `slots.start` begin a document: their segment id differs from the
+    previous token's (the slot before the first, or none at slot 0): a linear layer's state and window restart
+    there (a prompt's first token after left padding)."""
+    before = jax.lax.dynamic_slice_in_dim(slots.segment_ids, jnp.maximum(slots.start - 1, 0), 1, axis=1)
+    before = jnp.where(slots.start > 0, before, -1)
+    return segment_ids != jnp.concatenate([before, segment_ids[:, :-1]], axis=1)
+
+
 def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids, slots: CacheView,
                   m: ModelConfig, dtype):
     """`blocks` over the whole stack for generation: each layer writes its keys and values into the
     KV cache (`cache[i]` the i-th block's {"k", "v"}, stacked over its segment's repeats) at `slots.start`
-    and attends to every slot `slots` describes. Returns (x, the cache with x's slots written)."""
-    written = []
+    and attends to every slot `slots` describes; a linear block carries its state instead (`cache[i]` its
+    {"conv", "state"}: `generate/cache.py`). Returns (x, the cache with x's slots written)."""
+    written, resets = [], cache_resets(segment_ids, slots)
     for seg in stack_lib.segments(m):
 
         def body(carry, xs, seg=seg):
             x, cache = carry
             layer, r, data = xs
-            views = [slots._replace(k=kv["k"], v=kv.get("v"), layer=r) for kv in cache]  # MLA's: no "v"
+            views = [_cache_view(kv, slots, r, resets) for kv in cache]
             x, _, views = _apply_repeat(seg.pattern, layer, data, x, zero_aux(m), positions, segment_ids, m, dtype,
                                         views)
-            return (x, [{"k": view.k, "v": view.v} if view.v is not None else {"k": view.k} for view in views]), None
+            return (x, [_cache_entry(kv, view, r) for kv, view in zip(cache, views)]), None
 
         xs = (stack[seg.blocks], jnp.arange(seg.repeats), scanned_layer_data(m, seg, seg.repeats))
         (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
@@ -618,11 +682,12 @@ def aux_metrics(aux: dict) -> dict:
 
 
 # Leaves the forward pass reads in fp32 whatever the compute dtype: norm scales and biases (applied to
-# fp32 statistics), the router and its bias (routing is fp32) and attention sinks (logits of the fp32 softmax).
+# fp32 statistics), the router and its bias (routing is fp32), attention sinks (logits of the fp32 softmax) and
+# Gated DeltaNet's decay parameters (its g is computed in fp32).
 # Every other leaf is cast to the compute dtype at use.
 READ_IN_FP32 = ("ln1", "ln2", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm", "q_a_norm", "kv_a_norm",
                 "final_norm", "enorm", "hnorm", "router", "router_bias", "router_logit_bias",
-                "sinks")
+                "sinks", "A_log", "dt_bias")
 
 
 def compute_weights(params: dict, dtype) -> dict:
@@ -731,6 +796,10 @@ def _check_mtp(m: ModelConfig, t) -> None:
     if t.objective != "lm":
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} with train.objective={t.objective}: multi-token prediction "
                           "trains with the language-model objective; set model.mtp_depth=0 or train.objective=lm")
+    if stack_lib.is_linear(stack_lib.kinds(m)[-1]):
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth}: a prediction module's block is the stack's last kind, "
+                          f"here linear attention ({stack_lib.kinds(m)[-1]}); end the pattern with an attention "
+                          "block (as Qwen3-Next's does) or set model.mtp_depth=0")
     if attention.layer_data(m) is not None:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth}: the windows or RoPE differ by layer "
                           f"(model.window_pattern={m.window_pattern}), and a prediction module has no layer of its "
@@ -746,4 +815,6 @@ def check_config(m: ModelConfig, t, shape: dict) -> list[str]:
     notes = _check_tensor_parallel(m, t, shape["tp"])
     if stack_lib.has_moe(m):
         notes += moe_lib.check_config(m, t, shape)
+    if stack_lib.has_linear(m):
+        gated_deltanet.check_config(m, shape)
     return notes + attention.check_config(m, shape)

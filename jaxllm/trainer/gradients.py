@@ -198,7 +198,7 @@ def pipelined(params, batch: dict, norm, g: Paths):
     names = _pipelined_params(transformer.param_names(m), m)
     shapes = _pipelined_params(transformer.param_shapes(m), m)
     *lead, last = stack_lib.segments(m)
-    moe_layers = sum(seg.pattern.count("moe") * seg.repeats for seg in stack_lib.segments(m)) + mtp.moe_layers(m)
+    moe_layers = sum(map(stack_lib.is_moe, stack_lib.layer_kinds(m))) + mtp.moe_layers(m)
     # as in the accumulation island, reduce over the batch axes once; not MoE's whole-batch routing statistics
     batch_manual = g.zero_stage <= 1 and not stack_lib.has_moe(m)
     inner = g.local_layout if batch_manual else dataclasses.replace(g.layout, manual=True)

@@ -1,0 +1,88 @@
+"""Gated DeltaNet layers in the stack (`model.pattern` kinds `linear` / `linear_moe`, `model.linear_attn`):
+generation with the fixed-size state equals the model without a cache, meshes equal one device, the train
+step's memory grows linearly in t, and what is not built yet is refused in one line.
+
+The layer itself against transformers is in test_gated_deltanet.py, the recurrence in test_gated_delta.py and
+the whole Qwen3-Next model in test_qwen3_next.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harness import equivalence_config, loss_and_grads, lower_loss_and_grads, max_rel_err, step_fns, tokens
+from jaxllm.config import validate
+from jaxllm.errors import ConfigError
+from jaxllm.generate import generate_arrays
+from jaxllm.generate.cache import cache_bytes, init_cache
+from jaxllm.models import gated_deltanet, transformer
+from jaxllm.models.attention import head_dim, kv_heads
+from test_generate import MIN_MARGIN, NEW, PROMPTS, margins, uncached_greedy
+
+HYBRID = {"model.pattern": ["linear", "linear", "linear", "dense"], "model.n_layers": 4,
+          "model.linear_attn.num_k_heads": 2, "model.linear_attn.num_v_heads": 4,
+          "model.linear_attn.head_k_dim": 8, "model.linear_attn.head_v_dim": 8, "model.linear_attn.chunk": 16}
+
+
+def config(**over):
+    return equivalence_config("tiny-llama", **{**HYBRID, **over})
+
+
+def test_generation_with_the_state_equals_the_model_without_a_cache():
+    """Left-padded prompts (0 and 5 pad tokens), 32 greedy tokens: tokens equal, logits within 1e-5 of each
+    prompt alone through the training forward pass; the linear layers' state does not grow with the slots."""
+    cfg = config(**{"model.init_std": 0.07, "model.seq_len": 64})  # logits ~2 apart: no near-ties
+    params = transformer.init_params(cfg.model, jax.random.key(0))
+    got = generate_arrays(params, cfg, PROMPTS, NEW, temperature=0.0, keep_logits=True)
+    want_tokens, want_logits = uncached_greedy(params, cfg.model, PROMPTS, NEW)
+    assert margins(want_logits).min() > MIN_MARGIN
+    np.testing.assert_array_equal(got["tokens"], want_tokens)
+    np.testing.assert_allclose(got["logits"], want_logits, rtol=0, atol=1e-5)
+    m, s = cfg.model, gated_deltanet.sizes_of(cfg.model)
+    linear = [c for c in init_cache(m, 2, 64, jnp.float32, None) if "state" in c]
+    assert len(linear) == 3 and linear[0]["state"].shape == (1, 2, s.num_v_heads, s.head_k_dim, s.head_v_dim)
+    attention_bytes = lambda slots: 2 * 2 * slots * kv_heads(m) * head_dim(m) * 4  # noqa: E731 — k, v of 1 layer
+    for slots in (64, 4096):
+        assert cache_bytes(m, 2, slots, jnp.float32, None) == (3 * gated_deltanet.state_bytes(s, 2, jnp.float32)
+                                                               + attention_bytes(slots))
+
+
+MESHES = {"dp2_tp2_zero3": {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3},
+          "pp2_dp2": {"model.n_layers": 8, "mesh.pp": 2, "mesh.dp": 2, "train.microbatches": 2}}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_mesh_equals_one_device(mesh):
+    """One step's loss (1e-5) and every gradient leaf (1e-4, the equivalence contract) on the mesh equal one
+    device's: the key-head groups split over tp, the stack over pipeline stages."""
+    one = config(**{k: v for k, v in MESHES[mesh].items() if k.startswith("model.")})
+    params = transformer.init_params(one.model, jax.random.key(0))
+    ref_loss, ref_grads = loss_and_grads(step_fns(one), params)
+    loss, grads = loss_and_grads(step_fns(config(**MESHES[mesh])), params)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert max_rel_err(jax.device_get(grads), jax.device_get(ref_grads)) <= 1e-4
+
+
+def test_train_step_memory_is_linear_in_the_sequence():
+    """A linear-only model's compiled loss-and-gradients temporaries grow at most 2.2× per doubling of t from
+    2,048 to 8,192 (softmax attention's dense scores would grow 4×)."""
+    temps = []
+    for t in (2048, 4096, 8192):
+        cfg = equivalence_config("tiny-llama", **{**HYBRID, "model.pattern": ["linear"], "model.n_layers": 2,
+                                                  "model.seq_len": t, "train.global_batch": 1,
+                                                  "model.linear_attn.chunk": 64})
+        lowered = lower_loss_and_grads(step_fns(cfg), batch=1, seq=t)
+        temps.append(lowered.compile().memory_analysis().temp_size_in_bytes)
+    growth = [b / a for a, b in zip(temps, temps[1:])]
+    assert max(growth) <= 2.2, (temps, growth)
+
+
+@pytest.mark.parametrize("over,devices,words", [
+    ({"mesh.sp": 2}, 2, "mesh.sp=2"),
+    ({"mesh.tp": 4}, 4, "num_k_heads=2 is not divisible by mesh.tp=4"),
+    ({"model.linear_attn.num_v_heads": 3}, 1, "num_v_heads=3 is not a multiple"),
+    ({"model.pattern": ["dense", "linear"], "model.mtp_depth": 1}, 1, "end the pattern with an attention block"),
+])
+def test_what_is_not_built_is_refused_in_one_line(over, devices, words):
+    with pytest.raises(ConfigError, match=words):
+        validate(config(**over), devices)
