@@ -51,7 +51,7 @@ def test_gemma2_soft_caps_are_passed_by_its_scores_and_logits(models):
     with jax.default_matmul_precision("float32"):
         x = transformer.embed(params, jnp.asarray(TOKENS), pos, m, jnp.float32)
         h = transformer.norm_of(m, first["ln1"], x)
-        q, k, _ = attention._project(first["attn"], h, pos, m, jnp.float32)
+        q, k, *_ = attention._project(first["attn"], h, pos, m, jnp.float32)
     groups = m.n_heads // attention.kv_heads(m)
     scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, groups, axis=2)) * m.query_pre_attn_scalar ** -0.5
     assert float((jnp.abs(scores) > m.attn_softcap).mean()) > 0.01

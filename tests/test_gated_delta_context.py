@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from jaxllm.mesh import MESH_AXES
-from jaxllm.models.gated_deltanet import causal_conv
+from jaxllm.ops.gated_delta import causal_conv
 from jaxllm.ops import gated_delta
 from jaxllm.parallel import gated_delta_context as gdc
 from jaxllm.plan.hlo import executed_collectives

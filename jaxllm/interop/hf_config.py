@@ -138,7 +138,10 @@ def _gpt2(hf: dict) -> dict:
 
 def _rope(hf: dict) -> dict:
     """RoPE keys from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (before); Gemma 3's
-    per-layer-type parameters (`full_attention`, `sliding_attention`) or `rope_local_base_freq`."""
+    per-layer-type parameters (`full_attention`, `sliding_attention`) or `rope_local_base_freq`;
+    `partial_rotary_factor` as `rope_fraction` where the model type's attention rotates part of each head
+    (Qwen3-Next's), refused for the others (their default RoPE ignores it and rotates the whole head, their
+    scaled RoPE fails on it)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     local = {}
@@ -155,11 +158,15 @@ def _rope(hf: dict) -> dict:
                                            ABSENT["gemma3_text"]["rope_local_base_freq"])}
     theta = params.get("rope_theta", hf.get("rope_theta", ABSENT[hf["model_type"]]["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))  # transformers' precedence
     for key, value in (("partial_rotary_factor", hf.get("partial_rotary_factor")),
                        (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):
-        if value not in (None, 1.0):
-            raise ModelFileError(f"config.json {key}={value!r}: RoPE on part of each head is not implemented; jaxllm "
+        if value not in (None, 1.0) and hf["model_type"] != "qwen3_next":
+            raise ModelFileError(f"config.json {key}={value!r}: transformers' {hf['model_type']} rotates the whole "
+                                 "head with default RoPE whatever this says (and fails with a scaled one); jaxllm "
                                  "refuses what it would not compute exactly as transformers does")
+    if partial not in (None, 1.0):  # returned beside the local layers' keys, whatever the RoPE type
+        local["rope_fraction"] = float(partial)
     if kind == "default":
         return dict(rope_theta=float(theta), rope_scaling="none", **local)
     if kind == "linear":

@@ -87,7 +87,7 @@ def layer_l2_norms(m) -> list[bool]:
 
 def layer_data(m) -> dict | None:
     """What differs by layer, one row per layer, for the layer scan to carry: "window" [n_layers] int32 when the
-    windows differ, "chunk" [n_layers] int32 when the attention chunks do, "rope" [n_layers, head_dim/2] fp32
+    windows differ, "chunk" [n_layers] int32 when the attention chunks do, "rope" [n_layers, rope_dim/2] fp32
     frequencies when the RoPE does (a layer without RoPE: zeros, the identity rotation exactly), "temperature"
     [n_layers] fp32 when the temperature scales do, "l2" [n_layers] bool when the L2 q/k norms do; None when
     nothing does."""
@@ -183,8 +183,10 @@ def score_width(m) -> int:
 
 
 def rope_dim(m) -> int:
-    """The dimensions RoPE rotates: the whole head, or MLA's qk_rope_head_dim."""
-    return m.mla.qk_rope_head_dim if m.attention == "mla" else head_dim(m)
+    """The dimensions RoPE rotates: each head's first int(head_dim × `model.rope_fraction`) (the whole head at 1;
+    transformers' `partial_rotary_factor`, rounded as it does), or MLA's qk_rope_head_dim. The frequencies, their
+    scalings and the per-layer rows are all of this width."""
+    return m.mla.qk_rope_head_dim if m.attention == "mla" else int(head_dim(m) * m.rope_fraction)
 
 
 def rope_frequencies(m, local: bool = False):
@@ -241,10 +243,14 @@ def layer_sinks(p: dict):
 
 def _project(p: dict, x, positions, m, dtype, layer=None):
     """Column-parallel Q/K/V (heads split over tp), with their biases, q/k norms and RoPE at `positions` (the
-    layer's own frequencies in `layer` when the RoPE differs by layer)."""
-    q, k, v = column_parallel(x, [(p["wq"], ("embed", "heads", "head_dim")),
-                                  (p["wk"], ("embed", "kv_heads", "head_dim")),
-                                  (p["wv"], ("embed", "kv_heads", "head_dim"))], dtype, "attention")
+    layer's own frequencies in `layer` when the RoPE differs by layer). Returns (q, k, v, gate): `gate` the output
+    gate's logits [batch, seq, heads, head_dim] where the layer has one (`model.attn_output_gate`: `wg`, its bias
+    `bg`), from the same column-parallel call as the queries (one gather of x); else None."""
+    weights = [(p["wq"], ("embed", "heads", "head_dim")), (p["wk"], ("embed", "kv_heads", "head_dim")),
+               (p["wv"], ("embed", "kv_heads", "head_dim"))]
+    gate_weight = [(p["wg"], ("embed", "heads", "head_dim"))] if "wg" in p else []
+    q, k, v, *gate = column_parallel(x, weights + gate_weight, dtype, "attention")
+    gate = add_bias(gate[0], p, "bg", ("heads", "head_dim"), dtype) if gate else None
     q = add_bias(q, p, "bq", ("heads", "head_dim"), dtype)
     k = add_bias(k, p, "bk", ("kv_heads", "head_dim"), dtype)
     v = add_bias(v, p, "bv", ("kv_heads", "head_dim"), dtype)
@@ -262,7 +268,7 @@ def _project(p: dict, x, positions, m, dtype, layer=None):
     q = checkpoint_name(constrain(q, ("batch", "seq", "heads", "head_dim")), "query")
     k = checkpoint_name(constrain(k, ("batch", "seq", "kv_heads", "head_dim")), "key")
     v = checkpoint_name(constrain(v, ("batch", "seq", "kv_heads", "head_dim")), "value")
-    return q, k, v
+    return q, k, v, None if gate is None else constrain(gate, ("batch", "seq", "heads", "head_dim"))
 
 
 def l2_norm(x, eps: float, on=True):
@@ -282,14 +288,25 @@ def tuned_queries(q, positions, floor: int, scale):
 
 
 def apply_rope(x, positions, m, layer=None):
-    """RoPE on x [batch, seq, heads, rope_dim] at `positions`: the model's, or the layer's own frequencies in
-    `layer` when the RoPE differs by layer."""
+    """RoPE on the first rope_dim dimensions of x [batch, seq, heads, ≥ rope_dim] at `positions` (the rest pass
+    unchanged: `model.rope_fraction`): the model's, or the layer's own frequencies in `layer` when the RoPE differs
+    by layer."""
     freqs = layer["rope"] if layer and "rope" in layer else rope_frequencies(m, local_rope(m)[0])
     return rope(x, positions, freqs, rope_scale(m))
 
 
-def project_out(p: dict, out, dtype):
-    """The row-parallel output projection of the heads' outputs."""
+def output_gate(out, gate):
+    """Qwen3-Next's gated attention: the heads' outputs [batch, seq, heads, head_dim] times σ(gate logits), in the
+    compute dtype as transformers' `attn_output * torch.sigmoid(gate)` (applied to the attention core's output, so
+    every implementation and context-parallel island runs unchanged)."""
+    return out.astype(gate.dtype) * jax.nn.sigmoid(gate)
+
+
+def project_out(p: dict, out, dtype, gate=None):
+    """The row-parallel output projection of the heads' outputs, each first gated by σ(`gate`) where the layer has
+    an output gate (`_project`'s logits; None: no gate)."""
+    if gate is not None:
+        out = output_gate(out, gate)
     out = constrain(out, ("batch", "seq", "heads", "head_dim"))
     out = row_parallel(out, p["wo"], ("heads", "head_dim", "embed"), dtype, "attention")
     return add_bias(out, p, "bo", None, dtype)
@@ -298,9 +315,9 @@ def project_out(p: dict, out, dtype):
 def attention_layer(p: dict, x, positions, segment_ids, m, dtype, layer=None):
     """Column-parallel Q/K/V (heads split over tp), attention, row-parallel output. `layer`: this layer's row of
     `layer_data` (its window, its RoPE), where those differ by layer."""
-    q, k, v = _project(p, x, positions, m, dtype, layer)
+    q, k, v, gate = _project(p, x, positions, m, dtype, layer)
     out = checkpoint_name(attend(q, k, v, positions, segment_ids, m, layer, layer_sinks(p)), "attention")
-    return project_out(p, out, dtype)
+    return project_out(p, out, dtype, gate)
 
 
 CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")  # a KV cache's logical dimensions
@@ -380,7 +397,7 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     position within a segment, and the model's window). A windowed layer keeps every slot, masked: one cache
     layout for every layer and no positions to remap, at the cost of slots past the window.
     Returns (output, the cache with this layer's slots written)."""
-    q, k, v = _project(p, x, positions, m, dtype, layer)
+    q, k, v, gate = _project(p, x, positions, m, dtype, layer)
     names = stored_names(CACHE, cache.pages is not None)
     keys = constrain(cache_write(cache.k, k, cache, positions, segment_ids), names)
     values = constrain(cache_write(cache.v, v, cache, positions, segment_ids), names)
@@ -394,7 +411,7 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     else:
         out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
                         segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m), sinks)
-    return project_out(p, out, dtype), written
+    return project_out(p, out, dtype, gate), written
 
 
 def _paged_kernel(q, cache: CacheView, positions, masking_: Masking):
@@ -411,9 +428,13 @@ def _check_positions(m) -> None:
     """RoPE's keys and the attention window."""
     if m.rope_scaling not in ROPE_SCALINGS:
         raise ConfigError(f"model.rope_scaling: '{m.rope_scaling}' is not one of {', '.join(ROPE_SCALINGS)}")
-    if m.positions == "rope" and rope_dim(m) % 2:
-        raise ConfigError(f"model: RoPE's dimensions ({rope_dim(m)}) must be even; change model.head_dim (or "
-                          "d_model / n_heads; model.mla.qk_rope_head_dim under MLA)")
+    if not 0 < m.rope_fraction <= 1:
+        raise ConfigError(f"model.rope_fraction={m.rope_fraction}: the part of each head RoPE rotates must be in "
+                          "(0, 1]; 1 rotates the whole head")
+    if m.positions == "rope" and (rope_dim(m) % 2 or rope_dim(m) < 2):
+        raise ConfigError(f"model: RoPE's dimensions ({rope_dim(m)}) must be even and at least 2; change "
+                          "model.head_dim (or d_model / n_heads) or model.rope_fraction (model.mla.qk_rope_head_dim "
+                          "under MLA)")
     if m.rope_scaling == "llama3" and not (m.rope_factor >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor
                                            and m.rope_original_context > 0):
         raise ConfigError("model.rope_scaling=llama3 needs rope_factor ≥ 1, 0 < rope_low_freq_factor < "
@@ -592,11 +613,13 @@ def _check_mla(m) -> None:
     wrong = [f"model.{k}={getattr(m, k)!r}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
                                                            ("qk_norm", False), ("attn_sinks", False),
                                                            ("rope_global", True), ("attn_temperature_floor", 0),
-                                                           ("qk_l2_norm", False))
+                                                           ("qk_l2_norm", False), ("attn_output_gate", False),
+                                                           ("rope_fraction", 1.0))
              if getattr(m, k) != ok]
     if wrong:
-        raise ConfigError(f"model.attention=mla is built with RoPE on every layer, no attention biases, no q/k norms, "
-                          f"no attention sinks and no temperature tuning; change {', '.join(wrong)}")
+        raise ConfigError(f"model.attention=mla is built with RoPE on every layer (over qk_rope_head_dim, whole), no "
+                          f"attention biases, no q/k norms, no attention sinks, no temperature tuning and no output "
+                          f"gate; change {', '.join(wrong)}")
 
 
 def check_config(m, shape: dict) -> list[str]:

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
 from jaxllm.ops import gated_delta
-from jaxllm.sharding import weight
+from jaxllm.parallel import gated_delta_context
+from jaxllm.sharding import current_layout, weight
 
 
 class GatedDeltaNetSizes(NamedTuple):
@@ -90,10 +91,10 @@ def check_config(m, shape: dict) -> None:
     if a.num_k_heads % shape["tp"]:
         raise ConfigError(f"model.linear_attn.num_k_heads={a.num_k_heads} is not divisible by mesh.tp={shape['tp']}: "
                           "tensor parallelism splits the key-head groups; use a tp that divides them")
-    if shape["sp"] > 1:
-        raise ConfigError(f"mesh.sp={shape['sp']} with linear attention layers (model.pattern {m.pattern}): their "
-                          "context parallelism (a state passed across sequence ranks) is not wired into the stack "
-                          "yet; use mesh.sp=1")
+    if shape["sp"] > 1 and m.cp_load_balance:
+        raise ConfigError(f"mesh.sp={shape['sp']} with linear attention layers and model.cp_load_balance=true: their "
+                          "state passes from rank to rank in sequence order, which the zig-zag order breaks (and "
+                          "their work is even across ranks without it); set model.cp_load_balance=false")
 
 
 def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
@@ -141,30 +142,6 @@ def to_hf(p: dict, s: GatedDeltaNetSizes) -> dict:
             "in_proj_ba.weight": p["in_proj_ba"].reshape(p["in_proj_ba"].shape[0], -1).T,
             "conv1d.weight": flat[:, None, :], "dt_bias": p["dt_bias"].reshape(-1), "A_log": p["A_log"].reshape(-1),
             "norm.weight": p["norm"], "out_proj.weight": p["out_proj"].reshape(-1, p["out_proj"].shape[-1]).T}
-
-
-def causal_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None, window=None,
-                window_ids=None) -> jax.Array:
-    """transformers' `causal_conv1d_fn` without bias and activation, channels last: x [b, t, c], w [c, K];
-    y_t = Σ_j w[:, j] · x_{t−(K−1)+j}. The K − 1 inputs before position 0 are `window` [b, K − 1, c] (generation's
-    carried inputs, or a context-parallel rank's halo; none: zeros); with `segment_ids` [b, t] an input of an
-    earlier document reads as zero (`window_ids` [b, K − 1] the window's ids; none: never the same). fp32."""
-    t, kernel = x.shape[1], w.shape[1]
-    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
-    if window is None:
-        window = jnp.zeros((x.shape[0], kernel - 1, x.shape[2]), jnp.float32)
-    xp = jnp.concatenate([window.astype(jnp.float32), x], axis=1)
-    if segment_ids is not None:
-        if window_ids is None:
-            window_ids = jnp.full((x.shape[0], kernel - 1), -1, segment_ids.dtype)
-        sp = jnp.concatenate([window_ids.astype(segment_ids.dtype), segment_ids], axis=1)
-    y = jnp.zeros_like(x)
-    for j in range(kernel):  # tap j reads lag kernel − 1 − j
-        xs = xp[:, j:j + t]
-        if segment_ids is not None and j < kernel - 1:
-            xs = jnp.where((sp[:, j:j + t] == segment_ids)[..., None], xs, 0.0)
-        y = y + xs * w[:, j]
-    return y
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -220,9 +197,15 @@ def gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, chunk: int 
     s = sizes
     mixed = _project(p, x, s)
     conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
-    qkv = jax.nn.silu(causal_conv(mixed.qkv, conv_w, segment_ids)).astype(x.dtype)
+    layout = current_layout()
+    if layout is not None and layout.mesh.shape["sp"] > 1:  # the sequence split: `parallel/gated_delta_context.py`
+        conv = functools.partial(gated_delta_context.causal_conv, layout=layout)
+        rule = functools.partial(gated_delta_context.gated_delta_rule, layout=layout)
+    else:
+        conv, rule = gated_delta.causal_conv, gated_delta.chunked
+    qkv = jax.nn.silu(conv(mixed.qkv, conv_w, segment_ids=segment_ids)).astype(x.dtype)
     q, k, v = _split_heads(qkv, s)
-    o, _ = gated_delta.chunked(q, k, v, mixed.g, mixed.beta, chunk, use_qk_l2norm=True, segment_ids=segment_ids)
+    o, _ = rule(q, k, v, mixed.g, mixed.beta, chunk=chunk, use_qk_l2norm=True, segment_ids=segment_ids)
     return _output(p, o, mixed.z, s)
 
 
@@ -262,7 +245,7 @@ def cached_gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, carr
     ids = jnp.cumsum(resets, axis=1).astype(jnp.int32)  # a reset starts a new id: the window before it reads zero
     window_ids = jnp.zeros(carried.conv.shape[:2], jnp.int32)
     conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
-    qkv = jax.nn.silu(causal_conv(mixed.qkv, conv_w, ids, carried.conv, window_ids)).astype(x.dtype)
+    qkv = jax.nn.silu(gated_delta.causal_conv(mixed.qkv, conv_w, ids, carried.conv, window_ids)).astype(x.dtype)
     window = jnp.concatenate([carried.conv, mixed.qkv.astype(carried.conv.dtype)], axis=1)[:, t:]
     q, k, v = _split_heads(qkv, s)
     form = gated_delta.recurrent if t == 1 else functools.partial(gated_delta.chunked, chunk=chunk)

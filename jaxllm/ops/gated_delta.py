@@ -175,3 +175,27 @@ def _across_chunks(state, parts):
         return s, o
 
     return jax.lax.scan(step, state, tuple(jnp.moveaxis(x, 2, 0) for x in parts))
+
+
+def causal_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None, window=None,
+                window_ids=None) -> jax.Array:
+    """transformers' `causal_conv1d_fn` (the short convolution before Gated DeltaNet's recurrence) without bias and activation, channels last: x [b, t, c], w [c, K];
+    y_t = Σ_j w[:, j] · x_{t−(K−1)+j}. The K − 1 inputs before position 0 are `window` [b, K − 1, c] (generation's
+    carried inputs, or a context-parallel rank's halo; none: zeros); with `segment_ids` [b, t] an input of an
+    earlier document reads as zero (`window_ids` [b, K − 1] the window's ids; none: never the same). fp32."""
+    t, kernel = x.shape[1], w.shape[1]
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    if window is None:
+        window = jnp.zeros((x.shape[0], kernel - 1, x.shape[2]), jnp.float32)
+    xp = jnp.concatenate([window.astype(jnp.float32), x], axis=1)
+    if segment_ids is not None:
+        if window_ids is None:
+            window_ids = jnp.full((x.shape[0], kernel - 1), -1, segment_ids.dtype)
+        sp = jnp.concatenate([window_ids.astype(segment_ids.dtype), segment_ids], axis=1)
+    y = jnp.zeros_like(x)
+    for j in range(kernel):  # tap j reads lag kernel − 1 − j
+        xs = xp[:, j:j + t]
+        if segment_ids is not None and j < kernel - 1:
+            xs = jnp.where((sp[:, j:j + t] == segment_ids)[..., None], xs, 0.0)
+        y = y + xs * w[:, j]
+    return y

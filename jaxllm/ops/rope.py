@@ -47,11 +47,15 @@ def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
 
 
 def rope(x: jax.Array, positions: jax.Array, freqs: jax.Array, scale: float = 1.0) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] at explicit positions (half-split form); cos
-    and sin multiplied by `scale` (YaRN's attention factor)."""
+    """Rotary position embedding on the first 2·len(freqs) dimensions of x [batch, seq, heads, head_dim] at
+    explicit positions (half-split form over those dimensions, transformers' `rotate_half`); the dimensions after
+    them pass unchanged (partial RoPE, transformers' `partial_rotary_factor`); cos and sin multiplied by `scale`
+    (YaRN's attention factor)."""
+    width = 2 * freqs.shape[-1]
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch, seq, half]
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     if scale != 1.0:
         sin, cos = sin * scale, cos * scale
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = jnp.split(x[..., :width].astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotated if width == x.shape[-1] else jnp.concatenate([rotated, x[..., width:]], axis=-1)

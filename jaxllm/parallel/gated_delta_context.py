@@ -36,8 +36,7 @@ the previous rank's last segment id with a ppermute (`halo`) and marks its own r
 
 The short causal convolution before the recurrence (`causal_conv`) needs the previous rank's last K−1 inputs and
 their segment ids (`halo`, a ppermute; rank 0 gets zeros and the id −1, which matches no document), then
-equals `models/gated_deltanet.causal_conv` on the whole sequence (reimplemented here, over [halo | local]:
-parallel/ sits below models/ and does not import it).
+equals `gated_delta.causal_conv` on the whole sequence (the same function, the halo as its window).
 
 Zig-zag (load-balanced) order is not supported (`layout.sequence_order` is refused): the state passes from
 rank to rank in sequence order, and zig-zag gives each rank two non-adjacent pieces of the sequence, whose
@@ -160,27 +159,11 @@ def local_gated_delta_rule(q, k, v, g, beta, segment_ids=None, initial_state=Non
 # ---------------------------------------------------------------- the causal convolution
 
 
-def _conv_over(x_all, ids_all, w, t: int):
-    """The causal convolution's last t outputs over x_all [b, K−1+t, c] (the left context first), the taps that
-    read another document (ids_all [b, K−1+t], None: no documents) zeroed. fp32."""
-    kernel = w.shape[1]
-    x_all, w = x_all.astype(jnp.float32), w.astype(jnp.float32)
-    y = jnp.zeros(x_all.shape[:1] + (t,) + x_all.shape[2:], jnp.float32)
-    for j in range(kernel):  # tap j reads lag kernel − 1 − j
-        xs = x_all[:, j:j + t]
-        if ids_all is not None and j < kernel - 1:
-            xs = jnp.where((ids_all[:, j:j + t] == ids_all[:, kernel - 1:])[..., None], xs, 0.0)
-        y = y + xs * w[:, j]
-    return y
-
-
 def local_causal_conv(x, w, segment_ids=None, axis_name: str = "sp"):
-    """`models/gated_deltanet.causal_conv` (x [b, t, c], w [c, K]) of this rank's tokens of a sequence split over
+    """`gated_delta.causal_conv` (x [b, t, c], w [c, K]) of this rank's tokens of a sequence split over
     `axis_name`: the window reaches into the previous rank's last K−1 inputs, not across a document start. fp32."""
-    width = w.shape[1] - 1
-    x_prev, ids_prev = halo(x, segment_ids, width, axis_name)
-    ids_all = None if segment_ids is None else jnp.concatenate([ids_prev, segment_ids], axis=1)
-    return _conv_over(jnp.concatenate([x_prev.astype(x.dtype), x], axis=1), ids_all, w, x.shape[1])
+    x_prev, ids_prev = halo(x, segment_ids, w.shape[1] - 1, axis_name)
+    return gated_delta.causal_conv(x, w, segment_ids, window=x_prev, window_ids=ids_prev)
 
 
 # ---------------------------------------------------------------- the islands
@@ -240,7 +223,7 @@ def gated_delta_rule(q, k, v, g, beta, layout: Layout, segment_ids=None, initial
 
 
 def causal_conv(x, w, layout: Layout, segment_ids=None):
-    """`models/gated_deltanet.causal_conv` of the whole x [b, t, c] (w [c, K], whole on every device) laid out as
+    """`gated_delta.causal_conv` of the whole x [b, t, c] (w [c, K], whole on every device) laid out as
     `layout`'s activations, the sequence split over sp (`local_causal_conv` in a shard_map, `manual_axes`; the
     channels whole: they mix q, k and v heads). fp32."""
     _check(layout, x.shape[1])
