@@ -57,6 +57,7 @@ TENSOR_RULES: Rules = (
     ("linear_heads", ("tp",)),  # Gated DeltaNet's key-head groups (`models/gated_deltanet.py`), split like heads
     ("linear_group", ()),  # a group's channels (its q, k, r value heads, their gates)
     ("conv_kernel", ()),  # the short convolution's taps (and the generation state's window)
+    ("linear_conv", ()),  # its channels as transformers orders them (q, k, v of every head): small, whole
 )
 
 # "pages": the rollout engine's page pool (`generate/engine.py`), whole on every device: any slot's page table

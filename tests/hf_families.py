@@ -30,8 +30,9 @@ import os
 import numpy as np
 
 FAMILIES: tuple[str, ...] = ("gpt2", "llama2", "llama3", "llama3.1", "llama3.2", "mistral", "qwen2", "mixtral", "qwen3",
-                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4")
+                              "gemma2", "gemma3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4",
+                              "qwen3_next")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4", "qwen3_next")
 
 VOCAB_SIZE = 301
 HIDDEN = 64
@@ -90,6 +91,16 @@ LLAMA4 = dict(num_hidden_layers=4, head_dim=HEAD_DIM, intermediate_size=48, inte
               num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
               attention_chunk_size=8, floor_scale=4, attn_scale=0.1, use_qk_norm=True, tie_word_embeddings=False,
               rope_parameters=dict(LLAMA31_ROPE))
+# Qwen3-Next: 4 layers, Gated DeltaNet on 0, 1, 2 and gated attention (RoPE on a quarter of each head) on 3; MoE
+# (4 experts, top-2, normalised, a sigmoid-gated shared expert) on every layer but 1, which is dense; grouped value
+# heads (2 key heads, 4 value heads) of widths unlike the attention's.
+QWEN3_NEXT = dict(num_hidden_layers=4, head_dim=HEAD_DIM, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                  mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48, norm_topk_prob=True, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=12, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm",)  # norms applied as x̂ · (1 + w), as their checkpoints hold them
 GEMMA_WINDOW = 12
 GEMMA_QUERY_SCALAR = 24
 GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 5.0}
@@ -225,6 +236,8 @@ def _family_kwargs(family: str) -> tuple[str, dict]:
         return "GptOssConfig", dict(llama_like, **GPT_OSS)
     if family == "llama4":
         return "Llama4TextConfig", dict(llama_like, **LLAMA4)
+    if family == "qwen3_next":
+        return "Qwen3NextConfig", dict(llama_like, **QWEN3_NEXT)
     if family in GEMMA_LAYERS:
         gemma = dict(llama_like, num_hidden_layers=GEMMA_LAYERS[family], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
                      hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=GEMMA_QUERY_SCALAR,
@@ -314,8 +327,8 @@ def _perturb(model, generator) -> None:
                     continue
                 seen.add(id(p))
                 noise = torch.randn(p.shape, generator=generator, dtype=torch.float32)
-                if is_norm and pname == "weight":
-                    value = 1.0 + NORM_STD * noise
+                if is_norm and pname == "weight":  # about 1 as applied: a zero-centred norm's (x̂ · (1 + w)) about 0
+                    value = (type(module).__name__ not in ZERO_CENTRED_NORMS) + NORM_STD * noise
                 elif pname == "bias" or pname.endswith("_bias"):
                     value = BIAS_STD * noise
                 elif _is_router(name, module):
@@ -422,7 +435,7 @@ def build(
     _perturb(model, generator)
     _round_to(model, dtype)
 
-    if family in MOE_FAMILIES:
+    if family in MOE_FAMILIES and getattr(config, "num_experts", 1):
         _reseed_routers(model, sample_tokens(config.vocab_size, 2, 64, seed), dtype, seed)
 
     model = model.to(tdt)

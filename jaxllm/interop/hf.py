@@ -156,8 +156,8 @@ def read_block(files: Files, entry: Entry, key: str, shape: tuple[int, ...], ind
     src, dst = (s.strip() for s in entry.pattern.split("->"))
     names = dst.split()
     fused = entry.select is not None  # one part p of a fused tensor ('p e h d' with p fixed)
-    sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": entry.parts} if fused else {})
-    want = dict(zip(names[1:] if fused else names, index))
+    sizes = dict(zip(names[1:] if fused else names, shape)) | ({"p": entry.parts} if fused else {}) | {"1": 1}
+    want = dict(zip(names[1:] if fused else names, index)) | {"1": slice(None)}  # "1": a unit axis of the file's
     want |= {"p": slice(entry.select, entry.select + 1)} if fused else {}
     groups, file_index, got, rest = _groups(src), [], {}, {}
     for group in groups:

@@ -22,7 +22,7 @@ from jaxllm.ops.rope import yarn_attention_factor
 from jaxllm.schema import FAMILIES, ModelConfig
 
 MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
-               "gemma3_text", "deepseek_v3", "gpt_oss", "llama4_text")
+               "gemma3_text", "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_next")
 QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 # What transformers 5's config classes assume when a key is absent, where the families differ.
 ABSENT = {
@@ -57,6 +57,10 @@ ABSENT = {
                         interleave_moe_layer_step=1, no_rope_layer_interval=4, attention_chunk_size=8192,
                         use_qk_norm=True, attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1,
                         num_experts_per_tok=1, num_local_experts=16, router_aux_loss_coef=0.001, attention_bias=False),
+    "qwen3_next": dict(num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
+                       max_position_embeddings=32768, head_dim=256, partial_rotary_factor=0.25, decoder_sparse_step=1,
+                       num_experts=512, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                       shared_expert_intermediate_size=512, linear_conv_kernel_dim=4),
     "deepseek_v3": dict(num_key_value_heads=None, rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=None,
                         max_position_embeddings=4096, head_dim=None, first_k_dense_replace=3, n_shared_experts=1,
                         n_routed_experts=256, num_experts_per_tok=8, norm_topk_prob=True, routed_scaling_factor=2.5,
@@ -158,7 +162,8 @@ def _rope(hf: dict) -> dict:
                                            ABSENT["gemma3_text"]["rope_local_base_freq"])}
     theta = params.get("rope_theta", hf.get("rope_theta", ABSENT[hf["model_type"]]["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))  # transformers' precedence
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor",  # transformers' precedence
+                                                         ABSENT[hf["model_type"]].get("partial_rotary_factor")))
     for key, value in (("partial_rotary_factor", hf.get("partial_rotary_factor")),
                        (f"{where}.partial_rotary_factor", params.get("partial_rotary_factor"))):
         if value not in (None, 1.0) and hf["model_type"] != "qwen3_next":
@@ -351,6 +356,37 @@ def _qwen_moe(hf: dict) -> dict:
                                  bool(value("norm_topk_prob")), value("router_aux_loss_coef"), shared, gate=True)}
 
 
+LAYER_KINDS = {(False, False): "dense", (False, True): "moe", (True, False): "linear", (True, True): "linear_moe"}
+
+
+def _qwen3_next(hf: dict) -> dict:
+    """Qwen3-Next: Qwen3's attention with an output gate (`attn_output_gate`), partial RoPE and zero-centred norms
+    (x̂ · (1 + w): `norm_offset` 1); Gated DeltaNet on the `linear_attention` layers of `layer_types`
+    (`model.linear_attn`); MoE layers (`mlp_only_layers`, `decoder_sparse_step`) with a sigmoid-gated shared
+    expert, the rest dense."""
+    value, n = functools.partial(_value, hf), hf["num_hidden_layers"]
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(hf, "hidden_act", "Qwen3-Next here uses silu (SwiGLU)")
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+    if set(types) - {"linear_attention", "full_attention"}:
+        _refuse(hf, "layer_types", "Qwen3-Next's layers are linear_attention or full_attention")
+    experts, step, dense = value("num_experts"), value("decoder_sparse_step"), set(hf.get("mlp_only_layers") or [])
+    moe = [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)]
+    keys = dict(_decoder(hf, "qwen3", tied=False), norm_offset=1.0, attn_output_gate=True, mlp_bias=False,
+                attn_bias="qkvo" if hf.get("attention_bias") else "none",
+                **_stack_keys([LAYER_KINDS[t == "linear_attention", e] for t, e in zip(types, moe)]),
+                **{"linear_attn.num_k_heads": hf["linear_num_key_heads"],
+                   "linear_attn.num_v_heads": hf["linear_num_value_heads"],
+                   "linear_attn.head_k_dim": hf["linear_key_head_dim"],
+                   "linear_attn.head_v_dim": hf["linear_value_head_dim"],
+                   "linear_attn.conv_kernel": value("linear_conv_kernel_dim")})
+    if any(moe):
+        keys.update(_experts(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+                             bool(value("norm_topk_prob")), value("router_aux_loss_coef"),
+                             value("shared_expert_intermediate_size"), gate=True))
+    return keys
+
+
 def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
     """DeepSeek-V3: latent attention; `first_k_dense_replace` dense layers, then MoE layers with sigmoid scores,
     group-limited top-k, the routing bias (`e_score_correction_bias`, fixed unless a run moves it) and shared
@@ -447,6 +483,8 @@ def model_keys(hf: dict, path: str | None = None) -> dict:
         return _gpt_oss(hf)
     if kind == "llama4_text":
         return _llama4(hf)
+    if kind == "qwen3_next":
+        return _qwen3_next(hf)
     return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
@@ -459,6 +497,8 @@ def model_type(m: ModelConfig) -> str:
     """The transformers model type that computes what `m` describes."""
     if m.mlp == "swiglu_clamped":
         return "gpt_oss"
+    if any(_qwen3_next_features(m).values()):
+        return "qwen3_next"
     if any(_llama4_features(m).values()):
         return "llama4_text"
     if m.mlp == "gelu_tanh":
@@ -552,6 +592,8 @@ def hf_config(m: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
         out.update(_deepseek_out(m))
     if kind == "llama4_text":
         out.update(_llama4_out(m))
+    if kind == "qwen3_next":
+        out.update(_qwen3_next_out(m))
     if kind == "gpt_oss":
         out.update(attention_bias=m.attn_bias == "qkvo", sliding_window=m.sliding_window or None,
                    layer_types=_layer_types(m), num_local_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k,
@@ -605,6 +647,25 @@ def _qwen_moe_out(m: ModelConfig) -> dict:
     return out
 
 
+def _qwen3_next_out(m: ModelConfig) -> dict:
+    """Qwen3-Next's own keys: which layers are linear (`layer_types`) and which dense (`mlp_only_layers`), the
+    linear layers' sizes, the partial RoPE, the experts."""
+    a, kinds = m.linear_attn, stack.layer_kinds(m)
+    out = {"attention_bias": m.attn_bias == "qkvo", "partial_rotary_factor": m.rope_fraction,
+           "layer_types": ["linear_attention" if stack.is_linear(k) else "full_attention" for k in kinds],
+           "linear_num_key_heads": a.num_k_heads, "linear_num_value_heads": a.num_v_heads,
+           "linear_key_head_dim": a.head_k_dim, "linear_value_head_dim": a.head_v_dim,
+           "linear_conv_kernel_dim": a.conv_kernel, "decoder_sparse_step": 1,
+           "mlp_only_layers": [i for i, k in enumerate(kinds) if not stack.is_moe(k)]}
+    if stack.has_moe(m):
+        out.update(num_experts=m.moe.n_experts, num_experts_per_tok=m.moe.top_k, moe_intermediate_size=m.moe.d_ff
+                   or m.d_ff, shared_expert_intermediate_size=shared_d_ff(m), norm_topk_prob=m.moe.norm_topk,
+                   router_aux_loss_coef=m.moe.balance_weight)
+    else:
+        out["num_experts"] = 0
+    return out
+
+
 def _gemma_out(m: ModelConfig) -> dict:
     """Gemma 2's and Gemma 3's own keys: activation, score scale, soft caps, which layers slide, local RoPE."""
     scalar = m.query_pre_attn_scalar or m.head_dim or m.d_model // m.n_heads
@@ -624,7 +685,8 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistra
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def _deepseek_wrong(m: ModelConfig) -> list[str]:
@@ -653,6 +715,24 @@ def _llama4_features(m: ModelConfig) -> dict[str, bool]:
     return {"model.attention_chunk": bool(m.attention_chunk), "model.rope_global=false": not m.rope_global,
             "model.attn_temperature_floor": bool(m.attn_temperature_floor), "model.qk_l2_norm": m.qk_l2_norm,
             "model.moe.gate_input": m.moe.gate_input}
+
+
+def _qwen3_next_features(m: ModelConfig) -> dict[str, bool]:
+    """The features Qwen3-Next alone has: key -> whether `m` has it."""
+    return {"model.pattern with linear layers": stack.has_linear(m), "model.attn_output_gate": m.attn_output_gate,
+            "model.rope_fraction": m.rope_fraction != 1.0}
+
+
+def _qwen3_next_wrong(m: ModelConfig) -> list[str]:
+    """What of Qwen3-Next a model lacks: the gate on every attention layer, its experts (softmax top-k, a
+    sigmoid-gated shared expert)."""
+    e, wrong = m.moe, []
+    if not m.attn_output_gate:
+        wrong.append("model.attn_output_gate=false (Qwen3-Next gates every attention layer)")
+    if stack.has_moe(m) and ((e.score, e.routed_scale, e.n_group, e.shared_gate) != ("softmax", 1.0, 1, True)
+                             or not shared_d_ff(m) or has_router_bias(m)):
+        wrong.append("model.moe other than Qwen3-Next's (softmax top-k, one sigmoid-gated shared expert)")
+    return wrong
 
 
 def _gpt_oss_wrong(m: ModelConfig) -> list[str]:
@@ -686,7 +766,9 @@ def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
     """What of the layer stack and the experts `kind`'s config.json cannot say."""
     e = m.moe
     wrong = [f"{k} ({name}'s alone)" for own, name, features in (("gpt_oss", "gpt-oss", _gpt_oss_features(m)),
-                                                                  ("llama4_text", "Llama 4", _llama4_features(m)))
+                                                                  ("llama4_text", "Llama 4", _llama4_features(m)),
+                                                                  ("qwen3_next", "Qwen3-Next",
+                                                                   _qwen3_next_features(m)))
              if kind != own for k, on in features.items() if on]
     if kind == "deepseek_v3":
         return wrong + _deepseek_wrong(m)
@@ -694,6 +776,8 @@ def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
         return wrong + _gpt_oss_wrong(m)
     if kind == "llama4_text":
         return wrong + _llama4_wrong(m)
+    if kind == "qwen3_next":
+        return wrong + _qwen3_next_wrong(m)
     if kind not in QWEN_MOE and (m.segments or m.pattern not in (["dense"], ["moe"])):
         wrong.append(f"model.pattern={m.pattern}, model.segments={m.segments}")
     if kind not in ("mixtral", *QWEN_MOE):
@@ -712,15 +796,16 @@ def _stack_wrong(m: ModelConfig, kind: str) -> list[str]:
 def exportable(m: ModelConfig) -> None:
     """ModelFileError unless some transformers model computes exactly what `m` describes."""
     kind = model_type(m)
-    family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}.get(
-        kind, "llama")
-    want = {**FAMILIES[family], "mlp": "swiglu_clamped"} if kind == "gpt_oss" else FAMILIES[family]
+    family = {"gpt2": "gpt2", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen3": "qwen3", "qwen3_moe": "qwen3",
+              "qwen3_next": "qwen3"}.get(kind, "llama")
+    own = {"gpt_oss": {"mlp": "swiglu_clamped"}, "qwen3_next": {"norm_offset": 1.0}}.get(kind, {})
+    want = {**FAMILIES[family], **own}
     fixed = ("norm", "mlp", "positions", "norm_offset", "norm_placement", "qk_norm", "embed_scale")
     fixed += ("attn_bias", "mlp_bias") if kind in ("gpt2", "gemma2", "gemma3_text") else ()
     wrong = [f"model.{k}={getattr(m, k)!r}" for k in fixed if getattr(m, k) != want[k]]
-    if kind in ("qwen2", "qwen3", "gpt_oss", *QWEN_MOE) and m.mlp_bias:
+    if kind in ("qwen2", "qwen3", "gpt_oss", "qwen3_next", *QWEN_MOE) and m.mlp_bias:
         wrong.append("model.mlp_bias=true")
-    if kind in ("qwen3", "qwen3_moe") and m.attn_bias == "qkv":
+    if kind in ("qwen3", "qwen3_moe", "qwen3_next") and m.attn_bias == "qkv":
         wrong.append("model.attn_bias='qkv'")
     if not kind.startswith("gemma"):
         wrong += [f"model.{k}={getattr(m, k)!r}" for k in ("attn_softcap", "final_softcap", "query_pre_attn_scalar",

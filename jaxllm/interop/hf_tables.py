@@ -4,7 +4,8 @@ An `Entry` names a file key (with `{i}` for the layer and `{x}` for the expert),
 inside `params`, or inside one block for per-layer leaves) and an einops pattern from the file's layout to
 ours for one layer (and one expert). Letters: v vocabulary, n positions, e d_model, h heads, d head_dim,
 f feed-forward, x experts, p the parts of GPT-2's fused q|k|v projection (`select` picks one), r a latent
-attention's compressed width, c its latent with the RoPE key.
+attention's compressed width, c its latent with the RoPE key (Gated DeltaNet's: a key-head group's channels, or
+the convolution's), k the convolution's taps, 1 a unit axis of the file's.
 torch's Linear stores [out, in], so its weights read transposed; GPT-2's Conv1D stores [in, out].
 """
 
@@ -141,6 +142,29 @@ def _qwen_experts(fused: bool) -> list[Entry]:
         Entry(f"{key}.shared_expert_gate.weight", ("moe", "shared_gate"), "g e -> e g")]
 
 
+def _qwen3_next(m, fused: bool) -> list[Entry]:
+    """Qwen3-Next: Qwen3's attention with q_proj holding each head's [query | output gate] (`wq`, `wg`: parts of
+    `(h p d)`); the linear layers' Gated DeltaNet as `models/gated_deltanet.py` lays it out by key-head group
+    (`h` key heads, `c` a group's channels; the convolution's taps as the file holds them, `1` its unit axis);
+    Qwen's MoE layers with the shared expert and its gate, and dense layers."""
+    key, bias = "model.layers.{i}.self_attn", m.attn_bias == "qkvo"
+    attention = [e for e in _llama_attention("qkvo" if bias else "", True) if e.path[1] not in ("wq", "bq")]
+    for part, name in enumerate("qg"):
+        attention.append(Entry(f"{key}.q_proj.weight", ("attn", f"w{name}"), "(h p d) e -> p e h d", part, parts=2))
+        if bias:
+            attention.append(Entry(f"{key}.q_proj.bias", ("attn", f"b{name}"), "(h p d) -> p h d", part, parts=2))
+    linear, ours = "model.layers.{i}.linear_attn", "linear_attn"
+    attention += [Entry(f"{linear}.in_proj_qkvz.weight", (ours, "in_proj_qkvz"), "(h c) e -> e h c"),
+                  Entry(f"{linear}.in_proj_ba.weight", (ours, "in_proj_ba"), "(h c) e -> e h c"),
+                  Entry(f"{linear}.conv1d.weight", (ours, "conv1d"), "c 1 k -> c k"),
+                  Entry(f"{linear}.dt_bias", (ours, "dt_bias"), "(h c) -> h c"),
+                  Entry(f"{linear}.A_log", (ours, "A_log"), "(h c) -> h c"),
+                  Entry(f"{linear}.norm.weight", (ours, "norm"), "d -> d"),
+                  Entry(f"{linear}.out_proj.weight", (ours, "out_proj"), "e (h c) -> h c e")]
+    return _llama("", False, m.tie_embeddings, attention=attention, feed_forward=_qwen_experts(fused) + _mlp(
+        "model.layers.{i}.mlp", ("mlp",)))
+
+
 def halves(nope: int, rope: int) -> tuple[int, ...]:
     """The file's index of each of our dimensions when its last `rope` are interleaved RoPE pairs (x0, x1), (x2, x3),
     ...: the first `nope` stay, then the pairs' first members, then their second, as RoPE's halves."""
@@ -207,6 +231,8 @@ def entries(m, fused: bool = False, interleaved: bool = False) -> list[Entry]:
         return _gpt_oss(m)
     if kind == "llama4_text":
         return _llama4(m)
+    if kind == "qwen3_next":
+        return _qwen3_next(m, fused)
     experts = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}.get(kind, "")
     return _llama({"none": "", "qkv": "qkv", "qkvo": "qkvo"}[m.attn_bias], m.mlp_bias, m.tie_embeddings,
                   experts, m.norm_placement, m.qk_norm, fused)

@@ -15,11 +15,12 @@ its r = hv / hk value heads — so tensor parallelism splits the groups (`linear
     in_proj_qkvz [D, hk, 2·dk + 2·r·dv]   each group's [q (dk) | k (dk) | v (r·dv) | z (r·dv)], transformers'
                                           interleaving (`fix_query_key_value_ordering`) as it is
     in_proj_ba   [D, hk, 2·r]              each group's [b (r) | a (r)]
-    conv1d       [hk, 2·dk + r·dv, K]      each group's [q | k | v] channels' taps
     dt_bias, A_log [hk, r]    norm [dv]    out_proj [hk, r·dv, D]
+    conv1d       [2·hk·dk + hv·dv, K]      the taps of transformers' channels, [all q | all k | all v]: whole on
+                                          every device (K numbers a channel), regrouped by key head at use
 
-`from_hf` / `to_hf` convert to and from transformers' tensors (the conv's channels there are [all q | all k |
-all v]; matrices [out, in]); the convolution is depthwise, so regrouping its channels changes nothing computed.
+`from_hf` / `to_hf` convert to and from transformers' tensors (matrices [out, in]); the convolution is
+depthwise, so regrouping its channels changes nothing computed.
 
 Layouts: x [b, t, D] → y [b, t, D]; inside, q, k [b, t, hk, dk], v, z [b, t, hv, dv], g, β [b, t, hv], the
 layout of `gated_delta`.
@@ -103,7 +104,7 @@ def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
     heads = ("linear_heads", "linear_group")
     return {"in_proj_qkvz": ((d_model, hk, 2 * dk + 2 * r * dv), ("embed",) + heads),
             "in_proj_ba": ((d_model, hk, 2 * r), ("embed",) + heads),
-            "conv1d": ((hk, s.conv_width, K), heads + ("conv_kernel",)),
+            "conv1d": ((hk * s.conv_width, K), ("linear_conv", "conv_kernel")),
             "dt_bias": ((hk, r), heads), "A_log": ((hk, r), heads), "norm": ((dv,), ("head_dim",)),
             "out_proj": ((hk, r * dv, d_model), heads + ("embed",))}
 
@@ -121,27 +122,28 @@ def from_hf(w: dict, s: GatedDeltaNetSizes) -> dict:
     """transformers' tensors (`in_proj_qkvz.weight` [out, in], `conv1d.weight` [C, 1, K], ...; NumPy or JAX) in
     the grouped layout."""
     hk, r, dk, dv = s.num_k_heads, s.group, s.head_k_dim, s.head_v_dim
-    conv = w["conv1d.weight"][:, 0, :]
-    q, k, v = conv[:hk * dk], conv[hk * dk:2 * hk * dk], conv[2 * hk * dk:]
-    cat = jnp.concatenate if isinstance(conv, jax.Array) else __import__("numpy").concatenate
     return {"in_proj_qkvz": w["in_proj_qkvz.weight"].T.reshape(-1, hk, 2 * dk + 2 * r * dv),
-            "in_proj_ba": w["in_proj_ba.weight"].T.reshape(-1, hk, 2 * r),
-            "conv1d": cat([q.reshape(hk, dk, -1), k.reshape(hk, dk, -1), v.reshape(hk, r * dv, -1)], axis=1),
+            "in_proj_ba": w["in_proj_ba.weight"].T.reshape(-1, hk, 2 * r), "conv1d": w["conv1d.weight"][:, 0, :],
             "dt_bias": w["dt_bias"].reshape(hk, r), "A_log": w["A_log"].reshape(hk, r), "norm": w["norm.weight"],
             "out_proj": w["out_proj.weight"].T.reshape(hk, r * dv, -1)}
 
 
 def to_hf(p: dict, s: GatedDeltaNetSizes) -> dict:
     """The grouped layout back in transformers' tensors (`from_hf`'s inverse, bit for bit)."""
-    hk, dk = s.num_k_heads, s.head_k_dim
-    conv = p["conv1d"]
-    cat = jnp.concatenate if isinstance(conv, jax.Array) else __import__("numpy").concatenate
-    flat = cat([conv[:, :dk].reshape(hk * dk, -1), conv[:, dk:2 * dk].reshape(hk * dk, -1),
-                conv[:, 2 * dk:].reshape(-1, conv.shape[-1])], axis=0)
     return {"in_proj_qkvz.weight": p["in_proj_qkvz"].reshape(p["in_proj_qkvz"].shape[0], -1).T,
             "in_proj_ba.weight": p["in_proj_ba"].reshape(p["in_proj_ba"].shape[0], -1).T,
-            "conv1d.weight": flat[:, None, :], "dt_bias": p["dt_bias"].reshape(-1), "A_log": p["A_log"].reshape(-1),
-            "norm.weight": p["norm"], "out_proj.weight": p["out_proj"].reshape(-1, p["out_proj"].shape[-1]).T}
+            "conv1d.weight": p["conv1d"][:, None, :], "dt_bias": p["dt_bias"].reshape(-1),
+            "A_log": p["A_log"].reshape(-1), "norm.weight": p["norm"],
+            "out_proj.weight": p["out_proj"].reshape(-1, p["out_proj"].shape[-1]).T}
+
+
+def grouped_conv(w: jax.Array, s: GatedDeltaNetSizes) -> jax.Array:
+    """The convolution's taps [2·hk·dk + hv·dv, K] (transformers' channel order) regrouped as the projections
+    give the channels: [hk · conv_width, K], each group's q, k, v."""
+    hk, dk = s.num_k_heads, s.head_k_dim
+    q, k, v = w[:hk * dk], w[hk * dk:2 * hk * dk], w[2 * hk * dk:]
+    parts = [q.reshape(hk, dk, -1), k.reshape(hk, dk, -1), v.reshape(hk, s.group * s.head_v_dim, -1)]
+    return jnp.concatenate(parts, axis=1).reshape(hk * s.conv_width, -1)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -196,7 +198,7 @@ def gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, chunk: int 
     of the recurrence's chunked form)."""
     s = sizes
     mixed = _project(p, x, s)
-    conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
+    conv_w = grouped_conv(p["conv1d"], s)
     layout = current_layout()
     if layout is not None and layout.mesh.shape["sp"] > 1:  # the sequence split: `parallel/gated_delta_context.py`
         conv = functools.partial(gated_delta_context.causal_conv, layout=layout)
@@ -234,6 +236,14 @@ def state_bytes(s: GatedDeltaNetSizes, rows: int, dtype) -> int:
     return rows * (conv + 4 * s.num_v_heads * s.head_k_dim * s.head_v_dim)
 
 
+def _next_window(window, qkv, ids, window_ids):
+    """The last K − 1 inputs of [window | qkv] for the next call, those of an earlier document than the last
+    token's zeroed (a prompt shorter than the window keeps none of the left padding before it)."""
+    inputs = jnp.concatenate([window, qkv.astype(window.dtype)], axis=1)[:, qkv.shape[1]:]
+    documents = jnp.concatenate([window_ids, ids], axis=1)[:, ids.shape[1]:]
+    return jnp.where((documents == ids[:, -1:])[..., None], inputs, 0)
+
+
 def cached_gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, carried: LinearState, resets,
                           chunk: int = 64):
     """The layer continuing from `carried` (generation): x [b, t, D] the next t tokens of every row (a prompt, or
@@ -244,9 +254,9 @@ def cached_gated_deltanet(p: dict, x: jax.Array, sizes: GatedDeltaNetSizes, carr
     mixed = _project(p, x, s)
     ids = jnp.cumsum(resets, axis=1).astype(jnp.int32)  # a reset starts a new id: the window before it reads zero
     window_ids = jnp.zeros(carried.conv.shape[:2], jnp.int32)
-    conv_w = p["conv1d"].reshape(-1, s.conv_kernel)
+    conv_w = grouped_conv(p["conv1d"], s)
     qkv = jax.nn.silu(gated_delta.causal_conv(mixed.qkv, conv_w, ids, carried.conv, window_ids)).astype(x.dtype)
-    window = jnp.concatenate([carried.conv, mixed.qkv.astype(carried.conv.dtype)], axis=1)[:, t:]
+    window = _next_window(carried.conv, mixed.qkv, ids, window_ids)
     q, k, v = _split_heads(qkv, s)
     form = gated_delta.recurrent if t == 1 else functools.partial(gated_delta.chunked, chunk=chunk)
     o, state = form(q, k, v, mixed.g, mixed.beta, initial_state=carried.state, use_qk_l2norm=True,
