@@ -66,6 +66,11 @@ def has_linear(m) -> bool:
     return any(map(is_linear, kinds(m)))
 
 
+def attention_layers(m) -> int:
+    """How many layers attend (softmax attention, not linear)."""
+    return sum(not is_linear(kind) for kind in layer_kinds(m))
+
+
 def layer_kinds(m) -> list[str]:
     """Each layer's block kind, layer 0 first."""
     return [kind for seg in segments(m) for _ in range(seg.repeats) for kind in seg.pattern]

@@ -111,3 +111,30 @@ def test_train_step_memory_is_linear_in_the_sequence():
 def test_what_is_not_built_is_refused_in_one_line(over, devices, words):
     with pytest.raises(ConfigError, match=words):
         validate(config(**over), devices)
+
+
+@pytest.mark.slow
+def test_model_flops_count_the_recurrence_the_step_computes():
+    """A linear-only model's compiled step's matmul FLOPs (loops by their trip counts) within 5% of the model
+    FLOPs MFU divides by: 6N plus the chunked recurrence (`gated_deltanet.recurrence_flops_per_token`, here most
+    of the step), no softmax attention term."""
+    from jaxllm.plan.flops import flops_report
+
+    cfg = equivalence_config("tiny-llama", **{**HYBRID, "model.pattern": ["linear"], "model.n_layers": 2,
+                                              "model.seq_len": 1024, "train.global_batch": 1,
+                                              "model.linear_attn.num_k_heads": 4, "model.linear_attn.num_v_heads": 8,
+                                              "model.linear_attn.head_k_dim": 64, "model.linear_attn.head_v_dim": 64,
+                                              "model.linear_attn.chunk": 64})
+    fns = step_fns(cfg, devices=1)
+    compiled = fns.train_step.lower(fns.abstract_state, fns.abstract_batch(1, 1024)).compile()
+    report = flops_report(cfg, compiled.as_text(), 1)
+    assert report["unknown_trip_loops"] == 0 and report["model_full_attention"] == report["model"]
+    assert abs(report["compiled"] / report["model"] - 1) <= 0.05, report
+
+
+def test_the_paged_engine_refuses_linear_layers_in_one_line():
+    from jaxllm.generate.engine import Engine
+
+    cfg = config()
+    with pytest.raises(ConfigError, match="use rl.sampler=static"):
+        Engine(params_of(cfg.model), cfg)

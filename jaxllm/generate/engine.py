@@ -52,6 +52,7 @@ from jaxllm.models.attention import CacheView, head_dim
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import paged_attention
 from jaxllm.sharding import use_layout
+from jaxllm.stack import has_linear
 
 
 def _keys(seed, steps, indices):
@@ -240,6 +241,9 @@ class Engine:
     `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice)."""
 
     def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto"):
+        if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
+            raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."
+                              f"pattern {cfg.model.pattern}); use rl.sampler=static, whose generation carries it")
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page = padded_rows(slots, self.layout), page

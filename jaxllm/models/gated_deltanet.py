@@ -98,6 +98,15 @@ def check_config(m, shape: dict) -> None:
                           "their work is even across ranks without it); set model.cp_load_balance=false")
 
 
+def recurrence_flops_per_token(s: GatedDeltaNetSizes, chunk: int) -> float:
+    """The chunked form's matmul FLOPs per token and layer for training (3× the forward: the backward's two
+    products per forward one), over its value heads: per head q kᵀ and β k kᵀ within the chunk (2·C·dk each), the
+    triangular solve for u and w (C·(dk + dv)), the outputs' within-chunk product (2·C·dv) and the three products
+    with the state (2·dk·dv each). The projections around it are in 6N."""
+    dk, dv, c = s.head_k_dim, s.head_v_dim, chunk
+    return 3.0 * s.num_v_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+
+
 def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
     """Each parameter's (shape, logical names), in the grouped layout of the module docstring."""
     hk, r, dk, dv, K = s.num_k_heads, s.group, s.head_k_dim, s.head_v_dim, s.conv_kernel

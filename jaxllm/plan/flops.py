@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 
 from jaxllm.errors import ConfigError
-from jaxllm.models import attention, lora, transformer
+from jaxllm import stack
+from jaxllm.models import attention, gated_deltanet, lora, transformer
 from jaxllm.plan.hlo import executed_bytes, executed_matmul_flops
 from jaxllm.trainer.loop import flops_per_token
 
@@ -35,9 +36,10 @@ def check_chip(chip: str | None) -> None:
 
 
 def full_attention_flops_per_token(cfg) -> float:
-    """What the causal half leaves out of attention's training FLOPs per token: 6·L·S·width."""
+    """What the causal half leaves out of attention's training FLOPs per token: 6·L·S·width (L the attention
+    layers)."""
     m = lora.base_model(cfg.model)
-    return 6.0 * m.n_layers * m.seq_len * attention.score_width(m)
+    return 6.0 * stack.attention_layers(m) * m.seq_len * attention.score_width(m)
 
 
 def recomputed_flops_per_token(cfg) -> float:
@@ -49,7 +51,9 @@ def recomputed_flops_per_token(cfg) -> float:
     layers = transformer.count_params(m, embeddings=False, active=True)
     last = sum(math.prod(leaf.shape) for block in transformer.param_table(m)["blocks"] if "mlp" in block
                for name, leaf in block["mlp"].items() if name in ("w_down", "w_out"))
-    return 2.0 * (layers - last) + 4.0 * m.n_layers * m.seq_len * attention.score_width(m)
+    linear = (m.n_layers - stack.attention_layers(m)) * gated_deltanet.recurrence_flops_per_token(
+        gated_deltanet.sizes_of(m), m.linear_attn.chunk) / 3  # the recurrence's forward
+    return 2.0 * (layers - last) + 4.0 * stack.attention_layers(m) * m.seq_len * attention.score_width(m) + linear
 
 
 def recomputed_head_flops_per_token(cfg, loss_chunk: int) -> float:

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxllm import batch as batch_lib
 from jaxllm import data as data_lib
+from jaxllm import stack as stack_lib
 from jaxllm.config import build_config, flatten, split_run_source, to_dict, to_toml, validate
 from jaxllm.data import dataset, prefetch
 from jaxllm.errors import CheckpointError, ConfigError, Stopped, TrainingDiverged, UserError
@@ -31,7 +32,7 @@ from jaxllm.eval import run as eval_run, tasks as eval_tasks
 from jaxllm.generate import generate
 from jaxllm.interop import gguf_io, hf, peft
 from jaxllm.mesh import barrier, initialize_distributed, make_mesh
-from jaxllm.models import attention, lora, transformer
+from jaxllm.models import attention, gated_deltanet, lora, transformer
 from jaxllm.parallel.pipeline_schedules import bubble_formula, bubble_fraction
 from jaxllm.rl import prompts
 from jaxllm.rl.rollout_batches import RolloutBatches
@@ -190,11 +191,16 @@ def reference_params(cfg: Config, fns):
 
 
 def flops_per_token(cfg: Config) -> float:
-    """The model's training FLOPs per token (`metrics.model_flops_per_token`). Under LoRA the base model's, 6N as
-    for full fine-tuning: the same model on the same tokens, though the step skips the frozen weights' gradients."""
+    """The model's training FLOPs per token (`metrics.model_flops_per_token`, its attention term over the attention
+    layers; linear layers count their recurrence, `gated_deltanet.recurrence_flops_per_token`). Under LoRA the
+    base model's, 6N as for full fine-tuning: the same model on the same tokens, though the step skips the frozen
+    weights' gradients."""
     m = lora.base_model(cfg.model)
     n = transformer.count_params(m, embeddings=False, active=True) + m.d_model * m.vocab_size  # + LM head matmul
-    return metrics_lib.model_flops_per_token(n, m.n_layers, m.seq_len, attention.score_width(m))
+    linear = m.n_layers - stack_lib.attention_layers(m)  # Gated DeltaNet's chunked recurrence in place of attention
+    recurrence = gated_deltanet.recurrence_flops_per_token(gated_deltanet.sizes_of(m), m.linear_attn.chunk)
+    return (metrics_lib.model_flops_per_token(n, stack_lib.attention_layers(m), m.seq_len, attention.score_width(m))
+            + linear * recurrence)
 
 
 def peak_flops(cfg: Config) -> float:
