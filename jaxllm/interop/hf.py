@@ -31,7 +31,7 @@ from jaxllm import stack
 from jaxllm.config import build_config
 from jaxllm.errors import ModelFileError
 from jaxllm.interop import hf_config
-from jaxllm.interop.hf_tables import Entry, entries
+from jaxllm.interop.hf_tables import Entry, entries, mtp_layers
 from jaxllm.models import transformer
 from jaxllm.schema import Config
 
@@ -216,8 +216,9 @@ def _segment_of(m, k: int) -> stack.Segment:
 
 def _stack(m, path: tuple) -> tuple:
     """(which stack a per-layer leaf is in: its block index or "mtp", its repeats, repeat -> file layer)."""
-    if path[0] == "mtp":  # the prediction modules: the file's layers after the stack's
-        return "mtp", m.mtp_depth, lambda r: m.n_layers + r
+    if path[0] == "mtp":  # the prediction modules: after the stack's layers, or numbered apart (`mtp_layers`)
+        first = mtp_layers(m)[1]
+        return "mtp", m.mtp_depth, lambda r: first + r
     seg, k = _segment_of(m, path[1]), path[1]
     return k, seg.repeats, lambda r: seg.first_layer + r * len(seg.pattern) + k - seg.first_block
 
@@ -226,7 +227,8 @@ def _keys(e: Entry, m, path: tuple, repeats) -> list[list[str]]:
     """The file keys of a per-layer leaf at `path`, [repeat][expert] (one expert for a leaf without {x})."""
     experts = range(m.moe.n_experts) if "{x}" in e.key else [None]
     layer = _stack(m, path)[2]
-    return [[e.key.format(i=layer(r), x=x) for x in experts] for r in repeats]
+    key = e.key.replace("model.layers.", mtp_layers(m)[0]) if path[0] == "mtp" else e.key
+    return [[key.format(i=layer(r), x=x) for x in experts] for r in repeats]
 
 
 def read_leaf(files: Files, m, path: tuple, e: Entry, shape: tuple, index: tuple) -> np.ndarray:
@@ -332,7 +334,10 @@ def file_tensors(params: dict, m):
 
 
 def _mtp_copies(params: dict, m):
-    """Each prediction layer's copies of the shared embedding and head, as DeepSeek-V3's files hold them."""
+    """Each prediction layer's copies of the shared embedding and head, as DeepSeek-V3's files hold them (Qwen3-Next's
+    hold none)."""
+    if hf_config.model_type(m) != "deepseek_v3":
+        return
     head = params["embed"]["tok"].T if m.tie_embeddings else params["head"]["w"]
     for r in range(m.mtp_depth):
         layer = f"model.layers.{m.n_layers + r}"

@@ -359,11 +359,12 @@ def _qwen_moe(hf: dict) -> dict:
 LAYER_KINDS = {(False, False): "dense", (False, True): "moe", (True, False): "linear", (True, True): "linear_moe"}
 
 
-def _qwen3_next(hf: dict) -> dict:
+def _qwen3_next(hf: dict, tensors=lambda: ()) -> dict:
     """Qwen3-Next: Qwen3's attention with an output gate (`attn_output_gate`), partial RoPE and zero-centred norms
     (x̂ · (1 + w): `norm_offset` 1); Gated DeltaNet on the `linear_attention` layers of `layer_types`
     (`model.linear_attn`); MoE layers (`mlp_only_layers`, `decoder_sparse_step`) with a sigmoid-gated shared
-    expert, the rest dense."""
+    expert, the rest dense; its prediction module (`mtp.*`, which transformers does not read) as `model.mtp_depth`
+    = 1 where the files hold it."""
     value, n = functools.partial(_value, hf), hf["num_hidden_layers"]
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(hf, "hidden_act", "Qwen3-Next here uses silu (SwiGLU)")
@@ -379,12 +380,25 @@ def _qwen3_next(hf: dict) -> dict:
                    "linear_attn.num_v_heads": hf["linear_num_value_heads"],
                    "linear_attn.head_k_dim": hf["linear_key_head_dim"],
                    "linear_attn.head_v_dim": hf["linear_value_head_dim"],
-                   "linear_attn.conv_kernel": value("linear_conv_kernel_dim")})
+                   "linear_attn.conv_kernel": value("linear_conv_kernel_dim")},
+                mtp_depth=_qwen3_next_mtp(hf, tensors))
     if any(moe):
         keys.update(_experts(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
                              bool(value("norm_topk_prob")), value("router_aux_loss_coef"),
                              value("shared_expert_intermediate_size"), gate=True))
     return keys
+
+
+def _qwen3_next_mtp(hf: dict, tensors) -> int:
+    """1 if the files hold Qwen3-Next's prediction module (its projection `mtp.fc`), else 0; more than one module
+    (whose blocks would share one projection and norms, used in turn) refused."""
+    if "mtp.fc.weight" not in tensors():
+        return 0
+    depth = hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 1
+    if depth != 1:
+        _refuse(hf, "num_nextn_predict_layers", "jaxllm reads Qwen3-Next's one prediction module (each of its own "
+                "modules has its own projection and norms)")
+    return 1
 
 
 def _deepseek(hf: dict, tensors=lambda: ()) -> dict:
@@ -484,7 +498,7 @@ def model_keys(hf: dict, path: str | None = None) -> dict:
     if kind == "llama4_text":
         return _llama4(hf)
     if kind == "qwen3_next":
-        return _qwen3_next(hf)
+        return _qwen3_next(hf, lambda: weight_map(path) if path else {})
     return _gemma(hf) if kind.startswith("gemma") else _llama_like(hf)
 
 
@@ -815,8 +829,8 @@ def exportable(m: ModelConfig) -> None:
     elif m.rope_scaling != "none" and not m.rope_local_theta and any(attention.layer_windows(m)):
         wrong.append(f"model.rope_scaling={m.rope_scaling!r} on local layers (set model.rope_local_theta)")
     wrong += _stack_wrong(m, kind)
-    if m.mtp_depth and kind != "deepseek_v3":
-        wrong.append(f"model.mtp_depth={m.mtp_depth} (only DeepSeek-V3's files hold prediction layers)")
+    if m.mtp_depth and kind != "deepseek_v3" and (kind, m.mtp_depth) != ("qwen3_next", 1):
+        wrong.append(f"model.mtp_depth={m.mtp_depth} (DeepSeek-V3's files hold prediction layers, Qwen3-Next's one)")
     if kind == "gpt2" and (m.n_kv_heads not in (0, m.n_heads) or m.head_dim not in (0, m.d_model // m.n_heads)):
         wrong.append("grouped-query attention or a free head_dim")
     if wrong:

@@ -146,7 +146,8 @@ def _qwen3_next(m, fused: bool) -> list[Entry]:
     """Qwen3-Next: Qwen3's attention with q_proj holding each head's [query | output gate] (`wq`, `wg`: parts of
     `(h p d)`); the linear layers' Gated DeltaNet as `models/gated_deltanet.py` lays it out by key-head group
     (`h` key heads, `c` a group's channels; the convolution's taps as the file holds them, `1` its unit axis);
-    Qwen's MoE layers with the shared expert and its gate, and dense layers."""
+    Qwen's MoE layers with the shared expert and its gate, and dense layers; the prediction module's norms and
+    projection (`mtp.*`, its block's keys the stack's under `mtp.layers.`: `mtp_layers`)."""
     key, bias = "model.layers.{i}.self_attn", m.attn_bias == "qkvo"
     attention = [e for e in _llama_attention("qkvo" if bias else "", True) if e.path[1] not in ("wq", "bq")]
     for part, name in enumerate("qg"):
@@ -161,8 +162,19 @@ def _qwen3_next(m, fused: bool) -> list[Entry]:
                   Entry(f"{linear}.A_log", (ours, "A_log"), "(h c) -> h c"),
                   Entry(f"{linear}.norm.weight", (ours, "norm"), "d -> d"),
                   Entry(f"{linear}.out_proj.weight", (ours, "out_proj"), "e (h c) -> h c e")]
+    prediction = [Entry("mtp.pre_fc_norm_embedding.weight", ("mtp", "enorm", "scale"), "e -> 1 e"),
+                  Entry("mtp.pre_fc_norm_hidden.weight", ("mtp", "hnorm", "scale"), "e -> 1 e"),
+                  Entry("mtp.fc.weight", ("mtp", "eh_proj"), "e c -> 1 c e"),
+                  Entry("mtp.norm.weight", ("mtp", "final_norm", "scale"), "e -> 1 e")]  # one module (`mtp_layers`)
     return _llama("", False, m.tie_embeddings, attention=attention, feed_forward=_qwen_experts(fused) + _mlp(
-        "model.layers.{i}.mlp", ("mlp",)))
+        "model.layers.{i}.mlp", ("mlp",))) + prediction
+
+
+def mtp_layers(m) -> tuple[str, int]:
+    """Where the files hold the prediction modules' blocks: (what replaces `model.layers.` in their keys, the file's
+    number of module 0's block): DeepSeek-V3's after the stack's layers, Qwen3-Next's under `mtp.layers.` from 0 (its
+    one module's projection and norms are `mtp.*` without a number)."""
+    return ("mtp.layers.", 0) if model_type(m) == "qwen3_next" else ("model.layers.", m.n_layers)
 
 
 def halves(nope: int, rope: int) -> tuple[int, ...]:
