@@ -34,6 +34,7 @@ from jaxllm.models.attention import choose
 from jaxllm.ops.attention import attention, dot_product_attention
 from jaxllm.ops.chunked_attention import chunked_attention
 from jaxllm.ops.masking import Masking
+from test_generate import assert_decodes_as_the_forward
 
 B, T, D, BLOCK = 2, 32, 8, 8
 TOL = 1e-5
@@ -221,13 +222,7 @@ def generation_config(**over):
 def test_cached_generation_with_sinks_equals_the_whole_sequence_forward():
     cfg = generation_config()
     params = with_sinks(cfg)
-    got = generate_arrays(params, cfg, PROMPTS, NEW, temperature=0.0, keep_logits=True)
-    for r, prompt in enumerate(PROMPTS):
-        seq = np.asarray([prompt + [int(t) for t in got["tokens"][r, :-1]]], np.int32)
-        full = np.asarray(transformer.logits(params, jnp.asarray(seq), cfg.model))[0]
-        want = full[len(prompt) - 1:]  # the logits that chose each new token
-        np.testing.assert_allclose(got["logits"][r], want, rtol=0, atol=1e-5)
-        np.testing.assert_array_equal(got["tokens"][r], want.argmax(-1))
+    assert_decodes_as_the_forward(params, cfg, PROMPTS, NEW)
     # the sinks matter: without them the model's logits differ
     plain = dataclasses.replace(cfg.model, attn_sinks=False)
     no_sinks = jax.tree.map(lambda x: x, params)

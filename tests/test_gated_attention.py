@@ -28,9 +28,9 @@ import pytest
 from harness import equivalence_config, loss_and_grads, step_fns
 from jaxllm.config import build_config, validate
 from jaxllm.errors import ConfigError
-from jaxllm.generate import generate_arrays
 from jaxllm.interop import hf_config
 from jaxllm.models import attention, transformer
+from test_generate import assert_decodes_as_the_forward
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -158,13 +158,7 @@ def test_cached_generation_with_the_gate_equals_the_whole_sequence_forward():
     cfg = equivalence_config("tiny-llama", **GATED)
     params = transformer.init_params(cfg.model, jax.random.key(0))
     assert params["blocks"][0]["attn"]["wg"].shape == (cfg.model.n_layers, 64, 8, 16)
-    got = generate_arrays(params, cfg, PROMPTS, NEW, temperature=0.0, keep_logits=True)
-    for r, prompt in enumerate(PROMPTS):
-        seq = np.asarray([prompt + [int(t) for t in got["tokens"][r, :-1]]], np.int32)
-        full = np.asarray(transformer.logits(params, jnp.asarray(seq), cfg.model))[0]
-        want = full[len(prompt) - 1:]  # the logits that chose each new token
-        np.testing.assert_allclose(got["logits"][r], want, rtol=0, atol=1e-5)
-        np.testing.assert_array_equal(got["tokens"][r], want.argmax(-1))
+    assert_decodes_as_the_forward(params, cfg, PROMPTS, NEW)
 
 
 # ---------------------------------------------------------------- refusals

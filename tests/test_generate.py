@@ -70,6 +70,18 @@ def uncached_greedy(params, m, prompts, new: int):
     return np.stack(out_tokens, 1), np.stack(out_logits, 1)
 
 
+def assert_decodes_as_the_forward(params, cfg, prompts, new: int) -> None:
+    """Greedy generation's logits at each new token within 1e-5 of the whole sequence's forward pass (each prompt
+    and what it generated, alone), and each token their argmax."""
+    got = generate_arrays(params, cfg, prompts, new, temperature=0.0, keep_logits=True)
+    for r, prompt in enumerate(prompts):
+        seq = np.asarray([prompt + [int(t) for t in got["tokens"][r, :-1]]], np.int32)
+        full = np.asarray(transformer.logits(params, jnp.asarray(seq), cfg.model))[0]
+        want = full[len(prompt) - 1:]  # the logits that chose each new token
+        np.testing.assert_allclose(got["logits"][r], want, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(got["tokens"][r], want.argmax(-1))
+
+
 def margins(logits) -> np.ndarray:
     top = np.sort(logits, axis=-1)
     return top[..., -1] - top[..., -2]

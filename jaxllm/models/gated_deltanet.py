@@ -175,7 +175,7 @@ class Mixed(NamedTuple):
 
 
 def _project(p: dict, x: jax.Array, s: GatedDeltaNetSizes) -> Mixed:
-    hk, hv, dk, dv = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+    hk, hv, dv = s.num_k_heads, s.num_v_heads, s.head_v_dim
     bsz, t, _ = x.shape
     qkvz = jnp.einsum("btd,dhc->bthc", x, p["in_proj_qkvz"])
     ba = jnp.einsum("btd,dhc->bthc", x, p["in_proj_ba"])
