@@ -9,7 +9,7 @@ the token mixer of the `linear` and `linear_moe` block kinds (`model.linear_attn
     o = gated delta rule(l2norm(q), l2norm(k), v, g, β)                  (`gated_delta.chunked`, use_qk_l2norm)
     y = (RMSNorm(o) · w · silu(z)) W_out                 per value head over dv; not zero-centred; fp32 inside
 
-Parameters (`LINEAR_PARAMS`), every one laid out by key-head group — hk groups, each one key head's q and k and
+Parameters (`param_shapes`), every one laid out by key-head group — hk groups, each one key head's q and k and
 its r = hv / hk value heads — so tensor parallelism splits the groups (`linear_heads`) like attention's heads:
 
     in_proj_qkvz [D, hk, 2·dk + 2·r·dv]   each group's [q (dk) | k (dk) | v (r·dv) | z (r·dv)], transformers'
@@ -30,6 +30,9 @@ across a document start (the taps that would read an earlier document read zero,
 sequence) and the recurrence's state is zeroed at each document start (`gated_delta`'s `segment_ids`), so every
 document gives what it gives alone. Left padding (generation's) is a document of its own, so the prompt after it
 starts from a zero state and an empty window: what transformers' zeroed padding gives.
+
+With the sequence split over `mesh.sp` the convolution and the recurrence run in the island of
+`jaxllm/parallel/gated_delta_context.py` (the halo and the state passed from rank to rank), in sequence order.
 
 Generation (`cached_gated_deltanet`) carries per layer a `LinearState`: the convolution's last K − 1 inputs and
 the recurrence's state [b, hv, dk, dv] fp32, fixed in size whatever the length (`state_bytes`).
