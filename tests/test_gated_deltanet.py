@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import jax
@@ -10,16 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.gated_deltanet import (GatedDeltaNetSizes, cached_gated_deltanet, empty_state, from_hf, gated_deltanet,
-                                          state_bytes, to_hf)
+from jaxllm.models import gated_deltanet as layer_lib
+from jaxllm.models.gated_deltanet import GatedDeltaNetSizes, empty_state, from_hf, state_bytes, to_hf
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 D, HK, HV, DK, DV, K = 64, 2, 4, 8, 12, 4
 SIZES = GatedDeltaNetSizes(HK, HV, DK, DV, K, 1e-6)
+gated_deltanet = jax.jit(layer_lib.gated_deltanet, static_argnames=("sizes", "chunk"))
+cached_gated_deltanet = jax.jit(layer_lib.cached_gated_deltanet, static_argnames=("sizes", "chunk"))
 
 
+@functools.lru_cache(maxsize=None)  # one layer for the module's tests
 def _torch_layer():
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next import modeling_qwen3_next as m
