@@ -154,6 +154,7 @@ GATED = {"model.attn_output_gate": True, "model.rope_fraction": FRACTION, "model
          "model.qk_norm": True, "model.norm_offset": 1.0, "model.init_std": 0.1, "model.seq_len": 64}
 
 
+@pytest.mark.slow
 def test_cached_generation_with_the_gate_equals_the_whole_sequence_forward():
     cfg = equivalence_config("tiny-llama", **GATED)
     params = transformer.init_params(cfg.model, jax.random.key(0))
@@ -194,7 +195,7 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.slow  # the layer and generation tests above are the fast tier's
+@pytest.mark.slow  # the layer test above is the fast tier's
 def test_on_sp2_tp2_the_gated_model_equals_one_device():
     """The ring (zig-zag) over sp with the gate split over tp as the queries: the loss and every gradient, wg's
     included, of one device."""

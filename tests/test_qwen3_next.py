@@ -11,6 +11,7 @@ import hf_families as H
 from harness import eval_loss, step_fns
 from jaxllm.interop import hf
 
+pytestmark = pytest.mark.slow  # the fast tier imports Qwen3-Next in test_hf_interop.py
 SEQ, ROWS = 32, 8
 
 
