@@ -239,3 +239,13 @@ def test_decode_one_token_at_a_time():
         outs.append(np.asarray(o))
     close(np.concatenate(outs, axis=1), want_o, what="o")
     close(state, want_s, what="state")
+
+
+def test_the_chunked_form_calls_no_lapack_solve():
+    """The UT transform's inverse is forward substitution in XLA, forward and backward: no LAPACK triangular solve
+    (jaxlib's batched trsm custom call deadlocked the step on two cores, waiting on its own thread pool)."""
+    q, k, v, g, beta = inputs(40, seed=5)
+    loss = lambda *x: gated_delta.chunked(*x, chunk=16, use_qk_l2norm=True)[0].sum()  # noqa: E731
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(q, k, v, g, beta).compile().as_text()
+    assert "custom-call" not in hlo or "trsm" not in hlo.lower(), "a LAPACK solve in the chunked form"
+    assert "while" in hlo  # the substitution's loop (and the chunks' scan) is there

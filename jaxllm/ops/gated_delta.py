@@ -22,7 +22,8 @@ Chunked form (chunk size C; t padded at the end with k = v = q = 0, g = 0, β = 
 decays nor writes the state — and the padding sliced off). Inside a chunk let G_i = Σ_{j≤i} g_j (the chunk's
 cumulative log decay) and D_ij = exp(G_i − G_j) for j ≤ i (0 above the diagonal; the exponent is masked
 before the exp, so nothing overflows). With S0 the state entering the chunk, the UT transform
-(I + A) with A_ij = β_i k_iᵀ k_j D_ij strictly below the diagonal gives (one unit-lower-triangular solve)
+(I + A) with A_ij = β_i k_iᵀ k_j D_ij strictly below the diagonal gives (its inverse by forward substitution,
+`unit_lower_inverse`)
 
     u = (I + A)⁻¹ (β v)            the chunk's "new values" if S0 were 0
     w = (I + A)⁻¹ (β k exp(G))     how much of each new value S0 already predicts
@@ -138,6 +139,39 @@ def chunked(q, k, v, g, beta, chunk: int = 64, initial_state=None, *, use_qk_l2n
     return jnp.moveaxis(o, 1, 2).astype(out_dtype), state
 
 
+def _forward_substitution(a):
+    """(I + a)⁻¹ row by row: row i is e_i − Σ_{j<i} a_ij · row j (a strictly lower [..., c, c])."""
+    c = a.shape[-1]
+    eye = jnp.eye(c, dtype=a.dtype)
+
+    def row(i, t):
+        return t.at[..., i, :].set(eye[i] - jnp.einsum("...j,...jk->...k", a[..., i, :], t, precision=HIGHEST))
+
+    return jax.lax.fori_loop(0, c, row, jnp.zeros_like(a))
+
+
+@jax.custom_vjp
+def unit_lower_inverse(a):
+    """(I + a)⁻¹ for a strictly lower triangular [..., c, c] (the UT transform's), by forward substitution in a loop
+    of c steps, with the inverse's own backward (d(M⁻¹) = −M⁻¹ dM M⁻¹: one product, nothing saved per step). Not
+    LAPACK's batched triangular solve: its XLA:CPU custom call waits on the thread pool it queues its batches on,
+    and deadlocks when both pool threads do (seen on two cores at t = 1,024 and 2,048)."""
+    return _forward_substitution(a)
+
+
+def _inverse_forward(a):
+    t = _forward_substitution(a)
+    return t, t
+
+
+def _inverse_backward(t, dt):
+    da = -jnp.einsum("...ji,...jk,...lk->...il", t, dt, t, precision=HIGHEST)  # −Tᵀ dT Tᵀ
+    return (jnp.tril(da, -1),)  # only a's strictly lower entries are inputs
+
+
+unit_lower_inverse.defvjp(_inverse_forward, _inverse_backward)
+
+
 def _within_chunks(q, k, v, g, beta, resets):
     """Every chunk's own products, all chunks at once ([b, h, n, c, ...]; `resets` [b, 1, n, c]): u and w of the UT
     transform, the decayed q·kᵀ, the queries that read the entering state, the keys that write the leaving one
@@ -152,10 +186,10 @@ def _within_chunks(q, k, v, g, beta, resets):
     same = causal & (seg[..., :, None] == seg[..., None, :])  # [b, 1, n, c, c]
     decay = jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # D, 0 where masked
     kb = k * beta[..., None]
-    ut = jnp.einsum("...ik,...jk->...ij", kb, k, precision=HIGHEST) * decay
-    ut = jnp.where(causal & ~jnp.eye(c, dtype=bool), ut, 0.0) + jnp.eye(c, dtype=ut.dtype)  # I + A
+    a = jnp.einsum("...ik,...jk->...ij", kb, k, precision=HIGHEST) * decay
+    a = jnp.where(causal & ~jnp.eye(c, dtype=bool), a, 0.0)  # A, strictly lower
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.where(first, jnp.exp(cum), 0.0)[..., None]], axis=-1)
-    uw = jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    uw = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(a), rhs, precision=HIGHEST)
     attn = jnp.einsum("...ik,...jk->...ij", q, k, precision=HIGHEST) * decay
     q_in = q * jnp.where(first, jnp.exp(cum), 0.0)[..., None]  # reads S0
     k_out = k * jnp.where(last, jnp.exp(cum[..., -1:] - cum), 0.0)[..., None]  # writes S1
