@@ -1,5 +1,5 @@
-"""tools/reference/plain_gpt.py computes what jaxllm computes (so the bench's baseline is honest), and
-tools.bench.train_step runs."""
+"""tools/reference/plain_gpt.py computes what jaxllm computes (so the bench's baseline is honest),
+tools.bench.train_step runs, and tools.bench.linear_attention runs and skips what does not fit."""
 
 import functools
 import json
@@ -140,3 +140,31 @@ def test_stage_config_is_one_stage_one_microbatch():
     assert (s.model.n_layers, s.train.global_batch, s.train.microbatches, s.train.pp_virtual) == (4, 2, 1, 1)
     assert validate(s, 2)[0] == {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "sp": 1, "tp": 2}
     assert (cfg.model.n_layers, cfg.mesh.pp) == (8, 2)  # the original is left alone
+
+
+# tools.bench.linear_attention at a few seconds' size: its three stacks as small as the layer allows.
+LINEAR_TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+               "model.linear_attn.num_k_heads=2", "model.linear_attn.num_v_heads=2", "model.linear_attn.head_k_dim=16",
+               "model.linear_attn.head_v_dim=16", "model.linear_attn.chunk=16"]
+
+
+@pytest.mark.slow
+def test_linear_attention_bench_runs_and_skips_what_does_not_fit():
+    """Three stacks at t = 512 on one CPU device: each one's temporaries read and its call timed, or, above
+    --max-temp-gib (here 15 MiB: between linear's and chunked's ~12 MiB and dense's ~19 MiB of [h, t, t] arrays),
+    not run and said why; the table's ratios are against dense and chunked in the same run ("-" where the peer
+    was not timed)."""
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.linear_attention", "--seq", "512", "--repeats", "1",
+                           "--max-temp-gib", "0.015", "--json", *LINEAR_TINY], cwd=REPO, env=subprocess_env(1),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]["512"]
+    assert set(row) == {"linear", "dense", "chunked"} and all(r["temp_bytes"] > 0 for r in row.values())
+    assert row["linear"]["s"] > 0 and row["chunked"]["s"] > 0 and "s" not in row["dense"]
+    assert row["dense"]["temp_bytes"] > 0.015 * 2**30 and row["dense"]["skipped"].endswith("MiB > --max-temp-gib 0.015")
+    table = {line.split("|")[2].strip(): line.split("|")[3:-1] for line in proc.stdout.splitlines()
+             if line.startswith("| 512 |")}
+    # columns: temporaries, s/call, temps / dense, temps / chunked, time / dense, time / chunked
+    assert table["dense"][1].strip().startswith("not run: temporaries")
+    assert [c.strip() for c in table["chunked"][3:]] == ["1.000", "-", "1.000"]
+    assert [c.strip() for c in table["linear"][4:]] == ["-", f"{row['linear']['s'] / row['chunked']['s']:.3f}"]

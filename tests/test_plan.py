@@ -1,8 +1,9 @@
 """jaxllm plan: compiled memory follows the ZeRO theory, collectives are per step, the CLI contract,
-the tensor-parallel and pipeline collective-permutes against compiled steps, and the properties of
-the attention-memory trend. (The planner's per-layer tensor-parallel collectives and its attention
-memory are checked against compiled programs in test_tensor_parallel.py and test_context_parallel.py;
-no test here restates a formula of the planner.)
+the tensor-parallel and pipeline collective-permutes against compiled steps, the properties of
+the attention-memory trend, and generation's cache lines for a model with linear (Gated DeltaNet)
+layers. (The planner's per-layer tensor-parallel collectives and its attention memory are checked
+against compiled programs in test_tensor_parallel.py and test_context_parallel.py; no test here
+restates a formula of the planner.)
 
 Runs on the 8 fake CPU devices of conftest.py. Each compile takes a few seconds, so the
 in-process plans are cached per (stage, microbatches) for the module.
@@ -522,3 +523,59 @@ def test_what_a_matmul_keeps_for_its_backward_is_the_planners_per_element_bytes(
     kept = sum(a.size * a.dtype.itemsize for a, _ in saved_residuals(loss, x, w))
     per_x, per_w = per_element(fmt, 2)
     assert abs(kept - (x.size * per_x + w.size * per_w)) <= 16, (kept, x.size * per_x + w.size * per_w)
+
+
+# Three Gated DeltaNet layers and one attention layer (tiny-llama's widths; linear_attn's defaults: 2 key heads,
+# 4 value heads, 32 dims each, conv kernel 4), the compute dtype bf16 so the state's two dtypes differ.
+HYBRID = ["model.preset=tiny-llama", 'model.pattern=["linear","linear","linear","dense"]', "model.n_layers=4",
+          "model.vocab_size=257", "train.global_batch=4", "precision.compute=bfloat16"]
+LINEAR_LAYERS = 3
+
+
+def generation_of(*extra: str, devices: int = 1) -> tuple[dict, dict[str, str], object]:
+    """(the plan's generation theory, its printed lines by label, the config) for HYBRID + `extra` on the first
+    `devices` devices: step functions built, nothing compiled."""
+    from jaxllm.mesh import make_mesh
+    from jaxllm.plan.generation import generation_theory
+    from jaxllm.plan.report import _format_generation
+    from jaxllm.trainer.step import make_step_fns
+
+    cfg = build_config(None, [*HYBRID, *extra])
+    shape, _ = validate(cfg, devices)
+    g = generation_theory(cfg, make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:devices])))
+    lines = _format_generation(g, cfg.precision.compute)
+    return g, {label: line for label in ("KV cache", "linear state", "cache, total") for line in lines
+               if line.startswith(f"  {label} ")}, cfg
+
+
+def printed_bytes(line: str) -> str:
+    """The size a cache line prints after its 28-character label."""
+    return line[30:42].strip()
+
+
+@pytest.mark.parametrize("mesh", [(), ("mesh.dp=2", "mesh.tp=2")])
+def test_generation_prints_the_linear_layers_state_constant_in_the_length(mesh):
+    """A hybrid model's plan prints the linear layers' state beside the KV cache: the state is
+    `gated_deltanet.state_bytes` of a device's rows × the linear layers (the key-head groups split over tp),
+    the same at seq_len 256 and 4096; the KV line is what the model's attention layer alone caches (an
+    attention-only model of one layer), and it alone grows with the slots; the total is the two together."""
+    from jaxllm.models import gated_deltanet
+    from jaxllm.plan.hlo import format_bytes
+
+    devices, dp, tp = (4, 2, 2) if mesh else (1, 1, 1)
+    plans = {t: generation_of(f"model.seq_len={t}", *mesh, devices=devices) for t in (256, 4096)}
+    m, dtype, rows = plans[256][2].model, plans[256][2].precision.compute, plans[256][2].train.global_batch
+    sizes = gated_deltanet.sizes_of(m)
+    state = LINEAR_LAYERS * gated_deltanet.state_bytes(sizes, rows // dp, dtype) // tp  # rows over dp, groups over tp
+    for t, (g, lines, _) in plans.items():
+        assert g["linear_state"]["bytes"] == state
+        assert g["linear_state"]["per_row"]["bytes"] == gated_deltanet.state_bytes(sizes, 1, dtype)
+        assert printed_bytes(lines["linear state"]) == format_bytes(state)
+        assert lines["linear state"] == plans[256][1]["linear state"]  # formula and all: constant in t
+        attention_only, _, _ = generation_of(f"model.seq_len={t}", *mesh, 'model.pattern=["dense"]', "model.n_layers=1",
+                                             devices=devices)
+        assert g["attention_layers"] == 1 and g["kv_cache_bytes"] == attention_only["cache_bytes"]
+        assert printed_bytes(lines["KV cache"]) == format_bytes(attention_only["cache_bytes"])
+        assert g["cache_bytes"] == g["kv_cache_bytes"] + state
+        assert printed_bytes(lines["cache, total"]) == format_bytes(g["cache_bytes"])
+    assert plans[4096][0]["kv_cache_bytes"] == 4096 // 256 * plans[256][0]["kv_cache_bytes"]

@@ -16,8 +16,9 @@ as the weights are (`sharding.heads_as_used`). Latent attention (`model.attentio
 qk_rope_head_dim) · B. A linear (Gated DeltaNet) block holds no KV cache but its fixed-size state
 (`gated_deltanet.LinearState`): {"conv": [repeats, batch, K − 1, hk · conv_width] in the compute dtype,
 "state": [repeats, batch, hv, dk, dv] fp32}, the key-head groups over tp, whatever the number of slots
-(`LINEAR_CACHE`, `gated_deltanet.state_bytes`). `layout_for` turns what a caller has (a StepFns, Layout
-or Mesh) into generation's layout.
+(`LINEAR_CACHE`, `gated_deltanet.state_bytes`; `per_row_state` its formula, `cache_parts` the bytes of each kind
+of layer, for `jaxllm plan`). `layout_for` turns what a caller has (a StepFns, Layout or Mesh) into generation's
+layout.
 """
 
 from __future__ import annotations
@@ -113,19 +114,50 @@ def _own_bytes(shape: tuple, names: tuple, layout: Layout | None, itemsize: int)
     return math.prod(own) * itemsize
 
 
+def layer_counts(m) -> tuple[int, int]:
+    """(attention layers, linear layers) of the stack: the ones with a KV cache and the ones with a fixed state."""
+    kinds = layer_kinds(m)
+    linear = sum(map(is_linear, kinds))
+    return len(kinds) - linear, linear
+
+
+def per_row_state(m) -> tuple[int, int, str]:
+    """A linear layer's state per row, before any split, whatever the length: (values in the compute dtype, fp32
+    values, the formula that gives them), `gated_deltanet.state_bytes` in values: the convolution's last K − 1
+    inputs of every group's q, k and v, and the recurrence's state per value head."""
+    s = gated_deltanet.sizes_of(m)
+    k, hk, hv, dk, dv, r = s.conv_kernel, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim, s.group
+    formula = (f"(K − 1) × hk × (2·dk + r·dv) = {k - 1} × {hk} × (2 × {dk} + {r} × {dv}) in the compute dtype"
+               f" + hv × dk × dv = {hv} × {dk} × {dv} in fp32")
+    return (k - 1) * hk * (2 * dk + r * dv), hv * dk * dv, formula
+
+
+def _kv_bytes(m, layers: int, rows: int, slots: int, itemsize: int, layout: Layout | None) -> int:
+    if not layers:
+        return 0
+    shape = _shape(m, layers, rows, slots, layout)  # every attention layer's, as one stack
+    return sum(_own_bytes(shape, names, layout, itemsize) for names in _entries(m).values())
+
+
+def _state_bytes(m, layers: int, rows: int, dtype, layout: Layout | None) -> int:
+    if not layers:
+        return 0
+    empty = gated_deltanet.empty_state(gated_deltanet.sizes_of(m), rows, dtype)
+    return sum(_own_bytes((layers,) + a.shape, LINEAR_CACHE[n], layout, a.dtype.itemsize)
+               for n, a in zip(("conv", "state"), empty))
+
+
+def cache_parts(m, rows: int, slots: int, dtype, on) -> dict[str, int]:
+    """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh, by
+    kind of layer: {"attention": their KV cache (grows with the slots), "linear": their states (does not)}."""
+    layout = layout_for(on)
+    rows = padded_rows(rows, layout)
+    attention_layers, linear_layers = layer_counts(m)
+    return {"attention": _kv_bytes(m, attention_layers, rows, slots, jnp.dtype(dtype).itemsize, layout),
+            "linear": _state_bytes(m, linear_layers, rows, dtype, layout)}
+
+
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
     """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh: the
     attention layers' KV cache and the linear layers' states."""
-    layout = layout_for(on)
-    rows = padded_rows(rows, layout)
-    kinds = layer_kinds(m)
-    attention_layers, linear_layers = sum(not is_linear(k) for k in kinds), sum(map(is_linear, kinds))
-    total = 0
-    if attention_layers:
-        shape = _shape(m, attention_layers, rows, slots, layout)  # every attention layer's, as one stack
-        total += sum(_own_bytes(shape, names, layout, jnp.dtype(dtype).itemsize) for names in _entries(m).values())
-    if linear_layers:
-        empty = gated_deltanet.empty_state(gated_deltanet.sizes_of(m), rows, dtype)
-        total += sum(_own_bytes((linear_layers,) + a.shape, LINEAR_CACHE[n], layout, a.dtype.itemsize)
-                     for n, a in zip(("conv", "state"), empty))
-    return total
+    return sum(cache_parts(m, rows, slots, dtype, on).values())

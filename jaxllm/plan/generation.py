@@ -1,8 +1,9 @@
 """Generation's memory per device, without compiling: the weights as the KV-cache generator reads them, and its cache.
 
 A rollout of train.global_batch prompts of seq_len/2 tokens and seq_len/2 new ones on the training mesh:
-the transient compute-dtype copy of the weights (gathered under ZeRO-3 or a pipeline) and the KV cache,
-each from the generator's own sizing (`jaxllm.generate`); and the resharding that makes the copy (the rollout
+the transient compute-dtype copy of the weights (gathered under ZeRO-3 or a pipeline) and the cache (the
+attention layers' KV cache, which grows with the slots, and the linear layers' fixed-size state, which does
+not), each from the generator's own sizing (`jaxllm.generate`); and the resharding that makes the copy (the rollout
 engine runs it once per rollout): the bytes a device receives, and with a chip their time at its interconnect
 bandwidth (a lower bound: every link busy, no latency).
 """
@@ -26,8 +27,22 @@ def generation_theory(cfg, fns, chip: str | None = None) -> dict:
     slots = decode.bucket(prompt) + new
     values, formula = cache.per_token(m)
     received = decode.reshard_bytes(m, dtype, fns)
+    parts = cache.cache_parts(m, cfg.train.global_batch, slots, dtype, fns)
     return {"rows": cfg.train.global_batch, "prompt": prompt, "new": new, "slots": slots,
             "weights_copy_bytes": decode.weights_copy_bytes(m, dtype, fns), "reshard_bytes": received,
             "reshard_s": None if chip is None else received / CHIPS[chip][2],
-            "cache_bytes": cache.cache_bytes(m, cfg.train.global_batch, slots, dtype, fns),
-            "cache_per_token": {"values": values, "formula": formula, "bytes": values * dtype_bytes(dtype)}}
+            "cache_bytes": sum(parts.values()), "kv_cache_bytes": parts["attention"],
+            "attention_layers": cache.layer_counts(m)[0],
+            "cache_per_token": {"values": values, "formula": formula, "bytes": values * dtype_bytes(dtype)},
+            "linear_state": _linear_state(m, dtype, parts["linear"])}
+
+
+def _linear_state(m, dtype, total: int) -> dict | None:
+    """The linear layers' state: `total` bytes on a device, and one layer's per row before any split with its
+    formula (the convolution's window in the compute dtype, the recurrence's state in fp32); None without them."""
+    layers = cache.layer_counts(m)[1]
+    if not layers:
+        return None
+    window, state, formula = cache.per_row_state(m)
+    return {"layers": layers, "bytes": total,
+            "per_row": {"formula": formula, "bytes": window * dtype_bytes(dtype) + 4 * state}}

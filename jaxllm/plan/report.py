@@ -290,15 +290,36 @@ def _format_matmul_formats(f: dict, compute: str) -> list[str]:
 
 
 def _format_generation(g: dict, compute: str) -> list[str]:
-    return ["", f"generation per device (no compiling): {g['rows']} prompts of {g['prompt']} tokens + {g['new']} new, "
-                f"KV cache of {g['slots']} slots, {compute}",
-            f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
-            "fsdp/pp at the program's start, freed at its end",
-            f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}   per token per layer, before any split: "
-            f"{g['cache_per_token']['formula']} values = {format_bytes(g['cache_per_token']['bytes'])}",
-            f"  {'resharding received':<28}{format_bytes(g['reshard_bytes']):>12}   making that copy: at each "
-            "generation call (the rollout engine: once per rollout)"
-            + ("" if g["reshard_s"] is None else f"; ≥ {g['reshard_s'] * 1e6:,.1f} µs at the chip's interconnect")]
+    return (["", f"generation per device (no compiling): {g['rows']} prompts of {g['prompt']} tokens + {g['new']} new, "
+                 f"KV cache of {g['slots']} slots, {compute}",
+             f"  {'weights as used (copy)':<28}{format_bytes(g['weights_copy_bytes']):>12}   transient: gathered over "
+             "fsdp/pp at the program's start, freed at its end"]
+            + _format_cache(g)
+            + [f"  {'resharding received':<28}{format_bytes(g['reshard_bytes']):>12}   making that copy: at each "
+               "generation call (the rollout engine: once per rollout)"
+               + ("" if g["reshard_s"] is None else f"; ≥ {g['reshard_s'] * 1e6:,.1f} µs at the chip's interconnect")])
+
+
+def _format_cache(g: dict) -> list[str]:
+    """The cache's lines: without linear layers the KV cache alone, as before them; with them the attention
+    layers' KV cache (per token), the linear layers' state (per row, whatever the length) and their total."""
+    kv, linear = g["cache_per_token"], g.get("linear_state")
+    per_token = f"per token per layer, before any split: {kv['formula']} values = {format_bytes(kv['bytes'])}"
+    if linear is None:
+        return [f"  {'KV cache':<28}{format_bytes(g['cache_bytes']):>12}   {per_token}"]
+    lines = [] if not g["attention_layers"] else [
+        f"  {'KV cache':<28}{format_bytes(g['kv_cache_bytes']):>12}   {_layers(g['attention_layers'], 'attention')}; "
+        + per_token]
+    return lines + [
+        f"  {'linear state':<28}{format_bytes(linear['bytes']):>12}   {_layers(linear['layers'], 'linear')}; "
+        f"per row per layer, before any split, constant in the length: {linear['per_row']['formula']} = "
+        f"{format_bytes(linear['per_row']['bytes'])}",
+        f"  {'cache, total':<28}{format_bytes(g['cache_bytes']):>12}   "
+        + ("the KV cache and the linear state" if g["attention_layers"] else "the linear state: no attention layers")]
+
+
+def _layers(n: int, kind: str) -> str:
+    return f"{n} {kind} layer{'' if n == 1 else 's'}"
 
 
 def _format_allreduce(a: dict) -> list[str]:
