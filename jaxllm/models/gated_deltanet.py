@@ -104,10 +104,11 @@ def check_config(m, shape: dict) -> None:
 def recurrence_flops_per_token(s: GatedDeltaNetSizes, chunk: int) -> float:
     """The chunked form's matmul FLOPs per token and layer for training (3× the forward: the backward's two
     products per forward one), over its value heads: per head q kᵀ and β k kᵀ within the chunk (2·C·dk each), the
-    triangular solve for u and w (C·(dk + dv)), the outputs' within-chunk product (2·C·dv) and the three products
+    UT transform's inverse by forward substitution (C steps of a row by the C × C inverse: 2·C² a token) and its
+    product with [β v | β k e^G] (2·C·(dk + dv)), the outputs' within-chunk product (2·C·dv) and the three products
     with the state (2·dk·dv each). The projections around it are in 6N."""
     dk, dv, c = s.head_k_dim, s.head_v_dim, chunk
-    return 3.0 * s.num_v_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
+    return 3.0 * s.num_v_heads * (4 * c * dk + 2 * c * c + 2 * c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
 
 
 def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
