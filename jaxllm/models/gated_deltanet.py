@@ -111,15 +111,19 @@ def recurrence_flops_per_token(s: GatedDeltaNetSizes, chunk: int) -> float:
     return 3.0 * s.num_v_heads * (4 * c * dk + 2 * c * c + 2 * c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
 
 
+_HEADS = ("linear_heads", "linear_group")
+PARAM_NAMES = {"in_proj_qkvz": ("embed",) + _HEADS, "in_proj_ba": ("embed",) + _HEADS,
+               "conv1d": ("linear_conv", "conv_kernel"), "dt_bias": _HEADS, "A_log": _HEADS, "norm": ("head_dim",),
+               "out_proj": _HEADS + ("embed",)}  # each parameter's logical names
+
+
 def param_shapes(s: GatedDeltaNetSizes, d_model: int) -> dict:
     """Each parameter's (shape, logical names), in the grouped layout of the module docstring."""
     hk, r, dk, dv, K = s.num_k_heads, s.group, s.head_k_dim, s.head_v_dim, s.conv_kernel
-    heads = ("linear_heads", "linear_group")
-    return {"in_proj_qkvz": ((d_model, hk, 2 * dk + 2 * r * dv), ("embed",) + heads),
-            "in_proj_ba": ((d_model, hk, 2 * r), ("embed",) + heads),
-            "conv1d": ((hk * s.conv_width, K), ("linear_conv", "conv_kernel")),
-            "dt_bias": ((hk, r), heads), "A_log": ((hk, r), heads), "norm": ((dv,), ("head_dim",)),
-            "out_proj": ((hk, r * dv, d_model), heads + ("embed",))}
+    shapes = {"in_proj_qkvz": (d_model, hk, 2 * dk + 2 * r * dv), "in_proj_ba": (d_model, hk, 2 * r),
+              "conv1d": (hk * s.conv_width, K), "dt_bias": (hk, r), "A_log": (hk, r), "norm": (dv,),
+              "out_proj": (hk, r * dv, d_model)}
+    return {name: (shape, PARAM_NAMES[name]) for name, shape in shapes.items()}
 
 
 FP32_PARAMS = ("A_log", "dt_bias")  # read in fp32 (g is computed in fp32); the rest in the compute dtype
@@ -127,8 +131,7 @@ FP32_PARAMS = ("A_log", "dt_bias")  # read in fp32 (g is computed in fp32); the 
 
 def used_weights(p: dict, dtype) -> dict:
     """The layer's parameters as used: in the compute dtype (but `FP32_PARAMS`), laid out by their names."""
-    names = {name: names for name, (_, names) in param_shapes(GatedDeltaNetSizes(1, 1, 1, 1), 1).items()}
-    return {name: weight(w, names[name], jnp.float32 if name in FP32_PARAMS else dtype) for name, w in p.items()}
+    return {name: weight(w, PARAM_NAMES[name], jnp.float32 if name in FP32_PARAMS else dtype) for name, w in p.items()}
 
 
 def from_hf(w: dict, s: GatedDeltaNetSizes) -> dict:

@@ -510,7 +510,8 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
     KV cache (`cache[i]` the i-th block's {"k", "v"}, stacked over its segment's repeats) at `slots.start`
     and attends to every slot `slots` describes; a linear block carries its state instead (`cache[i]` its
     {"conv", "state"}: `generate/cache.py`). Returns (x, the cache with x's slots written)."""
-    written, resets = [], cache_resets(segment_ids, slots)
+    written = []
+    resets = cache_resets(segment_ids, slots) if stack_lib.has_linear(m) else None  # only linear layers read them
     for seg in stack_lib.segments(m):
 
         def body(carry, xs, seg=seg):
