@@ -2,7 +2,9 @@
 F32, Q5_0, Q4_K, Q8_0 and Q6_K tensors; a SentencePiece vocabulary of 262,144 tokens without merges).
 
 - Its logits on 4 prompts within 1e-5 of the largest logit of transformers' own GGUF load, and greedy tokens equal
-  for 12 steps on two prompts (llama.cpp's norms stored as 1 + w, read back as w; 5 local : 1 global layers).
+  for 12 steps on two prompts (llama.cpp's norms stored as 1 + w, read back as w; 5 local : 1 global layers). The
+  prompts are encoded by jaxllm's tokenizer, which the next test holds to llama.cpp's (building transformers' from
+  the file would parse its 262k-token vocabulary once more).
 - Its tokenizer built from the file's metadata (`data.tokenizer = "gguf:FILE"`) encodes 525 strings as llama.cpp
   itself does (`llama-cpp-python`), and decodes them back.
 """
@@ -30,19 +32,19 @@ def gemma(tmp_path_factory) -> str:
 
 
 def test_gemma3_270m_imports_with_transformers_logits_and_greedy_tokens(gemma):
-    """On 4 prompts transformers' tokenizer encodes: logits within 1e-5 of the largest logit (18 fp32 layers summed
-    in another order); greedy tokens of two prompts alike for 12 steps."""
+    """On 4 prompts (BOS first, as llama.cpp and transformers encode them): logits within 1e-5 of the largest logit
+    (18 fp32 layers summed in another order); greedy tokens of two prompts alike for 12 steps."""
     import os
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from jaxllm.generate import generate_arrays
 
     folder, name = os.path.split(gemma)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = get_tokenizer(f"gguf:{gemma}")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    rows = [[tokenizer.bos, *map(int, tokenizer.encode(p))] for p in prompts]
     tokens = np.asarray([r + [0] * (16 - len(r)) for r in rows])
     cfg = build_config(None, {"init.from": f"gguf:{gemma}", "model.seq_len": 32, "precision.compute": "float32"})
     params = hf.load_from(gguf_io.GgufFiles(gemma), cfg.model)

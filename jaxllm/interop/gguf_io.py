@@ -45,6 +45,7 @@ _GLOBAL_GGUF = {v: k for k, v in _GLOBAL.items()}
 
 
 def _reader(path: str):
+    """(the gguf package's reader of the file, its `metadata`)."""
     if not os.path.isfile(path):
         raise ModelFileError(f"{path}: no such GGUF file")
     stat = os.stat(path)
@@ -53,14 +54,15 @@ def _reader(path: str):
 
 @functools.lru_cache(maxsize=2)
 def _parsed(path: str, mtime_ns: int, size: int):
-    """The gguf package's reader of a file, kept for the file as it is (the config, the tokenizer and the tensors
-    each read it; parsing a 262k-token vocabulary takes the reader seconds)."""
+    """The gguf package's reader of a file and its metadata, kept for the file as it is (the config, the tokenizer
+    and the tensors each read them; parsing and listing a 262k-token vocabulary takes the reader seconds each)."""
     import gguf  # the `gguf` package: llama.cpp's reader
 
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError) as e:
         raise ModelFileError(f"{path}: not a readable GGUF file ({e})") from None
+    return reader, metadata(reader)
 
 
 def metadata(reader) -> dict:
@@ -70,7 +72,7 @@ def metadata(reader) -> dict:
 
 def file_metadata(path: str) -> dict:
     """`metadata` of the GGUF file at `path` (ModelFileError, one line, for a missing or unreadable file)."""
-    return metadata(_reader(path))
+    return _reader(path)[1]
 
 
 def hf_config(meta: dict, tensor_names: set[str]) -> dict:
@@ -141,8 +143,7 @@ class GgufFiles:
     """A GGUF file's tensors as `hf.Files` serves a model directory's: by transformers' name, fp32 on the host."""
 
     def __init__(self, path: str):
-        self.path, self.reader = path, _reader(path)
-        self.meta = metadata(self.reader)
+        self.path, (self.reader, self.meta) = path, _reader(path)
         self.config = hf_config(self.meta, {t.name for t in self.reader.tensors})
         arch = self.meta["general.architecture"]
         self.tensors: dict[str, list] = {}  # transformers' name -> the file's tensors it joins (gate|up: two)
