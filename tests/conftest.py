@@ -22,7 +22,7 @@ import tempfile
 
 import pytest
 
-from harness import compile_each_program_once, compile_flags, free_programs_near_the_map_limit
+from harness import compile_each_program_once, compile_flags, free_programs_near_the_map_limit, freeze_what_lives
 
 for _flag in compile_flags(8).split():
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -45,9 +45,10 @@ if not os.environ.get("JAXLLM_TEST_CACHE_DIR"):
 def _free_compiled_programs():
     """After each test file, drop the compiled programs if the process holds half the memory mappings
     Linux allows. XLA:CPU maps its code for every executable (a train step's in about a hundred): a whole
-    session that kept them all passed Linux's 65,530 mappings per process and crashed inside a compile."""
+    session that kept them all passed Linux's 65,530 mappings per process and crashed inside a compile.
+    Then what is still alive is frozen out of Python's cyclic collector (`harness.freeze_what_lives`)."""
     yield
-    free_programs_near_the_map_limit()
+    freeze_what_lives(thaw=free_programs_near_the_map_limit())
 
 
 def pytest_configure(config):

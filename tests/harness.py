@@ -206,6 +206,20 @@ def free_programs_near_the_map_limit() -> bool:
     return True
 
 
+def freeze_what_lives(thaw: bool = False) -> None:
+    """Collect the garbage made since the last call (everything, after a thaw: `thaw` when what was frozen may
+    have died, as the programs `forget_programs` dropped), then move every object still alive into the cyclic
+    collector's permanent generation (`gc.freeze`). What outlives a test file (modules, the program registry,
+    JAX's caches) is then not walked again at every full collection: late in a session those walks were a
+    quarter of a worker's CPU (perf, docs/design-notes.md)."""
+    import gc
+
+    if thaw:
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 # ---------------------------------------------------------------- batches and steps
 
 
