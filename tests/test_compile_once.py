@@ -1,5 +1,6 @@
 """The suite's own compile machinery: each XLA program compiled once per test process
-(`harness.compile_each_program_once`), freed near Linux's limit on memory mappings, the ledger that
+(`harness.compile_each_program_once`), freed near Linux's limit on memory mappings, what outlives a test file
+frozen out of Python's collector (`harness.freeze_what_lives`), the ledger that
 says where compile time goes (`tools/dev/compile_ledger.py`), and the XLA:CPU bug that keeps
 multi-device programs out of JAX's persistent cache (`tools/dev/xla_cpu_cache_hang.py`)."""
 
@@ -97,6 +98,32 @@ def test_the_ledger_records_a_command_line_and_counts_its_repeats_by_file(tmp_pa
     assert compile_ledger.main([str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "JAXLLM_COMPILE_LEDGER" in err[0]
+
+
+def test_what_lives_is_frozen_and_what_died_is_collected_after_a_thaw():
+    """`harness.freeze_what_lives` after each file: a cycle that died during the file is collected, one alive
+    is frozen (kept from the collector's walks even once it dies), and a thaw collects it."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return a
+
+    died, lives = cycle(), cycle()
+    died_ref, lives_ref = weakref.ref(died), weakref.ref(lives)
+    del died
+    harness.freeze_what_lives()
+    assert died_ref() is None and lives_ref() is not None and gc.get_freeze_count() > 0
+    del lives
+    harness.freeze_what_lives()
+    assert lives_ref() is not None  # frozen: the collector no longer walks it
+    harness.freeze_what_lives(thaw=True)
+    assert lives_ref() is None
 
 
 @pytest.mark.slow
