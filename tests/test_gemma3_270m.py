@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxllm.config import build_config
+from jaxllm.data.examples import prompt_ids
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.interop import gguf_io, hf
 from jaxllm.models import transformer
@@ -32,7 +33,7 @@ def gemma(tmp_path_factory) -> str:
 
 
 def test_gemma3_270m_imports_with_transformers_logits_and_greedy_tokens(gemma):
-    """On 4 prompts (BOS first, as llama.cpp and transformers encode them): logits within 1e-5 of the largest logit
+    """On 4 prompts (BOS first, as the file's add_bos_token says): logits within 1e-5 of the largest logit
     (18 fp32 layers summed in another order); greedy tokens of two prompts alike for 12 steps."""
     import os
 
@@ -44,7 +45,7 @@ def test_gemma3_270m_imports_with_transformers_logits_and_greedy_tokens(gemma):
     folder, name = os.path.split(gemma)
     tokenizer = get_tokenizer(f"gguf:{gemma}")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
-    rows = [[tokenizer.bos, *map(int, tokenizer.encode(p))] for p in prompts]
+    rows = [prompt_ids(p, None, tokenizer).tolist() for p in prompts]  # as `jaxllm generate` encodes a prompt
     tokens = np.asarray([r + [0] * (16 - len(r)) for r in rows])
     cfg = build_config(None, {"init.from": f"gguf:{gemma}", "model.seq_len": 32, "precision.compute": "float32"})
     params = hf.load_from(gguf_io.GgufFiles(gemma), cfg.model)
