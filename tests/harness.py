@@ -166,6 +166,7 @@ def compile_each_program_once() -> None:
         return
     signature = inspect.signature(compile_or_get_cached)  # arguments by name: JAX versions add parameters
 
+    @functools.wraps(compile_or_get_cached)  # its signature, for whoever wraps it next (the compile ledger)
     def once(*args, **kwargs):
         a = signature.bind(*args, **kwargs).arguments
         if a["host_callbacks"]:

@@ -219,6 +219,7 @@ def generation_config(**over):
     return equivalence_config("tiny-llama", **SINKS, **{"model.init_std": 0.1, "model.seq_len": 64}, **over)
 
 
+@pytest.mark.slow  # the fast tier's sinks: the float64 references and the ring
 def test_cached_generation_with_sinks_equals_the_whole_sequence_forward():
     cfg = generation_config()
     params = with_sinks(cfg)
@@ -233,7 +234,7 @@ def test_cached_generation_with_sinks_equals_the_whole_sequence_forward():
                   - np.asarray(transformer.logits(params, seq, cfg.model))).max() > 1e-2
 
 
-@pytest.mark.slow  # the cached generation test above is the fast tier's
+@pytest.mark.slow
 def test_the_paged_engine_with_sinks_equals_the_static_cache():
     cfg = generation_config()
     params = with_sinks(cfg)

@@ -100,6 +100,19 @@ def test_the_ledger_records_a_command_line_and_counts_its_repeats_by_file(tmp_pa
     assert len(err) == 1 and "JAXLLM_COMPILE_LEDGER" in err[0]
 
 
+def test_the_test_processes_compile_hook_keeps_jaxs_signature_for_the_ledger():
+    """The ledger installs itself over the hook that keeps each program (conftest: both in one test process) and
+    binds JAX's arguments by name: the hook must show JAX's signature (a bare *args, **kwargs made every compile
+    of a ledger-recorded test fail)."""
+    import inspect
+
+    from jax._src import compiler
+
+    assert compiler.compile_or_get_cached._once
+    assert {"computation", "devices", "compile_options", "backend"} <= set(
+        inspect.signature(compiler.compile_or_get_cached).parameters)
+
+
 def test_what_lives_is_frozen_and_what_died_is_collected_after_a_thaw():
     """`harness.freeze_what_lives` after each file: a cycle that died during the file is collected, one alive
     is frozen (kept from the collector's walks even once it dies), and a thaw collects it."""

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from harness import tiers
 from jaxllm.ops import gated_delta
 
 B, H, DK, DV = 2, 2, 8, 12
@@ -142,7 +143,8 @@ def test_reference_backward_matches_finite_differences(l2norm):
         assert abs(numeric - (grad * direction).sum()) <= 1e-6 * max(1.0, abs(numeric)), i
 
 
-@pytest.mark.parametrize("t,chunk,shift", [(50, 16, -3), (100, 16, -3), (50, 64, -3), (100, 64, -3), (100, 64, 2)])
+@pytest.mark.parametrize("t,chunk,shift", tiers([(50, 16, -3), (100, 16, -3), (50, 64, -3), (100, 64, -3), (100, 64, 2)],
+                                                {(50, 16, -3), (100, 64, 2)}))
 def test_forms_match_reference(t, chunk, shift):
     """chunked == recurrent == the float64 loop (outputs and final state), from a zero and a given state; shift 2:
     a decay of about e^-2.2 a token, whose within-chunk products underflow fp32 (no inf or nan may come of it)."""
@@ -205,7 +207,7 @@ def test_packed_documents_equal_each_alone(form):
     close(s_res, s_alone, what="final state")
 
 
-@pytest.mark.parametrize("l2norm,hk,hv", [(False, 2, 2), (True, 2, 2), (True, 2, 4)])
+@pytest.mark.parametrize("l2norm,hk,hv", tiers([(False, 2, 2), (True, 2, 2), (True, 2, 4)], {(True, 2, 4)}))
 def test_matches_transformers(l2norm, hk, hv):
     """Against transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (fp32, t = 50,
     chunk 64, a given initial state; hv = 4: each of 2 q/k heads serves 2 consecutive value heads)."""

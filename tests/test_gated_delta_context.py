@@ -159,7 +159,8 @@ def test_conv_halo(sp):
     assert_close((y,), (jax.jit(causal_conv)(x, w, jnp.asarray(ids)),), "conv outputs")
 
 
-@pytest.mark.parametrize("sp,dp,tp", [(2, 1, 1), pytest.param(2, 1, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("sp,dp,tp", [(2, 1, 1), (2, 1, 2)])
 def test_collectives(sp, dp, tp):
     """The compiled forward holds what the module docstring says and nothing more: one all-gather of every
     rank's [M | B] (sp·b·hv·dk·(dk + dv)·4 bytes, per device) and one collective-permute of b int32 segment ids;

@@ -63,6 +63,7 @@ def test_matches_transformers():
         assert err <= 1e-5 * np.abs(want).max(), (chunk, err, np.abs(want).max())
 
 
+@pytest.mark.slow  # the fast tier packs the recurrence alone (test_gated_delta.py)
 def test_packed_documents_equal_each_alone():
     _, p = _torch_layer()
     x = jnp.asarray(np.random.default_rng(3).normal(size=(1, 37, D)).astype(np.float32))

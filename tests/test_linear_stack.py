@@ -40,6 +40,7 @@ def params_of(m):
     return params
 
 
+@pytest.mark.slow  # the fast tier decodes the recurrence alone (test_gated_delta.py)
 def test_generation_with_the_state_equals_the_model_without_a_cache():
     """Left-padded prompts (0, 5 and 9 pad tokens; the last prompt shorter than the convolution's window), 32
     greedy tokens: tokens equal, logits within 1e-5 of each prompt alone through the training forward pass; the
@@ -74,7 +75,7 @@ MESHES = {  # Qwen3-Next's stack: Gated DeltaNet and attention layers, MoE with 
 }  # fsdp × tp (ZeRO-3) runs Qwen3-Next's first loss in test_qwen3_next.py, the sp island alone its own file
 
 
-@pytest.mark.parametrize("mesh", tiers(MESHES, set()))  # the fast tier: the generation test and the refusals
+@pytest.mark.parametrize("mesh", tiers(MESHES, set()))  # the fast tier: the refusals
 def test_a_mesh_equals_one_device(mesh):
     """One step's loss (1e-5) and every gradient leaf (1e-4, the equivalence contract) on the mesh equal one
     device's: the key-head groups split over tp, the stack over pipeline stages."""

@@ -123,6 +123,11 @@ def test_cli_json_contract(tmp_path):
     last = r.stdout.strip().splitlines()[-1]
     out = json.loads(last)
     assert out["devices"] == 8 and out["params"] > 0
+    published = out["published_params"]  # the count without the vocabulary's padding rows (test_gpt_oss.py)
+    model = build_config(str(empty), {"model.preset": "tiny-llama",
+                                      "model.vocab_size": out["config"]["vocab_size"]}).model
+    assert published == transformer.published_params(model) < out["params"]
+    assert f"{published:,} without the vocabulary" in r.stderr
     assert out["config"]["preset"] == "tiny-llama" and out["config"]["family"] == "llama"
     assert out["config"]["zero_stage"] == 3 and out["config"]["mesh"]["fsdp"] == 8
     for key in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes"):

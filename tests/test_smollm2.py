@@ -8,8 +8,8 @@ same file (read once for the module), llama.cpp's tokenizer and lm-evaluation-ha
 - Its tokenizer encodes 520 strings as llama.cpp does (transformers' too, but where a whitespace run precedes a
   digit); its chat template renders as transformers'; `jaxllm generate --chat --greedy` answers as transformers'
   greedy `generate`.
-- Out: Q8_0 with the source's tokenizer and template; after 2 LoRA steps, merged, F32 (transformers' logits from the
-  file = jaxllm's of the LoRA model, 1e-5 of the largest) and Q8_0 (weights within Q8_0's step of the merged ones).
+- Out: after 2 LoRA steps, merged, F32 (transformers' logits from the file = jaxllm's of the LoRA model, 1e-5 of the
+  largest) and Q8_0 (weights within Q8_0's step of the merged ones), each with the source's tokenizer and template.
 - `jaxllm eval` of a hand-written multiple-choice task = lm-evaluation-harness's HF backend per request (1e-4).
 """
 
@@ -26,10 +26,15 @@ import jaxllm
 from jaxllm.config import build_config
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.interop import gguf_io
-from test_gguf import logits_of, strings, within_q8_0
+from test_gguf import logits_of, one_reader_per_file, strings, within_q8_0  # noqa: F401 — a fixture
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_reader_per_file(one_reader_per_file):
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -131,28 +136,13 @@ def test_generate_chat_on_smollm2_answers_as_transformers_generate(smollm2, refe
 
 
 @pytest.mark.slow
-def test_smollm2_exports_to_gguf_with_its_tokenizer_and_template(smollm2, tmp_path):
-    """SmolLM2 exported as Q8_0: the file carries the source's tokenizer keys and chat template unchanged, and
-    jaxllm reads it back (the tokenizer encoding alike, the weights within Q8_0's error of the source's)."""
-    model = jaxllm.load(f"gguf:{smollm2}", overrides={"precision.compute": "float32"})
-    out = str(tmp_path / "smollm2.q8_0.gguf")
-    model.export(out, "gguf", dtype="q8_0")
-    assert gguf_io.tokenizer_metadata(out) == gguf_io.tokenizer_metadata(smollm2)
-    text = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>"
-    assert list(get_tokenizer(f"gguf:{out}").encode(text)) == list(get_tokenizer(f"gguf:{smollm2}").encode(text))
-    a, b = gguf_io.GgufFiles(smollm2), gguf_io.GgufFiles(out)
-    for key in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
-        assert within_q8_0(b.read(key, ()), a.read(key, ())), key
-
-
-@pytest.mark.slow
 def test_smollm2_after_two_lora_steps_exports_merged(smollm2, tmp_path):
     """Two LoRA steps on chat data from the GGUF file, then the run exported: F32 through transformers' GGUF loader
     gives the LoRA model's logits (1e-5 of the largest); Q8_0 holds the merged weights within Q8_0's step; both
-    carry the tokenizer and template."""
+    carry the source's tokenizer keys and chat template unchanged, and the exported file's tokenizer encodes as the
+    source's."""
     import torch
     from transformers import AutoModelForCausalLM
-
 
     rows = [f'{{"messages": [{{"role": "user", "content": "Spell {w} in capitals"}}, '
             f'{{"role": "assistant", "content": "{w.upper()}"}}]}}' for w in ("garden", "river", "stone", "cloud")]
@@ -177,6 +167,8 @@ def test_smollm2_after_two_lora_steps_exports_merged(smollm2, tmp_path):
     key = "model.layers.3.self_attn.q_proj.weight"  # an adapted projection: moved off the base, Q8_0 near it
     assert np.abs(f32.read(key, ()) - base.read(key, ())).max() > 1e-3
     assert within_q8_0(q8.read(key, ()), f32.read(key, ()))
+    chat = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>"
+    assert list(get_tokenizer(f"gguf:{tmp_path}/merged.q8_0.gguf").encode(chat)) == list(model.tokenizer.encode(chat))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import inspect
 import json
 import os
@@ -76,6 +77,7 @@ def _record(directory: Path, compile_or_get_cached):
 
     signature = inspect.signature(compile_or_get_cached)  # arguments by name: JAX versions add parameters
 
+    @functools.wraps(compile_or_get_cached)
     def wrapped(*args, **kwargs):
         a = signature.bind(*args, **kwargs).arguments
         key = cache_key.get(a["computation"], a["devices"], a["compile_options"], a["backend"])
