@@ -51,6 +51,25 @@ def _free_compiled_programs():
     freeze_what_lives(thaw=free_programs_near_the_map_limit())
 
 
+@pytest.fixture(scope="module")
+def one_reader_per_file():
+    """For a module of real GGUF files: transformers' GGUF loading handed jaxllm's reader of each file (`gguf_io`:
+    one per file as it is, the gguf package's over a plain view of its memory map) where it would parse the file
+    for its config, again for its weights and again for its tokenizer (a real vocabulary takes the package's
+    reader seconds each time). The reader only reads: its arrays map the file read-only."""
+    import gguf
+
+    from jaxllm.interop import gguf_io
+
+    def jaxllms(path, mode="r"):
+        assert mode == "r", mode
+        return gguf_io._reader(os.fspath(path))[0]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", jaxllms)
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: compile-heavy or subprocess tests; deselect with -m 'not slow'")
 

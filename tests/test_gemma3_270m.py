@@ -21,14 +21,11 @@ from jaxllm.data.examples import prompt_ids
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.interop import gguf_io, hf
 from jaxllm.models import transformer
-from test_gguf import one_reader_per_file, strings  # noqa: F401 — a fixture
+from test_gguf import strings
 
-pytestmark = pytest.mark.slow  # a 270M model and a 262k-token vocabulary through transformers and llama.cpp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_reader_per_file(one_reader_per_file):
-    yield
+# a 270M model and a 262k-token vocabulary through transformers and llama.cpp; transformers reads the file through
+# jaxllm's reader (conftest's one_reader_per_file)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_reader_per_file")]
 
 
 @pytest.fixture(scope="module")

@@ -35,29 +35,6 @@ LAYER_NAMES = {v: k for k, v in gguf_io._LAYER.items()}
 GEMMA_NAMES = {v: k for k, v in gguf_io._GEMMA_LAYER.items()}
 
 
-@pytest.fixture(scope="module")
-def one_reader_per_file():
-    """One reader per file (and per change to it) for the module, jaxllm's (`gguf_io.reader_class`: the gguf
-    package's over a plain view of its memory map), shared with transformers: its GGUF loading parses a file for
-    its config, again for its weights and again for its tokenizer, and parsing a real vocabulary takes the gguf
-    reader seconds. The reader only reads: its arrays map the file read-only, so every caller may share it."""
-    import gguf
-
-    made, reader = {}, gguf_io.reader_class()
-
-    def shared(path, mode="r"):
-        stat = os.stat(path)
-        key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, mode)
-        if key not in made:
-            made[key] = reader(path, mode)
-        return made[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", shared)
-        patch.setattr(gguf_io, "reader_class", lambda: shared)
-        yield
-
-
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py permutation of q and k rows (its `LlamaModel.permute`)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

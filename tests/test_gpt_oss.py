@@ -2,8 +2,8 @@
 full alternating, attention sinks, q/k/v/o biases, YaRN without truncation, 4 experts with biases and a router
 bias, a clamp the activations exceed). test_hf_interop.py's import/export test (logits within 1e-4, export
 bitwise, the export's logits) and test_generate_hf.py's greedy generation (left padding, 32 tokens, margins) run
-this family with the others; here: what config.json reads as, a run's first loss equal to transformers' on
-ep2 × fsdp2 × dp2, that mesh equal to one device, and what is refused."""
+this family with the others; here: what config.json reads as, the first step's loss on ep2 × fsdp2 × dp2 equal to
+transformers', that mesh and sp2 × tp2 × dp2 equal to one device, and what is refused."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from harness import assert_matches, loss_and_grads, step_fns, tokens
 from jaxllm.config import build_config
 from jaxllm.errors import ModelFileError
 from jaxllm.interop import hf, hf_config
-
-SEQ = 64
 
 
 @pytest.fixture(scope="module")

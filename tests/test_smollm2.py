@@ -26,15 +26,11 @@ import jaxllm
 from jaxllm.config import build_config
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.interop import gguf_io
-from test_gguf import logits_of, one_reader_per_file, strings, within_q8_0  # noqa: F401 — a fixture
+from test_gguf import logits_of, strings, within_q8_0
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_reader_per_file(one_reader_per_file):
-    yield
+pytestmark = pytest.mark.usefixtures("one_reader_per_file")  # transformers reads the files through jaxllm's reader
 
 
 @pytest.fixture(scope="module")

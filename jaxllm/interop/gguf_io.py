@@ -57,9 +57,9 @@ def reader_class():
     """The `gguf` package's reader (llama.cpp's) over a plain array view of its memory map: numpy's memmap
     subclass runs Python code on every slice, and parsing a 262k-token vocabulary slices the file ten million
     times (3.4-3.7x faster as a plain view of the same map, nothing read early: BENCHMARKS.md)."""
-    import gguf
+    from gguf.gguf_reader import GGUFReader  # where it is defined (tests hand transformers ours as gguf.GGUFReader)
 
-    class Reader(gguf.GGUFReader):
+    class Reader(GGUFReader):
         @property
         def data(self):
             return self._data
