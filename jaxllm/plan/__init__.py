@@ -4,7 +4,8 @@
 without loading any data, and reports per device (`format_table` writes it as the `jaxllm plan` table):
 
 - memory of the compiled program (`memory_analysis()`: arguments, outputs, aliased (donated) bytes,
-  temporaries, and total = arguments + outputs - aliased + temporaries);
+  temporaries, and total = arguments + outputs - aliased + temporaries), and beside the temporaries an
+  estimate by part (`temporaries`: weight-sized buffers, activations, logits, pipeline buffers);
 - collectives per step by kind, read from the optimized HLO, loops counted per trip;
 - beside them, the ZeRO theory with Φ = parameter count and N = `fsdp` size, for this project's layout
   (fp32 params, grads and Adam moments) and for the seeds' bf16 layout;
@@ -26,7 +27,7 @@ The ZeRO theory's Φ is what one device holds: with pp > 1 the layer stack's par
 embedding, head and final norm (replicated over pp); MoE experts count 1/ep of theirs, what tensor
 parallelism splits 1/tp.
 
-The modules, by topic: memory (the ZeRO theory and per-device sizes), tensor_parallel, attention (and
+The modules, by topic: memory (the ZeRO theory and per-device sizes), temporaries, tensor_parallel, attention (and
 context parallelism), pipeline, communication (all-reduce algorithms, ZeRO++), generation, finetune, flops;
 compiled (compiling the step) and hlo (reading its program); report (the table's text).
 """
@@ -50,6 +51,7 @@ from jaxllm.plan.hlo import collective_report, matmul_operands, memory_summary
 from jaxllm.plan.memory import loss_theory, theory
 from jaxllm.plan.pipeline import pipeline_compiled, pipeline_theory
 from jaxllm.plan.report import format_table
+from jaxllm.plan.temporaries import temporaries_theory
 from jaxllm.plan.tensor_parallel import tensor_parallel_theory
 
 __all__ = ["plan", "format_table"]
@@ -81,6 +83,7 @@ def plan(cfg, chip: str | None = None) -> dict:
         "memory": {**{k: memory[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
                                               "total_bytes")},
                    "host_bytes": host_state_bytes(fns.abstract_state, compiled)},
+        "temporaries": temporaries_theory(cfg, shape, pipeline),
         "remat": remat_summary(cfg, shape, memory["temp_bytes"]),
         "loss": loss_theory(cfg, shape),
         "matmul_formats": matmul_formats(cfg, shape),

@@ -42,7 +42,7 @@ def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     (every MoE expert's weights), "shared" (embedding, head, final norm, the layers of the segments before and the
     prediction modules: replicated over pp), "tp_split" (what tensor parallelism splits: heads, hidden units,
     vocabulary), "stage" = Σ over parameters of its size / (pp if in the stack) / (ep if an expert's) / (tp if
-    split)}."""
+    split), "stage_stack" = the same sum over the stack's parameters}."""
     leaf = lambda x: isinstance(x, transformer.Leaf)
     leaves = lambda tree: jax.tree.leaves(tree, is_leaf=leaf)
     table = transformer.param_table(model_cfg)
@@ -53,7 +53,8 @@ def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _over(l, "ep")), "ep": ep,
             "shared": transformer.count_params(model_cfg) - stack, "tp": tp,
             "tp_split": sum(size(l) for l in leaves(table) if _split(l, "tp", tp) > 1),
-            "stage": sum(size(l) // share(l) for l in leaves(table))}
+            "stage": sum(size(l) // share(l) for l in leaves(table)),
+            "stage_stack": sum(size(l) // share(l) for l in leaves(table) if id(l) in stack_ids)}
 
 
 def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:

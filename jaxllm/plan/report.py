@@ -63,7 +63,7 @@ def _format_memory(p: dict) -> list[str]:
         ("arguments", mem["argument_bytes"], f"{format_bytes(fp['argument_bytes'])}", ""),
         ("outputs", mem["output_bytes"], "", ""),
         ("aliased (donated)", mem["alias_bytes"], "", ""),
-        ("temporaries", mem["temp_bytes"], "", ""),
+        ("temporaries", mem["temp_bytes"], _estimate(p.get("temporaries", {})), ""),
         ("total", mem["total_bytes"], format_bytes(fp["total_bytes"]), format_bytes(bf["total_bytes"])),
     ]
     for name, val, a, b in rows:
@@ -77,12 +77,28 @@ def _format_memory(p: dict) -> list[str]:
                      f"norm (replicated over pp) = {ps['stack']:,} / {pl['pp']} + {ps['shared']:,} = {ps['stage']:,})")
     if fp["argument_bytes"]:
         lines.append(f"  compiled arguments / theory arguments = {mem['argument_bytes'] / fp['argument_bytes']:.3f}")
+    lines += _format_temporaries(p.get("temporaries"), mem["temp_bytes"])
     loss = p["loss"]
     how = f"in chunks of {loss['chunk']} positions" if loss["chunk"] else "whole"
     lines.append(f"  loss: fp32 logits {format_bytes(loss['logit_bytes'])} per device and microbatch (as much again "
                  f"for their gradient), residual stream over the layers {format_bytes(loss['residual_bytes'])}: "
                  f"{how} (train.loss_chunk={loss['setting']}{', the rule' if loss['setting'] < 0 else ''})")
     return lines
+
+
+def _estimate(tt: dict) -> str:
+    return format_bytes(tt["total"]) if tt.get("total") else ""
+
+
+def _format_temporaries(tt: dict | None, compiled: int) -> list[str]:
+    """The temporaries estimate by part beside the compiled figure (`plan.temporaries`)."""
+    if not tt:
+        return []
+    if tt["total"] is None:
+        return [f"  temporaries estimate: {tt['note']}"]
+    names = ("weights", "weights_moved", "activations", "forward_slot", "logits", "pipeline")
+    parts = ", ".join(f"{n.replace('_', ' ')} {format_bytes(tt[n])}" for n in names if tt[n])
+    return [f"  temporaries estimate = {parts}; compiled / estimate = {compiled / tt['total']:.3f}"]
 
 
 def _format_flops(p: dict) -> list[str]:

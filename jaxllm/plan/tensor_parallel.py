@@ -103,7 +103,7 @@ def tensor_parallel_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype
         collectives[name] = {
             "forward": fwd, "backward": bwd, "per_layer": per_layer,
             "per_step": {k: {key: v * reps for key, v in c.items()} for k, c in per_layer.items()}}
-    terms = _saved_activations(m, n, b, s, E)
+    terms = saved_activation_terms(m, n, b, s, E)
     without_sp = sum(v["without_sp"] for v in terms.values())
     with_sp = sum(v["with_sp"] for v in terms.values())
     L = m.n_layers
@@ -151,7 +151,7 @@ def _layer_collectives(setting: str, n: int, b: int, s: int, d: int, E: int) -> 
             [_collective("collective-permute", count, size, size, "the dual rings of the same 4 calls")])
 
 
-def _saved_activations(m, n: int, b: int, s: int, E: int) -> dict:
+def saved_activation_terms(m, n: int, b: int, s: int, E: int) -> dict:
     """What autodiff saves of one layer per device by term, {name: {"without_sp", "with_sp"}} (an estimate, see
     `tensor_parallel_theory`)."""
     d, H, F = m.d_model, m.n_heads, m.d_ff
