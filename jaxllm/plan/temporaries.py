@@ -12,8 +12,9 @@ tokens t = rows per device × seq_len / sp):
 - **weights moved** (a V-shaped pipeline, `pp_schedule = zb_v` or `interleaved` with v > 1): 2 W_stack — the stack's
   weights moved into the [v, p, layers] view at the island's edge and their gradients moved back
   (`parallel/pipeline.py`).
-- **activations**: what autodiff keeps of one microbatch over the layers a device runs (one microbatch at a time:
-  gradient accumulation adds each into the accumulator, and the pipeline re-runs a stage from its saved input), per
+- **activations**: what autodiff keeps of one microbatch over the layers a device differentiates at once (one
+  microbatch at a time: gradient accumulation adds each into the accumulator, and the pipeline re-runs one stage
+  chunk from its saved input), per
   layer the tensor-parallel theory's terms (`tensor_parallel.saved_activation_terms`: residual stream, the projections'
   inputs, q/k/v, attention probabilities, attention output, the MLP's hidden units), for MoE layers the shared
   experts' hidden units in place of the MLP's and the routed tokens' dispatch and return buffers and expert hidden
@@ -24,13 +25,17 @@ tokens t = rows per device × seq_len / sp):
   gradient of each), the whole microbatch when the loss is not chunked.
 - **pipeline**: the schedule's activation buffers and W stash (`pipeline.pipeline_theory`).
 
-Measured against compiled programs (XLA:CPU, fp32; compiled / estimate): 0.96–1.15 on pp2×sp2×tp2 (ZeRO-1, 1F1B),
-sp2×tp2×fsdp2 (ZeRO-3, collective matmuls) and a DeepSeek-shaped pp2×sp2×ep2 (ZeRO-2, ZB-V) at 4 to 9 layers and
-16 or 32 rows (`tests/test_plan.py` asserts 0.8–1.2 on the three); 0.93–1.14 on fsdp8 at ZeRO-0 to 3, dp8 with and
-without full recomputation, pp2×dp4 GPipe and pp2×fsdp4 ZeRO-3. The per-layer terms are Megatron's count, not what
-XLA keeps: the compiled layers hold ~1.4× of it under sp and tp (each ring step's blocks, each collective matmul's
-chunks) and ~1.7× under tp without sequence parallelism (tp2×fsdp4 ZeRO-3: 1.44 of the estimate). Not estimated:
-recomputation policies other than `full`, √L groups and LoRA.
+Measured against compiled programs (XLA:CPU, fp32, tiny models; compiled / estimate): 0.96–1.15 on pp2×sp2×tp2
+(ZeRO-1, 1F1B), sp2×tp2×fsdp2 (ZeRO-3, collective matmuls) and a DeepSeek-shaped pp2×sp2×ep2 (ZeRO-2, ZB-V) at 4 to
+9 layers and 16 or 32 rows (`tests/test_plan.py` asserts 0.8–1.2 on the three at 4 layers); 0.93–1.14 on fsdp8 at
+ZeRO-0 to 3, dp8 with and without full recomputation, pp2×dp4 GPipe and pp2×fsdp4 ZeRO-3; on the meshes of
+`tests/test_mesh_products.py` 0.94 (pp2×sp2×tp2×fsdp2 ZeRO-3, ring) and 0.98 (DeepSeek pp2×ep2×sp2×tp2 ZB-V), a
+Mixtral-shaped sp2×ep2×dp4 1.14 at capacity 1.25, collective matmuls on pp2×tp2×dp4 1.19. Off: the interleaved
+schedule under ZeRO-3 (pp2×sp2×tp2×fsdp2, v = 2: 0.67; each chunk's weights are gathered and its gradients
+reduce-scattered per tick, so the weight-sized buffers are a chunk's, not the stage's), dropless MoE without a
+pipeline (1.52: XLA keeps more of the dispatch than its buffers), and tp2×fsdp4 ZeRO-3 without sequence parallelism
+(1.44: the per-layer terms are Megatron's count, and XLA keeps ~1.7× of it there, ~1.4× under sp and tp). Not
+estimated: recomputation policies other than `full`, √L groups and LoRA.
 """
 
 from __future__ import annotations
@@ -72,11 +77,12 @@ def layer_activation_bytes(m, kind: str, tp: int, rows: int, s: int, E: int, seq
     return out + hidden + _moe_bytes(m, rows * s, tp, E)
 
 
-def device_layers(m, pp: int) -> list[str]:
-    """The kinds of the layers one device runs: the pipelined (last) segment's share of a stage, the segments before
-    it and multi-token prediction's blocks in full (they run on every stage)."""
+def device_layers(m, chunks: int) -> list[str]:
+    """The kinds of the layers one device differentiates at once: the pipelined (last) segment's share of a stage
+    chunk (`chunks` = pp × v; the pipeline re-runs one chunk from its saved input), the segments before it and
+    multi-token prediction's blocks in full (they run on every stage)."""
     *before, last = segments(m)
-    kinds = [k for seg in before for k in seg.pattern * seg.repeats] + list(last.pattern) * (last.repeats // pp)
+    kinds = [k for seg in before for k in seg.pattern * seg.repeats] + list(last.pattern) * (last.repeats // chunks)
     return kinds + list(last.pattern[-1:]) * m.mtp_depth
 
 
@@ -95,7 +101,7 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     params = pipeline["params"]
     W, W_stack = 4 * params["stage"], 4 * params["stage_stack"]
     v = model_chunks(t.pp_schedule, t.pp_virtual) if pp > 1 else 1
-    per_layer = [layer_activation_bytes(m, k, tp, rows, s, E, t.sequence_parallel) for k in device_layers(m, pp)]
+    per_layer = [layer_activation_bytes(m, k, tp, rows, s, E, t.sequence_parallel) for k in device_layers(m, pp * v)]
     residual = rows * s * m.d_model * E // (tp if t.sequence_parallel else 1)
     full = m.remat == "full"
     activations = len(per_layer) * residual + max(per_layer) if full else sum(per_layer)
