@@ -63,7 +63,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_argument_bytes_follow_zero_table(plans):
     """The compiled step's arguments per device are the planner's ZeRO theory (12Φ, 4Φ + 8Φ/N, 12Φ/N for
     fp32 parameters and Adam moments) within 10%, with Φ the model's parameter count; its temporaries the
-    planner's estimate within 0.8-1.2 (ZeRO-3 at 0.75 of it when the update's new values were counted unsharded)."""
+    planner's estimate within 0.8-1.2 (ZeRO-3 at 0.68 of it when the update's new values were counted unsharded)."""
     p0, p1, p3 = plans(0), plans(1), plans(3)
     assert p0["params"] == transformer.count_params(build_config(None, SMALL + ["model.vocab_size=257"]).model)
     for stage, p in ((0, p0), (1, p1), (3, p3)):
@@ -427,7 +427,7 @@ def test_the_argument_and_temporaries_estimates_hold_on_the_mesh_products(mesh):
     """The compiled step's arguments per device are the ZeRO theory's, and its temporaries the planner's estimate
     (`plan.temporaries`), within 0.8-1.2 on pp × sp × tp, sp × tp × fsdp with collective matmuls and a DeepSeek-shaped
     pp × sp × ep under ZB-V (before tp and ep were counted in Φ, the first's arguments were 0.51 of the theory; without
-    the V's moved weights, the last's temporaries were 1.26 of the estimate)."""
+    the V's moved weights, the last's temporaries were 1.20 of the estimate, just past the bound)."""
     from jaxllm.plan.compiled import compile_step, resolve
     from jaxllm.plan.hlo import memory_summary
     from jaxllm.plan.memory import theory

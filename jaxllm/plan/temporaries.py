@@ -7,35 +7,39 @@ tokens t = rows per device × seq_len / sp):
 - **weights**: weight-sized fp32 buffers: the microbatch's gradients before they are reduced (W), the weights the
   layer loop keeps for the backward (W; gathered under ZeRO-3; none under `model.remat = full`, which recomputes the
   layer instead) and the update's new values before `trainer/guard.keep_if` keeps them (W, or W / fsdp from ZeRO-2
-  on, where each rank updates its shard; hpZ shards over dp too). Read from the buffers live at the peak of
-  compiled programs.
+  on, where each rank updates its shard; hpZ shards over dp too). Under ZeRO-3 a pipeline gathers one chunk's
+  weights per slot and reduce-scatters its gradients per tick, so the first two are a chunk's (the stack's W / v).
+  Read from the buffers live at the peak of compiled programs.
 - **weights moved** (a V-shaped pipeline, `pp_schedule = zb_v` or `interleaved` with v > 1): 2 W_stack — the stack's
   weights moved into the [v, p, layers] view at the island's edge and their gradients moved back
-  (`parallel/pipeline.py`).
+  (`parallel/pipeline.py`); their stored shards (1/fsdp) under ZeRO-3.
 - **activations**: what autodiff keeps of one microbatch over the layers a device differentiates at once (one
   microbatch at a time: gradient accumulation adds each into the accumulator, and the pipeline re-runs one stage
   chunk from its saved input), per
-  layer the tensor-parallel theory's terms (`tensor_parallel.saved_activation_terms`: residual stream, the projections'
-  inputs, q/k/v, attention probabilities, attention output, the MLP's hidden units), for MoE layers the shared
-  experts' hidden units in place of the MLP's and the routed tokens' dispatch and return buffers and expert hidden
-  units (E·C/t of each token: the dropless buffers hold every token for every expert). With `model.remat = full` a
+  layer the tensor-parallel theory's terms for attention (`tensor_parallel.saved_activation_terms`: residual
+  stream, the projections' inputs, q/k/v, attention probabilities, attention output) and six hidden-width arrays
+  of the feed-forward (what `jax.ad_checkpoint`'s saved residuals list for SwiGLU and tanh-GELU alike, where
+  Megatron counts 2–3); for MoE layers the shared experts' and, per expert row (E·C of them, C = `moe.capacity`:
+  every token for every expert when dropless), its input and six hidden-width arrays, the tokens being the whole
+  sequence's under ep (the island splits the batch axes, not sp). With `model.remat = full` a
   layer keeps its input only, and one layer's activations exist at a time in the backward.
 - **forward slot** (pp > 1): the tick's forward runs beside its backward, one layer of another microbatch.
 - **logits**: four fp32 [positions, vocabulary / tp] arrays of one loss chunk (logits, probabilities and the
   gradient of each), the whole microbatch when the loss is not chunked.
 - **pipeline**: the schedule's activation buffers and W stash (`pipeline.pipeline_theory`).
 
-Measured against compiled programs (XLA:CPU, fp32, tiny models; compiled / estimate): 0.96–1.15 on pp2×sp2×tp2
-(ZeRO-1, 1F1B), sp2×tp2×fsdp2 (ZeRO-3, collective matmuls) and a DeepSeek-shaped pp2×sp2×ep2 (ZeRO-2, ZB-V) at 4 to
-9 layers and 16 or 32 rows (`tests/test_plan.py` asserts 0.8–1.2 on the three at 4 layers); 0.93–1.14 on fsdp8 at
-ZeRO-0 to 3, dp8 with and without full recomputation, pp2×dp4 GPipe and pp2×fsdp4 ZeRO-3; on the meshes of
-`tests/test_mesh_products.py` 0.94 (pp2×sp2×tp2×fsdp2 ZeRO-3, ring) and 0.98 (DeepSeek pp2×ep2×sp2×tp2 ZB-V), a
-Mixtral-shaped sp2×ep2×dp4 1.14 at capacity 1.25, collective matmuls on pp2×tp2×dp4 1.19. Off: the interleaved
-schedule under ZeRO-3 (pp2×sp2×tp2×fsdp2, v = 2: 0.67; each chunk's weights are gathered and its gradients
-reduce-scattered per tick, so the weight-sized buffers are a chunk's, not the stage's), dropless MoE without a
-pipeline (1.52: XLA keeps more of the dispatch than its buffers), and tp2×fsdp4 ZeRO-3 without sequence parallelism
-(1.44: the per-layer terms are Megatron's count, and XLA keeps ~1.7× of it there, ~1.4× under sp and tp). Not
-estimated: recomputation policies other than `full`, √L groups and LoRA.
+The parts are summed, although the update's buffers and the backward's activations need not be live at once: on
+the meshes measured a max of the two phases fits worse (0.86–1.38), since XLA overlaps more than the phases suggest.
+Measured (`python -m tools.studies.plan_temporaries`, XLA:CPU, fp32, tiny models; compiled / estimate, BENCHMARKS.md):
+0.85–1.08 on pp2×sp2×tp2 (ZeRO-1), pp2×sp2×tp2×fsdp2 (ZeRO-3, 1F1B ring and interleaved Ulysses), sp2×tp2×fsdp2
+(ZeRO-3, collective matmuls), pp2×tp2×dp4 (collective matmuls), a DeepSeek-shaped pp2×sp2×ep2 under ZB-V and a
+Mixtral-shaped sp2×ep2×dp4 (capacity 1.25 and dropless), and 0.86–1.08 on fsdp8 at ZeRO-0 to 3, dp8 with and without
+full recomputation, GPipe, interleaved ZeRO-3 and ep4 dropless MoE (`tests/test_plan.py` asserts 0.8–1.2 on three
+products and the fsdp8 stages). Off: the DeepSeek shape with small latent widths on pp2×ep2×sp2×tp2 (0.75: its weights
+are small beside its activations, and its peak is the gradients' reduction after the backward, where the activations
+are gone, so the sum over-counts), and tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25: attention's terms are
+Megatron's count, and XLA keeps more d-wide arrays per layer there). Not estimated: recomputation policies other than
+`full`, √L groups and LoRA.
 """
 
 from __future__ import annotations
@@ -55,26 +59,32 @@ TEMPORARIES_ASSUMES = ("Adam, fp32 master weights; per device; activations as Me
                        "microbatch at a time; checked against compiled programs on the mesh products only")
 
 
-def _moe_bytes(m, tokens: int, tp: int, E: int) -> int:
-    """A MoE layer's routed buffers per device: dispatch and return [E, C, d] and the experts' hidden units
-    [E, C, F/tp] (gate, up and their product)."""
-    n, k = m.moe.n_experts, m.moe.top_k
-    C = moe.capacity(tokens, n, k, m.moe.capacity_factor)
-    F = m.moe.d_ff or m.d_ff
-    hidden = 3 if m.mlp != "gelu_tanh" else 2
-    return n * C * (2 * m.d_model + hidden * F // tp) * E
+HIDDEN_SAVED = 6  # hidden-width arrays autodiff saves of a feed-forward (SwiGLU and tanh-GELU alike)
 
 
-def layer_activation_bytes(m, kind: str, tp: int, rows: int, s: int, E: int, sequence_parallel: bool) -> int:
-    """What autodiff keeps of one layer of `kind` for `rows` × `s` tokens on one device (see the module docstring)."""
+def _hidden_bytes(tokens: int, width: int, tp: int, E: int) -> int:
+    """A feed-forward's saved hidden units for `tokens` rows of hidden `width` split over tp."""
+    return HIDDEN_SAVED * tokens * width // tp * E
+
+
+def _routed_bytes(m, tokens: int, tp: int, E: int) -> int:
+    """A MoE layer's routed experts per device for `tokens` routed tokens: E·C rows (C = `moe.capacity`), each its
+    input and its saved hidden units."""
+    C = moe.capacity(tokens, m.moe.n_experts, m.moe.top_k, m.moe.capacity_factor)
+    rows = m.moe.n_experts * C
+    return rows * m.d_model * E + _hidden_bytes(rows, m.moe.d_ff or m.d_ff, tp, E)
+
+
+def layer_activation_bytes(m, kind: str, shape: dict, rows: int, E: int, sequence_parallel: bool) -> int:
+    """What autodiff keeps of one layer of `kind` for a device's `rows` rows (see the module docstring)."""
+    tp, s = shape["tp"], m.seq_len // shape["sp"]
     terms = saved_activation_terms(m, tp, rows, s, E)
     key = "with_sp" if sequence_parallel else "without_sp"
     out = sum(v[key] for name, v in terms.items() if name != "mlp_hidden")
     if not is_moe(kind):
-        return out + terms["mlp_hidden"][key]
-    shared = transformer.shared_d_ff(m)
-    hidden = (2 if m.mlp == "gelu_tanh" else 3) * rows * s * shared * E // tp
-    return out + hidden + _moe_bytes(m, rows * s, tp, E)
+        return out + _hidden_bytes(rows * s, m.d_ff, tp, E)
+    routed = rows * (m.seq_len if shape["ep"] > 1 else s)  # the ep island splits the batch axes, not the sequence
+    return out + _hidden_bytes(rows * s, transformer.shared_d_ff(m), tp, E) + _routed_bytes(m, routed, tp, E)
 
 
 def device_layers(m, chunks: int) -> list[str]:
@@ -101,15 +111,18 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     params = pipeline["params"]
     W, W_stack = 4 * params["stage"], 4 * params["stage_stack"]
     v = model_chunks(t.pp_schedule, t.pp_virtual) if pp > 1 else 1
-    per_layer = [layer_activation_bytes(m, k, tp, rows, s, E, t.sequence_parallel) for k in device_layers(m, pp * v)]
+    per_layer = [layer_activation_bytes(m, k, shape, rows, E, t.sequence_parallel) for k in device_layers(m, pp * v)]
     residual = rows * s * m.d_model * E // (tp if t.sequence_parallel else 1)
     full = m.remat == "full"
     activations = len(per_layer) * residual + max(per_layer) if full else sum(per_layer)
     chunk = loss_chunk(cfg, shape)
     positions = rows * (chunk // sp if chunk else s)
-    update_share = shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1) if t.zero_stage >= 2 else 1
-    copies = 1 + (0 if full else 1) + 1 / update_share
-    parts = {"weights": int(copies * W), "weights_moved": MOVED_COPIES * W_stack if v > 1 else 0,
+    shard = shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1)
+    update = W / shard if t.zero_stage >= 2 else W
+    # under ZeRO-3 a pipeline gathers a chunk's weights per slot and reduce-scatters its gradients per tick
+    working = W - W_stack + W_stack / v if t.zero_stage == 3 and pp > 1 else W
+    moved = MOVED_COPIES * W_stack / (shard if t.zero_stage == 3 else 1) if v > 1 else 0
+    parts = {"weights": int(working * (1 if full else 2) + update), "weights_moved": int(moved),
              "activations": activations, "forward_slot": max(per_layer) if pp > 1 else 0,
              "logits": LOGIT_COPIES * positions * transformer.logit_bytes_per_token(m, tp),
              "pipeline": pipeline.get("buffer_bytes", 0) + pipeline.get("stash_bytes", 0)}
