@@ -31,15 +31,16 @@ tokens t = rows per device × seq_len / sp):
 The parts are summed, although the update's buffers and the backward's activations need not be live at once: on
 the meshes measured a max of the two phases fits worse (0.86–1.38), since XLA overlaps more than the phases suggest.
 Measured (`python -m tools.studies.plan_temporaries`, XLA:CPU, fp32, tiny models; compiled / estimate, BENCHMARKS.md):
-0.85–1.08 on pp2×sp2×tp2 (ZeRO-1), pp2×sp2×tp2×fsdp2 (ZeRO-3, 1F1B ring and interleaved Ulysses), sp2×tp2×fsdp2
-(ZeRO-3, collective matmuls), pp2×tp2×dp4 (collective matmuls), a DeepSeek-shaped pp2×sp2×ep2 under ZB-V and a
-Mixtral-shaped sp2×ep2×dp4 (capacity 1.25 and dropless), and 0.86–1.08 on fsdp8 at ZeRO-0 to 3, dp8 with and without
-full recomputation, GPipe, interleaved ZeRO-3 and ep4 dropless MoE (`tests/test_plan.py` asserts 0.8–1.2 on three
-products and the fsdp8 stages). Off: the DeepSeek shape with small latent widths on pp2×ep2×sp2×tp2 (0.75: its weights
-are small beside its activations, and its peak is the gradients' reduction after the backward, where the activations
-are gone, so the sum over-counts), and tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25: attention's terms are
-Megatron's count, and XLA keeps more d-wide arrays per layer there). Not estimated: recomputation policies other than
-`full`, √L groups and LoRA.
+0.84–1.08 on pp2×sp2×tp2 (ZeRO-1), pp2×sp2×tp2×fsdp2 (ZeRO-3, 1F1B ring and interleaved Ulysses), sp2×tp2×fsdp2
+(ZeRO-3, collective matmuls), pp2×tp2×dp4 (collective matmuls), a DeepSeek-shaped pp2×sp2×ep2 under ZB-V, a
+Mixtral-shaped sp2×ep2×dp4 (capacity 1.25 and dropless), fsdp8 at ZeRO-0 to 3, dp8 with and without full
+recomputation, GPipe, ZB-H1, interleaved ZeRO-3 and ep4 dropless MoE (`tests/test_plan.py` asserts 0.8–1.2 on three
+products and the fsdp8 stages). Off: the DeepSeek shape with small latent widths on pp2×ep2×sp2×tp2 (0.75) and ZB-V on
+a small dense model (0.77, with fp8 matmuls too), whose peaks are at the gradients' reduction or the V's edge, where
+the backward's activations are gone, so the sum over-counts; and tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25:
+attention's terms are Megatron's count, and XLA keeps more d-wide arrays per layer there). Not estimated:
+recomputation policies other than `full`, √L groups and LoRA (measured: the base's weight-sized buffers vary with the
+targets, 1× to 2× of it).
 """
 
 from __future__ import annotations

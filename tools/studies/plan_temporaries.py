@@ -4,7 +4,7 @@
 Each case compiles the step (nothing runs) on fake CPU devices, 16 or 8 as it asks, one process per device count,
 and prints compiled / estimate with the estimate's parts. Tiny models in fp32 (tiny-llama at seq 32, batch 16, the
 test suite's GPT-2 for the fsdp rows), so weight-sized buffers weigh more than they would at scale. About 9 minutes on
-2 CPU cores; BENCHMARKS.md "The planner's temporaries estimate" records one run.
+2 CPU cores (24 layouts); BENCHMARKS.md "The planner's temporaries estimate" records one run.
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ CASES = {  # name -> (fake devices, overrides on TINY)
                                          "train.pp_schedule": "interleaved", "train.pp_virtual": 2}),
     "MoE ep4×dp2 dropless": (8, {"model.preset": "tiny-moe", "mesh.ep": 4, "mesh.dp": 2, "mesh.fsdp": 1,
                                  "model.moe.capacity_factor": 0.0}),
+    "pp2×dp4 ZB-V": (8, {"mesh.pp": 2, "mesh.dp": 4, "mesh.fsdp": 1, "train.microbatches": 4,
+                         "train.pp_schedule": "zb_v"}),
+    "pp2×dp4 ZB-H1": (8, {"mesh.pp": 2, "mesh.dp": 4, "mesh.fsdp": 1, "train.microbatches": 4,
+                          "train.pp_schedule": "zb_h1"}),
+    "pp2×dp4 ZB-V fp8 matmuls": (8, {"mesh.pp": 2, "mesh.dp": 4, "mesh.fsdp": 1, "train.microbatches": 4,
+                                     "train.pp_schedule": "zb_v", "precision.matmul": "fp8"}),
+    "LoRA on MLA fsdp2×tp2": (8, {"model.attention": "mla", "model.mla.q_lora_rank": 16, "model.lora.rank": 4,
+                                  "model.lora.targets": ["q_a", "q_b", "kv_a", "kv_b", "o"], "mesh.fsdp": 2,
+                                  "mesh.tp": 2, "mesh.dp": 2}),
+    "LoRA ZB-H1 pp2×dp4": (8, {"model.lora.rank": 4, "mesh.pp": 2, "mesh.dp": 4, "mesh.fsdp": 1,
+                               "train.microbatches": 4, "train.pp_schedule": "zb_h1"}),
 }
 PARTS = ("weights", "weights_moved", "activations", "forward_slot", "logits", "pipeline")
 
@@ -72,10 +83,23 @@ def measure(name: str) -> dict:
     from jaxllm.plan.temporaries import temporaries_theory
 
     cfg, shape, _ = resolve(build_config(None, {**TINY, **CASES[name][1]}))
-    compiled = memory_summary(compile_step(cfg, shape)[1])["temp_bytes"]
-    estimate = temporaries_theory(cfg, shape, pipeline_theory(cfg.model, cfg.train, shape, cfg.precision.compute))
-    return {"name": name, "compiled": compiled, "estimate": estimate["total"],
-            "parts": {k: estimate[k] for k in PARTS}}
+    compiled = memory_summary(compile_step(cfg, shape)[1])
+    pipeline = pipeline_theory(cfg.model, cfg.train, shape, cfg.precision.compute)
+    estimate = temporaries_theory(cfg, shape, pipeline)
+    return {"name": name, "compiled": compiled["temp_bytes"], "estimate": estimate["total"], "note": estimate["note"],
+            "parts": {k: estimate[k] for k in PARTS}, "arguments": compiled["argument_bytes"],
+            "arguments_estimate": argument_estimate(cfg, shape, pipeline)}
+
+
+def argument_estimate(cfg, shape: dict, pipeline: dict) -> int:
+    """What `jaxllm plan` sets beside the compiled arguments: the ZeRO theory's, or fine-tuning's state under LoRA."""
+    from jaxllm.plan.finetune import finetune_state
+    from jaxllm.plan.memory import theory
+
+    if cfg.model.lora.rank:
+        return finetune_state(cfg, shape)["qlora_nf4" if cfg.model.lora.base_quant == "nf4" else "lora"]["argument_bytes"]
+    n = shape["fsdp"] * (shape["dp"] if cfg.train.zeropp.hpz else 1)
+    return theory(pipeline["params"]["stage"], n, cfg.train.zero_stage)["fp32"]["argument_bytes"]
 
 
 def run_group(devices: int, names: list[str]) -> list[dict]:
@@ -96,15 +120,21 @@ def main(argv=None) -> None:
             print(json.dumps(measure(name)), flush=True)
         return
     names = [n for n in CASES if args.only in n]
-    print("| layout (fp32, tiny) | compiled | estimate | compiled / estimate | "
-          + " | ".join(p.replace("_", " ") for p in PARTS) + " |")
-    print("|---|---:|---:|---:|" + "---:|" * len(PARTS))
+    print("| layout (fp32, tiny) | arguments: compiled / estimate | temporaries: compiled | estimate | "
+          "compiled / estimate | " + " | ".join(p.replace("_", " ") for p in PARTS) + " |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(PARTS))
     for devices in sorted({CASES[n][0] for n in names}, reverse=True):
         for r in run_group(devices, [n for n in names if CASES[n][0] == devices]):
-            mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731 - MiB
-            print(f"| {r['name']} ({devices} devices) | {mb(r['compiled'])} | {mb(r['estimate'])} | "
-                  f"{r['compiled'] / r['estimate']:.2f} | " + " | ".join(mb(r["parts"][p]) for p in PARTS) + " |",
-                  flush=True)
+            print(_row(r, devices), flush=True)
+
+
+def _row(r: dict, devices: int) -> str:
+    """One case as a table row, in MiB."""
+    mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    ratio = f"{r['compiled'] / r['estimate']:.2f}" if r["estimate"] else r["note"]
+    estimate = mb(r["estimate"]) if r["estimate"] else ""
+    return (f"| {r['name']} ({devices} devices) | {r['arguments'] / r['arguments_estimate']:.2f} | "
+            f"{mb(r['compiled'])} | {estimate} | {ratio} | " + " | ".join(mb(r["parts"][p]) for p in PARTS) + " |")
 
 
 if __name__ == "__main__":
