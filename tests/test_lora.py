@@ -314,18 +314,24 @@ def test_nf4_codes_are_the_published_values_and_each_block_is_within_its_bound()
 @pytest.mark.slow
 def test_the_planner_counts_the_compiled_arguments_of_lora_and_qlora():
     """tiny-llama on fsdp=8 ZeRO-3: the planner's state and step arguments per device equal the compiled step's
-    argument bytes (within 1%) for LoRA and QLoRA."""
+    argument bytes (within 1%) for LoRA and QLoRA, and its temporaries estimate (`plan.temporaries`: the frozen base
+    the layer scan saves, no weight gradients) is within 0.8-1.2 of the compiled temporaries."""
     from jaxllm.plan.compiled import compile_step
     from jaxllm.plan.finetune import finetune_state
+    from jaxllm.plan.pipeline import pipeline_theory
+    from jaxllm.plan.temporaries import temporaries_theory
 
     for quant in ("none", "nf4"):
         cfg = equivalence_config("tiny-llama", **LORA, **{"mesh.fsdp": 8, "train.zero_stage": 3,
                                                           "model.lora.base_quant": quant})
         shape, _ = validate(cfg, 8)
-        compiled = compile_step(cfg, shape)[1].memory_analysis().argument_size_in_bytes
+        memory = compile_step(cfg, shape)[1].memory_analysis()
+        compiled = memory.argument_size_in_bytes
         planned = finetune_state(cfg, shape)
         name = "lora" if quant == "none" else "qlora_nf4"
         assert abs(planned[name]["argument_bytes"] - compiled) <= 0.01 * compiled, (planned[name], compiled)
+        estimate = temporaries_theory(cfg, shape, pipeline_theory(cfg.model, cfg.train, shape, cfg.precision.compute))
+        assert 0.8 <= memory.temp_size_in_bytes / estimate["total"] <= 1.2, (memory.temp_size_in_bytes, estimate)
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def _over(leaf, axis: str) -> list[int]:
     return [extent for n, extent in zip(leaf.names, leaf.shape) if axis in rules.get(n, ())]
 
 
-def _split(leaf, axis: str, size: int) -> int:
+def split(leaf, axis: str, size: int) -> int:
     """`size` where the rules split a dimension of this parameter over `axis` (and it divides), else 1."""
     return size if size > 1 and any(extent % size == 0 for extent in _over(leaf, axis)) else 1
 
@@ -48,11 +48,11 @@ def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     table = transformer.param_table(model_cfg)
     stack_ids = {id(l) for l in leaves(table["blocks"][segments(model_cfg)[-1].blocks])}
     size = lambda l: math.prod(l.shape)
-    share = lambda l: (pp if id(l) in stack_ids else 1) * _split(l, "ep", ep) * _split(l, "tp", tp)
+    share = lambda l: (pp if id(l) in stack_ids else 1) * split(l, "ep", ep) * split(l, "tp", tp)
     stack = sum(size(l) for l in leaves(table) if id(l) in stack_ids)
     return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _over(l, "ep")), "ep": ep,
             "shared": transformer.count_params(model_cfg) - stack, "tp": tp,
-            "tp_split": sum(size(l) for l in leaves(table) if _split(l, "tp", tp) > 1),
+            "tp_split": sum(size(l) for l in leaves(table) if split(l, "tp", tp) > 1),
             "stage": sum(size(l) // share(l) for l in leaves(table)),
             "stage_stack": sum(size(l) // share(l) for l in leaves(table) if id(l) in stack_ids)}
 

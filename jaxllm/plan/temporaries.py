@@ -9,7 +9,10 @@ tokens t = rows per device × seq_len / sp):
   layer instead) and the update's new values before `trainer/guard.keep_if` keeps them (W, or W / fsdp from ZeRO-2
   on, where each rank updates its shard; hpZ shards over dp too). Under ZeRO-3 a pipeline gathers one chunk's
   weights per slot and reduce-scatters its gradients per tick, so the first two are a chunk's (the stack's W / v).
-  Read from the buffers live at the peak of compiled programs.
+  Under LoRA W is the frozen base in the compute dtype (dequantized as used under QLoRA): the scan saves it, under
+  ZeRO-3 it is gathered again for the backward (a second W), latent attention's up-projection merged with its
+  adapters (`lora.merged`) is one more copy of that weight, and the adapters' gradients and update (r/d of the
+  weights) are left out. Read from the buffers live at the peak of compiled programs.
 - **weights moved** (a V-shaped pipeline, `pp_schedule = zb_v` or `interleaved` with v > 1): 2 W_stack — the stack's
   weights moved into the [v, p, layers] view at the island's edge and their gradients moved back
   (`parallel/pipeline.py`); their stored shards (1/fsdp) under ZeRO-3.
@@ -38,17 +41,20 @@ recomputation, GPipe, ZB-H1, interleaved ZeRO-3 and ep4 dropless MoE (`tests/tes
 products and the fsdp8 stages). Off: the DeepSeek shape with small latent widths on pp2×ep2×sp2×tp2 (0.75) and ZB-V on
 a small dense model (0.77, with fp8 matmuls too), whose peaks are at the gradients' reduction or the V's edge, where
 the backward's activations are gone, so the sum over-counts; and tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25:
-attention's terms are Megatron's count, and XLA keeps more d-wide arrays per layer there). Not estimated:
-recomputation policies other than `full`, √L groups and LoRA (measured: the base's weight-sized buffers vary with the
-targets, 1× to 2× of it).
+attention's terms are Megatron's count, and XLA keeps more d-wide arrays per layer there). LoRA: 0.93 and 1.06 (LoRA and QLoRA-nf4 on fsdp8
+ZeRO-3, `tests/test_lora.py`), 1.02 on latent attention (fsdp2×tp2), 1.06 under ZB-H1. Not estimated: recomputation
+policies other than `full` and √L groups.
 """
 
 from __future__ import annotations
 
-from jaxllm.models import transformer
+import math
+
+from jaxllm.models import lora, transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.pipeline_schedules import model_chunks
 from jaxllm.plan.memory import dtype_bytes, microbatch_rows
+from jaxllm.plan.pipeline import split
 from jaxllm.plan.tensor_parallel import saved_activation_terms
 from jaxllm.stack import is_moe, segments
 from jaxllm.trainer.step import loss_chunk
@@ -88,6 +94,22 @@ def layer_activation_bytes(m, kind: str, shape: dict, rows: int, E: int, sequenc
     return out + _hidden_bytes(rows * s, transformer.shared_d_ff(m), tp, E) + _routed_bytes(m, routed, tp, E)
 
 
+def _merged_bytes(m, pp: int, tp: int, E: int) -> int:
+    """Latent attention's up-projection merged with its adapters (`lora.merged`: the absorbed cache multiplies by it
+    twice), one copy per layer a device holds, in the compute dtype; 0 where kv_b has no adapters."""
+    if m.attention != "mla" or "kv_b" not in m.lora.targets:
+        return 0
+    blocks = transformer.param_table(m)["blocks"]
+    stack = set(range(len(blocks))[segments(m)[-1].blocks])  # the pipelined segment's blocks, split over pp
+    total = 0
+    for i, block in enumerate(blocks):
+        leaf = block.get("attn", {}).get("wkv_b")
+        leaf = leaf.w if lora.is_node(leaf) else leaf  # the base weight under its adapters
+        if leaf is not None:
+            total += math.prod(leaf.shape) // (pp if i in stack else 1) // split(leaf, "tp", tp)
+    return total * E
+
+
 def device_layers(m, chunks: int) -> list[str]:
     """The kinds of the layers one device differentiates at once: the pipelined (last) segment's share of a stage
     chunk (`chunks` = pp × v; the pipeline re-runs one chunk from its saved input), the segments before it and
@@ -103,7 +125,7 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     `pipeline` is `pipeline.pipeline_theory`'s result for this config (its "params" and, with pp > 1, its buffers).
     Returns {"weights", "weights_moved", "activations", "forward_slot", "logits", "pipeline", "total", "assumes",
     "note"}; "total" None (with a note) where the estimate does not apply (`model.remat` policies other than
-    `full`, `model.remat_group`, LoRA).
+    `full`, `model.remat_group`).
     """
     m, t = cfg.model, cfg.train
     pp, tp, sp = shape["pp"], shape["tp"], shape["sp"]
@@ -118,12 +140,17 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     activations = len(per_layer) * residual + max(per_layer) if full else sum(per_layer)
     chunk = loss_chunk(cfg, shape)
     positions = rows * (chunk // sp if chunk else s)
+    if m.lora.rank:  # the frozen base in the compute dtype; the adapters' gradients and update are r/d of it
+        W = W // 4 * E
     shard = shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1)
     update = W / shard if t.zero_stage >= 2 else W
     # under ZeRO-3 a pipeline gathers a chunk's weights per slot and reduce-scatters its gradients per tick
     working = W - W_stack + W_stack / v if t.zero_stage == 3 and pp > 1 else W
     moved = MOVED_COPIES * W_stack / (shard if t.zero_stage == 3 else 1) if v > 1 else 0
-    parts = {"weights": int(working * (1 if full else 2) + update), "weights_moved": int(moved),
+    # the weights the scan saves; their gradients, or under LoRA and ZeRO-3 the base gathered again for the backward
+    copies = (0 if full else 1) + (0 if m.lora.rank and t.zero_stage < 3 else 1)
+    weights = working * copies + (_merged_bytes(m, pp, tp, E) if m.lora.rank else update)
+    parts = {"weights": int(weights), "weights_moved": int(moved),
              "activations": activations, "forward_slot": max(per_layer) if pp > 1 else 0,
              "logits": LOGIT_COPIES * positions * transformer.logit_bytes_per_token(m, tp),
              "pipeline": pipeline.get("buffer_bytes", 0) + pipeline.get("stash_bytes", 0)}
@@ -137,6 +164,4 @@ def _not_estimated(m) -> str:
         return f"not estimated for model.remat={m.remat} (what a policy keeps is the compiler's choice)"
     if m.remat_group:
         return "not estimated with model.remat_group (the groups keep their inputs, not each layer's)"
-    if m.lora.rank:
-        return "not estimated under LoRA (the gradient and update buffers are the adapters', not the weights')"
     return ""
