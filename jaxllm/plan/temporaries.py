@@ -62,10 +62,9 @@ from jaxllm.trainer.step import loss_chunk
 MOVED_COPIES = 2  # a V pipeline's stack weights moved in and their gradients moved back
 LOGIT_COPIES = 4  # logits, probabilities and the gradient of each, fp32
 
-TEMPORARIES_ASSUMES = ("Adam, fp32 master weights; per device; activations as Megatron counts them (per layer), one "
-                       "microbatch at a time; checked against compiled programs on the mesh products only")
-
-
+TEMPORARIES_ASSUMES = ("Adam, fp32 master weights; per device; attention's activations as Megatron counts them, six "
+                       "hidden-width arrays per feed-forward, one microbatch (a pipeline: one chunk) at a time; "
+                       "checked against compiled programs of 24 layouts (tools/studies/plan_temporaries.py)")
 HIDDEN_SAVED = 6  # hidden-width arrays autodiff saves of a feed-forward (SwiGLU and tanh-GELU alike)
 
 
