@@ -26,6 +26,9 @@
 #   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
 #                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
 #                          (tools.bench.engine_decode; ONLY='^issue63')
+#   issue64_*              fine-grained fp8 (ONLY='^issue64'): which GEMMs the LLaMA-1B step with `fp8_block` calls
+#                          (jaxllm plan's matmul table), then tokens/s of bf16, `fp8` and `fp8_block` on the LLaMA-1B
+#                          and the LLaMA-3B shapes (seq 1024, batch 4, `auto` attention, no plain peer)
 set -u
 out=${1:?usage: tools/bench/gpu_checklist.sh OUT_DIR}
 mkdir -p "$out"
@@ -70,7 +73,15 @@ check simpo_llama1b 150 $py -m jaxllm train $llama $pairs dpo.loss=simpo run.dir
 llama4k="model.preset=llama-1b model.seq_len=4096 train.global_batch=1 $bf16"
 check issue62_default_4k 150 $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check issue62_profile_4k 120 $py -m tools.bench.profile_step $llama4k --steps 5 --warmup 2 --top 25 --out "$out/issue62_profile_4k" --json
-check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip h100 --json
+chip=h100; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && chip=h200
+check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip $chip --json
 check issue62_dpo_auto 150 $py -m jaxllm train $llama ${pairs/model.attention_impl=chunked/} run.dir=$out/dpo_auto_run
 check issue62_mla_auto 150 $py -m tools.bench.train_step $llama $mla --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check issue63_engine_decode 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --json
+fast="--no-baseline --steps 5 --warmup 2 --windows 3 --json"
+check issue64_plan_fp8_block 90 $py -m jaxllm plan $llama precision.matmul=fp8_block
+for size in 1b 3b; do
+  for mm in default fp8 fp8_block; do
+    check issue64_${size}_$mm 120 $py -m tools.bench.train_step ${llama/llama-1b/llama-$size} precision.matmul=$mm $fast
+  done
+done
