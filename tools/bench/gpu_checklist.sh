@@ -85,3 +85,5 @@ for size in 1b 3b; do
     check issue64_${size}_$mm 120 $py -m tools.bench.train_step ${llama/llama-1b/llama-$size} precision.matmul=$mm $fast
   done
 done
+check issue64_profile_fp8_block 150 $py -m tools.bench.profile_step $llama precision.matmul=fp8_block --steps 3 --warmup 1 --top 25 \
+  --out "$out/issue64_profile_fp8_block" --json
