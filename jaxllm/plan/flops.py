@@ -1,7 +1,9 @@
 """FLOPs per step per device: the compiled program's matmuls beside the model's, and a roofline step time.
 
-- compiled: the `dot`s of the compiled step, each run as often as its loops run it (`hlo.executed_matmul_flops`;
-  XLA's own `cost_analysis` counts a loop body once, and counts elementwise work too);
+- compiled: the matmuls of the compiled step (`dot`s, and on a GPU the cuBLAS calls and cuDNN's fused attention
+  XLA rewrites them into), each run as often as its loops run it (`hlo.executed_matmul_flops`; XLA's own
+  `cost_analysis` counts a loop body once, and counts elementwise work too); a Pallas kernel's call states no
+  FLOPs, so those calls are counted apart and make the figure a lower bound;
 - model: the model FLOPs per token MFU divides by (`trainer.loop.flops_per_token`: 6N + 6·L·S·width, attention's
   causal half of the S×S scores) times the step's tokens, over the devices;
 - model as computed: the same with attention's full S×S, which `dense` computes whatever the mask (the chunked
@@ -65,14 +67,14 @@ def recomputed_head_flops_per_token(cfg, loss_chunk: int) -> float:
 
 def flops_report(cfg, hlo_text: str, devices: int, chip: str | None = None) -> dict:
     """{"compiled", "model", "model_full_attention" (FLOPs per device per step), "hfu_over_mfu",
-    "unknown_trip_loops"} and, with `chip`, {"roofline": {"chip", "peak_flops", "hbm_bytes_per_s",
+    "unknown_trip_loops", "uncounted_calls" (kernel calls whose FLOPs are not stated)} and, with `chip`, {"roofline": {"chip", "peak_flops", "hbm_bytes_per_s",
     "bytes", "compute_s", "memory_s", "step_s"}}."""
     tokens = cfg.train.global_batch * cfg.model.seq_len / devices
-    compiled, unknown = executed_matmul_flops(hlo_text)
+    compiled, unknown, uncounted = executed_matmul_flops(hlo_text)
     model = flops_per_token(cfg) * tokens
     out = {"compiled": compiled, "model": model,
            "model_full_attention": model + full_attention_flops_per_token(cfg) * tokens,
-           "hfu_over_mfu": compiled / model, "unknown_trip_loops": unknown}
+           "hfu_over_mfu": compiled / model, "unknown_trip_loops": unknown, "uncounted_calls": uncounted}
     if chip is not None:
         check_chip(chip)
         peak, bandwidth, _ = CHIPS[chip]

@@ -37,6 +37,7 @@ _COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
@@ -110,7 +111,8 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
 
     Each instruction is {"name", "type", "opcode", "attrs", "trip"}; `attrs` has quoted
     strings (metadata, backend_config) removed so names inside them never look
-    like references. Expects one instruction per line, as `as_text()` prints.
+    like references (a custom call keeps them in "raw" too). Expects one instruction
+    per line, as `as_text()` prints.
     """
     comps: dict[str, list[dict]] = {}
     entry, current = None, None
@@ -134,9 +136,11 @@ def _parse(hlo_text: str) -> tuple[dict[str, list[dict]], str]:
         if not op:
             continue
         trip = _TRIP.search(rest)
-        comps[current].append({"name": m.group(1), "type": type_str, "opcode": op.group(1),
-                               "attrs": _QUOTED.sub('""', rest[op.end():]),
-                               "trip": int(trip.group(1)) if trip else None})
+        ins = {"name": m.group(1), "type": type_str, "opcode": op.group(1),
+               "attrs": _QUOTED.sub('""', rest[op.end():]), "trip": int(trip.group(1)) if trip else None}
+        if ins["opcode"] == "custom-call":  # its target and backend config say what the library call computes
+            ins["raw"] = rest[op.end():]
+        comps[current].append(ins)
     if entry is None:
         raise ValueError("no ENTRY computation found in HLO text")
     return comps, entry
@@ -244,46 +248,125 @@ def _dims(type_str: str) -> list[int]:
     return [int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
 
 
-def executed_matmul_flops(hlo_text: str) -> tuple[int, int]:
-    """(FLOPs of the `dot`s executed per step, loops of unknown trip count): 2 × the output's elements × the
-    contracted elements per output for each dot, times the runs per step (`_executed`: loop bodies by their trip
-    counts, a conditional's costliest branch). Only dots: elementwise work is not counted, and a backend that
-    rewrites dots into library calls (cuBLAS on GPU) is read before that, as compiled for the CPU."""
+_GEMM_CALL = re.compile(r"__cublas\$")  # __cublas$gemm, __cublas$lt$matmul, __cublas$lt$matmul$f8
+_FMHA_CALL = re.compile(r"__cudnn\$fmha")  # cuDNN's fused attention, forward and backward
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+_LAYOUTS = re.compile(r"operand_layout_constraints=\{(.*?)\}\s*,\s*\w+=")
+
+
+def _operands(ins: dict) -> list[str]:
+    """The names an instruction reads, in order."""
+    return re.findall(r"%([\w.\-]+)", ins["attrs"].split(")")[0])
+
+
+def _dot_flops(ins: dict, shape_of: dict) -> int:
+    """2 × the output's elements × the contracted elements per output, of a `dot` or a cuBLAS call."""
+    raw = ins.get("raw", ins["attrs"])
+    contracting = _CONTRACTING.search(raw) or re.search(r"lhs_contracting_dims=\{([\d,]*)\}", raw)
+    dims = _dims(shape_of.get(_operands(ins)[0], ""))
+    k = math.prod(dims[int(i.strip('" '))] for i in contracting.group(1).split(",") if i.strip('" ')) if contracting else 1
+    return 2 * math.prod(_dims(_tuple_elements(ins["type"])[0])) * k
+
+
+def _fmha_flops(ins: dict) -> int:
+    """cuDNN's fused attention from its q, k, v as laid out [b, s, heads, d]: the forward's two matmuls
+    (Q·Kᵀ, P·V), the backward's five (Q·Kᵀ again, dP, dV, dQ, dK); half of each under a causal mask, whose blocks
+    above the diagonal the kernel skips."""
+    q, k, v = [_dims(t.group(0)) for t in _ARRAY.finditer(_LAYOUTS.search(ins["raw"]).group(1))][:3]
+    pairs = q[0] * q[2] * q[1] * k[1]  # b · heads · query rows · key rows
+    scores, values = 2 * pairs * q[3], 2 * pairs * v[3]
+    flops = 3 * scores + 2 * values if "Backward" in _CALL_TARGET.search(ins["raw"]).group(1) else scores + values
+    return flops // 2 if re.search(r'"mask_type"\s*:\s*"(PADDING_)?CAUSAL"', ins["raw"]) else flops
+
+
+def executed_matmul_flops(hlo_text: str) -> tuple[int, int, int]:
+    """(FLOPs of the matmuls executed per step, loops of unknown trip count, custom calls not counted): `dot`s,
+    the cuBLAS calls XLA:GPU rewrites them into and cuDNN's fused attention (`_fmha_flops`), 2 × the output's
+    elements × the contracted elements per output, times the runs per step (`_executed`: loop bodies by their
+    trip counts, a conditional's costliest branch). Elementwise work is not counted, nor what a kernel whose
+    FLOPs its call does not state computes (a Pallas kernel's Triton or Mosaic call): those are counted apart."""
     comps, entry = _parse(hlo_text)
     shape_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}  # parameters are instructions
 
-    def dot(ins):
-        if ins["opcode"] != "dot":
+    def matmul(ins):
+        if ins["opcode"] == "dot":
+            return {"flops": _dot_flops(ins, shape_of), "uncounted": 0, "times": 1}
+        if ins["opcode"] != "custom-call":
             return None
-        lhs = re.match(r"\s*%?([\w.\-]+)", ins["attrs"]).group(1)
-        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins["attrs"])
-        dims = _dims(shape_of.get(lhs, ""))
-        k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) if contracting else 1
-        return {"flops": 2 * math.prod(_dims(ins["type"])) * k, "times": 1}
+        target = _CALL_TARGET.search(ins["raw"]).group(1)
+        if _GEMM_CALL.match(target):
+            return {"flops": _dot_flops(ins, shape_of), "uncounted": 0, "times": 1}
+        if _FMHA_CALL.match(target):
+            return {"flops": _fmha_flops(ins), "uncounted": 0, "times": 1}
+        return {"flops": 0, "uncounted": 1, "times": 1}
 
-    ops, unknown = _executed(comps, entry, dot, lambda p: sum(o["flops"] * o["times"] for o in p))
-    return sum(o["flops"] * o["times"] for o in ops), unknown
+    ops, unknown = _executed(comps, entry, matmul, lambda p: sum(o["flops"] * o["times"] for o in p))
+    return sum(o["flops"] * o["times"] for o in ops), unknown, sum(o["uncounted"] for o in ops)
 
 
 _NO_TRAFFIC = {"parameter", "tuple", "get-tuple-element", "constant", "bitcast", "while", "conditional", "call",
                "after-all", "partition-id", "replica-id", "iota"}
 
 
+def _sliced_reads(fused: list[dict]) -> dict[int, int]:
+    """{parameter number: bytes read} of a fused computation's parameters that only `dynamic-slice`s read (a
+    layer's slice of a stacked array) or that a `dynamic-update-slice` root updates in place (nothing read)."""
+    params = {ins["name"]: int(re.match(r"\s*(\d+)", ins["attrs"]).group(1)) for ins in fused
+              if ins["opcode"] == "parameter"}
+    users: dict[str, list[dict]] = {name: [] for name in params}
+    for ins in fused:
+        for o in _operands(ins):
+            if o in users:
+                users[o].append(ins)
+    out = {}
+    for name, number in params.items():
+        uses = users[name]
+        if uses and all(u["opcode"] == "dynamic-slice" and _operands(u)[0] == name for u in uses):
+            out[number] = sum(_array_bytes(u["type"]) for u in uses)
+        elif len(uses) == 1 and uses[0]["opcode"] == "dynamic-update-slice" and _operands(uses[0])[0] == name:
+            out[number] = 0
+    return out
+
+
+def _written(ins: dict, called: list[dict] | None, type_of: dict) -> int:
+    """Bytes an instruction writes: an in-place `dynamic-update-slice` (or a fusion rooted in one) its update
+    alone; an async start its output (element 1); a library call its results less its byte-typed scratch."""
+    root = called[-1] if called else ins
+    if root["opcode"] == "dynamic-update-slice":
+        update = _operands(root)[1]
+        return _array_bytes(type_of.get(update, ""))
+    if ins["opcode"].endswith("-start"):
+        return _start_bytes(ins["opcode"], ins["type"])
+    if ins["opcode"] == "custom-call":
+        return sum(_array_bytes(e) for e in _tuple_elements(ins["type"]) if not re.match(r"[su]8\[", e))
+    return _array_bytes(ins["type"])
+
+
 def executed_bytes(hlo_text: str) -> int:
     """Bytes the executed top-level operations read and write per step (each fusion, dot, copy, collective...:
     its operands and its result, once per run; what a fusion does inside stays in registers and caches), the
-    roofline's memory traffic. Loop bodies by their trip counts; a conditional's costliest branch."""
+    roofline's memory traffic. A stacked array that a fusion only slices counts the slice; a buffer updated in
+    place, the update (`_sliced_reads`, `_written`); an async pair once, at its start. Loop bodies by their trip
+    counts; a conditional's costliest branch."""
     comps, entry = _parse(hlo_text)
     type_of = {ins["name"]: ins["type"] for body in comps.values() for ins in body}
-    fused = {c for body in comps.values() for ins in body if ins["opcode"] == "fusion" for c in _refs(ins["attrs"], "calls")}
+    fused = {c for body in comps.values() for ins in body if ins["opcode"] in ("fusion", "fusion-start")
+             for c in _refs(ins["attrs"], "calls")}
     top = {name: body for name, body in comps.items() if name not in fused}
 
     def traffic(ins):
-        if ins["opcode"] in _NO_TRAFFIC:
+        op = ins["opcode"]
+        if op in _NO_TRAFFIC or op.endswith(("-done", "-update")):
             return None
-        operands = re.findall(r"%([\w.\-]+)", ins["attrs"].split(")")[0])
-        return {"bytes": _array_bytes(ins["type"]) + sum(_array_bytes(type_of.get(o, "")) for o in operands),
-                "times": 1}
+        called = next((comps.get(c) for c in _refs(ins["attrs"], "calls") if c in fused), None)
+        reads = _sliced_reads(called) if called else {}
+        if op == "dynamic-update-slice":  # in place: the buffer is not read
+            reads = {0: 0}
+        elif op == "dynamic-slice":
+            reads = {0: _array_bytes(ins["type"])}
+        operands = _operands(ins)
+        read = sum(reads.get(i, _array_bytes(type_of.get(o, ""))) for i, o in enumerate(operands))
+        return {"bytes": read + _written(ins, called, type_of), "times": 1}
 
     ops, _ = _executed(top, entry, traffic, lambda p: sum(o["bytes"] * o["times"] for o in p))
     return sum(o["bytes"] * o["times"] for o in ops)
@@ -374,7 +457,6 @@ def permute_dtypes(hlo_text: str, elements: int) -> list[str]:
 
 
 _MATMUL_LINE = re.compile(r"\s(dot|custom-call)\(([^)]*)\)")
-_CALL_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?([a-z]\w*)\[")
 
 

@@ -110,6 +110,9 @@ def _format_flops(p: dict) -> list[str]:
     lines = ["", f"FLOPs per device per step: compiled matmuls {tera(f['compiled'])}, model {tera(f['model'])} "
                  f"(attention's causal half; {tera(f['model_full_attention'])} with its full S×S, as dense computes)",
              f"  compiled / model = HFU / MFU = {f['hfu_over_mfu']:.3f}"]
+    if f.get("uncounted_calls"):
+        lines.append(f"  not counted: {f['uncounted_calls']} kernel calls per step whose FLOPs the program does not "
+                     "state (Pallas kernels), so compiled and the roofline's compute are lower bounds")
     if f.get("roofline"):
         r = f["roofline"]
         lines.append(f"  roofline on {r['chip']}: {r['step_s'] * 1e3:.2f} ms a step (compute {r['compute_s'] * 1e3:.2f} "

@@ -85,6 +85,7 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
     from jaxllm.trainer.step import pipeline_schedule
     from jaxllm.trainer.loop import flops_per_token, peak_flops, resolve
     from jaxllm.batch import from_windows, global_arrays
+    from jaxllm.models.attention import choose
     from jaxllm.models.layers import matmul_precision
     from jaxllm.trainer.step import make_step_fns
 
@@ -200,6 +201,8 @@ def bench(cfg, steps: int = 10, warmup: int = 2, windows: int = 3, baseline: boo
         "devices": n_dev, "platform": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
         "mesh": {a: n for a, n in shape.items() if n > 1},
+        "attention": (choose(cfg, jax.default_backend(), shape["sp"])[0] if m.attention_impl == "auto"
+                      else m.attention_impl),
         "steps": steps, "warmup": warmup, "windows": windows,
         "tokens_per_step": tokens_per_step, "flops_per_token": fpt, "peak_flops": peak, "peak_flops_measured": peaks,
         "jaxllm": summary(ours_times, ours_compile),
@@ -243,7 +246,7 @@ def format_table(r: dict) -> str:
     lines = [
         f"{c['family']} {c['params'] / 1e6:.1f}M: {c['n_layers']}L d{c['d_model']} h{c['n_heads']} ff{c['d_ff']} "
         f"vocab {c['vocab_size']} (padded {c['padded_vocab']}), batch {c['global_batch']} x seq {c['seq_len']}, "
-        f"{c['compute']}",
+        f"{c['compute']}, attention {r['attention']}",
         f"{r['devices']} {r['platform']} device(s) [{r['device_kind']}], mesh {mesh}, jax {r['jax']}; "
         f"{r['warmup']} warm-up, then {r['windows']} windows x {r['steps']} steps (medians)",
         f"MFU peak: {r['peak_flops'] / 1e9:,.1f} GFLOP/s; {r['flops_per_token'] / 1e6:,.2f} MFLOP/token",
