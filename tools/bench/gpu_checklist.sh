@@ -72,6 +72,10 @@ check dpo_llama1b 150 $py -m jaxllm train $llama $pairs run.dir=$out/dpo_run
 check simpo_llama1b 150 $py -m jaxllm train $llama $pairs dpo.loss=simpo run.dir=$out/simpo_run
 llama4k="model.preset=llama-1b model.seq_len=4096 train.global_batch=1 $bf16"
 check issue62_default_4k 150 $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
+# the loss's backward ran as Triton GEMM fusions at a quarter of cuBLAS's speed (H200, 2026-11-30): the same step
+# with XLA's Triton GEMMs off, before jaxllm adds that flag by default
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" check issue62_default_4k_no_triton_gemm 150 \
+  $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
 check issue62_profile_4k 120 $py -m tools.bench.profile_step $llama4k --steps 5 --warmup 2 --top 25 --out "$out/issue62_profile_4k" --json
 chip=h100; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && chip=h200
 check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip $chip --json
