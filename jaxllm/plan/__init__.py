@@ -48,7 +48,7 @@ from jaxllm.plan.flops import check_chip, flops_report
 from jaxllm.plan.generation import generation_theory
 from jaxllm.plan.matmul_formats import matmul_formats
 from jaxllm.plan.hlo import collective_report, matmul_operands, memory_summary
-from jaxllm.plan.memory import loss_theory, theory
+from jaxllm.plan.memory import loss_theory, theory, zero_shards
 from jaxllm.plan.pipeline import pipeline_compiled, pipeline_theory
 from jaxllm.plan.report import format_table
 from jaxllm.plan.temporaries import temporaries_theory
@@ -91,9 +91,7 @@ def plan(cfg, chip: str | None = None) -> dict:
         "unknown_trip_loops": report["unknown_trip_loops"],
         # a device holds one pipeline stage and its share of the experts: Φ = (stack − experts) / pp
         # + experts / (pp·ep) + embedding/head/final norm
-        # hpZ (train.zeropp.hpz) shards the master and the optimizer state over dp × fsdp
-        "theory": theory(pipeline["params"]["stage"], shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1),
-                         t.zero_stage),
+        "theory": theory(pipeline["params"]["stage"], zero_shards(shape, t), t.zero_stage),
         "tensor_parallel": tensor_parallel_theory(m, t, shape, cfg.precision.compute),
         "attention": attention_memory_theory(m, t, shape, cfg.precision.compute),
         "attention_compiled": attention_compiled(cfg, shape),

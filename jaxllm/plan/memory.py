@@ -7,7 +7,8 @@ and takes Φ per device (`plan.pipeline.stage_params`: a pipeline stage's share,
 what tensor parallelism splits).
 
 The sizes: bytes per element of a dtype (`dtype_bytes`), rows a device holds of one microbatch
-(`microbatch_rows`), and bytes per device of an abstract tree's shards (`device_bytes`).
+(`microbatch_rows`), the devices ZeRO shards the state over (`zero_shards`), and bytes per device of an abstract
+tree's shards (`device_bytes`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ _FP32_TOTAL = {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}
 _FP32_ARGS = {0: (12, 0), 1: (4, 8), 2: (4, 8), 3: (0, 12)}
 # The seeds' table: bf16 params and grads beside an fp32 master copy and fp32 Adam moments.
 _BF16_TOTAL = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
+
+
+def zero_shards(shape: dict, train) -> int:
+    """The devices ZeRO shards the master weights and the optimizer state over: fsdp, times dp under hpZ
+    (`train.zeropp.hpz`)."""
+    return shape["fsdp"] * (shape["dp"] if train.zeropp.hpz else 1)
 
 
 def _formula(a: int, b: int) -> str:

@@ -53,7 +53,7 @@ import math
 from jaxllm.models import lora, transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.pipeline_schedules import model_chunks
-from jaxllm.plan.memory import dtype_bytes, microbatch_rows
+from jaxllm.plan.memory import dtype_bytes, microbatch_rows, zero_shards
 from jaxllm.plan.pipeline import split
 from jaxllm.plan.tensor_parallel import saved_activation_terms
 from jaxllm.stack import is_moe, segments
@@ -118,6 +118,25 @@ def device_layers(m, chunks: int) -> list[str]:
     return kinds + list(last.pattern[-1:]) * m.mtp_depth
 
 
+def _weight_buffers(cfg, shape: dict, params: dict, E: int) -> tuple[float, float]:
+    """(weights, weights moved): the step's weight-sized buffers and a V pipeline's moved stack weights, bytes per
+    device (see the module docstring)."""
+    m, t = cfg.model, cfg.train
+    pp = shape["pp"]
+    W, W_stack = 4 * params["stage"], 4 * params["stage_stack"]
+    v = model_chunks(t.pp_schedule, t.pp_virtual) if pp > 1 else 1
+    if m.lora.rank:  # the frozen base in the compute dtype; the adapters' gradients and update are r/d of it
+        W = W // 4 * E
+    shard = zero_shards(shape, t)
+    update = W / shard if t.zero_stage >= 2 else W
+    # under ZeRO-3 a pipeline gathers a chunk's weights per slot and reduce-scatters its gradients per tick
+    working = W - W_stack + W_stack / v if t.zero_stage == 3 and pp > 1 else W
+    moved = MOVED_COPIES * W_stack / (shard if t.zero_stage == 3 else 1) if v > 1 else 0
+    # the weights the scan saves; their gradients, or under LoRA and ZeRO-3 the base gathered again for the backward
+    copies = (0 if m.remat == "full" else 1) + (0 if m.lora.rank and t.zero_stage < 3 else 1)
+    return working * copies + (_merged_bytes(m, pp, shape["tp"], E) if m.lora.rank else update), moved
+
+
 def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     """The step's temporaries per device by part (bytes), their total and what the estimate assumes.
 
@@ -130,25 +149,13 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
     pp, tp, sp = shape["pp"], shape["tp"], shape["sp"]
     E = dtype_bytes(cfg.precision.compute)
     rows, s = max(1, microbatch_rows(t, shape)), m.seq_len // sp
-    params = pipeline["params"]
-    W, W_stack = 4 * params["stage"], 4 * params["stage_stack"]
     v = model_chunks(t.pp_schedule, t.pp_virtual) if pp > 1 else 1
     per_layer = [layer_activation_bytes(m, k, shape, rows, E, t.sequence_parallel) for k in device_layers(m, pp * v)]
     residual = rows * s * m.d_model * E // (tp if t.sequence_parallel else 1)
-    full = m.remat == "full"
-    activations = len(per_layer) * residual + max(per_layer) if full else sum(per_layer)
+    activations = len(per_layer) * residual + max(per_layer) if m.remat == "full" else sum(per_layer)
     chunk = loss_chunk(cfg, shape)
     positions = rows * (chunk // sp if chunk else s)
-    if m.lora.rank:  # the frozen base in the compute dtype; the adapters' gradients and update are r/d of it
-        W = W // 4 * E
-    shard = shape["fsdp"] * (shape["dp"] if t.zeropp.hpz else 1)
-    update = W / shard if t.zero_stage >= 2 else W
-    # under ZeRO-3 a pipeline gathers a chunk's weights per slot and reduce-scatters its gradients per tick
-    working = W - W_stack + W_stack / v if t.zero_stage == 3 and pp > 1 else W
-    moved = MOVED_COPIES * W_stack / (shard if t.zero_stage == 3 else 1) if v > 1 else 0
-    # the weights the scan saves; their gradients, or under LoRA and ZeRO-3 the base gathered again for the backward
-    copies = (0 if full else 1) + (0 if m.lora.rank and t.zero_stage < 3 else 1)
-    weights = working * copies + (_merged_bytes(m, pp, tp, E) if m.lora.rank else update)
+    weights, moved = _weight_buffers(cfg, shape, pipeline["params"], E)
     parts = {"weights": int(weights), "weights_moved": int(moved),
              "activations": activations, "forward_slot": max(per_layer) if pp > 1 else 0,
              "logits": LOGIT_COPIES * positions * transformer.logit_bytes_per_token(m, tp),

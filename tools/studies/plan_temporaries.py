@@ -94,12 +94,11 @@ def measure(name: str) -> dict:
 def argument_estimate(cfg, shape: dict, pipeline: dict) -> int:
     """What `jaxllm plan` sets beside the compiled arguments: the ZeRO theory's, or fine-tuning's state under LoRA."""
     from jaxllm.plan.finetune import finetune_state
-    from jaxllm.plan.memory import theory
+    from jaxllm.plan.memory import theory, zero_shards
 
     if cfg.model.lora.rank:
         return finetune_state(cfg, shape)["qlora_nf4" if cfg.model.lora.base_quant == "nf4" else "lora"]["argument_bytes"]
-    n = shape["fsdp"] * (shape["dp"] if cfg.train.zeropp.hpz else 1)
-    return theory(pipeline["params"]["stage"], n, cfg.train.zero_stage)["fp32"]["argument_bytes"]
+    return theory(pipeline["params"]["stage"], zero_shards(shape, cfg.train), cfg.train.zero_stage)["fp32"]["argument_bytes"]
 
 
 def run_group(devices: int, names: list[str]) -> list[dict]:
