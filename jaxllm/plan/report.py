@@ -98,7 +98,8 @@ def _format_temporaries(tt: dict | None, compiled: int) -> list[str]:
         return [f"  temporaries estimate: {tt['note']}"]
     names = ("weights", "weights_moved", "activations", "forward_slot", "logits", "pipeline")
     parts = ", ".join(f"{n.replace('_', ' ')} {format_bytes(tt[n])}" for n in names if tt[n])
-    return [f"  temporaries estimate = {parts}; compiled / estimate = {compiled / tt['total']:.3f}"]
+    how = " (the moved weights against the rest but the weights: the larger)" if tt["weights_moved"] else ""
+    return [f"  temporaries estimate = {parts}{how}; compiled / estimate = {compiled / tt['total']:.3f}"]
 
 
 def _format_flops(p: dict) -> list[str]:

@@ -31,19 +31,20 @@ tokens t = rows per device × seq_len / sp):
   gradient of each), the whole microbatch when the loss is not chunked.
 - **pipeline**: the schedule's activation buffers and W stash (`pipeline.pipeline_theory`).
 
-The parts are summed, although the update's buffers and the backward's activations need not be live at once: on
-the meshes measured a max of the two phases fits worse (0.86–1.38), since XLA overlaps more than the phases suggest.
+The parts are summed (`total`), although the update's buffers and the backward's activations need not be live at
+once: on the meshes measured a max of those two phases fits worse (0.86–1.38), since XLA overlaps more than the
+phases suggest. A V pipeline's moved weights are the exception: they are live at the island's edges, before the
+schedule and after it, where its activations, buffers and stash are not, so the larger of the two counts (summed,
+the V rows read 0.75–0.89).
 Measured (`python -m tools.studies.plan_temporaries`, XLA:CPU, fp32, tiny models; compiled / estimate, BENCHMARKS.md):
-0.84–1.08 on pp2×sp2×tp2 (ZeRO-1), pp2×sp2×tp2×fsdp2 (ZeRO-3, 1F1B ring and interleaved Ulysses), sp2×tp2×fsdp2
-(ZeRO-3, collective matmuls), pp2×tp2×dp4 (collective matmuls), a DeepSeek-shaped pp2×sp2×ep2 under ZB-V, a
-Mixtral-shaped sp2×ep2×dp4 (capacity 1.25 and dropless), fsdp8 at ZeRO-0 to 3, dp8 with and without full
-recomputation, GPipe, ZB-H1, interleaved ZeRO-3 and ep4 dropless MoE (`tests/test_plan.py` asserts 0.8–1.2 on three
-products and the fsdp8 stages). Off: the DeepSeek shape with small latent widths on pp2×ep2×sp2×tp2 (0.75) and ZB-V on
-a small dense model (0.77, with fp8 matmuls too), whose peaks are at the gradients' reduction or the V's edge, where
-the backward's activations are gone, so the sum over-counts; and tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25:
-attention's terms are Megatron's count, and XLA keeps more d-wide arrays per layer there). LoRA: 0.93 and 1.06 (LoRA and QLoRA-nf4 on fsdp8
-ZeRO-3, `tests/test_lora.py`), 1.02 on latent attention (fsdp2×tp2), 1.06 under ZB-H1. Not estimated: recomputation
-policies other than `full` and √L groups.
+0.83–1.08 on pp2×sp2×tp2 (ZeRO-1), pp2×sp2×tp2×fsdp2 (ZeRO-3, 1F1B ring and interleaved Ulysses), sp2×tp2×fsdp2
+(ZeRO-3, collective matmuls), pp2×tp2×dp4 (collective matmuls), DeepSeek-shaped pp2×sp2×ep2 and pp2×ep2×sp2×tp2 under
+ZB-V, a Mixtral-shaped sp2×ep2×dp4 (capacity 1.25 and dropless), fsdp8 at ZeRO-0 to 3, dp8 with and without full
+recomputation, GPipe, ZB-H1, ZB-V (with fp8 matmuls too), interleaved ZeRO-3 and ep4 dropless MoE; LoRA on latent
+attention (fsdp2×tp2), with collective matmuls, ZeRO++ (hpZ, qwZ), host offload and ZB-H1 (`tests/test_plan.py`
+asserts 0.8–1.2 on four products and the fsdp8 stages, `tests/test_lora.py` on LoRA and QLoRA-nf4 under ZeRO-3). Off:
+tp2×fsdp4 ZeRO-3 without sequence parallelism (1.25: attention's terms are Megatron's count, and XLA keeps more d-wide
+arrays per layer there; 1.13 with it). Not estimated: recomputation policies other than `full` and √L groups.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ LOGIT_COPIES = 4  # logits, probabilities and the gradient of each, fp32
 
 TEMPORARIES_ASSUMES = ("Adam, fp32 master weights; per device; attention's activations as Megatron counts them, six "
                        "hidden-width arrays per feed-forward, one microbatch (a pipeline: one chunk) at a time; "
-                       "checked against compiled programs of 24 layouts (tools/studies/plan_temporaries.py)")
+                       "checked against compiled programs of 27 layouts (tools/studies/plan_temporaries.py)")
 HIDDEN_SAVED = 6  # hidden-width arrays autodiff saves of a feed-forward (SwiGLU and tanh-GELU alike)
 
 
@@ -161,7 +162,15 @@ def temporaries_theory(cfg, shape: dict, pipeline: dict) -> dict:
              "logits": LOGIT_COPIES * positions * transformer.logit_bytes_per_token(m, tp),
              "pipeline": pipeline.get("buffer_bytes", 0) + pipeline.get("stash_bytes", 0)}
     note = _not_estimated(m)
-    return {**parts, "total": None if note else sum(parts.values()), "assumes": TEMPORARIES_ASSUMES, "note": note}
+    return {**parts, "total": None if note else total(parts), "assumes": TEMPORARIES_ASSUMES, "note": note}
+
+
+def total(parts: dict) -> int:
+    """The parts' sum, but a V pipeline's moved weights against the schedule's: the weights move into the V's view
+    before the schedule runs and their gradients back after it, where the schedule's activations, buffers and
+    stash are gone, so the larger of the two counts."""
+    schedule = parts["activations"] + parts["forward_slot"] + parts["logits"] + parts["pipeline"]
+    return parts["weights"] + max(parts["weights_moved"], schedule)
 
 
 def _not_estimated(m) -> str:

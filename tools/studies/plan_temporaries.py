@@ -4,7 +4,7 @@
 Each case compiles the step (nothing runs) on fake CPU devices, 16 or 8 as it asks, one process per device count,
 and prints compiled / estimate with the estimate's parts. Tiny models in fp32 (tiny-llama at seq 32, batch 16, the
 test suite's GPT-2 for the fsdp rows), so weight-sized buffers weigh more than they would at scale. About 9 minutes on
-2 CPU cores (24 layouts); BENCHMARKS.md "The planner's temporaries estimate" records one run.
+2 CPU cores (27 layouts); BENCHMARKS.md "The planner's temporaries estimate" records the runs.
 """
 
 from __future__ import annotations
@@ -70,6 +70,14 @@ CASES = {  # name -> (fake devices, overrides on TINY)
                                   "mesh.tp": 2, "mesh.dp": 2}),
     "LoRA ZB-H1 pp2×dp4": (8, {"model.lora.rank": 4, "mesh.pp": 2, "mesh.dp": 4, "mesh.fsdp": 1,
                                "train.microbatches": 4, "train.pp_schedule": "zb_h1"}),
+    "LoRA sp2×tp2×fsdp2 ZeRO-3 collective matmuls": (16, {"model.lora.rank": 4, "mesh.sp": 2, "mesh.tp": 2,
+                                                          "mesh.fsdp": 2, "train.zero_stage": 3,
+                                                          "train.sequence_parallel": True,
+                                                          "model.collective_matmul": True}),
+    "LoRA dp2×fsdp4 ZeRO++ (hpZ, qwZ)": (8, {"model.lora.rank": 4, "mesh.dp": 2, "mesh.fsdp": 4, "train.zero_stage": 3,
+                                             "train.zeropp.hpz": True, "train.zeropp.weights": True}),
+    "LoRA fsdp8 ZeRO-3 host offload": (8, {"model.lora.rank": 4, "mesh.fsdp": 8, "mesh.dp": 1, "train.zero_stage": 3,
+                                           "memory.offload_optimizer": True, "memory.offload_params": True}),
 }
 PARTS = ("weights", "weights_moved", "activations", "forward_slot", "logits", "pipeline")
 
