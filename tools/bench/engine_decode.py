@@ -7,7 +7,8 @@ fits, `xla` the gathered pages) is compiled by a first run, then timed --repeats
 1 (prefill and the first token alone), medians kept: a decode step costs (t(new) − t(1)) / (new − 1). The bound is
 the bytes one step must read, the weights in the compute dtype (the embedding table only where it is the tied
 head) and every row's cached keys and values at the step's mean length, over the chip's HBM bandwidth
-(`jaxllm/plan/flops.CHIPS`). Default shape: LLaMA-1B in bf16 (the issue's); `key=value` overrides it. With
+(`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_program_seconds`: calls queued on device-resident
+inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in bf16 (the issue's); `key=value` overrides it. With
 --json the last stdout line is a JSON object.
 """
 
@@ -43,6 +44,29 @@ def _seconds(engine, prompts, new: int, repeats: int) -> float:
         engine.generate(prompts, new, temperature=0.0)
         runs.append(time.perf_counter() - start)
     return statistics.median(runs)
+
+
+def _program_seconds(engine, length: int, calls: int) -> float:
+    """The decode program alone: `calls` calls queued back to back on inputs already on the device, every slot at
+    position `length` over pages of its own (no scheduling on the host, no token read back between calls), seconds
+    a call. Against the engine's step this splits the device's time from the host's."""
+    import jax
+    import numpy as np
+
+    slots, per = engine.slots, engine.row_pages
+    table = np.arange(1, 1 + slots * per, dtype=np.int32).reshape(slots, per)  # the pool holds 2 × slots × per
+    ones = np.ones(slots, np.int32)
+    inputs = jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
+                             np.arange(slots, dtype=np.int32)))
+    decode, pools = engine.programs.decode, engine.pools
+    pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)  # warm
+    jax.block_until_ready(token)
+    start = time.perf_counter()
+    for _ in range(calls):
+        pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
+    jax.block_until_ready((pools, token))
+    engine.pools = pools
+    return (time.perf_counter() - start) / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice)
         step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
         step /= args.new - 1
+        program = _program_seconds(engine, args.prompt + args.new // 2, max(args.new, 8))
         out["kernels"][choice] = {"kernel": engine.kernel[0] or "xla", "step_ms": step * 1e3,
-                                  "of_bound": bound / step}
+                                  "of_bound": bound / step, "program_ms": program * 1e3}
         print(f"{choice} ({engine.kernel[0] or 'xla gather'}): {step * 1e3:.3f} ms a decode step of {args.rows} "
               f"rows; the bound {bound * 1e3:.3f} ms ({moved / 1e9:.3f} GB at {chip}'s HBM): "
-              f"{bound / step * 100:.1f}% of it", flush=True)
+              f"{bound / step * 100:.1f}% of it; the program alone {program * 1e3:.3f} ms "
+              f"({bound / program * 100:.1f}%), the rest the host's scheduling and the tokens read back", flush=True)
     if args.json:
         print(json.dumps(out))
     return 0
