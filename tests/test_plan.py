@@ -437,6 +437,24 @@ def test_the_h200_steps_flops_and_bytes_read_from_its_library_calls():
     assert arguments + outputs <= report["roofline"]["bytes"] <= 10 * (arguments + outputs)
 
 
+
+def test_a_pallas_kernels_call_is_counted_apart_from_the_matmul_flops():
+    """A Triton (Pallas) call states no FLOPs: counted apart, so the report can say its figure is a lower bound; a
+    library call that is no matmul (top-k) is neither; the dot beside them counts 2·m·n·k."""
+    from jaxllm.plan.hlo import executed_matmul_flops
+
+    hlo = """HloModule m
+
+ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %b = f32[16,4]{1,0} parameter(1)
+  %t = f32[8,4]{1,0} custom-call(%a, %b), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"k"}
+  %k = (f32[8,4]{1,0}, s32[]) custom-call(%a), custom_call_target="TopK"
+  ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert executed_matmul_flops(hlo) == (2 * 8 * 4 * 16, 0, 1)
+
 @pytest.mark.parametrize("layers", [4, 8])
 def test_a_scan_over_stacked_weights_reads_each_layers_slice_once(layers):
     """A scan of L matmuls over weights stacked [L, n, n]: each trip's dynamic-slice reads one layer (XLA:CPU

@@ -250,6 +250,7 @@ def _dims(type_str: str) -> list[int]:
 
 _GEMM_CALL = re.compile(r"__cublas\$")  # __cublas$gemm, __cublas$lt$matmul, __cublas$lt$matmul$f8
 _FMHA_CALL = re.compile(r"__cudnn\$fmha")  # cuDNN's fused attention, forward and backward
+_KERNEL_CALL = re.compile(r"triton|tpu_custom_call|mosaic", re.I)  # a Pallas kernel: its FLOPs are not stated
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 _LAYOUTS = re.compile(r"operand_layout_constraints=\{(.*?)\}\s*,\s*\w+=")
 
@@ -298,7 +299,7 @@ def executed_matmul_flops(hlo_text: str) -> tuple[int, int, int]:
             return {"flops": _dot_flops(ins, shape_of), "uncounted": 0, "times": 1}
         if _FMHA_CALL.match(target):
             return {"flops": _fmha_flops(ins), "uncounted": 0, "times": 1}
-        return {"flops": 0, "uncounted": 1, "times": 1}
+        return {"flops": 0, "uncounted": 1, "times": 1} if _KERNEL_CALL.search(target) else None
 
     ops, unknown = _executed(comps, entry, matmul, lambda p: sum(o["flops"] * o["times"] for o in p))
     return sum(o["flops"] * o["times"] for o in ops), unknown, sum(o["uncounted"] for o in ops)
