@@ -14,8 +14,8 @@ scale multiplies every product of its elements, so this is the blocked product (
 product in fp32 times the two scales) up to fp32 rounding; the tests hold it to a NumPy reference of that
 arithmetic. Cost: no fp8 speed (the dot is fp32, on an H200's SIMT cores: 0.15–0.18 of bf16's step,
 BENCHMARKS.md), where per-tensor `fp8` runs an fp8 dot; what it keeps for the backward is fp8 (the weight's
-blocks and x's 128 × 1 tiles) with a scale per 128 values, about a quarter of fp32's bytes. A GPU kernel taking block scales (cuBLASLt's, DeepGEMM's) would multiply the same fp8 values at fp8
-speed; none is called here.
+blocks and x's 128 × 1 tiles) with a scale per 128 values, about a quarter of fp32's bytes. A GPU kernel taking
+block scales (cuBLASLt's, DeepGEMM's) would multiply the same fp8 values at fp8 speed; none is called here.
 
 Dimensions not a multiple of 128 are padded with zeros to whole tiles (nothing added to an amax or a sum), and
 the results sliced back. Any einsum of a weight matmul reduces to one form (`einsum`): x as [B, R, T, K] and w

@@ -67,8 +67,8 @@ def recomputed_head_flops_per_token(cfg, loss_chunk: int) -> float:
 
 def flops_report(cfg, hlo_text: str, devices: int, chip: str | None = None) -> dict:
     """{"compiled", "model", "model_full_attention" (FLOPs per device per step), "hfu_over_mfu",
-    "unknown_trip_loops", "uncounted_calls" (kernel calls whose FLOPs are not stated)} and, with `chip`, {"roofline": {"chip", "peak_flops", "hbm_bytes_per_s",
-    "bytes", "compute_s", "memory_s", "step_s"}}."""
+    "unknown_trip_loops", "uncounted_calls" (kernel calls whose FLOPs are not stated)} and, with `chip`,
+    {"roofline": {"chip", "peak_flops", "hbm_bytes_per_s", "bytes", "compute_s", "memory_s", "step_s"}}."""
     tokens = cfg.train.global_batch * cfg.model.seq_len / devices
     compiled, unknown, uncounted = executed_matmul_flops(hlo_text)
     model = flops_per_token(cfg) * tokens

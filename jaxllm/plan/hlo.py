@@ -265,7 +265,8 @@ def _dot_flops(ins: dict, shape_of: dict) -> int:
     raw = ins.get("raw", ins["attrs"])
     contracting = _CONTRACTING.search(raw) or re.search(r"lhs_contracting_dims=\{([\d,]*)\}", raw)
     dims = _dims(shape_of.get(_operands(ins)[0], ""))
-    k = math.prod(dims[int(i.strip('" '))] for i in contracting.group(1).split(",") if i.strip('" ')) if contracting else 1
+    axes = [int(i.strip('" ')) for i in contracting.group(1).split(",") if i.strip('" ')] if contracting else []
+    k = math.prod(dims[i] for i in axes)
     return 2 * math.prod(_dims(_tuple_elements(ins["type"])[0])) * k
 
 

@@ -106,7 +106,8 @@ def argument_estimate(cfg, shape: dict, pipeline: dict) -> int:
 
     if cfg.model.lora.rank:
         return finetune_state(cfg, shape)["qlora_nf4" if cfg.model.lora.base_quant == "nf4" else "lora"]["argument_bytes"]
-    return theory(pipeline["params"]["stage"], zero_shards(shape, cfg.train), cfg.train.zero_stage)["fp32"]["argument_bytes"]
+    stored = theory(pipeline["params"]["stage"], zero_shards(shape, cfg.train), cfg.train.zero_stage)
+    return stored["fp32"]["argument_bytes"]
 
 
 def run_group(devices: int, names: list[str]) -> list[dict]:
