@@ -1,7 +1,7 @@
 """`model.attention_impl = auto` per target platform (`models/attention.choose`): the train step exported for CUDA
 and for TPU from this CPU machine (`jax.export`, nothing compiled or run) calls Pallas's Triton kernel and Splash
 for plain text, packed SFT rows, latent attention (values narrower than keys) and DPO's pairs, at the LLaMA-1B
-preset's widths on two layers and seq 4,096; on CPU `auto` builds the step with today's kernel, and the run's
+preset's widths on two layers and seq 4,096, and packed SFT rows in Ulysses' island over sp = 2; on CPU `auto` builds the step with today's kernel, and the run's
 log says what `auto` chose and why. cuDNN cannot be traced without a GPU (its choice is checked on a lent one).
 The Pallas kernels run in their own island on a mesh (the partitioner cannot split them): equal to one device.
 
@@ -31,6 +31,8 @@ CONFIGS = {
     "mla": {"model.attention": "mla", "model.mla.q_lora_rank": 1536, "model.mla.kv_lora_rank": 512,
             "model.mla.qk_nope_head_dim": 128, "model.mla.qk_rope_head_dim": 64, "model.mla.v_head_dim": 128},
     "dpo": {"train.objective": "dpo", "data.format": "preference", "data.source": "tests/fixtures/pairs.jsonl"},
+    "packed_sft_ulysses_sp2": {"data.format": "chat", "data.pack": True, "data.source": "tests/fixtures/chats.jsonl",
+                               "mesh.sp": 2, "model.cp_strategy": "ulysses"},
 }
 FAST = ("text", "cuda")
 
@@ -50,7 +52,7 @@ def _case(name, platform):
 @pytest.mark.parametrize("name,platform", [_case(n, p) for n in CONFIGS for p in KERNEL_CALLS])
 def test_the_exported_step_calls_the_platforms_fused_kernel(name, platform):
     cfg, shape, _ = llama_1b_layers(CONFIGS[name])
-    assert attention.choose(cfg, platform, 1)[0] == {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
+    assert attention.choose(cfg, platform, shape["sp"])[0] == {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
     fns = make_step_fns(cfg, make_mesh(shape, cfg), platform=platform)
     call = KERNEL_CALLS[platform]
     exported = jax.export.export(fns.train_step, platforms=[platform],
@@ -74,8 +76,13 @@ def test_on_cpu_auto_builds_the_step_with_todays_kernel_and_says_why():
     assert impl == "chunked" and "soft cap" in why, why
     assert attention.choose(cfg, "tpu", 1)[0] == "pallas_tpu"  # Splash caps scores itself
     cfg, _, _ = llama_1b_layers({"mesh.sp": 2})
-    assert attention.choose(cfg, "tpu", 2)[0] == "chunked"  # the context-parallel islands
+    assert attention.choose(cfg, "tpu", 2)[0] == "chunked"  # the ring's pairs run on the GPU's kernel only
     assert attention.choose(cfg, "cuda", 2) == ("pallas_gpu", "the ring's pairs on pallas_gpu")
+    cfg, _, _ = llama_1b_layers({"mesh.sp": 2, "model.cp_strategy": "ulysses"})
+    assert attention.choose(cfg, "tpu", 2) == ("pallas_tpu", "Ulysses on pallas_tpu")  # a rank's whole sequence
+    assert attention.choose(cfg, "cuda", 2) == ("pallas_gpu", "Ulysses on pallas_gpu")
+    cfg, _, _ = llama_1b_layers({"mesh.sp": 2, "model.cp_strategy": "allgather"})
+    assert attention.choose(cfg, "cuda", 2)[0] == "chunked"
 
 
 @pytest.mark.parametrize("impl", PALLAS)

@@ -29,7 +29,7 @@ from jaxllm.mesh import make_mesh
 from jaxllm.models.attention import CONTEXT_ATTENTION, attend
 from jaxllm.ops.attention import attention, dot_product_attention
 from jaxllm.ops.masking import Masking
-from jaxllm.parallel import ring_attention
+from jaxllm.parallel import ring_attention, ulysses_attention
 from jaxllm.parallel.load_balance import visible_blocks, zigzag_order
 from jaxllm.sharding import Layout, param_rules, use_layout
 from jaxllm.plan.attention import attention_memory_theory
@@ -225,7 +225,7 @@ def test_windowed_model_matches_one_device(mesh, strategy):
 
 @pytest.mark.parametrize("impl,over,why", [
     ("dense", {}, "the context-parallel islands run the chunked kernel"),
-    ("pallas_gpu", {"model.cp_strategy": "ulysses"}, "model.cp_strategy=ring"),
+    ("pallas_gpu", {"model.cp_strategy": "allgather"}, "model.cp_strategy=ulysses"),
     ("pallas_gpu", {"model.sliding_window": 8}, "a window"),
     ("pallas_gpu", {}, "runs on gpu")])  # this machine: CPU
 def test_an_explicit_kernel_the_islands_do_not_run_is_refused(impl, over, why):
@@ -262,6 +262,45 @@ def test_the_ring_on_the_pallas_kernel_equals_the_chunked_ring(case):
         assert abs(float(value) - float(want)) <= RTOL * abs(float(want))
         assert max(rel(g, r) for g, r in zip(grads, want_grads)) <= RTOL
 
+
+
+ULYSSES_FUSED = {"sp2_zigzag_packed": (2, True, True), "sp4": (4, False, False)}
+
+
+@pytest.mark.parametrize("case", tiers(ULYSSES_FUSED, ()))  # the fast tier: the export below
+def test_ulysses_on_the_pallas_kernel_equals_one_device(case):
+    """The Ulysses island on the Triton kernel (interpret mode), each rank's heads over the whole sequence, the
+    zig-zag order put back in index order around the call, and packed rows (two segments a row, positions from
+    each one's start), which the ring's fused pairs cannot take: the value and dq, dk, dv equal the one-device
+    reference within 1e-5."""
+    sp, balanced, packed = ULYSSES_FUSED[case]
+    order = zigzag_order(S, sp) if balanced else np.arange(S)
+    layout = dataclasses.replace(layout_for(sp, "ulysses"), sequence_order=tuple(order.tolist()) if balanced else None)
+    q, k, v, ct = qkv()
+    index, length = jnp.arange(S, dtype=jnp.int32), S // 2 if packed else S
+    pos, seg = (jnp.broadcast_to(x, (B, S)) for x in (index % length, index // length))
+    reference = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, pos, pos, seg, seg) * ct)
+    fused = lambda q, k, v: jnp.sum(ulysses_attention.attend(
+        q[:, order], k[:, order], v[:, order], pos[:, order], seg[:, order], layout, kernel="pallas_gpu",
+        interpret=True) * ct[:, order])
+    (value, grads), (want, want_grads) = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v)
+                                          for f in (fused, reference))
+    assert abs(float(value) - float(want)) <= RTOL * abs(float(want))
+    assert max(rel(g, r) for g, r in zip(grads, want_grads)) <= RTOL
+
+
+def test_ulysses_exports_for_cuda_with_the_triton_kernel_between_its_all_to_alls():
+    """Ulysses on pallas_gpu (interpret off), forward and backward exported for CUDA from this CPU machine over
+    sp=2: the Triton custom call is there, between the island's all-to-alls."""
+    layout = layout_for(2, "ulysses", devices=jax.devices()[:2])
+    q, k, v, ct = qkv()
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    seg = jnp.zeros((B, S), jnp.int32)
+    loss = lambda q, k, v: jnp.sum(ulysses_attention.attend(q, k, v, pos, seg, layout, kernel="pallas_gpu") * ct)
+    target = "__gpu$xla.gpu.triton"
+    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(target)])(q, k, v).mlir_module()
+    assert target in text and "stablehlo.all_to_all" in text
 
 def _functions_calling(text: str, target: str) -> set[str]:
     """The MLIR module's functions whose body holds `target` or calls such a function."""

@@ -31,6 +31,8 @@ from jaxllm.sharding import constrain, current_layout, weight
 
 CONTEXT_ATTENTION = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
 RING_KERNELS = ("pallas_gpu",)  # the fused kernels the ring runs its pairs on (`parallel/ring_attention.py`)
+# the fused kernels each context-parallel island runs (Ulysses: on a rank's whole sequence, `ulysses_attention.py`)
+ISLAND_KERNELS = {"ring": RING_KERNELS, "ulysses": ulysses_attention.KERNELS, "allgather": ()}
 
 
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
@@ -223,7 +225,8 @@ def attend(q, k, v, positions, segment_ids, m=None, layer=None, sinks=None):
     if m is not None and m.attention_chunk and implementation(m) not in CHUNK_IMPLEMENTATIONS:
         raise refuse_chunk(implementation(m))
     if layout is not None and layout.mesh.shape["sp"] > 1:
-        fused = {"kernel": m.attention_impl} if m is not None and m.attention_impl in RING_KERNELS else {}
+        fused = ({"kernel": m.attention_impl} if m is not None
+                 and m.attention_impl in ISLAND_KERNELS[layout.context_attention] else {})
         with_sinks = {} if sinks is None else {"sinks": sinks}
         return CONTEXT_ATTENTION[layout.context_attention].attend(q, k, v, positions, segment_ids, layout,
                                                                   masking(m, layer), **fused, **with_sinks)
@@ -475,7 +478,8 @@ def _check_fused(m, sp: int = 1) -> None:
                           f"model.window_pattern={m.window_pattern} differs by layer; use chunked")
     if m.attention_impl == "cudnn":
         return  # what cuDNN can express depends on the data and the dtype: `check_run`
-    chunks = sp * (2 if sp > 1 and m.cp_load_balance else 1)  # the ring's pairs: chunks of the sequence
+    ring = sp > 1 and m.cp_strategy == "ring"  # the ring's pairs: chunks of the sequence; Ulysses: it whole
+    chunks = sp * (2 if m.cp_load_balance else 1) if ring else 1
     why = supports(m.attention_impl, masking(m), *_call_shapes(m, chunks), positions_are_index=True)
     if why:
         raise ConfigError(f"model.attention_impl={m.attention_impl}: {why}; use chunked")
@@ -493,7 +497,7 @@ def check_run(cfg, sp: int) -> list[str]:
     on a fused kernel (one line, ConfigError). The note: what runs, and for `auto` why (`choose`, on this
     process's backend)."""
     m = cfg.model
-    if sp > 1 and m.attention_impl in RING_KERNELS and not one_segment_rows(cfg):
+    if sp > 1 and m.cp_strategy == "ring" and m.attention_impl in RING_KERNELS and not one_segment_rows(cfg):
         raise ConfigError(f"model.attention_impl={m.attention_impl} with mesh.sp={sp}: the ring's pairs run on it for "
                           "rows of one segment (pre-training text, train.objective=lm); use chunked")
     if m.attention_impl == "cudnn" and sp == 1:
@@ -516,11 +520,12 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
     run's masks exactly and this process can trace it (a GPU backend: an export for CUDA from a CPU cannot), else
     Pallas's Triton kernel where it does; on TPU Splash where it does; elsewhere, and whenever a fused kernel
     cannot compute every layer's masks, `dense` or `chunked` by length (`_auto`: CPU's choice, so CPU runs are
-    unchanged). With sp > 1 the islands run `chunked`, the ring Pallas's GPU kernel on its pairs where it can."""
+    unchanged). With sp > 1 the islands run `chunked`, Ulysses Pallas's kernel and the ring Pallas's GPU kernel on
+    its pairs where they can (`_island_choice`)."""
     m, plain = cfg.model, _auto(cfg.model)
     gpu, tpu = platform in GPU_PLATFORMS, platform == "tpu"
     if sp > 1:
-        return _ring_choice(cfg, gpu, sp)
+        return _island_choice(cfg, gpu, tpu, sp)
     if not (gpu or tpu):
         return plain, (f"{platform}'s choice: chunked from {CHUNKED_FROM} tokens or under a window shorter than "
                        "the sequence, else dense")
@@ -539,11 +544,20 @@ def choose(cfg, platform: str, sp: int) -> tuple[str, str]:
                                                           "run's masks exactly")
 
 
-def _ring_choice(cfg, gpu: bool, sp: int) -> tuple[str, str]:
+def _island_choice(cfg, gpu: bool, tpu: bool, sp: int) -> tuple[str, str]:
+    """`auto` with the sequence split over sp: Ulysses on Pallas's kernel for its platform (a rank's whole sequence,
+    packed rows too), the ring's pairs on pallas_gpu for rows of one segment, where they compute the run's masks
+    exactly; else the chunked kernel in each island."""
     m = cfg.model
-    if (not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window
-            or m.attn_sinks or m.attention_chunk):
-        return "chunked", f"model.cp_strategy={m.cp_strategy} over mesh.sp={sp}: the chunked kernel in each island"
+    plain = "chunked", f"model.cp_strategy={m.cp_strategy} over mesh.sp={sp}: the chunked kernel in each island"
+    if not (gpu or tpu) or m.attn_sinks or m.attention_chunk or windows_differ(m):
+        return plain
+    if m.cp_strategy == "ulysses":
+        fused = "pallas_gpu" if gpu else "pallas_tpu"
+        why = supports(fused, masking(m), *_call_shapes(m), positions_are_index=True)
+        return ("chunked", f"Ulysses on {fused}: {why}") if why else (fused, f"Ulysses on {fused}")
+    if not gpu or m.cp_strategy != "ring" or not one_segment_rows(cfg) or v_dim(m) != qk_dim(m) or m.sliding_window:
+        return plain
     chunks = sp * (2 if m.cp_load_balance else 1)
     why = supports("pallas_gpu", masking(m), *_call_shapes(m, chunks), positions_are_index=True)
     return ("chunked", f"the ring's pairs on pallas_gpu: {why}") if why else (
@@ -559,14 +573,17 @@ def for_platform(cfg, platform: str, sp: int):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
-def _check_ring_kernel(m, sp: int) -> None:
-    """A fused kernel in the ring: it computes the ring's causal and full chunk pairs exactly without a window,
-    with values as wide as keys (soft caps and sizes: `_check_fused`); ConfigError (one line) naming what it
-    cannot compute."""
+def _check_island_kernel(m, sp: int) -> None:
+    """A fused kernel in a context-parallel island: Ulysses runs it on a rank's whole sequence (what it can
+    compute: `_check_fused`); the ring on its causal and full chunk pairs, exactly without a window, with values as
+    wide as keys. ConfigError (one line) naming what it cannot compute."""
     key = f"model.attention_impl={m.attention_impl} with mesh.sp={sp}"
-    if m.attention_impl not in RING_KERNELS or m.cp_strategy != "ring":
-        raise ConfigError(f"{key}: the context-parallel islands run the chunked kernel, and the ring (model.cp_strategy="
-                          f"ring) {', '.join(RING_KERNELS)} too; set model.attention_impl=auto or chunked")
+    if m.attention_impl not in ISLAND_KERNELS[m.cp_strategy]:
+        raise ConfigError(f"{key}: the context-parallel islands run the chunked kernel, the ring (model.cp_strategy="
+                          f"ring) {', '.join(RING_KERNELS)} too, Ulysses (model.cp_strategy=ulysses) "
+                          f"{', '.join(ulysses_attention.KERNELS)}; set model.attention_impl=auto or chunked")
+    if m.cp_strategy != "ring":
+        return
     refused = [(m.sliding_window, "a window (model.sliding_window) makes pairs neither diagonal nor full"),
                (v_dim(m) != qk_dim(m), "values narrower than keys (latent attention)")]
     for no, why in refused:
@@ -586,13 +603,13 @@ def _check_implementation(m, sp: int) -> list[str]:
     if m.attention_chunk and m.attention_impl not in ("auto", *CHUNK_IMPLEMENTATIONS):
         raise refuse_chunk(m.attention_impl)
     if sp > 1 and m.attention_impl not in ("auto", "chunked"):
-        _check_ring_kernel(m, sp)
+        _check_island_kernel(m, sp)
     if m.attention_impl in FUSED_PLATFORM:
         _check_fused(m, sp)
     if m.attention_impl == "auto":
         return []  # `check_run` says what auto chose and why
     if sp > 1:
-        kernel = m.attention_impl if m.attention_impl in RING_KERNELS else "chunked"
+        kernel = m.attention_impl if m.attention_impl in ISLAND_KERNELS[m.cp_strategy] else "chunked"
         return [f"attention: model.cp_strategy={m.cp_strategy} over mesh.sp={sp} (the {kernel} kernel in each island)"]
     return [f"attention: {m.attention_impl}"]
 
