@@ -292,15 +292,24 @@ def test_ulysses_on_the_pallas_kernel_equals_one_device(case):
 def test_ulysses_exports_for_cuda_with_the_triton_kernel_between_its_all_to_alls():
     """Ulysses on pallas_gpu (interpret off), forward and backward exported for CUDA from this CPU machine over
     sp=2: the Triton custom call is there, between the island's all-to-alls."""
-    layout = layout_for(2, "ulysses", devices=jax.devices()[:2])
+    text = _exported_for_cuda("ulysses")
+    assert TRITON in text and "stablehlo.all_to_all" in text
+
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _exported_for_cuda(strategy: str) -> str:
+    """The MLIR of the gradients of `strategy`'s island on pallas_gpu over sp=2, exported for CUDA from this CPU."""
+    layout = layout_for(2, strategy, devices=jax.devices()[:2])
     q, k, v, ct = qkv()
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     seg = jnp.zeros((B, S), jnp.int32)
-    loss = lambda q, k, v: jnp.sum(ulysses_attention.attend(q, k, v, pos, seg, layout, kernel="pallas_gpu") * ct)
-    target = "__gpu$xla.gpu.triton"
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(target)])(q, k, v).mlir_module()
-    assert target in text and "stablehlo.all_to_all" in text
+    island = CONTEXT_ATTENTION[strategy]
+    loss = lambda q, k, v: jnp.sum(island.attend(q, k, v, pos, seg, layout, kernel="pallas_gpu") * ct)
+    return jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(TRITON)])(q, k, v).mlir_module()
+
 
 def _functions_calling(text: str, target: str) -> set[str]:
     """The MLIR module's functions whose body holds `target` or calls such a function."""
@@ -326,19 +335,12 @@ def _while_bodies(text: str) -> list[str]:
 def test_the_ring_exports_for_cuda_with_the_triton_kernel_inside_its_loops():
     """The ring's forward and backward on pallas_gpu (interpret off), exported for CUDA from this CPU machine over
     sp=2: the Triton custom call is called from inside each ring loop (the forward's and the backward's)."""
-    layout = layout_for(2, "ring", devices=jax.devices()[:2])
-    q, k, v, ct = qkv()
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    seg = jnp.zeros((B, S), jnp.int32)
-    loss = lambda q, k, v: jnp.sum(ring_attention.attend(q, k, v, pos, seg, layout, kernel="pallas_gpu") * ct)
-    target = "__gpu$xla.gpu.triton"
-    text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(target)])(q, k, v).mlir_module()
-    calling = _functions_calling(text, target)
+    text = _exported_for_cuda("ring")
+    calling = _functions_calling(text, TRITON)
     loops = _while_bodies(text)
     assert len(loops) == 2, len(loops)  # the forward's ring and the backward's
     for loop in loops:
-        assert target in loop or any(f"@{f}(" in loop for f in calling), loop[:500]
+        assert TRITON in loop or any(f"@{f}(" in loop for f in calling), loop[:500]
 
 
 @functools.lru_cache(maxsize=None)

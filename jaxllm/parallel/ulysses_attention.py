@@ -45,11 +45,12 @@ KERNELS = ("pallas_gpu", "pallas_tpu")  # the fused kernels the island runs on a
 def _fused(q, k, v, pos, seg, masking: Masking, kernel: str, order, interpret: bool):
     """`kernel` over the whole sequence of a rank's heads, laid out in `order` (None: index order): put in index
     order for the kernel, which masks causally by index, and back."""
+    call = lambda q, k, v, pos, seg: getattr(pallas_attention, kernel)(q, k, v, pos, pos, seg, seg, masking,
+                                                                       interpret=interpret)
     if order is None:
-        return getattr(pallas_attention, kernel)(q, k, v, pos, pos, seg, seg, masking, interpret=interpret)
+        return call(q, k, v, pos, seg)
     back = np.argsort(order)  # laid-out slot i holds index order[i]
-    q, k, v, pos, seg = (jnp.take(x, back, axis=1) for x in (q, k, v, pos, seg))
-    out = getattr(pallas_attention, kernel)(q, k, v, pos, pos, seg, seg, masking, interpret=interpret)
+    out = call(*(jnp.take(x, back, axis=1) for x in (q, k, v, pos, seg)))
     return jnp.take(out, np.asarray(order), axis=1)
 
 

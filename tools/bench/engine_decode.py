@@ -8,8 +8,8 @@ fits, `xla` the gathered pages) is compiled by a first run, then timed --repeats
 the bytes one step must read, the weights in the compute dtype (the embedding table only where it is the tied
 head) and every row's cached keys and values at the step's mean length, over the chip's HBM bandwidth
 (`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_program_seconds`: calls queued on
-device-resident inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in bf16 (the issue's); `key=value` overrides it. With
---json the last stdout line is a JSON object.
+device-resident inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in
+bf16 (the issue's); `key=value` overrides it. With --json the last stdout line is a JSON object.
 """
 
 from __future__ import annotations
