@@ -83,6 +83,27 @@ def test_the_engine_equals_the_static_engine_in_any_arrival_order(name, temperat
         assert len(engine.pool.free) == len(engine.pool.holders) - 1  # every page given back (0 is scratch)
 
 
+def test_several_decode_steps_a_call_draw_the_same_tokens_and_stop_where_one_step_a_call_does():
+    """`steps_per_call` = 3 (the requests' lengths 1-12 end anywhere inside a call), sampled, with stop ids that
+    end some requests early (tokens the 1-step engine drew third, for 4 requests): every request's tokens and stop as with one
+    step a call, log-probabilities within 1e-5, and every page given back."""
+    cfg, params = _model("llama")
+    prompts, new = _requests()
+    one = Engine(params, cfg, slots=SLOTS, page=PAGE)
+    third = [int(c.tokens[2]) for c in one.generate(prompts, new, temperature=1.0, seed=3) if len(c.tokens) > 5]
+    stops = third[:4]
+    want = one.generate(prompts, new, temperature=1.0, seed=3, stop_ids=stops)
+    assert any(c.stopped and len(c.tokens) < n for c, n in zip(want, new))
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE, steps_per_call=3)
+    got = engine.generate(prompts, new, temperature=1.0, seed=3, stop_ids=stops, order=list(range(11, -1, -1)))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        assert b.stopped == a.stopped
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    assert engine.stats["decode_steps"] % 3 == 0
+    assert len(engine.pool.free) == len(engine.pool.holders) - 1
+
+
 @pytest.mark.parametrize("prompt_len", [8, 10])
 def test_a_prompts_completions_share_its_pages(prompt_len):
     cfg, params = _model("llama")
@@ -127,8 +148,8 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     received = all_gather_received_bytes(engine.programs.reshard.lower(stored).compile().as_text(), devices)
     assert received == reshard_bytes(cfg.model, jnp.float32, fns) > 0
     idle = np.zeros(engine.slots, np.int32)
-    step = engine.programs.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
-                                        idle, idle, engine.seed, engine.settings).compile().as_text()
+    step = engine.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
+                                        idle, idle, idle, engine.seed, engine.settings).compile().as_text()
     assert all_gather_received_bytes(step, devices) < received / 10
 
 
@@ -168,9 +189,9 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     assert engine.kernel == (None, False)
     idle = np.zeros(SLOTS, np.int32)
     args = (engine.weights, engine.programs.pools(pages=9), idle, idle, idle, np.zeros((SLOTS, 2), np.int32), idle,
-            idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
+            idle, idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
     for kernel, called in (("pallas_gpu", True), (None, False)):
-        decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decode
+        decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decode(1)
         exported = jax.export.export(decode, platforms=["cuda"],
                                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
         assert (TRITON in exported(*args).mlir_module()) == called, kernel

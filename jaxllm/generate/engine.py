@@ -24,7 +24,8 @@ order given) is admitted: its prompt prefilled by a separate call (one program p
 bucket; a shared prompt's prefill is reused), its first token sampled; then one decode step runs every busy
 slot at its own position, and a request that stops (a stop id, or `max_new` tokens) frees its slot for the
 next at once. Separate prefill calls rather than prefill chunks inside the decode step: one decode program of
-one shape, and GRPO's prompts are short beside their completions.
+one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
+decode steps (the tokens fed back on the device) and the host schedules once per k steps.
 
 Sampling. Request i's token t is drawn with the key fold_in(fold_in(key(seed), t), i): what the static engine
 (`decode.py`) draws for the row at place i, so the engine's tokens do not depend on its slot, the order of
@@ -94,14 +95,27 @@ def _first(logits, seed, indices, settings):
     return sample(rows, _keys(seed, jnp.zeros_like(indices), indices), *settings)
 
 
-def _decode(w, pools, tokens, positions, active, pages, steps, indices, seed, settings, *, m, dtype, page: int,
-            kernel):
-    """One token for every slot (idle ones compute on scratch): (pools, tokens [S], logprobs [S])."""
-    with matmul_precision(dtype):
-        logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
-                                 page, kernel)
-    token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
-    return pools, token, logp
+def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, seed, settings, *, m, dtype, page: int,
+            kernel, steps_per_call: int):
+    """`steps_per_call` tokens for every slot (idle ones compute on scratch), each step's token fed to the next:
+    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S]). A slot goes idle after its last wanted token
+    (`left` [S]: tokens still wanted), so it never reaches past its pages (a kernel would read its page table out
+    of bounds); one that stops at a stop id inside the call writes on into its own pages, and the host reads its
+    tokens up to the stop."""
+    def one(carry, _):
+        pools, tokens, positions, active, steps, left = carry
+        with matmul_precision(dtype):
+            logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
+                                     page, kernel)
+        token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
+        return (pools, token, positions + 1, jnp.where(left <= 1, 0, active), steps + 1, left - 1), (token, logp)
+
+    carry = (pools, tokens, positions, active, steps, left)
+    if steps_per_call == 1:  # one step as it is, not a loop of one
+        carry, out = one(carry, None)
+        return carry[0], out[0][None], out[1][None]
+    carry, (token, logp) = jax.lax.scan(one, carry, length=steps_per_call)
+    return carry[0], token, logp
 
 
 def _copy_page(pools, src, dst):
@@ -139,7 +153,8 @@ def _under(layout, f):
 
 def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
     """The engine's programs for parameters `stored` as that layout says (None: one device), in the rollout layout,
-    decoding with `kernel` (the paged kernel or None, interpreted or not)."""
+    decoding with `kernel` (the paged kernel or None, interpreted or not); `decode(k)` the decode program of k
+    steps a call."""
     key, layout = (repr(m), str(dtype), page, stored, kernel), layout_for(stored)
     if key not in _compiled:
         if len(_compiled) >= 8:
@@ -150,7 +165,9 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
             jit(functools.partial(_gathered_weights, m=m, dtype=dtype, layout=layout, stored=stored)),
             jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
             jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first),
-            jit(functools.partial(_decode, **kw, kernel=kernel), donate_argnums=1), jit(_copy_page, donate_argnums=0))
+            functools.cache(lambda k: jit(functools.partial(_decode, **kw, kernel=kernel, steps_per_call=k),
+                                          donate_argnums=1)),
+            jit(_copy_page, donate_argnums=0))
     return _compiled[key]
 
 
@@ -238,9 +255,12 @@ class Engine:
     decoded at once (rounded up to a multiple of the data-parallel shards), `page` tokens a page. On one device,
     or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout layout; the
     weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call.
-    `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice)."""
+    `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice).
+    `steps_per_call`: decode steps a program call runs before the host reads their tokens and admits requests (the
+    same tokens; a slot freed inside a call waits for its end)."""
 
-    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto"):
+    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto",
+                 steps_per_call: int = 1):
         if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
             raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."
                               f"pattern {cfg.model.pattern}); use rl.sampler=static, whose generation carries it")
@@ -248,7 +268,10 @@ class Engine:
         self.layout = layout_for(on)
         self.slots, self.page = padded_rows(slots, self.layout), page
         self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
+        if steps_per_call < 1:
+            raise ConfigError(f"the engine's steps_per_call must be 1 or more, got {steps_per_call}")
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
+        self.decode = self.programs.decode(steps_per_call)
         start = time.perf_counter()
         self.weights = jax.block_until_ready(self.programs.reshard(params))
         self.reshard_s = time.perf_counter() - start
@@ -342,17 +365,20 @@ class Engine:
         return table
 
     def _step(self, live: list, done: dict) -> None:
-        """One decode step over every slot; each busy one's token recorded."""
+        """One call of decode steps over every slot; each busy one's tokens recorded up to where it stops."""
         busy = [s for s, x in enumerate(live) if x is not None]
-        tokens, positions, active, steps, indices = (np.zeros(self.slots, np.int32) for _ in range(5))
+        tokens, positions, active, steps, indices, left = (np.zeros(self.slots, np.int32) for _ in range(6))
         for s in busy:
             x = live[s]
             tokens[s], positions[s], active[s] = x.tokens[-1], x.position + len(x.tokens) - 1, 1
-            steps[s], indices[s] = len(x.tokens), x.index
+            steps[s], indices[s], left[s] = len(x.tokens), x.index, self.new[x.index] - len(x.tokens)
         table = self._table([x.pages if x is not None else [] for x in live])
-        self.pools, token, logp = self.programs.decode(self.weights, self.pools, tokens, positions, active, table,
-                                                       steps, indices, self.seed, self.settings)
-        self.stats["decode_steps"] += 1
+        self.pools, token, logp = self.decode(self.weights, self.pools, tokens, positions, active, table,
+                                             steps, indices, left, self.seed, self.settings)
         token, logp = np.asarray(token), np.asarray(logp)
+        self.stats["decode_steps"] += token.shape[0]
         for s in busy:
-            live[s] = self._record(live[s], int(token[s]), float(logp[s]), done)
+            for t in range(token.shape[0]):
+                live[s] = self._record(live[s], int(token[t, s]), float(logp[t, s]), done)
+                if live[s] is None:
+                    break

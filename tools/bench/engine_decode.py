@@ -49,7 +49,7 @@ def _seconds(engine, prompts, new: int, repeats: int) -> float:
 def _program_seconds(engine, length: int, calls: int) -> float:
     """The decode program alone: `calls` calls queued back to back on inputs already on the device, every slot at
     position `length` over pages of its own (no scheduling on the host, no token read back between calls), seconds
-    a call. Against the engine's step this splits the device's time from the host's."""
+    a decode step. Against the engine's step this splits the device's time from the host's."""
     import jax
     import numpy as np
 
@@ -57,8 +57,8 @@ def _program_seconds(engine, length: int, calls: int) -> float:
     table = np.arange(1, 1 + slots * per, dtype=np.int32).reshape(slots, per)  # the pool holds 2 × slots × per
     ones = np.ones(slots, np.int32)
     inputs = jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
-                             np.arange(slots, dtype=np.int32)))
-    decode, pools = engine.programs.decode, engine.pools
+                             np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))  # never ends
+    decode, pools = engine.decode, engine.pools
     pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)  # warm
     jax.block_until_ready(token)
     start = time.perf_counter()
@@ -66,7 +66,23 @@ def _program_seconds(engine, length: int, calls: int) -> float:
         pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
     jax.block_until_ready((pools, token))
     engine.pools = pools
-    return (time.perf_counter() - start) / calls
+    return (time.perf_counter() - start) / calls / token.shape[0]  # a decode step's
+
+
+def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, bound: float) -> dict:
+    """One engine's decode step (`choice` of paged kernel, `steps_per_call`) timed, printed and returned."""
+    from jaxllm.generate.engine import Engine
+
+    engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice, steps_per_call=steps_per_call)
+    step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
+    step /= args.new - 1
+    program = _program_seconds(engine, args.prompt + args.new // 2, max(args.new // steps_per_call, 8))
+    print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call): {step * 1e3:.3f} ms a "
+          f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms: {bound / step * 100:.1f}% of it; the "
+          f"program alone {program * 1e3:.3f} ms ({bound / program * 100:.1f}%), the rest the host's scheduling and "
+          "the tokens read back", flush=True)
+    return {"kernel": engine.kernel[0] or "xla", "steps_per_call": steps_per_call, "step_ms": step * 1e3,
+            "of_bound": bound / step, "program_ms": program * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chip", default="auto", help="the chip's HBM bandwidth for the bound (auto: h200 on an H200, "
                     "else h100)")
     ap.add_argument("--kernels", nargs="+", default=["auto", "xla"])
+    ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
+                    help="decode steps an engine's program call runs (Engine(steps_per_call=...)); each one timed")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -87,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from jaxllm.config import build_config
-    from jaxllm.generate.engine import Engine
     from jaxllm.models.transformer import init_params
     from jaxllm.plan.flops import CHIPS, check_chip
 
@@ -102,16 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     out = {"rows": args.rows, "prompt": args.prompt, "new": args.new, "chip": chip, "step_bytes": moved,
            "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {}}
     for choice in args.kernels:
-        engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice)
-        step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
-        step /= args.new - 1
-        program = _program_seconds(engine, args.prompt + args.new // 2, max(args.new, 8))
-        out["kernels"][choice] = {"kernel": engine.kernel[0] or "xla", "step_ms": step * 1e3,
-                                  "of_bound": bound / step, "program_ms": program * 1e3}
-        print(f"{choice} ({engine.kernel[0] or 'xla gather'}): {step * 1e3:.3f} ms a decode step of {args.rows} "
-              f"rows; the bound {bound * 1e3:.3f} ms ({moved / 1e9:.3f} GB at {chip}'s HBM): "
-              f"{bound / step * 100:.1f}% of it; the program alone {program * 1e3:.3f} ms "
-              f"({bound / program * 100:.1f}%), the rest the host's scheduling and the tokens read back", flush=True)
+        for k in args.steps_per_call:
+            name = choice if args.steps_per_call == [1] else f"{choice}, {k} steps a call"
+            out["kernels"][name] = _timed(choice, k, params, cfg, prompts, args, bound)
     if args.json:
         print(json.dumps(out))
     return 0

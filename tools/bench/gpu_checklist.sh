@@ -25,7 +25,8 @@
 #                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`; about 7 minutes
 #   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
 #                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
-#                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128
+#                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
+#                          at 8 decode steps a program call against 1
 #   issue64_*              fine-grained fp8 (ONLY='^issue64'): which GEMMs the LLaMA-1B step with `fp8_block` calls
 #                          (jaxllm plan's matmul table), then tokens/s of bf16, `fp8` and `fp8_block` on the LLaMA-1B
 #                          and the LLaMA-3B shapes (seq 1024, batch 4, `auto` attention, no plain peer)
@@ -85,6 +86,8 @@ check issue63_engine_decode 240 $py -m tools.bench.engine_decode --rows 64 --pro
 for page in 64 128; do  # the Pallas kernel lost to the gather at 16-token pages (H200, 2026-11-30): larger pages
   check issue63_engine_decode_page$page 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --page $page --json
 done
+# 8 decode steps a program call against 1 (Engine(steps_per_call=...)): the host's share of a step, paid once per 8
+check issue63_engine_decode_steps 300 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --steps-per-call 1 8 --json
 fast="--no-baseline --steps 5 --warmup 2 --windows 3 --json"
 check issue64_plan_fp8_block 90 $py -m jaxllm plan $llama precision.matmul=fp8_block
 for size in 1b 3b; do
