@@ -574,6 +574,9 @@ class RlConfig:
                                  "`engine` (the rollout engine: paged, continuously batched, a group's prompt "
                                  "prefilled once; one device); the same tokens either way")
     engine_slots: int = key(0, "with `sampler = \"engine\"`: the completions decoded at once; 0 = all of a step's")
+    engine_steps_per_call: int = key(1, "with `sampler = \"engine\"`: decode steps one program call runs before "
+                                        "the host reads their tokens and admits completions (the same tokens); see "
+                                        "\"Generation\"")
     async_steps: int = key(0, "asynchronous RL: k > 0 = each batch of rollouts is sampled, on a thread while the "
                               "trainer steps, by the parameters of k batches of rollouts before it, and the loss is "
                               "decoupled PPO (the clip against the trainer's parameters, weighted by min(π_prox/μ, "
