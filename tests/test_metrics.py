@@ -58,6 +58,19 @@ def train_row(step, loss, lr=1e-3):
 # ----------------------------------------------------------------------------- writer
 
 
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch wherever it is installed (seconds of every run's start) only to take torch
+    tensors: a process that had not imported torch writes its events without it (torch is installed here, for the
+    transformers references)."""
+    code = ("import sys; from jaxllm.trainer import metrics as M\n"
+            f"with M.MetricsWriter({str(tmp_path)!r}) as w: w.write({train_row(1, 2.5)!r})\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ("loss", 1, 2.5) in _read_tb_scalars(str(tmp_path))
+
+
 def test_jsonl_appends_across_writers_and_converts_types(tmp_path):
     run = str(tmp_path / "run")
     with M.MetricsWriter(run, tensorboard=False) as w:

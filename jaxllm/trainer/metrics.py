@@ -27,6 +27,21 @@ METRICS_FILE = "metrics.jsonl"
 # ----------------------------------------------------------------------------- writing
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter. tensorboardX imports torch wherever it is installed (2.6 s of a run's start on
+    a 2-core CPU) only to take torch tensors, which jaxllm never hands it: where nothing imported torch yet, it is
+    hidden while tensorboardX is imported (its `import torch` then raises the ImportError it catches)."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+    else:
+        sys.modules["torch"] = None
+        try:
+            from tensorboardX import SummaryWriter
+        finally:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 def _plain(value):
     """Turn jax/numpy scalars into Python int/float/bool so json and TensorBoard accept them."""
     if value is None or isinstance(value, (str, bool, int, float)):
@@ -71,9 +86,7 @@ class MetricsWriter:
         self._end_torn_line()
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"), purge_step=1 if resumed else None)
+            self._tb = _summary_writer()(logdir=os.path.join(run_dir, "tensorboard"), purge_step=1 if resumed else None)
             if resumed and os.path.getsize(self.path):
                 for row in read_metrics(run_dir):
                     self._add_scalars(row)
