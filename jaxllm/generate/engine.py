@@ -98,17 +98,18 @@ def _first(logits, seed, indices, settings):
 def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, seed, settings, *, m, dtype, page: int,
             kernel, steps_per_call: int):
     """`steps_per_call` tokens for every slot (idle ones compute on scratch), each step's token fed to the next:
-    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S]). A slot goes idle after its last wanted token
-    (`left` [S]: tokens still wanted), so it never reaches past its pages (a kernel would read its page table out
-    of bounds); one that stops at a stop id inside the call writes on into its own pages, and the host reads its
-    tokens up to the stop."""
+    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S]). A slot goes idle (position 0, writing to
+    scratch) after its last wanted token (`left` [S]: tokens still wanted), so it never reaches past its pages (the
+    paged kernel would read its page table out of bounds); one that stops at a stop id inside the call writes on
+    into its own pages, and the host reads its tokens up to the stop."""
     def one(carry, _):
         pools, tokens, positions, active, steps, left = carry
         with matmul_precision(dtype):
             logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
                                      page, kernel)
         token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
-        return (pools, token, positions + 1, jnp.where(left <= 1, 0, active), steps + 1, left - 1), (token, logp)
+        active = jnp.where(left <= 1, 0, active)  # idle from here on, at position 0 as an idle slot is
+        return (pools, token, jnp.where(active > 0, positions + 1, 0), active, steps + 1, left - 1), (token, logp)
 
     carry = (pools, tokens, positions, active, steps, left)
     if steps_per_call == 1:  # one step as it is, not a loop of one
