@@ -191,7 +191,7 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     args = (engine.weights, engine.programs.pools(pages=9), idle, idle, idle, np.zeros((SLOTS, 2), np.int32), idle,
             idle, idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
     for kernel, called in (("pallas_gpu", True), (None, False)):
-        decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decode(1)
+        decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decoder(1)
         exported = jax.export.export(decode, platforms=["cuda"],
                                      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
         assert (TRITON in exported(*args).mlir_module()) == called, kernel

@@ -136,7 +136,7 @@ class _Programs(NamedTuple):
     pools: object
     prefill: object
     first: object
-    decode: object
+    decoder: object  # k -> the decode program of k steps a call
     copy_page: object
 
 
@@ -154,7 +154,7 @@ def _under(layout, f):
 
 def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
     """The engine's programs for parameters `stored` as that layout says (None: one device), in the rollout layout,
-    decoding with `kernel` (the paged kernel or None, interpreted or not); `decode(k)` the decode program of k
+    decoding with `kernel` (the paged kernel or None, interpreted or not); `decoder(k)` the decode program of k
     steps a call."""
     key, layout = (repr(m), str(dtype), page, stored, kernel), layout_for(stored)
     if key not in _compiled:
@@ -272,7 +272,7 @@ class Engine:
         if steps_per_call < 1:
             raise ConfigError(f"the engine's steps_per_call must be 1 or more, got {steps_per_call}")
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
-        self.decode = self.programs.decode(steps_per_call)
+        self.decode = self.programs.decoder(steps_per_call)
         start = time.perf_counter()
         self.weights = jax.block_until_ready(self.programs.reshard(params))
         self.reshard_s = time.perf_counter() - start

@@ -30,7 +30,8 @@ METRICS_FILE = "metrics.jsonl"
 def _summary_writer():
     """tensorboardX's SummaryWriter. tensorboardX imports torch wherever it is installed (2.6 s of a run's start on
     a 2-core CPU) only to take torch tensors, which jaxllm never hands it: where nothing imported torch yet, it is
-    hidden while tensorboardX is imported (its `import torch` then raises the ImportError it catches)."""
+    hidden while tensorboardX is imported (its `import torch` then raises the ImportError it catches). A run opens
+    its writer before it starts its threads, so no other import sees torch hidden."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
     else:

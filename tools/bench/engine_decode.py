@@ -69,7 +69,7 @@ def _program_seconds(engine, length: int, calls: int) -> float:
     return (time.perf_counter() - start) / calls / token.shape[0]  # a decode step's
 
 
-def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, bound: float) -> dict:
+def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, out: dict) -> dict:
     """One engine's decode step (`choice` of paged kernel, `steps_per_call`) timed, printed and returned."""
     from jaxllm.generate.engine import Engine
 
@@ -77,10 +77,11 @@ def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, bound: 
     step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
     step /= args.new - 1
     program = _program_seconds(engine, args.prompt + args.new // 2, max(args.new // steps_per_call, 8))
+    bound = out["bound_ms"] / 1e3
     print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call): {step * 1e3:.3f} ms a "
-          f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms: {bound / step * 100:.1f}% of it; the "
-          f"program alone {program * 1e3:.3f} ms ({bound / program * 100:.1f}%), the rest the host's scheduling and "
-          "the tokens read back", flush=True)
+          f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms ({out['step_bytes'] / 1e9:.3f} GB at "
+          f"{out['chip']}'s HBM): {bound / step * 100:.1f}% of it; the program alone {program * 1e3:.3f} ms "
+          f"({bound / program * 100:.1f}%), the rest the host's scheduling and the tokens read back", flush=True)
     return {"kernel": engine.kernel[0] or "xla", "steps_per_call": steps_per_call, "step_ms": step * 1e3,
             "of_bound": bound / step, "program_ms": program * 1e3}
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for choice in args.kernels:
         for k in args.steps_per_call:
             name = choice if args.steps_per_call == [1] else f"{choice}, {k} steps a call"
-            out["kernels"][name] = _timed(choice, k, params, cfg, prompts, args, bound)
+            out["kernels"][name] = _timed(choice, k, params, cfg, prompts, args, out)
     if args.json:
         print(json.dumps(out))
     return 0
