@@ -37,24 +37,35 @@ def split(leaf, axis: str, size: int) -> int:
     return size if size > 1 and any(extent % size == 0 for extent in _over(leaf, axis)) else 1
 
 
+def device_share(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> tuple[dict, callable, set]:
+    """(the model's parameter table, `held(leaf)`: the elements of that leaf of the table one device holds, the ids
+    of the stack's leaves): a leaf of the pipelined (last) segment's blocks is split over pp, an expert's over ep,
+    what tensor parallelism splits over tp."""
+    table = transformer.param_table(model_cfg)
+    stack_ids = {id(l) for l in _leaves(table["blocks"][segments(model_cfg)[-1].blocks])}
+    share = lambda l: (pp if id(l) in stack_ids else 1) * split(l, "ep", ep) * split(l, "tp", tp)
+    return table, lambda l: math.prod(l.shape) // share(l), stack_ids
+
+
+def _leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, transformer.Leaf))
+
+
 def stage_params(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> dict:
     """Parameters one device holds of the model: {"stack" (the pipelined layers: the last segment's), "experts"
     (every MoE expert's weights), "shared" (embedding, head, final norm, the layers of the segments before and the
     prediction modules: replicated over pp), "tp_split" (what tensor parallelism splits: heads, hidden units,
     vocabulary), "stage" = Σ over parameters of its size / (pp if in the stack) / (ep if an expert's) / (tp if
     split), "stage_stack" = the same sum over the stack's parameters}."""
-    leaf = lambda x: isinstance(x, transformer.Leaf)
-    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=leaf)
-    table = transformer.param_table(model_cfg)
-    stack_ids = {id(l) for l in leaves(table["blocks"][segments(model_cfg)[-1].blocks])}
+    table, held, stack_ids = device_share(model_cfg, pp, ep, tp)
+    leaves = _leaves(table)
     size = lambda l: math.prod(l.shape)
-    share = lambda l: (pp if id(l) in stack_ids else 1) * split(l, "ep", ep) * split(l, "tp", tp)
-    stack = sum(size(l) for l in leaves(table) if id(l) in stack_ids)
-    return {"stack": stack, "experts": sum(size(l) for l in leaves(table) if _over(l, "ep")), "ep": ep,
+    stack = sum(size(l) for l in leaves if id(l) in stack_ids)
+    return {"stack": stack, "experts": sum(size(l) for l in leaves if _over(l, "ep")), "ep": ep,
             "shared": transformer.count_params(model_cfg) - stack, "tp": tp,
-            "tp_split": sum(size(l) for l in leaves(table) if split(l, "tp", tp) > 1),
-            "stage": sum(size(l) // share(l) for l in leaves(table)),
-            "stage_stack": sum(size(l) // share(l) for l in leaves(table) if id(l) in stack_ids)}
+            "tp_split": sum(size(l) for l in leaves if split(l, "tp", tp) > 1),
+            "stage": sum(held(l) for l in leaves),
+            "stage_stack": sum(held(l) for l in leaves if id(l) in stack_ids)}
 
 
 def pipeline_theory(model_cfg, train_cfg, mesh_shape: dict, compute_dtype) -> dict:

@@ -55,7 +55,7 @@ from jaxllm.models import lora, transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.pipeline_schedules import model_chunks
 from jaxllm.plan.memory import dtype_bytes, microbatch_rows, zero_shards
-from jaxllm.plan.pipeline import split
+from jaxllm.plan.pipeline import device_share
 from jaxllm.plan.tensor_parallel import saved_activation_terms
 from jaxllm.stack import is_moe, segments
 from jaxllm.trainer.step import loss_chunk
@@ -99,15 +99,9 @@ def _merged_bytes(m, pp: int, tp: int, E: int) -> int:
     twice), one copy per layer a device holds, in the compute dtype; 0 where kv_b has no adapters."""
     if m.attention != "mla" or "kv_b" not in m.lora.targets:
         return 0
-    blocks = transformer.param_table(m)["blocks"]
-    stack = set(range(len(blocks))[segments(m)[-1].blocks])  # the pipelined segment's blocks, split over pp
-    total = 0
-    for i, block in enumerate(blocks):
-        leaf = block.get("attn", {}).get("wkv_b")
-        leaf = leaf.w if lora.is_node(leaf) else leaf  # the base weight under its adapters
-        if leaf is not None:
-            total += math.prod(leaf.shape) // (pp if i in stack else 1) // split(leaf, "tp", tp)
-    return total * E
+    table, held, _ = device_share(m, pp, tp=tp)
+    ups = [block["attn"]["wkv_b"] for block in table["blocks"] if "wkv_b" in block.get("attn", {})]
+    return E * sum(held(up.w if lora.is_node(up) else up) for up in ups)  # the base weight under its adapters
 
 
 def device_layers(m, chunks: int) -> list[str]:
