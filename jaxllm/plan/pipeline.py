@@ -10,6 +10,7 @@ compiled program's permutes and the element type they actually move beside them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import math
 
 import jax
@@ -37,7 +38,7 @@ def split(leaf, axis: str, size: int) -> int:
     return size if size > 1 and any(extent % size == 0 for extent in _over(leaf, axis)) else 1
 
 
-def device_share(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> tuple[dict, callable, set]:
+def device_share(model_cfg, pp: int, ep: int = 1, tp: int = 1) -> tuple[dict, Callable, set]:
     """(the model's parameter table, `held(leaf)`: the elements of that leaf of the table one device holds, the ids
     of the stack's leaves): a leaf of the pipelined (last) segment's blocks is split over pp, an expert's over ep,
     what tensor parallelism splits over tp."""
