@@ -209,7 +209,7 @@ class Model:
         prompts = [[int(i) for i in self.tokenizer.encode_chat(chat_lib.render(
             template, [{"role": "user", "content": q}], add_generation_prompt=True)[0])[0]] for q in questions]
         done = self.generate(prompts, max_new_tokens, **sampling)
-        return [self.tokenizer.decode(g.tokens[:len(g.tokens) - g.stopped], skip_special=True) for g in done]
+        return [requests.decode_new(self.tokenizer, g.tokens[:len(g.tokens) - g.stopped]) for g in done]
 
     def _engine(self, ids, max_new_tokens: int, slots: int, sampling: dict, timings: dict | None):
         """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""

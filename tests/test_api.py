@@ -99,6 +99,23 @@ def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(pag
     assert [r["text"] for r in rows] == [g.text for g in gens]
 
 
+@pytest.mark.slow
+def test_chat_questions_from_a_file_are_answered_as_the_api_answers_them(page, capsys, tmp_path):
+    """`jaxllm generate --chat --prompts FILE`: each question through the chat template (the byte tokenizer's
+    built-in one), on the rollout engine, one JSON line {prompt, answer} each: `Model.chat`'s answers, sampled."""
+    from jaxllm.cli import generate as command
+
+    questions = ["def ", "import os", "class A:"]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    capsys.readouterr()
+    assert command.main(["--from", str(page["where"] / "runs" / "api"), "--chat", "--prompts", str(tmp_path / "q.jsonl"),
+                         "--slots", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    answers = page["model"].chat(questions, 12, temperature=0.8, seed=3)
+    assert rows == [{"prompt": q, "answer": a} for q, a in zip(questions, answers)]
+    assert any(answers)  # sampled from a byte model: not all of them end at once
+
+
 def test_evaluate_is_the_commands_number_for_number(page, capsys):
     from jaxllm.cli import eval as command
 

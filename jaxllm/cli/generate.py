@@ -7,11 +7,12 @@
 
 `--from` is a run directory (its config.toml, tokenizer and newest checkpoint, or `--step`), `hf:DIR`
 (the model, its tokenizer.json and generation_config.json's stop ids) or `gguf:FILE` (a GGUF file, its tokenizer
-and chat template from its metadata). `--chat` asks each `--prompt` as a user turn through the model's chat
+and chat template from its metadata). `--chat` asks each prompt as a user turn through the model's chat
 template and prints only the answer. Several `--prompt`s generate as
 one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
 (paged, continuously batched, on the mesh: `jaxllm/generate/engine.py`), for many prompts of different lengths,
-and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}). key=value
+and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}; with `--chat`
+{"prompt", "answer"}). key=value
 overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
 bfloat16 unless set), `distributed.*` for several processes. Prints each prompt with its completion on
 stdout and the speed on stderr; any problem is one line `error: ...` and exit code 2.
@@ -34,9 +35,10 @@ def parser() -> argparse.ArgumentParser:
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
     given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
-                       "generated on the rollout engine, one JSON line out per prompt")
+                       "generated on the rollout engine, one JSON line out per prompt: {prompt, text, tokens, stopped}, "
+                       "with --chat {prompt, answer}")
     p.add_argument("--slots", type=int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
-    p.add_argument("--chat", action="store_true", help="ask each --prompt as a user turn through the model's chat "
+    p.add_argument("--chat", action="store_true", help="ask each prompt as a user turn through the model's chat "
                    "template and print the answers (up to the end of the turn)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
@@ -76,15 +78,14 @@ def run(args) -> None:
 
     prompts = read_prompts(args.prompts) if args.prompts else args.prompt
     model = jaxllm.load(args.source, args.step, args.overrides)
+    sampling = {"temperature": 0.0 if args.greedy else args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "seed": args.seed, "slots": args.slots if args.prompts else 0}
     if args.chat:
-        for answer in model.chat(prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed):
-            print(answer)
+        for question, answer in zip(prompts, model.chat(prompts, args.max_new_tokens, **sampling)):
+            print(json.dumps({"prompt": question, "answer": answer}) if args.prompts else answer)
         return
     timings = {}
-    done = model.generate(prompts, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, timings=timings,
-                          slots=args.slots if args.prompts else 0)
+    done = model.generate(prompts, args.max_new_tokens, timings=timings, **sampling)
     for p, g in zip(prompts, done):
         print(json.dumps({"prompt": p, "text": g.text, "tokens": g.tokens.tolist(), "stopped": g.stopped})
               if args.prompts else g.text)
