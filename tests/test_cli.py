@@ -58,6 +58,7 @@ def test_every_subcommand_has_help(argv, capsys):
     (["generate", "--from", "runs/x", "--prompt", "hi", "--bogus"], "jaxllm generate: error: unrecognized"),
     (["hf", "import", "only_one"], "jaxllm hf import: error: the following arguments are required: run_dir"),
     (["prepare-data", "in", "out", "--shard-tokens", "0"], "must be at least 1, got 0"),
+    (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--slots", "0"], "--slots: must be at least 1, got 0"),
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = _call(argv, capsys)

@@ -198,3 +198,5 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     windowed, _ = _model("windowed")
     with pytest.raises(ConfigError, match="paged_kernel=pallas_gpu: the kernel does not compute this model"):
         Engine(transformer.init_params(windowed.model, jax.random.key(0)), windowed, page=16, paged_kernel="pallas_gpu")
+    with pytest.raises(ConfigError, match="the engine's slots must be 1 or more, got 0"):  # it would loop forever
+        Engine(engine.weights, cfg, slots=0)

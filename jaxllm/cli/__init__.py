@@ -21,6 +21,14 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count that must be 1 or more."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def config_parser(prog: str, description: str) -> ArgumentParser:
     from jaxllm.config import shipped_configs
 

@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
                        "generated on the rollout engine, one JSON line out per prompt: {prompt, text, tokens, stopped}, "
                        "with --chat {prompt, answer}")
-    p.add_argument("--slots", type=int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
+    p.add_argument("--slots", type=cli.positive_int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
     p.add_argument("--chat", action="store_true", help="ask each prompt as a user turn through the model's chat "
                    "template and print the answers (up to the end of the turn)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -20,15 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from jaxllm.cli import ArgumentParser
+from jaxllm.cli import ArgumentParser, positive_int
 from jaxllm.errors import DataError
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,16 +29,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("input", help='a text, JSONL, Parquet or Arrow file, a folder of them, or "stdlib"')
     p.add_argument("out_dir", help="folder to write the .bin shards to (created if missing)")
     p.add_argument("--tokenizer", default="byte", help="byte, gpt2, or hf:DIR (a Hugging Face tokenizer.json folder)")
-    p.add_argument("--workers", type=_positive_int, default=os.cpu_count() or 1,
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1,
                    help="tokenizing processes (default: one per core)")
     p.add_argument("--text-key", default="text", help="JSONL field / Parquet or Arrow column holding the text")
     p.add_argument("--name", default=None, help="shard file prefix (default: the input's name)")
-    p.add_argument("--shard-tokens", type=_positive_int, default=100_000_000, help="max tokens per shard")
+    p.add_argument("--shard-tokens", type=positive_int, default=100_000_000, help="max tokens per shard")
     p.add_argument("--val-percent", type=float, default=5.0, help="percent of the documents kept for validation")
     p.add_argument("--add-eos", action="store_true", help="end each document with the end-of-text id instead of "
                                                           "starting it with one (data.add_eos)")
     p.add_argument("--no-bos", action="store_true", help="drop the BOS an hf: tokenizer adds (data.add_bos=false)")
-    p.add_argument("--unit-bytes", type=_positive_int, default=None,
+    p.add_argument("--unit-bytes", type=positive_int, default=None,
                    help="bytes of a JSONL file one worker takes at a time (default 16 MiB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)

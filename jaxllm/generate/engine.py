@@ -265,12 +265,13 @@ class Engine:
         if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
             raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."
                               f"pattern {cfg.model.pattern}); use rl.sampler=static, whose generation carries it")
+        for name, value in (("slots", slots), ("page", page), ("steps_per_call", steps_per_call)):
+            if value < 1:  # with no slot no request is ever admitted, and generate would never return
+                raise ConfigError(f"the engine's {name} must be 1 or more, got {value}")
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page = padded_rows(slots, self.layout), page
         self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
-        if steps_per_call < 1:
-            raise ConfigError(f"the engine's steps_per_call must be 1 or more, got {steps_per_call}")
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
         self.decode = self.programs.decoder(steps_per_call)
         start = time.perf_counter()
