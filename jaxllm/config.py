@@ -228,6 +228,9 @@ def source_model_keys(source: str) -> dict:
         return hf_config.model_keys(gguf_io.GgufFiles(source[5:]).config)
     if source.startswith("run:"):
         run_dir, _ = split_run_source(source)
+        if not os.path.isfile(os.path.join(run_dir, "config.toml")):
+            raise ConfigError(f"init.from={source}: '{run_dir}' is not a run directory (no config.toml); train that "
+                              "run first, or point init.from at one")
         saved = _current(load_toml(os.path.join(run_dir, "config.toml")))
         keys = {k: saved[f"model.{k}"] for k in hf_config.ARCHITECTURE_KEYS if f"model.{k}" in saved}
         if keys.get("positions") == "learned" and not keys.get("max_positions"):  # its table has seq_len rows

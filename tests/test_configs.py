@@ -48,6 +48,16 @@ def test_shipped_configs_validate_on_eight_devices(path):
     resolve(build_config(path, DATA_GIVEN.get(os.path.basename(path), {})))
 
 
+def test_a_missing_run_to_start_from_is_one_line_naming_it(tmp_path, monkeypatch):
+    """grpo_arith starts from the format model's run directory; before that run exists the config says so (it said
+    "--config: no such file 'runs/arith_format/config.toml'", blaming the config the user gave)."""
+    from jaxllm.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^init.from=run:runs/arith_format: 'runs/arith_format' is not a run "):
+        build_config(os.path.join(CONFIG_DIR, "grpo_arith.toml"), {})
+
+
 def file_keys(path: str) -> set[str]:
     """The dotted keys a TOML file sets."""
     def walk(table: dict, prefix: str):
