@@ -313,18 +313,20 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
              + step.check_config(cfg, shape) + optimizer.check_config(t)
              + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
     notes += attention.check_run(cfg, shape["sp"])
-    _check_loop(t)
+    _check_loop(t, cfg.run)
     profiling.check_config(cfg)
     wandb_log.check_config(cfg)
     return shape, notes
 
 
-def _check_loop(t: TrainConfig) -> None:
+def _check_loop(t: TrainConfig, r) -> None:
     """The training loop's keys (the loop, `trainer/loop.py`, builds on this module)."""
     if t.steps < 1:
         raise ConfigError(f"train.steps: must be at least 1, got {t.steps}")
     for key in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}: must be 0 or more, got {getattr(t, key)}")
+    if r.sample_tokens < 0:
+        raise ConfigError(f"run.sample_tokens: must be 0 (no sample) or more, got {r.sample_tokens}")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints: must be at least 1, got {t.keep_checkpoints}")

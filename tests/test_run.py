@@ -139,6 +139,8 @@ BAD = {
     "batch_not_divisible": (["train.global_batch=12", "train.microbatches=2"], "train.global_batch"),
     "collective_matmul_without_sp": (["mesh.dp=2", "mesh.tp=4", "model.collective_matmul=true"],
                                      "model.collective_matmul"),
+    "negative_grad_clip": (["train.grad_clip=-1"], "train.grad_clip"),  # it was read as off, in silence
+    "negative_sample_tokens": (["run.sample_tokens=-1"], "run.sample_tokens"),
 }
 
 

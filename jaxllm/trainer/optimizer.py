@@ -148,6 +148,8 @@ def check_config(t: TrainConfig) -> list[str]:
                           "keeps its state in float32 (set moment_dtype=float32)")
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be positive, got {t.lr}")
+    if t.grad_clip < 0:  # a negative threshold would not clip: refused rather than read as off
+        raise ConfigError(f"train.grad_clip: must be 0 (off) or more, got {t.grad_clip}")
     if schedule_steps(t) < t.steps:
         raise ConfigError(f"train.schedule_steps={t.schedule_steps} is shorter than train.steps={t.steps}; raise it "
                           "or set 0")
