@@ -235,11 +235,14 @@ class Model:
         return score.loglikelihoods(self.fns, self.params, encoded, self.cfg.model.seq_len,
                                     self.cfg.train.global_batch)
 
-    def evaluate(self, tasks, *, chat_template: bool = False, fewshot_as_multiturn: bool = True) -> Evaluation:
+    def evaluate(self, tasks, *, chat_template: bool = False, fewshot_as_multiturn: bool = True,
+                 limit: float | None = None) -> Evaluation:
         """Benchmark tasks (files in lm-evaluation-harness's task format, or loaded `eval.tasks.Task`s) as
         lm-evaluation-harness 0.4 runs them; `chat_template`: the requests through the tokenizer's chat template,
-        each few-shot example its own turns unless `fewshot_as_multiturn` is False."""
-        loaded = [tasks_lib.load_task(os.fspath(t)) if isinstance(t, (str, os.PathLike)) else t for t in tasks]
+        each few-shot example its own turns unless `fewshot_as_multiturn` is False; `limit`: each task's first
+        documents only, as its `limit` (a number of them, or below 1 a share)."""
+        loaded = [tasks_lib.first_docs(tasks_lib.load_task(os.fspath(t)) if isinstance(t, (str, os.PathLike)) else t,
+                                       limit) for t in tasks]
         chat = None
         if chat_template:
             d = self.cfg.data

@@ -119,6 +119,21 @@ def test_through_the_chat_template_as_lm_evaluation_harness(setup, multiturn, tm
     assert_same(theirs, ours, names)
 
 
+@pytest.mark.slow
+def test_a_limit_takes_each_tasks_first_documents_as_lm_evaluation_harness(setup, tmp_path):
+    """`--limit 0.5`: half of each task's documents, rounded up, the first ones, with the few-shot examples
+    lm-evaluation-harness's `limit` gives them (drawn from the whole split, the evaluated split's own included)."""
+    models, task_files = setup
+    names = ["arc_like", "hellaswag_like", "gsm8k_like"]
+    theirs = lm_eval_run(models["llama3"], [p for p in task_files if p.stem in names], limit=0.5)
+    ours = ours_run(models["llama3"], [p for p in TASK_FILES if p.stem in names], tmp_path / "ours.json", "--limit=0.5")
+    assert_same(theirs, ours, names=names)
+    for name in names:
+        docs = sum(1 for line in open(FIXTURES / "eval" / SPECS[name]["dataset_kwargs"]["data_files"][
+            SPECS[name]["test_split"]]) if line.strip())
+        assert len(ours["samples"][name]) == -(-docs // 2) < docs, name
+
+
 def assert_same(theirs: dict, ours: dict, names=tuple(TASKS)) -> None:
     """lm-evaluation-harness's results and samples against jaxllm eval's: requests, then scores, then metrics."""
     for name in GENERATION & set(names):  # one sample per document and filter: the generated text, and each filter's answer

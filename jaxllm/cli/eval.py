@@ -1,7 +1,7 @@
 """Evaluate a run or a Hugging Face model on benchmark tasks, as lm-evaluation-harness 0.4 does.
 
     jaxllm eval --from runs/mine --tasks tasks/arc.yaml tasks/wiki.yaml [--out results.json] [key=value ...]
-    jaxllm eval --from hf:DIR --tasks ... [--apply-chat-template [--no-fewshot-as-multiturn]]
+    jaxllm eval --from hf:DIR --tasks ... [--apply-chat-template [--no-fewshot-as-multiturn]] [--limit N]
 
 Tasks are files in lm-evaluation-harness's task format over local JSONL data (docs/evaluation.md): multiple
 choice (acc, acc_norm, acc_bytes), rolling log-likelihood (word and byte perplexity, bits per byte) and greedy
@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fewshot-as-multiturn", default=True, action=argparse.BooleanOptionalAction,
                    help="with a chat template, each few-shot example as its own user and assistant turns "
                         "(default; --no-fewshot-as-multiturn: one user message)")
+    p.add_argument("--limit", type=float, default=None, help="each task's first N documents only, or below 1 that "
+                   "share of them (lm-evaluation-harness's --limit; for trying a task, not for reporting it)")
     p.add_argument("--out", default=None, help="write the results and each request's log-likelihood here (JSON)")
     p.add_argument("overrides", nargs="*", help="run keys, e.g. mesh.tp=2 precision.compute=float32")
     return p
@@ -44,7 +46,7 @@ def run(args) -> dict:
     tasks = [tasks_lib.load_task(path) for path in args.tasks]  # every file checked before the model loads
     model = jaxllm.load(args.source, args.step, args.overrides)
     results, samples = model.evaluate(tasks, chat_template=args.apply_chat_template,
-                                      fewshot_as_multiturn=args.fewshot_as_multiturn)
+                                      fewshot_as_multiturn=args.fewshot_as_multiturn, limit=args.limit)
     print(f"{'task':<24} {'metric':<30} value")
     for name, values in results.items():
         for metric, value in values.items():

@@ -14,13 +14,15 @@ Anything else in the file is refused in one line: what we do not compute as it d
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxllm.errors import DataError
+from jaxllm.errors import ConfigError, DataError
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood_rolling", "generate_until")
 METRICS = {"multiple_choice": ("acc", "acc_norm", "acc_bytes"),
@@ -119,6 +121,16 @@ def _load_file(path: str) -> dict:
         return yaml.safe_load(text)
     except Exception as e:  # noqa: BLE001  # any parse error is the file's, in one line
         raise DataError(f"task file {path}: cannot be parsed ({str(e).splitlines()[0]}); fix its syntax") from None
+
+
+def first_docs(task: Task, limit: float | None) -> Task:
+    """The task on its first documents, as lm-evaluation-harness's `limit` takes them: `limit` of them, or below 1
+    that share of them rounded up; None: all. Few-shot examples are still drawn from their whole split."""
+    if limit is None:
+        return task
+    if not limit > 0:
+        raise ConfigError(f"limit: {limit} is not a number of documents (1 or more) nor a share of them (below 1)")
+    return dataclasses.replace(task, docs=task.docs[:math.ceil(len(task.docs) * limit) if limit < 1 else int(limit)])
 
 
 def load_task(path: str) -> Task:
