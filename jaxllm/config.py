@@ -25,7 +25,7 @@ from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import attention, transformer
 from jaxllm.parallel import pipeline_schedules
 from jaxllm.rl import prompts
-from jaxllm.schema import FAMILIES, Config, TrainConfig, table_keys
+from jaxllm.schema import FAMILIES, Config, RunConfig, TrainConfig, table_keys
 from jaxllm.trainer import optimizer, profiling, step, wandb_log
 
 
@@ -319,7 +319,7 @@ def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
     return shape, notes
 
 
-def _check_loop(t: TrainConfig, r) -> None:
+def _check_loop(t: TrainConfig, r: RunConfig) -> None:
     """The training loop's keys (the loop, `trainer/loop.py`, builds on this module)."""
     if t.steps < 1:
         raise ConfigError(f"train.steps: must be at least 1, got {t.steps}")

@@ -12,8 +12,7 @@ template and prints only the answer. Several `--prompt`s generate as
 one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
 (paged, continuously batched, on the mesh: `jaxllm/generate/engine.py`), for many prompts of different lengths,
 and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}; with `--chat`
-{"prompt", "answer"}). key=value
-overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
+{"prompt", "answer"}). key=value overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
 bfloat16 unless set), `distributed.*` for several processes. Prints each prompt with its completion on
 stdout and the speed on stderr; any problem is one line `error: ...` and exit code 2.
 """
@@ -35,9 +34,10 @@ def parser() -> argparse.ArgumentParser:
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
     given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
-                       "generated on the rollout engine, one JSON line out per prompt: {prompt, text, tokens, stopped}, "
-                       "with --chat {prompt, answer}")
-    p.add_argument("--slots", type=cli.positive_int, default=32, help="with --prompts: the rollout engine's slots (default 32)")
+                       "generated on the rollout engine, one JSON line out per prompt: {prompt, text, tokens, "
+                       "stopped}, with --chat {prompt, answer}")
+    p.add_argument("--slots", type=cli.positive_int, default=32,
+                   help="with --prompts: the rollout engine's slots (default 32)")
     p.add_argument("--chat", action="store_true", help="ask each prompt as a user turn through the model's chat "
                    "template and print the answers (up to the end of the turn)")
     p.add_argument("--max-new-tokens", type=int, default=64)

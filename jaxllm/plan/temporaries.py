@@ -49,8 +49,6 @@ arrays per layer there; 1.13 with it). Not estimated: recomputation policies oth
 
 from __future__ import annotations
 
-import math
-
 from jaxllm.models import lora, transformer
 from jaxllm.ops import moe
 from jaxllm.parallel.pipeline_schedules import model_chunks
