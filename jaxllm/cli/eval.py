@@ -43,10 +43,11 @@ def run(args) -> dict:
     import jaxllm
     from jaxllm.eval import tasks as tasks_lib
 
-    tasks = [tasks_lib.load_task(path) for path in args.tasks]  # every file checked before the model loads
+    # every file and the limit checked before the model loads
+    tasks = [tasks_lib.first_docs(tasks_lib.load_task(path), args.limit) for path in args.tasks]
     model = jaxllm.load(args.source, args.step, args.overrides)
     results, samples = model.evaluate(tasks, chat_template=args.apply_chat_template,
-                                      fewshot_as_multiturn=args.fewshot_as_multiturn, limit=args.limit)
+                                      fewshot_as_multiturn=args.fewshot_as_multiturn)
     print(f"{'task':<24} {'metric':<30} value")
     for name, values in results.items():
         for metric, value in values.items():
