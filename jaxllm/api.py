@@ -63,8 +63,8 @@ def config_of(config):
 
 
 def step_fns_for(cfg):
-    """The step's programs for `cfg` on this process's devices, as the config lays them out."""
-    shape, _ = validate(cfg, jax.device_count())
+    """The step's programs for `cfg` on this process's devices, as the config lays them out (its data unread)."""
+    shape, _ = validate(cfg, jax.device_count(), data=False)
     return make_step_fns(cfg, make_mesh(shape, cfg))
 
 
@@ -149,7 +149,7 @@ def load(source: str, step: int | None = None, overrides=()) -> "Model":
     else:
         raise ConfigError(f"{source}: not a run directory (no config.toml), hf:DIR nor gguf:FILE")
     initialize_distributed(cfg.distributed)
-    tokenizer, _, _ = resolve(cfg)
+    tokenizer, _, _ = resolve(cfg, data=False)  # the run's training data need not be here
     fns = step_fns_for(cfg)
     if source.startswith("hf:"):
         params = hf.load_params(source[3:], cfg.model, fns.state_shardings.params)
@@ -179,11 +179,12 @@ class Model:
         ids = list(self.tokenizer.encode(text)) if isinstance(text, str) else [int(i) for i in text]
         return ids or [self.tokenizer.eot]
 
-    def generate(self, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0, top_k: int = 0,
+    def generate(self, prompts, max_new_tokens: int | Sequence[int] = 64, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, timings: dict | None = None,
                  slots: int = 0) -> list[Generation]:
         """A completion of each prompt (a string, or token ids; one prompt or a list of them, generated as one
-        batch) with the KV cache, until a stop id of the tokenizer or `max_new_tokens`. temperature 0 is greedy;
+        batch) with the KV cache, until a stop id of the tokenizer or `max_new_tokens` (one for all, or one per
+        prompt). temperature 0 is greedy;
         a row's draws depend on `seed` and its place in the list, not on the mesh. `timings` gets `compile_s` and
         `run_s`. `slots` > 0: on the rollout engine (`generate/engine.py`: paged, continuously batched, on the
         model's mesh) with that many slots, for many prompts of different lengths: the same tokens."""
@@ -199,11 +200,11 @@ class Model:
         return [Generation(completion_text(self.tokenizer, p, c.tokens), c.tokens, c.logprobs, c.stopped)
                 for p, c in zip(ids, done)]
 
-    def chat(self, questions: Sequence[str], max_new_tokens: int = 64, **sampling) -> list[str]:
+    def chat(self, questions: Sequence[str], max_new_tokens: int | Sequence[int] = 64, **sampling) -> list[str]:
         """Each question asked as a user turn through the model's chat template (`data.chat_template`: the
         tokenizer's own by default), its generation prompt opening the assistant's turn; the answers, up to the
-        tokenizer's stop ids (the template's end of turn where it is one) or `max_new_tokens`. `sampling` as
-        `generate`'s."""
+        tokenizer's stop ids (the template's end of turn where it is one) or `max_new_tokens`. `max_new_tokens`
+        and `sampling` as `generate`'s."""
         d = self.cfg.data
         template = chat_lib.load_template(d.chat_template, self.tokenizer, d.chat_template_kwargs)
         prompts = [[int(i) for i in self.tokenizer.encode_chat(chat_lib.render(
@@ -211,7 +212,7 @@ class Model:
         done = self.generate(prompts, max_new_tokens, **sampling)
         return [requests.decode_new(self.tokenizer, g.tokens[:len(g.tokens) - g.stopped]) for g in done]
 
-    def _engine(self, ids, max_new_tokens: int, slots: int, sampling: dict, timings: dict | None):
+    def _engine(self, ids, max_new_tokens, slots: int, sampling: dict, timings: dict | None):
         """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""
         if jax.process_count() > 1:
             raise ConfigError(f"generation on the rollout engine runs in one process, and this model spans "

@@ -300,18 +300,20 @@ def to_toml(cfg: Config) -> str:
 # ---------------------------------------------------------------- validation
 
 
-def validate(cfg: Config, n_devices: int) -> tuple[dict[str, int], list[str]]:
+def validate(cfg: Config, n_devices: int, *, data: bool = True) -> tuple[dict[str, int], list[str]]:
     """Check the config against the devices; return the mesh shape and notes to log.
 
     Each section is checked by the code that owns it (the mesh, the model and its attention and
     experts, the pipeline, the step, the optimizer, the data); the loop's own keys are checked
-    here. Raises a UserError (one line: key and fix) for anything that cannot run.
+    here. Raises a UserError (one line: key and fix) for anything that cannot run. `data=False`
+    leaves the data section out (its sources need not exist): for a model loaded to generate,
+    score or export, which reads no training data.
     """
     m, t = cfg.model, cfg.train
     shape = resolve_mesh_shape(cfg.mesh, n_devices)
     notes = (transformer.check_config(m, t, shape) + pipeline_schedules.check_config(m, t, shape)
              + step.check_config(cfg, shape) + optimizer.check_config(t)
-             + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg)))
+             + (prompts.check_config(cfg) if t.objective == "grpo" else dataset.check_config(cfg) if data else []))
     notes += attention.check_run(cfg, shape["sp"])
     _check_loop(t, cfg.run)
     profiling.check_config(cfg)

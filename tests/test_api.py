@@ -67,6 +67,23 @@ def test_score_is_the_sum_of_the_logits_log_probabilities(page):
     assert page["good"] == pytest.approx(want, abs=1e-5)
 
 
+def test_a_run_loads_where_its_training_data_is_not(page, tmp_path):
+    """A run directory moved away from its data (config.toml's data.source a path that is not there, as a relative
+    path is from another folder): loading it to generate, score or export reads no training data, so it loads, with
+    the same logits."""
+    import shutil
+
+    import jaxllm
+
+    run = tmp_path / "moved"
+    shutil.copytree(page["where"] / "runs" / "api", run)
+    config = (run / "config.toml").read_text()
+    assert f'source = "{os.__file__}"' in config
+    (run / "config.toml").write_text(config.replace(f'source = "{os.__file__}"', 'source = "gone/train.jsonl"'))
+    moved = jaxllm.load(str(run))
+    chex.assert_trees_all_equal(moved.logits(["import os"]), page["model"].logits(["import os"]))
+
+
 def test_generate_is_the_commands_token_for_token(page, capsys):
     from jaxllm.cli import generate as command
 
@@ -82,21 +99,27 @@ def test_generate_is_the_commands_token_for_token(page, capsys):
 @pytest.mark.slow
 def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(page, capsys, tmp_path):
     """`jaxllm generate --prompts FILE`: one JSON line per prompt, in the file's order, with the tokens the static
-    engine samples for the same prompts in one batch (the engine draws request i as row i)."""
+    engine samples for the same prompts in one batch (the engine draws request i as row i), each cut at its line's
+    own max_new_tokens (`--max-new-tokens` where the line names none): as `Model.generate` cuts them."""
     import json
 
     from jaxllm.cli import generate as command
 
-    prompts = ["def ", "import os", "class A:", "def "]
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts[:3]) + '\n"def "\n')
+    prompts, limits = ["def ", "import os", "class A:", "def "], [12, 5, 3, 12]
+    lines = [{"prompt": "def "}, {"prompt": "import os", "max_new_tokens": 5}, {"prompt": "class A:",
+                                                                               "max_new_tokens": 3}]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + '\n"def "\n')
     capsys.readouterr()
     assert command.main(["--from", str(page["where"] / "runs" / "api"), "--prompts", str(tmp_path / "p.jsonl"),
                          "--slots", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    gens = page["model"].generate(prompts, max_new_tokens=12, temperature=0.8, seed=3)
+    whole = page["model"].generate(prompts, max_new_tokens=12, temperature=0.8, seed=3)
+    assert all(len(g.tokens) > n for g, n in zip(whole[1:3], limits[1:3]))  # the lines' limits cut something
     assert [r["prompt"] for r in rows] == prompts
-    assert [r["tokens"] for r in rows] == [g.tokens.tolist() for g in gens]
-    assert [r["text"] for r in rows] == [g.text for g in gens]
+    assert [r["tokens"] for r in rows] == [g.tokens[:n].tolist() for g, n in zip(whole, limits)]
+    each = page["model"].generate(prompts, max_new_tokens=limits, temperature=0.8, seed=3)
+    assert [(r["tokens"], r["text"], r["stopped"]) for r in rows] == [(g.tokens.tolist(), g.text, g.stopped)
+                                                                      for g in each]
 
 
 @pytest.mark.slow

@@ -68,6 +68,22 @@ def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
         assert all(name in err for name in COMMANDS), err
 
 
+@pytest.mark.parametrize("lines, says", [
+    (['{"prompt": "a"', ], "Expecting ',' delimiter"),
+    (['{"prompt": "a"}', '{"text": "b"}'], 'line 2 is not {"prompt": text} nor a string'),
+    (['{"prompt": "a", "max_new_tokens": 0}'], "line 1's max_new_tokens is 0; give a whole number ≥ 1"),
+    (['"a"', '{"prompt": "b", "max_new_tokens": "5"}'], "line 2's max_new_tokens is '5'"),
+    (['{"prompt": "a", "max_new_tokens": true}'], "line 1's max_new_tokens is True"),
+    ([], "no prompt in the file"),
+])
+def test_a_bad_prompts_file_is_one_line_naming_its_line(lines, says, tmp_path, capsys):
+    """Read before any model loads (runs/x does not exist): the line and what to give instead."""
+    (tmp_path / "p.jsonl").write_text("".join(line + "\n" for line in lines))
+    code, out, err = _call(["generate", "--from", "runs/x", "--prompts", str(tmp_path / "p.jsonl")], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
 def test_config_names_resolve_to_the_shipped_files():
     assert config.config_path("tiny_llama") == str(REPO / "jaxllm" / "configs" / "tiny_llama.toml")
     assert config.config_path(None) == config.DEFAULT_CONFIG == str(REPO / "jaxllm" / "configs" / "default.toml")

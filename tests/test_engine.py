@@ -4,7 +4,8 @@ the static engine (`generate/decode.py`) and one device, fp32.
 - Every request's tokens equal the static engine's and its log-probabilities are within 1e-5, greedy and sampled
   (the same seed: request i draws what row i draws), with the requests arriving in three orders, on 4 slots of
   pages of 4 tokens, per-request `max_new_tokens` and prompts repeated (shared); for a LLaMA-shaped model, one
-  with sliding windows on alternate layers, and latent attention. Where a greedy token differs, the static
+  with sliding windows on alternate layers, and latent attention. The static engine's own per-request
+  `max_new_tokens` (a batch run to the largest, each row cut) stops where the engine stops. Where a greedy token differs, the static
   engine's top-2 margin there must be under 1e-5 (a tie the two programs' rounding may break either way);
   sampled tokens must be equal.
 - A prompt of P tokens requested G = 8 times holds ⌈P / page⌉ pages of prompt tokens, + G where P is not a
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 from harness import equivalence_config, step_fns, tiers
-from jaxllm.generate import generate_arrays
+from jaxllm.generate import generate, generate_arrays
 from jaxllm.generate.decode import reshard_bytes
 from jaxllm.generate.engine import Engine
 from jaxllm.models import transformer
@@ -102,6 +103,28 @@ def test_several_decode_steps_a_call_draw_the_same_tokens_and_stop_where_one_ste
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
     assert engine.stats["decode_steps"] % 3 == 0
     assert len(engine.pool.free) == len(engine.pool.holders) - 1
+
+
+def test_the_static_engine_cuts_each_prompt_at_its_own_length_and_stop_as_the_engine_does():
+    """`decode.generate` with one max_new_tokens per prompt (the batch run to the largest, each row cut at its own):
+    each request's tokens, stop and log-probabilities as the engine gives them, sampled, with stop ids that end some
+    requests before their length and that others draw only past it (those did not stop)."""
+    cfg, params = _model("llama")
+    prompts, new = _requests()
+    whole = generate_arrays(params, cfg, prompts, max(new), temperature=1.0, seed=3)
+    short = [i for i, n in enumerate(new) if n < max(new)][:3]
+    past = [int(whole["tokens"][i, new[i]]) for i in short]  # drawn just past the request's length
+    third = [int(whole["tokens"][i, 2]) for i, n in enumerate(new) if n > 3 and i not in short][:3]  # inside it
+    stops = past + third
+    want = Engine(params, cfg, slots=SLOTS, page=PAGE).generate(prompts, new, temperature=1.0, seed=3, stop_ids=stops)
+    got = generate(params, cfg, prompts, new, temperature=1.0, seed=3, stop_ids=stops)
+    cut = generate_arrays(params, cfg, prompts, max(new), temperature=1.0, seed=3, stop_ids=stops)
+    assert any(c.stopped and len(c.tokens) < n for c, n in zip(want, new))
+    assert any(stopped and length > n for stopped, length, n in zip(cut["stopped"], cut["lengths"], new))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        assert b.stopped == a.stopped
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("prompt_len", [8, 10])

@@ -9,7 +9,8 @@
 (the model, its tokenizer.json and generation_config.json's stop ids) or `gguf:FILE` (a GGUF file, its tokenizer
 and chat template from its metadata). `--chat` asks each prompt as a user turn through the model's chat
 template and prints only the answer. Several `--prompt`s generate as
-one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string) generates on the rollout engine
+one batch. `--prompts FILE` (JSON lines, each {"prompt": text} or a string; a line's own "max_new_tokens" is
+its limit in place of `--max-new-tokens`) generates on the rollout engine
 (paged, continuously batched, on the mesh: `jaxllm/generate/engine.py`), for many prompts of different lengths,
 and prints one JSON line per prompt in the file's order ({"prompt", "text", "tokens", "stopped"}; with `--chat`
 {"prompt", "answer"}). key=value overrides set run keys: the mesh (`mesh.tp=2`), `precision.compute` (the run's,
@@ -33,14 +34,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, help="a run directory, hf:DIR or gguf:FILE")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="text to continue (repeat for a batch)")
-    given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} or a string: "
-                       "generated on the rollout engine, one JSON line out per prompt: {prompt, text, tokens, "
-                       "stopped}, with --chat {prompt, answer}")
+    given.add_argument("--prompts", help="a JSON-lines file of prompts, each {\"prompt\": text} (a line's own "
+                       "\"max_new_tokens\" too) or a string: generated on the rollout engine, one JSON line out per "
+                       "prompt: {prompt, text, tokens, stopped}, with --chat {prompt, answer}")
     p.add_argument("--slots", type=cli.positive_int, default=32,
                    help="with --prompts: the rollout engine's slots (default 32)")
     p.add_argument("--chat", action="store_true", help="ask each prompt as a user turn through the model's chat "
                    "template and print the answers (up to the end of the turn)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the most new tokens a prompt gets (default 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     p.add_argument("--greedy", action="store_true", help="the same as --temperature 0")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens only (0: off)")
@@ -52,23 +53,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a JSON-lines file: each line {"prompt": text} or a JSON string (DataError, one line)."""
+def read_prompts(path: str, max_new_tokens: int) -> tuple[list[str], list[int]]:
+    """The prompts of a JSON-lines file, each line {"prompt": text, "max_new_tokens": n (optional)} or a JSON
+    string, and each one's limit (`max_new_tokens` where the line names none). DataError, one line."""
     import json
 
     from jaxllm.errors import DataError
 
     try:
         lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
-        rows = [json.loads(line) for line in lines]
+        rows = [{"prompt": r} if isinstance(r, str) else r for r in map(json.loads, lines)]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"--prompts {path}: {e}; give a JSON-lines file of {{\"prompt\": text}} lines") from None
-    prompts = [r if isinstance(r, str) else r.get("prompt") if isinstance(r, dict) else None for r in rows]
-    bad = next((i for i, q in enumerate(prompts) if not isinstance(q, str)), None)
-    if bad is not None or not prompts:
-        raise DataError(f"--prompts {path}: line {1 if bad is None else bad + 1} is not {{\"prompt\": text}} "
-                        "nor a string; give one prompt a line")
-    return prompts
+    if not rows:
+        raise DataError(f"--prompts {path}: no prompt in the file; give one {{\"prompt\": text}} a line")
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
+            raise DataError(f"--prompts {path}: line {i + 1} is not {{\"prompt\": text}} nor a string; give one "
+                            "prompt a line")
+        n = r.get("max_new_tokens", 1)
+        if type(n) is not int or n < 1:
+            raise DataError(f"--prompts {path}: line {i + 1}'s max_new_tokens is {n!r}; give a whole number ≥ 1")
+    return [r["prompt"] for r in rows], [r.get("max_new_tokens", max_new_tokens) for r in rows]
 
 
 def run(args) -> None:
@@ -76,16 +82,18 @@ def run(args) -> None:
 
     import jaxllm
 
-    prompts = read_prompts(args.prompts) if args.prompts else args.prompt
+    prompts, limits = args.prompt, args.max_new_tokens
+    if args.prompts:
+        prompts, limits = read_prompts(args.prompts, args.max_new_tokens)
     model = jaxllm.load(args.source, args.step, args.overrides)
     sampling = {"temperature": 0.0 if args.greedy else args.temperature, "top_k": args.top_k, "top_p": args.top_p,
                 "seed": args.seed, "slots": args.slots if args.prompts else 0}
     if args.chat:
-        for question, answer in zip(prompts, model.chat(prompts, args.max_new_tokens, **sampling)):
+        for question, answer in zip(prompts, model.chat(prompts, limits, **sampling)):
             print(json.dumps({"prompt": question, "answer": answer}) if args.prompts else answer)
         return
     timings = {}
-    done = model.generate(prompts, args.max_new_tokens, timings=timings, **sampling)
+    done = model.generate(prompts, limits, timings=timings, **sampling)
     for p, g in zip(prompts, done):
         print(json.dumps({"prompt": p, "text": g.text, "tokens": g.tokens.tolist(), "stopped": g.stopped})
               if args.prompts else g.text)

@@ -186,6 +186,17 @@ def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
         raise ConfigError(f"generation: {len(stop_ids)} stop ids; at most {MAX_STOP_IDS}")
 
 
+def limits_checked(m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids) -> list[int]:
+    """Each prompt's max_new_tokens (one for all, or one per prompt), checked as `_check` checks one."""
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise ConfigError(f"generation: {len(limits)} max_new_tokens for {len(prompts)} prompts; give one for all, "
+                          "or one per prompt")
+    for new in {min(limits, default=1), max(limits, default=1)}:
+        _check(m, prompts, new, temperature, top_k, top_p, stop_ids)
+    return limits
+
+
 def bucket(longest: int) -> int:
     """Prompts are left-padded to a power of two (at least 8), so nearby lengths share a program."""
     return max(8, 1 << (longest - 1).bit_length())
@@ -231,22 +242,26 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
     return {k: np.asarray(v.addressable_data(0))[:len(prompts)] for k, v in out.items()}
 
 
-def generate(params, cfg, prompts: list, max_new_tokens: int, *, on=None, temperature: float = 1.0, top_k: int = 0,
+def generate(params, cfg, prompts: list, max_new_tokens, *, on=None, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_ids=(), seed: int = 0, timings: dict | None = None) -> list[Completion]:
     """New tokens for each prompt (a list of token ids), sampled by the model `cfg.model` with parameters
     `params` in `cfg.precision.compute`, on the mesh of `on` (a Layout, StepFns or Mesh; None: one device)
     where the parameters live as that layout stores them.
 
     temperature 0 is greedy; top_k 0 and top_p 1 leave the distribution whole. Each completion ends after
-    its first stop id (kept) or after max_new_tokens; each token comes with its log-probability under
+    its first stop id (kept) or after max_new_tokens (one for all, or one per prompt: the batch runs to the
+    largest and each row is cut at its own, which gives the tokens a row of its own length would draw, since a
+    draw depends only on what came before it); each token comes with its log-probability under
     log_softmax(logits / temperature) over the whole vocabulary (temperature 1 when greedy). A row's draws
     depend on the seed and its place in `prompts`, not on the mesh. A `timings` dict gets the seconds spent
     compiling (`compile_s`) and generating (`run_s`).
     """
-    out = generate_arrays(params, cfg, prompts, max_new_tokens, on=on, temperature=temperature, top_k=top_k,
+    limits = limits_checked(cfg.model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
+    out = generate_arrays(params, cfg, prompts, max(limits), on=on, temperature=temperature, top_k=top_k,
                           top_p=top_p, stop_ids=stop_ids, seed=seed, timings=timings)
-    return [Completion(out["tokens"][r, :n], out["logprobs"][r, :n], bool(out["stopped"][r]))
-            for r, n in enumerate(out["lengths"])]
+    return [Completion(out["tokens"][r, :min(n, limit)], out["logprobs"][r, :min(n, limit)],
+                       bool(out["stopped"][r]) and n <= limit)
+            for r, (n, limit) in enumerate(zip(out["lengths"], limits))]
 
 
 def _copied_leaves(m, dtype, on):

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxllm.errors import ConfigError
 from jaxllm.generate.cache import init_cache, layout_for, padded_rows
-from jaxllm.generate.decode import Completion, _check, _dropless, _gathered_weights, bucket
+from jaxllm.generate.decode import Completion, _dropless, _gathered_weights, bucket, limits_checked
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView, head_dim
@@ -284,9 +284,7 @@ class Engine:
         """Each prompt's completion, as `decode.generate` gives it (the same tokens where the logits agree);
         `max_new_tokens` one for all or one per prompt; `order`: the requests' arrival order (default: as
         given). `stats` then holds the decode steps run and the most pages that held prompt tokens at once."""
-        new = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        _check(self.m, prompts, min(new), temperature, top_k, top_p, stop_ids)
-        _check(self.m, prompts, max(new), temperature, top_k, top_p, stop_ids)
+        new = limits_checked(self.m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
         row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
         self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
         self.pools = self.programs.pools(pages=len(self.pool.holders))

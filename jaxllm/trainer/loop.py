@@ -46,8 +46,8 @@ from jaxllm.trainer.step import make_step_fns, trained
 log = logging.getLogger("jaxllm")
 
 
-def resolve(cfg: Config):
-    """Fill `model.vocab_size` from the tokenizer and validate against the devices.
+def resolve(cfg: Config, *, data: bool = True):
+    """Fill `model.vocab_size` from the tokenizer and validate against the devices (`data`: `validate`'s).
 
     Returns (tokenizer, mesh shape, notes to log); raises UserError on any problem.
     """
@@ -57,7 +57,7 @@ def resolve(cfg: Config):
     if cfg.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the {tokenizer.name} tokenizer's "
                           f"{tokenizer.vocab_size}; raise it or set 0")
-    shape, notes = validate(cfg, jax.device_count())
+    shape, notes = validate(cfg, jax.device_count(), data=data)
     return tokenizer, shape, notes
 
 
