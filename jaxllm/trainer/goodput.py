@@ -50,7 +50,8 @@ def _on_duration(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)  # once per process, at import
 
 
-def _compiling() -> float:
+def compiling_seconds() -> float:
+    """Seconds this thread has spent tracing, lowering and compiling since the process started."""
     return _compiled[threading.get_ident()]
 
 
@@ -73,12 +74,12 @@ class Clock:
         """Count the block's time to `category` (which the block may change: `part.category = ...` on what it
         yields), but for the compiling inside it and the blocks inside it."""
         part = types.SimpleNamespace(category=category)
-        start, compiled = time.perf_counter(), _compiling()
+        start, compiled = time.perf_counter(), compiling_seconds()
         self._inner.append([0.0, 0.0])
         try:
             yield part
         finally:
-            seconds, compiling = time.perf_counter() - start, _compiling() - compiled
+            seconds, compiling = time.perf_counter() - start, compiling_seconds() - compiled
             inner_seconds, inner_compiling = self._inner.pop()
             if self._inner:
                 self._inner[-1][0] += seconds
