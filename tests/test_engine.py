@@ -4,10 +4,10 @@ the static engine (`generate/decode.py`) and one device, fp32.
 - Every request's tokens equal the static engine's and its log-probabilities are within 1e-5, greedy and sampled
   (the same seed: request i draws what row i draws), with the requests arriving in three orders, on 4 slots of
   pages of 4 tokens, per-request `max_new_tokens` and prompts repeated (shared); for a LLaMA-shaped model, one
-  with sliding windows on alternate layers, and latent attention. The static engine's own per-request
-  `max_new_tokens` (a batch run to the largest, each row cut) stops where the engine stops. Where a greedy token differs, the static
+  with sliding windows on alternate layers, and latent attention. Where a greedy token differs, the static
   engine's top-2 margin there must be under 1e-5 (a tie the two programs' rounding may break either way);
-  sampled tokens must be equal.
+  sampled tokens must be equal. The static engine's own per-request `max_new_tokens` (a batch run to the
+  largest, each row cut) ends and stops each request where the engine does.
 - A prompt of P tokens requested G = 8 times holds ⌈P / page⌉ pages of prompt tokens, + G where P is not a
   multiple of the page (each request's copy of the partial page), counted at the engine's peak; every page is
   free again at the end.
