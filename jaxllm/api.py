@@ -35,7 +35,8 @@ from jaxllm.generate.engine import Engine
 from jaxllm.interop import export, gguf_io, hf
 from jaxllm.mesh import initialize_distributed, make_mesh
 from jaxllm.trainer import checkpoint as ckpt, goodput, metrics
-from jaxllm.trainer.loop import checkpoint_params, completion_text, initial_state, resolve, train as run_training
+from jaxllm.trainer.loop import (checkpoint_params, completion_text, initial_state, resolve, train as run_training,
+                                 with_stored_base)
 from jaxllm.trainer.state import PARAMS_ONLY
 from jaxllm.trainer.step import make_step_fns
 
@@ -267,9 +268,10 @@ class Model:
         tokenizer and chat template of a GGUF tokenizer."""
         if format not in ("hf", "gguf"):
             raise ConfigError(f"export format {format!r}: one of hf, gguf")
+        if format == "gguf" and adapter:
+            raise ConfigError("a GGUF export writes the model with its adapters merged in; export --adapter as hf")
+        params = self.params if adapter else with_stored_base(self.cfg, self.fns, self.params)
         if format == "gguf":
-            if adapter:
-                raise ConfigError("a GGUF export writes the model with its adapters merged in; export --adapter as hf")
-            return export.gguf_file(self.cfg, self.params, os.fspath(path), dtype or "f32", what=self.source)
-        export.hf_directory(self.cfg, self.params, os.fspath(path), dtype=dtype, max_shard_size=max_shard_size,
+            return export.gguf_file(self.cfg, params, os.fspath(path), dtype or "f32", what=self.source)
+        export.hf_directory(self.cfg, params, os.fspath(path), dtype=dtype, max_shard_size=max_shard_size,
                             adapter=adapter, what=self.source)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import hf_families as H
 from harness import assert_matches, equivalence_config, loss_and_grads, step_fns, tiers, with_random_b
@@ -201,6 +202,10 @@ def test_a_trained_adapter_exports_to_peft_and_merged_and_imports_back(llama, tm
     assert np.abs(H.reference_logits(str(tmp_path / "merged"), tokens) - theirs).max() <= 1e-4
     assert np.abs(H.reference_logits(llama, tokens) - theirs).max() > 1e-2  # the adapters did change the model
     assert stored_params(os.path.join(run, "checkpoints", "20", "state")) == {"a", "b"}
+    # loaded in bf16, the model holds its frozen base in bf16; its merged export still merges onto the stored base
+    jaxllm.load(run, overrides={"precision.compute": "bfloat16"}).export(str(tmp_path / "merged_from_bf16"))
+    chex.assert_trees_all_equal(*(safetensors.numpy.load_file(str(tmp_path / d / "model.safetensors"))
+                                  for d in ("merged", "merged_from_bf16")))
 
     from jaxllm.api import step_fns_for
     from jaxllm.trainer.loop import initial_state

@@ -144,6 +144,20 @@ def checkpoint_params(cfg: Config, fns, run_dir: str, step: int | None):
     return lora.combine(adapters, _frozen_base(cfg, fns))
 
 
+def with_stored_base(cfg: Config, fns, params):
+    """A LoRA model's adapters on its base as the source stores it (fp32; quantized under QLoRA), read again: a loaded
+    or training model holds its frozen base in the compute dtype, which a merged export must not round to."""
+    if not cfg.model.lora.rank:
+        return params
+    if cfg.init.from_:
+        start = _source_params(cfg, fns)
+    else:
+        start = jax.jit(lambda: transformer.init_params(cfg.model, jax.random.key(cfg.train.seed)),
+                        out_shardings=fns.state_shardings.params)()
+    mask = trained(cfg.model)[1]
+    return lora.combine(lora.split(params, mask)[0], lora.split(start, mask)[1])
+
+
 def _frozen_base(cfg: Config, fns):
     """A LoRA run's frozen part of the parameters, read again from where its base came from (as at step 0)."""
     return lora.split(initial_state(cfg, fns).params, trained(cfg.model)[1])[1]
