@@ -330,5 +330,8 @@ def _check_loop(t: TrainConfig, r: RunConfig) -> None:
             raise ConfigError(f"train.{key}: must be 0 or more, got {getattr(t, key)}")
     if r.sample_tokens < 0:
         raise ConfigError(f"run.sample_tokens: must be 0 (no sample) or more, got {r.sample_tokens}")
+    if "://" in r.dir:
+        raise ConfigError(f"run.dir '{r.dir}' is a URL, and a run directory is written with Python's file functions; "
+                          "give a path every host sees (a bucket through a gcsfuse mount)")
     if t.keep_checkpoints < 1:
         raise ConfigError(f"train.keep_checkpoints: must be at least 1, got {t.keep_checkpoints}")

@@ -63,6 +63,7 @@ def initialize_distributed(d: DistributedConfig) -> None:
 
     Must run before anything touches the devices. Single-process runs skip it.
     """
+    _check_distributed(d)
     if d.coordinator_address:
         jax.distributed.initialize(
             coordinator_address=d.coordinator_address,
@@ -70,11 +71,30 @@ def initialize_distributed(d: DistributedConfig) -> None:
             process_id=d.process_id if d.process_id >= 0 else None,
         )
     elif d.auto:
-        jax.distributed.initialize()  # SLURM, Open MPI, TPU pods, ... detected by JAX
+        try:
+            jax.distributed.initialize()  # SLURM, Open MPI, TPU pods, ... detected by JAX
+        except ValueError as e:  # no cluster JAX knows: it asks for what it could not find
+            raise ConfigError(f"distributed.auto=true: JAX detected no cluster here ({e}); give "
+                              "distributed.coordinator_address, num_processes and process_id, or leave auto off "
+                              "for one process") from None
     else:
         return
     log.info("jax.distributed: process %d of %d, %d local devices, %d in all",
              jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _check_distributed(d: DistributedConfig) -> None:
+    """The distributed keys fit together (one ConfigError line), before jax.distributed starts."""
+    if d.num_processes < 0 or d.process_id < -1:
+        raise ConfigError(f"distributed.num_processes ({d.num_processes}) must be 0 (left to JAX) or more and "
+                          f"distributed.process_id ({d.process_id}) -1 (left to JAX) or more")
+    if d.num_processes and d.process_id >= d.num_processes:
+        raise ConfigError(f"distributed.process_id={d.process_id} of distributed.num_processes={d.num_processes}: "
+                          f"ids run from 0 to {d.num_processes - 1}")
+    if (d.num_processes or d.process_id >= 0) and not (d.coordinator_address or d.auto):
+        raise ConfigError("distributed.num_processes and process_id start several processes only with "
+                          "distributed.coordinator_address (host:port of process 0) or distributed.auto=true; "
+                          "give one, or leave them unset for one process")
 
 
 def make_mesh(shape: dict[str, int], cfg: Config | None = None, devices=None) -> Mesh:

@@ -141,6 +141,10 @@ BAD = {
                                      "model.collective_matmul"),
     "negative_grad_clip": (["train.grad_clip=-1"], "train.grad_clip"),  # it was read as off, in silence
     "negative_sample_tokens": (["run.sample_tokens=-1"], "run.sample_tokens"),
+    "process_id_past_the_count": (["distributed.coordinator_address=localhost:1", "distributed.num_processes=2",
+                                   "distributed.process_id=2"], "ids run from 0 to 1"),
+    "processes_without_a_coordinator": (["distributed.num_processes=2", "distributed.process_id=0"],
+                                        "distributed.coordinator_address"),  # it trained as one process, in silence
 }
 
 
@@ -153,6 +157,21 @@ def test_config_errors_are_one_line_exit_2_nothing_written(tmp_path, capsys, cas
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], err
     assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_auto_distribution_off_a_cluster_is_one_line(tmp_path):
+    """JAX's cluster detection finds nothing here: one line naming distributed.auto (not JAX's ValueError)."""
+    res = cli("distributed.auto=true", f"run.dir={tmp_path / 'run'}")
+    assert res.returncode == 2 and res.stderr.startswith("error: distributed.auto=true: JAX detected no cluster")
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_url_run_dir_is_refused_before_a_local_folder_of_its_name_is_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli.main(["run.dir=gs://bucket/runs/x"]) == 2
+    assert "run.dir 'gs://bucket/runs/x' is a URL" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
 
 
 def test_existing_run_is_not_overwritten(tmp_path, capsys):
