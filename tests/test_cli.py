@@ -59,6 +59,9 @@ def test_every_subcommand_has_help(argv, capsys):
     (["hf", "import", "only_one"], "jaxllm hf import: error: the following arguments are required: run_dir"),
     (["prepare-data", "in", "out", "--shard-tokens", "0"], "must be at least 1, got 0"),
     (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--slots", "0"], "--slots: must be at least 1, got 0"),
+    (["eval", "--from", "runs/x", "--tasks", "mesh.tp=2"], "argument --tasks: expected at least one argument"),
+    (["exact-match", "--from", "runs/x", "--data", "d.jsonl", "--limit", "-1"], "--limit: must be 0 or more, got -1"),
+    (["exact-match", "--from", "runs/x", "--data", "no/such.jsonl"], "--data: no such file 'no/such.jsonl'"),
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = _call(argv, capsys)
@@ -82,6 +85,18 @@ def test_a_bad_prompts_file_is_one_line_naming_its_line(lines, says, tmp_path, c
     code, out, err = _call(["generate", "--from", "runs/x", "--prompts", str(tmp_path / "p.jsonl")], capsys)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_overrides_after_an_option_of_several_values_are_overrides():
+    """argparse gives every word after `--tasks` to it: the key=value ones are the command's overrides (as the docs'
+    `jaxllm eval --from hf:DIR --tasks t.yaml mesh.tp=2` means), a repeated `--prompt` keeps its text as given."""
+    from jaxllm.cli import eval as eval_command, generate as generate_command, parse_with_overrides
+
+    args = parse_with_overrides(eval_command.parser(), ["--from", "x", "--tasks", "a.yaml", "mesh.tp=2", "b.yaml",
+                                                        "precision.compute=float32"])
+    assert args.tasks == ["a.yaml", "b.yaml"] and args.overrides == ["mesh.tp=2", "precision.compute=float32"]
+    args = parse_with_overrides(generate_command.parser(), ["--from", "x", "--prompt", "a.b=1", "mesh.tp=2"])
+    assert args.prompt == ["a.b=1"] and args.overrides == ["mesh.tp=2"]
 
 
 def test_config_names_resolve_to_the_shipped_files():

@@ -3,6 +3,8 @@ and a Python hook, with negatives, decimals, commas, nested braces and no match;
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -86,6 +88,18 @@ def test_bad_reward_specs_are_one_line(specs, problem):
     with pytest.raises(ConfigError, match=problem) as e:
         rewards.parse(specs)
     assert "\n" not in str(e.value)
+
+
+def test_a_hook_module_in_the_current_directory_is_found_and_shadows_nothing(tmp_path, monkeypatch):
+    """As `python -m` finds a module in the current directory (the `jaxllm` command does not put it on the path):
+    searched last, and off the path again afterwards."""
+    (tmp_path / "my_rewards_here.py").write_text("def brevity(prompts, completions, **_):\n"
+                                                 "    return [-float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    total, _ = rewards.parse(["python:my_rewards_here:brevity*0.1"])(["p", "q"], ["ab", "abcd"], answer=["", ""])
+    np.testing.assert_allclose(total, [-0.2, -0.4])
+    assert sys.path == path
 
 
 def test_a_hook_returning_the_wrong_number_of_scores_is_refused():

@@ -9,6 +9,7 @@ The subcommands themselves are listed in `jaxllm.cli.main`.
 from __future__ import annotations
 
 import argparse
+import re
 
 from jaxllm.errors import run  # noqa: F401  (each subcommand's main returns cli.run(...))
 
@@ -29,6 +30,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """argparse's type for a count that may be 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def config_parser(prog: str, description: str) -> ArgumentParser:
     from jaxllm.config import shipped_configs
 
@@ -40,11 +49,23 @@ def config_parser(prog: str, description: str) -> ArgumentParser:
     return parser
 
 
+OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.\w+)+=")  # section.key=value
+
+
 def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """`parser`'s arguments, with key=value overrides allowed after the options too (all in `overrides`)."""
+    """`parser`'s arguments, with key=value overrides allowed after the options too (all in `overrides`): also
+    after an option of several values (`--tasks a.yaml b.yaml mesh.tp=2`), which argparse would give them to."""
     args, extra = parser.parse_known_args(argv)
     if any("=" not in e or e.startswith("-") for e in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    for action in parser._actions:  # the options that take several words at once (not --prompt's repeats)
+        values = getattr(args, action.dest, None)
+        if action.option_strings and action.nargs in ("+", "*") and isinstance(values, list):
+            kept = [v for v in values if not OVERRIDE.match(str(v))]
+            if action.nargs == "+" and not kept:
+                parser.error(f"argument {'/'.join(action.option_strings)}: expected at least one argument")
+            setattr(args, action.dest, kept)
+            extra += [v for v in values if OVERRIDE.match(str(v))]
     args.overrides = [*args.overrides, *extra]
     return args
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from jaxllm import cli
@@ -23,7 +24,7 @@ from jaxllm import cli
 
 def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="jaxllm eval", description=__doc__.splitlines()[0])
-    p.add_argument("--from", dest="source", required=True, help="a run directory or hf:DIR")
+    p.add_argument("--from", dest="source", required=True, help="a run directory, hf:DIR or gguf:FILE")
     p.add_argument("--tasks", nargs="+", required=True, help="task files (YAML or JSON)")
     p.add_argument("--step", type=int, default=None, help="a run's checkpoint step (default: the newest)")
     p.add_argument("--apply-chat-template", action="store_true",
@@ -41,10 +42,13 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     import jaxllm
+    from jaxllm.errors import ConfigError
     from jaxllm.eval import tasks as tasks_lib
 
-    # every file and the limit checked before the model loads
+    # every file, the limit and where the results go checked before the model loads
     tasks = [tasks_lib.first_docs(tasks_lib.load_task(path), args.limit) for path in args.tasks]
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ConfigError(f"--out {args.out}: no folder '{os.path.dirname(args.out)}' to write it in; make it first")
     model = jaxllm.load(args.source, args.step, args.overrides)
     results, samples = model.evaluate(tasks, chat_template=args.apply_chat_template,
                                       fewshot_as_multiturn=args.fewshot_as_multiturn)

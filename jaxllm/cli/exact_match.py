@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import numpy as np
@@ -27,9 +28,9 @@ def parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="jaxllm exact-match", description=__doc__.splitlines()[0])
     p.add_argument("--from", dest="source", required=True, help="a run directory, hf:DIR or gguf:FILE")
     p.add_argument("--data", required=True, help="a JSONL file of held-out examples")
-    p.add_argument("--limit", type=int, default=0, help="the first N examples only (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=64, help="requests generated together")
+    p.add_argument("--limit", type=cli.count, default=0, help="the first N examples only (0: all)")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
+    p.add_argument("--batch", type=cli.positive_int, default=64, help="requests generated together")
     p.add_argument("--step", type=int, default=None, help="a checkpoint step; 0: the starting parameters")
     p.add_argument("overrides", nargs="*", help="run keys, e.g. mesh.tp=2 data.format=chat")
     return p
@@ -37,7 +38,10 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args) -> None:
     import jaxllm
+    from jaxllm.errors import DataError
 
+    if not os.path.isfile(args.data):  # before the model loads
+        raise DataError(f"--data: no such file '{args.data}'; give a JSONL file of held-out examples")
     model = jaxllm.load(args.source, args.step, args.overrides)
     result = model.exact_match(args.data, limit=args.limit, max_new_tokens=args.max_new_tokens, batch=args.batch)
     for prompt, text, reply in list(zip(result.prompts, result.texts, result.replies))[:3]:

@@ -133,10 +133,11 @@ def first_docs(task: Task, limit: float | None) -> Task:
     return dataclasses.replace(task, docs=task.docs[:math.ceil(len(task.docs) * limit) if limit < 1 else int(limit)])
 
 
-def load_task(path: str) -> Task:
-    """The task a file describes, with its documents read; DataError (one line) for anything unsupported."""
+def load_task(path: str, key: str = "--tasks") -> Task:
+    """The task a file describes, with its documents read; DataError (one line, naming `key`: where the file was
+    given) for anything unsupported."""
     if not os.path.isfile(path):
-        raise DataError(f"--tasks: no such task file '{path}'; give a YAML or JSON file in lm-evaluation-harness's "
+        raise DataError(f"{key}: no such task file '{path}'; give a YAML or JSON file in lm-evaluation-harness's "
                         "task format")
     spec = _load_file(path)
     where = f"task file {path}"

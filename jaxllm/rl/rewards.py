@@ -21,7 +21,9 @@ Several rewards add up with weights: `parse(["gsm8k", "format*0.2"], format_patt
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
@@ -102,14 +104,29 @@ def format_reward(pattern: str) -> Callable:
 BUILT_IN = {"exact_match": exact_match, "gsm8k": gsm8k, "boxed": boxed}
 
 
+def _import_here_too(module: str):
+    """The module from the Python path or, as `python -m` finds one, the current directory (searched last, so a
+    file there shadows no installed module)."""
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.append(here)
+    try:
+        return importlib.import_module(module)
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
 def _hook(spec: str) -> Callable:
     """`python:module:function` as the function."""
     module, _, name = spec[len("python:"):].partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(_import_here_too(module), name)
     except (ImportError, AttributeError, ValueError) as e:
         raise ConfigError(f"reward {spec!r}: cannot import it ({type(e).__name__}: {e}); give "
-                          "python:module:function with the module on the Python path") from None
+                          "python:module:function with the module in the current directory or on the Python "
+                          "path") from None
     if not callable(fn):
         raise ConfigError(f"reward {spec!r}: {name} is not a function")
     return fn
