@@ -62,6 +62,8 @@ def test_every_subcommand_has_help(argv, capsys):
     (["eval", "--from", "runs/x", "--tasks", "mesh.tp=2"], "argument --tasks: expected at least one argument"),
     (["exact-match", "--from", "runs/x", "--data", "d.jsonl", "--limit", "-1"], "--limit: must be 0 or more, got -1"),
     (["exact-match", "--from", "runs/x", "--data", "no/such.jsonl"], "--data: no such file 'no/such.jsonl'"),
+    (["eval", "--from", "runs/x", "--tasks", str(REPO / "tests" / "fixtures" / "eval_real" / "capitals.yaml"),
+      "--out", "no/such/r.json"], "--out no/such/r.json: no folder 'no/such'"),  # checked before evaluating
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = _call(argv, capsys)
