@@ -236,6 +236,10 @@ BAD_TASKS = {  # name -> (task keys, words the one line must hold)
     "missing_data": ({"dataset_kwargs": {"data_files": {"test": "nowhere.jsonl"}}}, "no such data file"),
     "metric": ({"metric_list": [{"metric": "exact_match"}]}, "metrics ['exact_match'] are not computed"),
     "remote": ({"dataset_path": "allenai/ai2_arc"}, "dataset_path must be json"),
+    "misspelt_column": ({"doc_to_text": "{{qq}}"}, "task t: doc_to_text '{{qq}}' on a document of columns "
+                                                   "['a', 'g', 'q']: UndefinedError: 'qq' is undefined"),
+    "template_syntax": ({"doc_to_text": "{{q}"}, "doc_to_text '{{q}' on a document of columns ['a', 'g', 'q']: "
+                                                 "TemplateSyntaxError"),
 }
 
 

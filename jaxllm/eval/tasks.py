@@ -59,7 +59,10 @@ class Task:
     filters: dict = field(default_factory=lambda: {"none": [{"function": "take_first"}]})
 
     def render(self, key: str, doc: dict):
-        return render(self.spec.get(key), doc, key, has_choices="doc_to_choice" in self.spec)
+        try:
+            return render(self.spec.get(key), doc, key, has_choices="doc_to_choice" in self.spec)
+        except DataError as e:
+            raise DataError(f"task {self.name}: {e}") from None
 
     def text(self, doc: dict) -> str:
         return self.render("doc_to_text", doc)
@@ -86,9 +89,15 @@ def render(template, doc: dict, key: str, has_choices: bool):
         return template
     if template in doc:
         return doc[template]
-    text = _template(template).render(**doc)
-    if key == "doc_to_choice":
-        return ast.literal_eval(text)
+    import jinja2
+
+    try:
+        text = _template(template).render(**doc)
+        if key == "doc_to_choice":
+            return ast.literal_eval(text)
+    except (jinja2.TemplateError, ValueError, SyntaxError) as e:
+        raise DataError(f"{key} {template!r} on a document of columns {sorted(doc)}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}; fix the template or the data") from None
     if key == "doc_to_target" and has_choices and text.isdigit():
         return int(text)
     if key == "doc_to_target" and text.startswith("[") and text.endswith("]"):
@@ -178,11 +187,21 @@ def load_task(path: str, key: str = "--tasks") -> Task:
             raise DataError(f"{where}: {metric} does not take {sorted(set(given) - EXACT_MATCH_ARGS)}")
     delimiter = spec.get("fewshot_delimiter", "\n\n")
     read = lambda s: _read_jsonl(Path(path).parent / files[s], where)
-    return Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
+    return _rendered_once(Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
                 fewshot_docs=read(fewshot) if num_fewshot else None, same_split=fewshot == split, spec=spec,
                 num_fewshot=num_fewshot, description=spec.get("description", ""),
                 target_delimiter=spec.get("target_delimiter", " "), fewshot_delimiter=delimiter, metrics=metrics,
-                metric_args=args, **(_generation(spec, where, delimiter) if kind == "generate_until" else {}))
+                metric_args=args, **(_generation(spec, where, delimiter) if kind == "generate_until" else {})))
+
+
+def _rendered_once(task: Task) -> Task:
+    """The task, after its templates rendered on the first document of each split it reads: a misspelt column or a
+    template that does not parse is one line here, before any model loads or run directory is written."""
+    for doc in task.docs[:1] + (task.fewshot_docs or [])[:1]:
+        for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+            if key in task.spec:
+                task.render(key, doc)
+    return task
 
 
 def _generation(spec: dict, where: str, delimiter: str) -> dict:
