@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -75,8 +76,18 @@ def save(mngr: ocp.CheckpointManager, step: int, state, meta: dict, checked: boo
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip()
+    """The error's own words: its first line, without the TensorStore spec orbax appends."""
+    text = str(e).strip().split(" See full TensorStore details")[0]
     return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _without_abandoned_reads(unraisable, *, then=sys.unraisablehook) -> None:
+    """sys.unraisablehook once a restore has failed: orbax leaves its other array reads of that step to be collected
+    unawaited or with their event loop closed, and each would print a traceback of the array's whole TensorStore spec
+    (hundreds of lines after the one line that says what happened); those alone are dropped."""
+    if "_read_array_index" in repr(unraisable.object) or "Event loop is closed" in str(unraisable.exc_value):
+        return
+    then(unraisable)
 
 
 def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
@@ -93,6 +104,7 @@ def read_state(mngr: ocp.CheckpointManager, step: int, abstract_state, saved_che
     try:
         state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))["state"]
     except Exception as e:
+        sys.unraisablehook = _without_abandoned_reads
         raise CheckpointError(f"its arrays are unreadable ({_first_line(e)})") from None
     if saved_checksums:
         checksums.verify(state, saved_checksums)
