@@ -60,6 +60,8 @@ def test_every_subcommand_has_help(argv, capsys):
     (["prepare-data", "in", "out", "--shard-tokens", "0"], "must be at least 1, got 0"),
     (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--slots", "0"], "--slots: must be at least 1, got 0"),
     (["eval", "--from", "runs/x", "--tasks", "mesh.tp=2"], "argument --tasks: expected at least one argument"),
+    (["generate", "--from", "runs/x", "--prompt", "a", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["generate", "--from", "runs/x", "--prompt", "a", "--temperature", "-1"], "--temperature -1.0: must be 0"),
     (["exact-match", "--from", "runs/x", "--data", "d.jsonl", "--limit", "-1"], "--limit: must be 0 or more, got -1"),
     (["exact-match", "--from", "runs/x", "--data", "no/such.jsonl"], "--data: no such file 'no/such.jsonl'"),
     (["eval", "--from", "runs/x", "--tasks", str(REPO / "tests" / "fixtures" / "eval_real" / "capitals.yaml"),

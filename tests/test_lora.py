@@ -231,6 +231,8 @@ def test_refusals(llama, tmp_path):
     assert "q_b and kv_b" in refused(**{"model.attention": "mla", "model.lora.targets": ["q_a", "kv_b"],
                                           "model.lora.base_quant": "nf4", "model.d_model": 64})
     assert "init.from" in refused(**{"init.adapter": "x"})
+    with pytest.raises(ConfigError, match="init.adapter: no adapter_config.json in 'nowhere'"):
+        validate(build_config(None, {"init.from": f"hf:{llama}", **LORA, "init.adapter": "nowhere"}), 1)
     assert "init.from=hf:DIR" in _jaxllm("hf", "import", llama, str(tmp_path / "imported"), "model.lora.rank=4",
                                          check=False).stderr
     with pytest.raises(ConfigError, match="model.lora.rank=4"):

@@ -327,6 +327,7 @@ def test_mixtral_preset_has_mixtrals_size():
 BAD_MOE = {
     "experts_over_ep": ({"mesh.ep": 8, "model.moe.n_experts": 4}, "model.moe.n_experts=4"),
     "top_k": ({"model.moe.top_k": 9}, "top_k"),
+    "negative": ({"model.moe.capacity_factor": -1.0}, "model.moe.capacity_factor=-1.0: must be 0 or more"),
     "custom_allreduce": ({"mesh.dp": 8, "train.microbatches": 2, "train.allreduce": "ring"}, "MoE blocks"),
     "pattern": ({"model.pattern": ["dense", "sparse"]}, "model.pattern"),
     "segments_short": ({"model.segments": [{"layers": 1, "pattern": ["moe"]}]}, "model.segments hold 1 layers"),

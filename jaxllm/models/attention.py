@@ -12,6 +12,7 @@ implementations (`model.attention_impl`) are `ops/`, shared with those strategie
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import NamedTuple
 
 import jax
@@ -627,7 +628,7 @@ def _check_mla(m) -> None:
     if min(a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim) < 1 or a.q_lora_rank < 0:
         raise ConfigError("model.mla: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be at least "
                           "1, q_lora_rank 0 (no query compression) or more")
-    wrong = [f"model.{k}={getattr(m, k)!r}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
+    wrong = [f"model.{k}={json.dumps(ok)}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
                                                            ("qk_norm", False), ("attn_sinks", False),
                                                            ("rope_global", True), ("attn_temperature_floor", 0),
                                                            ("qk_l2_norm", False), ("attn_output_gate", False),
@@ -636,7 +637,7 @@ def _check_mla(m) -> None:
     if wrong:
         raise ConfigError(f"model.attention=mla is built with RoPE on every layer (over qk_rope_head_dim, whole), no "
                           f"attention biases, no q/k norms, no attention sinks, no temperature tuning and no output "
-                          f"gate; change {', '.join(wrong)}")
+                          f"gate; set {', '.join(wrong)}")
 
 
 def check_config(m, shape: dict) -> list[str]:

@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import os
 from typing import Any
 
 import flax.struct
@@ -250,6 +251,9 @@ def check_config(m, cfg, zeropp_plan) -> list[str]:
     if cfg.init.adapter and not (lc.rank and cfg.init.from_):
         raise ConfigError("init.adapter: a LoRA adapter needs the base it was trained on (init.from) and "
                           "model.lora.rank > 0; set both")
+    if cfg.init.adapter and not os.path.isfile(os.path.join(cfg.init.adapter, "adapter_config.json")):
+        raise ConfigError(f"init.adapter: no adapter_config.json in '{cfg.init.adapter}'; give a PEFT adapter "
+                          "directory (`jaxllm hf export RUN_DIR OUT --adapter` writes one)")
     if not lc.rank:
         return []
     base_quant.check_config(m)

@@ -160,10 +160,11 @@ def check_config(m, t, shape: dict[str, int]) -> list[str]:
     if e.n_experts < 1 or not 1 <= e.top_k <= e.n_experts:
         raise ConfigError(f"model.moe: need n_experts ≥ 1 and 1 ≤ top_k ≤ n_experts, got n_experts={e.n_experts}, "
                           f"top_k={e.top_k}")
-    if min(e.capacity_factor, e.d_ff, e.balance_weight, e.z_weight, e.seq_balance_weight, e.bias_update_rate,
-           e.n_shared_experts, e.shared_d_ff) < 0:
-        raise ConfigError("model.moe: capacity_factor, d_ff, balance_weight, z_weight, seq_balance_weight, "
-                          "bias_update_rate, n_shared_experts and shared_d_ff must be 0 or more")
+    negative = [f"model.moe.{k}={getattr(e, k)}" for k in ("capacity_factor", "d_ff", "balance_weight", "z_weight",
+                                                          "seq_balance_weight", "bias_update_rate", "n_shared_experts",
+                                                          "shared_d_ff") if getattr(e, k) < 0]
+    if negative:
+        raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
     _check_routing(e)
     if e.shared_gate and not (e.n_shared_experts or e.shared_d_ff):
         raise ConfigError("model.moe.shared_gate=true gates the shared experts, and there are none; set "
