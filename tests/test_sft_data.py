@@ -244,9 +244,21 @@ def test_a_bad_line_is_one_error_naming_it(tmp_path, line, problem):
 
 
 def test_prompt_completion_lines_need_both_keys_of_one_kind(tmp_path):
-    for row, problem in (({"prompt": "a"}, "no 'completion'"), ({"prompt": "a", "completion": []}, "must both be strings")):
+    for row, problem in (({"prompt": "a"}, "no 'completion'"),
+                         ({"prompt": "a", "completion": []}, "must both be strings"),
+                         ({"messages": CONVERSATIONS[0]}, "a chat line .* read as data.format=prompt_completion: set "
+                                                          "data.format=chat")):
         with pytest.raises(DataError, match=problem):
             examples_of(write_jsonl(tmp_path / "p.jsonl", [row]), format="prompt_completion")
+
+
+def test_a_chat_line_asked_as_a_prompt_completion_request_names_the_format():
+    """exact-match's requests (`prompt_and_reply`) from a chat file on a model whose format defaults to
+    prompt_completion: the fix is the config's, not the line's."""
+    from jaxllm.data.examples import prompt_and_reply
+
+    with pytest.raises(DataError, match="line 1: needs 'prompt' and 'completion'; it is a chat line"):
+        prompt_and_reply({"messages": CONVERSATIONS[0]}, "line 1", data_config(format="prompt_completion"), None, BYTE)
 
 
 # ---------------------------------------------------------------- truncation, packing, epochs

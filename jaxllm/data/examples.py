@@ -74,6 +74,14 @@ def _text_example(prompt: str, completion: str, tokenizer) -> tuple:
             np.concatenate([np.zeros(len(bos), bool), learn, [True]]))
 
 
+def _fix(obj, d, otherwise: str) -> str:
+    """What to do about a line without the prompt and completion keys: a chat line read as another format is the
+    config's to fix, not the line's."""
+    if isinstance(obj, dict) and d.messages_key in obj:
+        return f"it is a chat line ('{d.messages_key}') read as data.format={d.format}: set data.format=chat"
+    return otherwise
+
+
 def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
     """(ids, learn) of one JSON object, by `data.format`; `template()` gives the chat template."""
     if not isinstance(obj, dict):
@@ -84,7 +92,8 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
         return _chat_example(check_messages(obj[d.messages_key], where, f"'{d.messages_key}'"), 0, template, tokenizer)
     missing = [k for k in (d.prompt_key, d.completion_key) if k not in obj]
     if missing:
-        raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} (data.prompt_key / data.completion_key)")
+        raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} (data.prompt_key / data.completion_key)"
+                        + ("; " + _fix(obj, d, "") if d.messages_key in obj else ""))
     return completion_example(obj[d.prompt_key], obj[d.completion_key], where, (d.prompt_key, d.completion_key),
                               template, tokenizer)
 
@@ -127,7 +136,7 @@ def prompt_and_reply(obj, where: str, d, template, tokenizer) -> tuple[np.ndarra
     else:
         reply_key = d.chosen_key if d.format == "preference" else d.completion_key
         if not isinstance(obj, dict) or d.prompt_key not in obj or reply_key not in obj:
-            raise DataError(f"{where}: needs '{d.prompt_key}' and '{reply_key}'; fix the line")
+            raise DataError(f"{where}: needs '{d.prompt_key}' and '{reply_key}'; {_fix(obj, d, 'fix the line')}")
         prompt, reply = obj[d.prompt_key], obj[reply_key]
         if isinstance(prompt, str) and isinstance(reply, str):
             return prompt_ids(prompt, template, tokenizer), reply
