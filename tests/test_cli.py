@@ -91,16 +91,12 @@ def test_a_bad_prompts_file_is_one_line_naming_its_line(lines, says, tmp_path, c
     assert len(err.splitlines()) == 1 and says in err, err
 
 
-def test_overrides_after_an_option_of_several_values_are_overrides():
+def test_overrides_after_the_task_files_are_overrides(capsys):
     """argparse gives every word after `--tasks` to it: the key=value ones are the command's overrides (as the docs'
-    `jaxllm eval --from hf:DIR --tasks t.yaml mesh.tp=2` means), a repeated `--prompt` keeps its text as given."""
-    from jaxllm.cli import eval as eval_command, generate as generate_command, parse_with_overrides
-
-    args = parse_with_overrides(eval_command.parser(), ["--from", "x", "--tasks", "a.yaml", "mesh.tp=2", "b.yaml",
-                                                        "precision.compute=float32"])
-    assert args.tasks == ["a.yaml", "b.yaml"] and args.overrides == ["mesh.tp=2", "precision.compute=float32"]
-    args = parse_with_overrides(generate_command.parser(), ["--from", "x", "--prompt", "a.b=1", "mesh.tp=2"])
-    assert args.prompt == ["a.b=1"] and args.overrides == ["mesh.tp=2"]
+    `jaxllm eval --from hf:DIR --tasks t.yaml mesh.tp=2` means), so the command gets as far as the model."""
+    task = str(REPO / "tests" / "fixtures" / "eval_real" / "capitals.yaml")
+    code, _, err = _call(["eval", "--from", "runs/x", "--tasks", task, "mesh.tp=2", task], capsys)
+    assert code == 2 and err.startswith("error: runs/x: not a run directory"), err
 
 
 def test_config_names_resolve_to_the_shipped_files():

@@ -169,8 +169,8 @@ MLA = {"model.attention": "mla", "model.mla.kv_lora_rank": 16, "model.mla.qk_nop
 
 
 @pytest.mark.parametrize("keys,named", [
-    ({**MLA, "model.attn_output_gate": True}, "model.attn_output_gate=True"),
-    ({**MLA, "model.rope_fraction": 0.5}, "model.rope_fraction=0.5"),
+    ({**MLA, "model.attn_output_gate": True}, "set model.attn_output_gate=false"),  # the fix, as a key is written
+    ({**MLA, "model.rope_fraction": 0.5}, "set model.rope_fraction=1.0"),
     ({"model.rope_fraction": 0.0}, "model.rope_fraction=0.0"),
     ({"model.rope_fraction": 1.5}, "model.rope_fraction=1.5"),
     ({"model.head_dim": 12, "model.rope_fraction": 0.25}, "RoPE's dimensions (3) must be even"),
