@@ -187,11 +187,12 @@ def load_task(path: str, key: str = "--tasks") -> Task:
             raise DataError(f"{where}: {metric} does not take {sorted(set(given) - EXACT_MATCH_ARGS)}")
     delimiter = spec.get("fewshot_delimiter", "\n\n")
     read = lambda s: _read_jsonl(Path(path).parent / files[s], where)
-    return _rendered_once(Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
+    task = Task(name=spec.get("task") or Path(path).stem, output_type=kind, docs=read(split),
                 fewshot_docs=read(fewshot) if num_fewshot else None, same_split=fewshot == split, spec=spec,
                 num_fewshot=num_fewshot, description=spec.get("description", ""),
                 target_delimiter=spec.get("target_delimiter", " "), fewshot_delimiter=delimiter, metrics=metrics,
-                metric_args=args, **(_generation(spec, where, delimiter) if kind == "generate_until" else {})))
+                metric_args=args, **(_generation(spec, where, delimiter) if kind == "generate_until" else {}))
+    return _rendered_once(task)
 
 
 def _rendered_once(task: Task) -> Task:
