@@ -92,8 +92,9 @@ def parse_line(obj, where: str, d, template, tokenizer) -> tuple:
         return _chat_example(check_messages(obj[d.messages_key], where, f"'{d.messages_key}'"), 0, template, tokenizer)
     missing = [k for k in (d.prompt_key, d.completion_key) if k not in obj]
     if missing:
+        hint = _fix(obj, d, "")
         raise DataError(f"{where}: no {' or '.join(repr(k) for k in missing)} (data.prompt_key / data.completion_key)"
-                        + ("; " + _fix(obj, d, "") if d.messages_key in obj else ""))
+                        + (f"; {hint}" if hint else ""))
     return completion_example(obj[d.prompt_key], obj[d.completion_key], where, (d.prompt_key, d.completion_key),
                               template, tokenizer)
 

@@ -629,10 +629,10 @@ def _check_mla(m) -> None:
         raise ConfigError("model.mla: kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be at least "
                           "1, q_lora_rank 0 (no query compression) or more")
     wrong = [f"model.{k}={json.dumps(ok)}" for k, ok in (("positions", "rope"), ("attn_bias", "none"),
-                                                           ("qk_norm", False), ("attn_sinks", False),
-                                                           ("rope_global", True), ("attn_temperature_floor", 0),
-                                                           ("qk_l2_norm", False), ("attn_output_gate", False),
-                                                           ("rope_fraction", 1.0))
+                                                          ("qk_norm", False), ("attn_sinks", False),
+                                                          ("rope_global", True), ("attn_temperature_floor", 0),
+                                                          ("qk_l2_norm", False), ("attn_output_gate", False),
+                                                          ("rope_fraction", 1.0))
              if getattr(m, k) != ok]
     if wrong:
         raise ConfigError(f"model.attention=mla is built with RoPE on every layer (over qk_rope_head_dim, whole), no "

@@ -573,7 +573,8 @@ def _set_up(cfg: Config, clock: goodput.Clock):
     starting step, whether it resumes, the prefetching data or None). A problem with the user's input ends here."""
     with clock.timing("data"):
         tokenizer, shape, notes, data = prepare(cfg)
-        tasks = [eval_tasks.load_task(path, "train.eval_tasks") for path in cfg.train.eval_tasks]  # a bad task file writes nothing
+        # a bad task file writes nothing
+        tasks = [eval_tasks.load_task(path, "train.eval_tasks") for path in cfg.train.eval_tasks]
     if not cfg.run.dir and jax.process_count() > 1:
         raise ConfigError("run.dir: a multi-process run needs it set explicitly (the same shared path on every host)")
     if not cfg.run.dir:
