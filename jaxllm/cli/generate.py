@@ -77,23 +77,13 @@ def read_prompts(path: str, max_new_tokens: int) -> tuple[list[str], list[int]]:
     return [r["prompt"] for r in rows], [r.get("max_new_tokens", max_new_tokens) for r in rows]
 
 
-def _check_sampling(args) -> None:
-    """The sampling flags, each named (ConfigError, one line), before the model loads."""
-    from jaxllm.errors import ConfigError
-
-    for flag, value, ok, need in (("--temperature", args.temperature, args.temperature >= 0, "0 (greedy) or more"),
-                                  ("--top-k", args.top_k, args.top_k >= 0, "0 (off) or more"),
-                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1] (1: off)")):
-        if not ok:
-            raise ConfigError(f"{flag} {value}: must be {need}")
-
-
 def run(args) -> None:
     import json
 
     import jaxllm
+    from jaxllm.generate.decode import check_sampling
 
-    _check_sampling(args)
+    check_sampling(args.temperature, args.top_k, args.top_p, names=("--temperature", "--top-k", "--top-p"))
     prompts, limits = args.prompt, args.max_new_tokens
     if args.prompts:
         prompts, limits = read_prompts(args.prompts, args.max_new_tokens)

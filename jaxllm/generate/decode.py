@@ -168,6 +168,17 @@ def _dropless(m):
     return dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=0.0))
 
 
+def check_sampling(temperature, top_k, top_p,
+                   names=("generation: temperature", "generation: top_k", "generation: top_p")) -> None:
+    """The sampling values within their bounds: ConfigError (one line) naming the first that is not, as `names`
+    call them (a command names its flags)."""
+    for name, value, ok, need in ((names[0], temperature, temperature >= 0, "0 (greedy) or more"),
+                                  (names[1], top_k, top_k >= 0, "0 (off) or more"),
+                                  (names[2], top_p, 0 < top_p <= 1, "in (0, 1] (1: off)")):
+        if not ok:
+            raise ConfigError(f"{name} {value}: must be {need}")
+
+
 def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
     """One ConfigError line for what generation cannot do."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -180,8 +191,7 @@ def _check(m, prompts, new: int, temperature, top_k, top_p, stop_ids) -> None:
     if longest + new > limit:
         raise ConfigError(f"generation: a prompt of {longest} tokens plus {new} new ones is {longest + new} positions, "
                           f"more than the model's {limit} (model.max_positions); shorten the prompt or generate fewer")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ConfigError("generation: temperature ≥ 0 (0: greedy), top_k ≥ 0 (0: off) and 0 < top_p ≤ 1 (1: off)")
+    check_sampling(temperature, top_k, top_p)
     if len(stop_ids) > MAX_STOP_IDS:
         raise ConfigError(f"generation: {len(stop_ids)} stop ids; at most {MAX_STOP_IDS}")
 
