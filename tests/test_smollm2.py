@@ -146,6 +146,9 @@ def test_smollm2_after_two_lora_steps_exports_merged(smollm2, tmp_path):
     jaxllm.train({"init.from": f"gguf:{smollm2}", "data.tokenizer": "init", "data.format": "chat",
                   "data.pack": False, "data.source": str(tmp_path / "chat.jsonl"), "data.val_percent": 0,
                   "model.lora.rank": 4, "model.seq_len": 48, "train.global_batch": 8, "train.steps": 2,
+                  # sharded, not replicated on the 8 fake devices: dp=8 held 8 copies in this process (16.5 GB at
+                  # its peak, where a suite worker beside another was killed for memory); 8.2 GB so
+                  "mesh.dp": 1, "mesh.fsdp": -1, "train.zero_stage": 3,
                   "train.lr": 1e-2, "train.warmup_steps": 0, "train.checkpoint_every": 2, "train.eval_every": 0,
                   "precision.compute": "float32", "run.sample_tokens": 0, "run.progress": False,
                   "run.dir": str(tmp_path / "run")})
