@@ -66,6 +66,8 @@ def test_every_subcommand_has_help(argv, capsys):
     (["exact-match", "--from", "runs/x", "--data", "no/such.jsonl"], "--data: no such file 'no/such.jsonl'"),
     (["eval", "--from", "runs/x", "--tasks", str(REPO / "tests" / "fixtures" / "eval_real" / "capitals.yaml"),
       "--out", "no/such/r.json"], "--out no/such/r.json: no folder 'no/such'"),  # checked before evaluating
+    (["eval", "--from", "runs/x", "--tasks", str(REPO / "tests" / "fixtures" / "eval_real" / "capitals.yaml"),
+      "--limit", "0"], "--limit: 0.0 is not a number of documents"),
 ])
 def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
     code, out, err = _call(argv, capsys)

@@ -46,7 +46,7 @@ def run(args) -> dict:
     from jaxllm.eval import tasks as tasks_lib
 
     # every file, the limit and where the results go checked before the model loads
-    tasks = [tasks_lib.first_docs(tasks_lib.load_task(path), args.limit) for path in args.tasks]
+    tasks = [tasks_lib.first_docs(tasks_lib.load_task(path), args.limit, "--limit") for path in args.tasks]
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ConfigError(f"--out {args.out}: no folder '{os.path.dirname(args.out)}' to write it in; make it first")
     model = jaxllm.load(args.source, args.step, args.overrides)

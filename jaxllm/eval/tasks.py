@@ -132,13 +132,14 @@ def _load_file(path: str) -> dict:
         raise DataError(f"task file {path}: cannot be parsed ({str(e).splitlines()[0]}); fix its syntax") from None
 
 
-def first_docs(task: Task, limit: float | None) -> Task:
+def first_docs(task: Task, limit: float | None, key: str = "limit") -> Task:
     """The task on its first documents, as lm-evaluation-harness's `limit` takes them: `limit` of them, or below 1
-    that share of them rounded up; None: all. Few-shot examples are still drawn from their whole split."""
+    that share of them rounded up; None: all. Few-shot examples are still drawn from their whole split. A bad
+    limit is a ConfigError naming `key` (where it was given)."""
     if limit is None:
         return task
     if not limit > 0:
-        raise ConfigError(f"limit: {limit} is not a number of documents (1 or more) nor a share of them (below 1)")
+        raise ConfigError(f"{key}: {limit} is not a number of documents (1 or more) nor a share of them (below 1)")
     return dataclasses.replace(task, docs=task.docs[:math.ceil(len(task.docs) * limit) if limit < 1 else int(limit)])
 
 
