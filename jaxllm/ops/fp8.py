@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ConfigError
-from jaxllm.ops import fp8_block, mxfp8
+from jaxllm.ops import fp8_block, mxfp8, wide_einsum
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GROUPS = ("attention", "mlp", "experts", "head")  # the weight matmuls precision.matmul = "fp8" covers
@@ -98,13 +98,6 @@ def _dot(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.
     return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
 
 
-def _transposed(spec: str) -> tuple[str, str]:
-    """The einsums of the two operands' gradients for "x,w->y": "y,w->x" and "x,y->w"."""
-    ins, out = spec.split("->")
-    x, w = ins.split(",")
-    return f"{out},{w}->{x}", f"{x},{out}->{w}"
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
     return _forward(spec, x, w, out_dtype)[0]
@@ -118,7 +111,7 @@ def _forward(spec, x, w, out_dtype):
 def _backward(spec, out_dtype, saved, g):
     qx, sx, qw, sw, like = saved
     qg, sg = quantize(g, E5M2)
-    dx_spec, dw_spec = _transposed(spec)
+    dx_spec, dw_spec = wide_einsum.transposed(spec)
     return _dot(dx_spec, qg, qw, sg * sw, like.dtype), _dot(dw_spec, qx, qg, sx * sg, like.dtype)
 
 
@@ -144,10 +137,11 @@ def weight_grad(group: str, x: jax.Array, dy: jax.Array) -> jax.Array:
 
 def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """jnp.einsum(spec, x, w) of a weight matmul in `group` (x and w of one dtype; out_dtype defaults to
-    theirs), through the fp8 dot when the traced program covers the group. Each index of the spec
+    theirs), through the fp8 dot when the traced program covers the group, else `wide_einsum`'s (an out_dtype
+    wider than x and w is differentiated in their dtype). Each index of the spec
     appears in two of its three terms (a matmul: no index summed within one operand)."""
     if group not in _covered.get():
-        return jnp.einsum(spec, x, w, preferred_element_type=out_dtype)
+        return wide_einsum.einsum(spec, x, w, out_dtype)
     if x.dtype != w.dtype:
         raise ValueError(f"fp8 einsum {spec}: operands of dtypes {x.dtype} and {w.dtype}; cast them to one")
     if _covered.get().mode == "fp8_block":

@@ -77,6 +77,9 @@ check issue62_default_4k 150 $py -m tools.bench.train_step $llama4k --no-baselin
 # with XLA's Triton GEMMs off, before jaxllm adds that flag by default
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" check issue62_default_4k_no_triton_gemm 150 \
   $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
+# AdamW's two moments kept in bf16 (`train.moment_dtype`): the optimizer's update reads and writes a quarter less
+check issue62_default_4k_bf16_moments 150 $py -m tools.bench.train_step $llama4k train.moment_dtype=bfloat16 --no-baseline \
+  --steps 5 --warmup 2 --windows 3 --json
 check issue62_profile_4k 120 $py -m tools.bench.profile_step $llama4k --steps 5 --warmup 2 --top 25 --out "$out/issue62_profile_4k" --json
 chip=h100; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && chip=h200
 check issue62_roofline_4k 60 $py -m jaxllm plan $llama4k --chip $chip --json
