@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxllm import stack as stack_lib
 from jaxllm.errors import ConfigError
-from jaxllm.models import attention, gated_deltanet, lora, mla
+from jaxllm.models import attention, chunked_loss, gated_deltanet, lora, mla
 from jaxllm.models import moe as moe_lib
 from jaxllm.models.attention import CacheView, head_dim, kv_heads
 from jaxllm.models.layers import MLPS, NORMS, feed_forward, norm
@@ -528,15 +528,16 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
     return x, written
 
 
-@jax.named_scope("head")
-def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
-    """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
+def _head_weight(params: dict, m: ModelConfig, dtype) -> tuple[jax.Array, str]:
+    """(the head's weight as its matmul uses it: cast and laid out, the matmul's einsum spec)."""
     if m.tie_embeddings:
-        w = weight(params["embed"]["tok"], ("vocab", "embed"), dtype)
-        logits = fp8.einsum("head", "bsd,vd->bsv", x, w, jnp.float32)
-    else:
-        w = weight(params["head"]["w"], ("embed", "vocab"), dtype)
-        logits = fp8.einsum("head", "bsd,dv->bsv", x, w, jnp.float32)
+        return weight(params["embed"]["tok"], ("vocab", "embed"), dtype), "bsd,vd->bsv"
+    return weight(params["head"]["w"], ("embed", "vocab"), dtype), "bsd,dv->bsv"
+
+
+def _finish_logits(logits: jax.Array, m: ModelConfig) -> jax.Array:
+    """The head matmul's fp32 output laid out (split over tp), soft-capped where the model caps, and its
+    padding columns pushed to -1e30."""
     logits = constrain(logits, ("batch", "seq", "vocab"))
     if m.final_softcap:  # Gemma 2's, before the padding
         logits = m.final_softcap * jnp.tanh(logits / m.final_softcap)
@@ -544,6 +545,13 @@ def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     # pass makes no second pass over [tokens, vocab] (BENCHMARKS.md measured the difference).
     padding = jnp.where(jnp.arange(logits.shape[-1]) < m.vocab_size, 0.0, -1e30).astype(jnp.float32)
     return logits + padding
+
+
+@jax.named_scope("head")
+def _logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits over the padded vocabulary (split over tp) for normed x; padding columns are pushed to -1e30."""
+    w, spec = _head_weight(params, m, dtype)
+    return _finish_logits(fp8.einsum("head", spec, x, w, jnp.float32), m)
 
 
 def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
@@ -560,7 +568,10 @@ def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: floa
     the target logit is a masked sum over each rank's slice plus one more, so no device ever holds
     full-vocabulary logits (tests/test_tensor_parallel.py reads the compiled program).
     """
-    logits = _logits(params, x, m, dtype)
+    return _logp_lse(_logits(params, x, m, dtype), targets, temperature)
+
+
+def _logp_lse(logits: jax.Array, targets: jax.Array, temperature: float):
     if temperature != 1.0:
         logits = logits / temperature
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -580,9 +591,10 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     sequence objective's stage, once its per-sequence sums are whole).
 
     `chunk` > 0 (`train.loss_chunk`) computes the logits `chunk` sequence positions at a
-    time in a rematerialised scan, so only [batch, chunk, vocab] logits exist at once,
-    in the backward pass too. Chunk j takes positions j, j + n, j + 2n, ... (n chunks) of every
-    batch field: strided, so a sequence split in contiguous blocks over a mesh axis stays split.
+    time, so only [batch, chunk, vocab] logits exist at once, in the backward pass too
+    (`chunked_loss`; a rematerialised scan where fp8 covers the head). Chunk j takes positions
+    j, j + n, j + 2n, ... (n chunks) of every batch field: strided, so a sequence split in
+    contiguous blocks over a mesh axis stays split.
     """
     x = constrain(norm_of(m, params["final_norm"], x), ("batch", "seq", "embed"))
 
@@ -598,15 +610,27 @@ def head_terms(params: dict, x: jax.Array, batch: dict, m: ModelConfig, dtype, t
     def split(a):  # [b, s, ...] -> [n, b, chunk, ...]
         return jnp.moveaxis(a.reshape(b, chunk, n, *a.shape[2:]), 2, 0)
 
+    pieces = (split(x), jax.tree.map(split, batch))
+    if fp8.covers("head"):  # its fp8 matmul differentiates itself: JAX's transpose of a rematerialised scan
+        return finish(*_rematerialised_chunks(evaluate, pieces))
+    w, spec = _head_weight(params, m, dtype)
+
+    def tail(logits, batch):
+        return terms(*_logp_lse(_finish_logits(logits, m), batch["targets"], temperature), batch)
+
+    with jax.named_scope("head"):
+        return finish(*chunked_loss.chunk_sum(tail, spec, w, *pieces))
+
+
+def _rematerialised_chunks(evaluate, pieces):
+    """Σ over the chunks of evaluate(x chunk, batch chunk), each chunk recomputed in the backward pass."""
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def body(carry, xs):
         return jax.tree.map(jnp.add, carry, evaluate(*xs)), None
 
-    pieces = (split(x), jax.tree.map(split, batch))
     start = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
                          jax.eval_shape(evaluate, *jax.tree.map(lambda a: a[0], pieces)))
-    total, _ = jax.lax.scan(body, start, pieces)
-    return finish(*total)
+    return jax.lax.scan(body, start, pieces)[0]
 
 
 MIN_LOSS_CHUNK = 256  # positions: the head's matmul keeps this many rows a chunk, so it stays an accelerator's size

@@ -78,6 +78,11 @@ def use(groups: frozenset):
         _covered.reset(token)
 
 
+def covers(group: str) -> bool:
+    """Whether the program being traced runs `group`'s weight matmuls in fp8."""
+    return group in _covered.get()
+
+
 def _amax(x: jax.Array) -> jax.Array:
     """max |x| over the whole tensor, fp32, reduced over the manual axes of the island traced in."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
