@@ -23,6 +23,9 @@ GPU_DEFAULTS = {
     "xla_gpu_enable_pipelined_all_gather": "true",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
     "xla_gpu_enable_pipelined_all_reduce": "true",
+    # move a reduce-scatter whose result a loop only accumulates out of the loop, once after it (XLA does so for
+    # all-reduces by default): the chunked loss's head-weight gradient under ZeRO-2/3
+    "xla_gpu_enable_while_loop_reduce_scatter_code_motion": "true",
     # unroll the layer scan by two so one iteration's collectives can overlap the other's computation
     "xla_gpu_enable_while_loop_double_buffering": "true",
 }

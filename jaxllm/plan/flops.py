@@ -60,7 +60,7 @@ def recomputed_flops_per_token(cfg) -> float:
 
 def recomputed_head_flops_per_token(cfg, loss_chunk: int) -> float:
     """The head's forward FLOPs per token a chunked loss (`train.loss_chunk` resolved, > 0) runs again in its
-    backward (a rematerialised scan over the chunks): the logits' matmul over the padded vocabulary."""
+    backward (`models/chunked_loss` recomputes each chunk's logits): the logits' matmul over the padded vocabulary."""
     m = cfg.model
     return 2.0 * m.d_model * transformer.padded_vocab(m) if loss_chunk else 0.0
 

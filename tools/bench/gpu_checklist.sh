@@ -22,7 +22,8 @@
 #   issue62_*              the defaults of docs/performance.md, in the order to run them when time is short
 #                          (ONLY='^issue62'): the LLaMA-1B step at seq 4096 with the default config (`auto` attention,
 #                          the chunked loss, the GPU flags) and its profile, the roofline beside it (jaxllm plan
-#                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`; about 7 minutes
+#                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`, and the step with
+#                          bf16 Adam moments and with XLA's Triton GEMMs off; about 8 minutes
 #   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
 #                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
 #                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
