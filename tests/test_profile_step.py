@@ -45,6 +45,22 @@ def test_cpu_profile_adds_up_and_finds_the_matmuls(tmp_path):
     assert "% step" in done.stdout and (tmp_path / ps.HLO_FILE).exists()
 
 
+@pytest.mark.slow
+def test_the_decode_steps_profile_adds_up(tmp_path):
+    """`tools.bench.engine_decode --profile` on one CPU device: a decode step's device time by category and by part
+    (its attention, its MLP) adds up to the step's, read from the decode program's own trace and HLO."""
+    model = ["model.preset=tiny-llama", "model.vocab_size=257", "precision.compute=float32"]
+    cmd = [sys.executable, "-m", "tools.bench.engine_decode", "--rows", "4", "--prompt", "32", "--new", "8",
+           "--chip", "h100", "--kernels", "xla", "--repeats", "1", "--profile", str(tmp_path), *model]
+    done = subprocess.run(cmd, env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    r = json.loads((tmp_path / "xla_1" / "profile.json").read_text())
+    assert r["events_per_step"] > 10 and {"attention", "mlp", "head"} <= set(r["parts"])
+    assert sum(v["ms"] for v in r["categories"].values()) == pytest.approx(r["device_ms"])
+    assert sum(v["ms"] for v in r["parts"].values()) == pytest.approx(r["device_ms"])
+    assert r["categories"]["matmul"]["ms"] > 0 and "a decode step traced" in done.stdout
+
+
 HLO = """HloModule jit_train_step, entry_computation_layout={(bf16[4,8]{1,0})->f32[4,8]{1,0}}
 
 %fused_convert (param_0: bf16[4,8]) -> f32[4,8] {

@@ -74,7 +74,7 @@ def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None, paged:
         return (repeats, rows, slots, per_token(m)[0])
     tp = 1 if layout is None else layout.mesh.shape["tp"]
     heads = heads_as_used(kv_heads(m), tp)
-    return (repeats, heads, rows, slots, head_dim(m)) if paged else (repeats, rows, slots, heads, head_dim(m))
+    return (heads, repeats, rows, slots, head_dim(m)) if paged else (repeats, rows, slots, heads, head_dim(m))
 
 
 def per_token(m) -> tuple[int, str]:

@@ -1,7 +1,8 @@
 """The rollout engine: a paged KV cache, continuous batching and shared prompts, on one device or a training mesh.
 
-Pages. Each block kind's keys and values live in a pool of fixed-size pages [repeats, kv_heads, n_pages, page,
-head_dim] (heads first, as the paged kernels read them; latent attention's rows [repeats, n_pages, page, r + d_r]),
+Pages. Each block kind's keys and values live in a pool of fixed-size pages [kv_heads, repeats, n_pages, page,
+head_dim] (heads first, as the paged kernels read them, and every repeat's pages one pool the kernel reads in
+place; latent attention's rows [repeats, n_pages, page, r + d_r]),
 and each of the engine's S slots holds a page table: its request's page ids in order
 (`attention.CacheView.pages`), so the request's token at position j is in page table[j // page] at offset
 j % page. A request gets ⌈(prompt + max_new) / page⌉ pages when it is admitted and gives them back when it ends;
@@ -121,7 +122,7 @@ def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, se
 
 def _copy_page(pools, src, dst):
     """Every block's page `src` copied to page `dst` (a shared prompt's partial page, for one of its requests): the
-    pages' dimension is the third of a pool of keys or values (heads first), the second of a latent pool."""
+    pages' dimension is the third of a pool of keys or values (heads, then repeats), the second of a latent pool."""
     copy = lambda a: a.at[:, :, dst].set(a[:, :, src]) if a.ndim == 5 else a.at[:, dst].set(a[:, src])
     return [{k: copy(a) for k, a in block.items()} for block in pools]
 

@@ -1,7 +1,8 @@
 """A decode step's attention over each row's pages, by the Pallas paged-attention kernel JAX ships for GPUs.
 
-The rollout engine's pools hold keys and values heads first, [kv_heads, n_pages, page, head_dim] a layer, the
-layout this kernel (and JAX's TPU one) reads, so a decode step hands it the pool, the rows' page tables and
+The rollout engine's pools hold keys and values heads first, [kv_heads, n_pages, page, head_dim] (every layer's
+pages one pool, a layer's table offset to its own), the layout this kernel (and JAX's TPU one) reads, so a decode
+step hands it the pool, the rows' page tables and
 their lengths, and the kernel reads only the pages a row holds instead of XLA gathering them into a
 [rows, slots, ...] copy first. One query per row, causal by length (a row at position p sees positions
 0 .. p: the engine writes a request's tokens at their positions), grouped queries by kv head (query head i
@@ -47,10 +48,11 @@ def _kernel():
 
 def partitions(width: int) -> tuple[int, int, int]:
     """(k_splits, pages per compute block, padded table width) for tables of `width` pages: up to 16 partitions
-    of whole compute blocks of up to 8 pages."""
+    of whole compute blocks of up to 8 pages, a power of two (the kernel's Triton lowering takes only arrays of
+    power-of-two sizes: 3 pages a block stopped a decode at 64-token pages on an H200)."""
     splits = min(MAX_SPLITS, width)
     per = -(-width // splits)
-    block = min(MAX_BLOCK_PAGES, per)
+    block = min(MAX_BLOCK_PAGES, 1 << (per - 1).bit_length())
     per = -(-per // block) * block
     return splits, block, splits * per
 

@@ -1,5 +1,6 @@
 """`python -m tools.bench.engine_decode [--rows 64] [--prompt 2048] [--new 64] [--page 16] [--chip auto]
-[--kernels auto xla] [key=value ...]`: the rollout engine's decode step against the HBM bound, one device.
+[--kernels auto xla] [--profile DIR] [key=value ...]`: the rollout engine's decode step against the HBM bound, one
+device.
 
 --rows requests of --prompt random tokens each decode --new tokens greedily on --rows slots, so every step runs
 every slot. Each paged kernel named (`Engine(paged_kernel=...)`: `auto` is the Pallas kernel on a GPU where it
@@ -9,13 +10,16 @@ the bytes one step must read, the weights in the compute dtype (the embedding ta
 head) and every row's cached keys and values at the step's mean length, over the chip's HBM bandwidth
 (`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_program_seconds`: calls queued on
 device-resident inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in
-bf16 (the issue's); `key=value` overrides it. With --json the last stdout line is a JSON object.
+bf16 (the issue's); `key=value` overrides it. --profile also traces 8 queued calls of each engine's program and
+prints where a decode step's device time goes (`tools.bench.profile_step`'s tables: by category, by part of the
+model, by op). With --json the last stdout line is a JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,27 +50,62 @@ def _seconds(engine, prompts, new: int, repeats: int) -> float:
     return statistics.median(runs)
 
 
-def _program_seconds(engine, length: int, calls: int) -> float:
-    """The decode program alone: `calls` calls queued back to back on inputs already on the device, every slot at
-    position `length` over pages of its own (no scheduling on the host, no token read back between calls), seconds
-    a decode step. Against the engine's step this splits the device's time from the host's."""
+def _queued_inputs(engine, length: int):
+    """A decode call's inputs on the device: every slot at position `length` over pages of its own, never ending."""
     import jax
     import numpy as np
 
     slots, per = engine.slots, engine.row_pages
     table = np.arange(1, 1 + slots * per, dtype=np.int32).reshape(slots, per)  # the pool holds 2 × slots × per
     ones = np.ones(slots, np.int32)
-    inputs = jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
-                             np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))  # never ends
-    decode, pools = engine.decode, engine.pools
-    pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)  # warm
-    jax.block_until_ready(token)
+    return jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
+                           np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))
+
+
+def _queued_calls(engine, inputs, calls: int) -> float:
+    """Seconds for `calls` decode calls queued back to back (no scheduling on the host, no token read back)."""
+    import jax
+
+    pools, token = engine.pools, None
     start = time.perf_counter()
     for _ in range(calls):
-        pools, token, _ = decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
+        pools, token, _ = engine.decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
     jax.block_until_ready((pools, token))
     engine.pools = pools
-    return (time.perf_counter() - start) / calls / token.shape[0]  # a decode step's
+    return time.perf_counter() - start
+
+
+def _program_seconds(engine, length: int, calls: int, steps_per_call: int) -> float:
+    """The decode program alone: `calls` calls queued on inputs already on the device, seconds a decode step.
+    Against the engine's step this splits the device's time from the host's."""
+    inputs = _queued_inputs(engine, length)
+    _queued_calls(engine, inputs, 1)  # warm
+    return _queued_calls(engine, inputs, calls) / calls / steps_per_call
+
+
+def _profile(engine, length: int, calls: int, steps_per_call: int, out_dir: str) -> dict:
+    """Where a decode step's device time goes: `calls` queued calls traced and reduced by
+    tools.bench.profile_step's tables (by op, category and part), per decode step."""
+    import jax
+
+    from jaxllm.trainer.profiling import HLO_FILE
+    from tools.bench import profile_step
+
+    os.makedirs(out_dir, exist_ok=True)
+    inputs = _queued_inputs(engine, length)
+    lowered = engine.decode.lower(engine.weights, engine.pools, *inputs, engine.seed, engine.settings)
+    with open(os.path.join(out_dir, HLO_FILE), "w") as f:
+        f.write(lowered.compile().as_text())
+    _queued_calls(engine, inputs, 1)  # warm
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        seconds = _queued_calls(engine, inputs, calls)
+    steps = calls * steps_per_call
+    result = profile_step.analyze(out_dir, steps, seconds / steps)
+    with open(os.path.join(out_dir, "profile.json"), "w") as f:
+        json.dump(result, f)
+    print(f"{out_dir}: {seconds / steps * 1e3:.3f} ms a decode step traced; events from {result['source']}",
+          profile_step.format_breakdown(result, top=20), sep="\n", flush=True)
+    return result
 
 
 def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, out: dict) -> dict:
@@ -76,7 +115,10 @@ def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, out: di
     engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice, steps_per_call=steps_per_call)
     step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
     step /= args.new - 1
-    program = _program_seconds(engine, args.prompt + args.new // 2, max(args.new // steps_per_call, 8))
+    length = args.prompt + args.new // 2
+    program = _program_seconds(engine, length, max(args.new // steps_per_call, 8), steps_per_call)
+    if args.profile:
+        _profile(engine, length, 8, steps_per_call, os.path.join(args.profile, f"{choice}_{steps_per_call}"))
     bound = out["bound_ms"] / 1e3
     print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call): {step * 1e3:.3f} ms a "
           f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms ({out['step_bytes'] / 1e9:.3f} GB at "
@@ -98,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", nargs="+", default=["auto", "xla"])
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode steps an engine's program call runs (Engine(steps_per_call=...)); each one timed")
+    ap.add_argument("--profile", metavar="DIR", help="also trace 8 queued decode calls of each engine and print "
+                    "where a step's device time goes (tools.bench.profile_step's tables; the trace under DIR)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)

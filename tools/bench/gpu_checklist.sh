@@ -90,6 +90,10 @@ check issue63_engine_decode 240 $py -m tools.bench.engine_decode --rows 64 --pro
 for page in 64 128; do  # the Pallas kernel lost to the gather at 16-token pages (H200, 2026-11-30): larger pages
   check issue63_engine_decode_page$page 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --page $page --json
 done
+# where the decode program's device time goes, the gather's and the kernel's (at 64-token pages, which the kernel's
+# Triton lowering refused until a compute block's pages were a power of two)
+check issue63_engine_decode_profile 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --page 64 \
+  --profile "$out/issue63_engine_decode_profile" --json
 # 8 decode steps a program call against 1 (Engine(steps_per_call=...)): the host's share of a step, paid once per 8
 check issue63_engine_decode_steps 300 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --steps-per-call 1 8 --json
 fast="--no-baseline --steps 5 --warmup 2 --windows 3 --json"

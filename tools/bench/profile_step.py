@@ -477,6 +477,13 @@ def format_table(r: dict, top: int = 15) -> str:
         f"step {r['step_ms']:.1f} ms untraced (MFU {100 * r['mfu']:.1f}%), {r['traced_step_ms']:.1f} ms traced; "
         f"events from {r['source']}, {r['events_per_step']:.0f} per step: "
         + ", ".join(f"{k} {v}" for k, v in sorted(r["lines"].items(), key=lambda kv: -kv[1])[:4]),
+    ]
+    return "\n".join(lines) + "\n" + format_breakdown(r, top)
+
+
+def format_breakdown(r: dict, top: int = 15) -> str:
+    """The device time of `analyze`'s result by category, by part and by op, a step's."""
+    lines = [
         f"device time {r['device_ms']:.1f} ms/step (sum of events), busy {r['busy_ms']:.1f} ms "
         f"(union), idle {100 * r['idle_fraction']:.1f}% of the traced step",
         "",
