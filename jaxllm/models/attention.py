@@ -337,11 +337,12 @@ class CacheView(NamedTuple):
     Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are a pool of pages [kv_heads, repeats,
     n_pages, page, head_dim] (heads first, as the paged kernels read it, and the repeats next, so that every
     repeat's pages are one [kv_heads, repeats × n_pages, page, head_dim] pool the kernel reads in place; latent
-    attention's [repeats, n_pages, page, r + d_r]) and `pages` [batch, pages a row holds] each row's page ids in order, so a row's slot j is
-    page `pages[row, j // page]`, offset `j % page`, and a token at position j is written there (`start`
-    unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are written. `kernel`: the
-    paged-attention kernel a decode step's full-causal layers attend with (`ops/paged_attention.py`; None:
-    the pages gathered, XLA's gather, and `attention`), `interpret` it on CPU (tests)."""
+    attention's [repeats, n_pages, page, r + d_r]) and `pages` [batch, pages a row holds] each row's page ids
+    in order, so a row's slot j is page `pages[row, j // page]`, offset `j % page`, and a token at position j
+    is written there (`start` unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are
+    written. `kernel`: the paged-attention kernel a decode step's full-causal layers attend with
+    (`ops/paged_attention.py`; None: the pages gathered, XLA's gather, and `attention`), `interpret` it on CPU
+    (tests)."""
 
     k: jax.Array
     v: jax.Array
@@ -379,7 +380,7 @@ def cache_write(stored, new, cache: CacheView, positions, segment_ids):
     size = stored.shape[-2]
     page = jnp.take_along_axis(cache.pages, positions // size, axis=1)
     page = jnp.where(segment_ids == 0, 0, page)
-    if _heads_first(stored):  # the layer, page and offset index arrays side by side: the target is [kv_heads, batch, t, d]
+    if _heads_first(stored):  # the layer, page and offset indices side by side: the target is [kv_heads, batch, t, d]
         return stored.at[:, cache.layer, page, positions % size].set(jnp.moveaxis(new, 2, 0).astype(stored.dtype))
     return stored.at[cache.layer, page, positions % size].set(new.astype(stored.dtype))
 
