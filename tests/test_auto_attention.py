@@ -44,6 +44,15 @@ def llama_1b_layers(keys: dict, seq: int = 4096):
     return resolve(cfg)
 
 
+def exported_step(cfg, shape, platform: str) -> str:
+    """The train step of `cfg` on a mesh of `shape`, exported for `platform` from this CPU machine: its StableHLO."""
+    fns = make_step_fns(cfg, make_mesh(shape, cfg), platform=platform)
+    call = KERNEL_CALLS[platform]
+    exported = jax.export.export(fns.train_step, platforms=[platform],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])
+    return exported(fns.abstract_state, fns.abstract_batch(8, cfg.model.seq_len)).mlir_module()
+
+
 def _case(name, platform):
     marks = () if (name, platform) == FAST else (pytest.mark.slow,)
     return pytest.param(name, platform, marks=marks, id=f"{name}-{platform}")
@@ -53,12 +62,8 @@ def _case(name, platform):
 def test_the_exported_step_calls_the_platforms_fused_kernel(name, platform):
     cfg, shape, _ = llama_1b_layers(CONFIGS[name])
     assert attention.choose(cfg, platform, shape["sp"])[0] == {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}[platform]
-    fns = make_step_fns(cfg, make_mesh(shape, cfg), platform=platform)
     call = KERNEL_CALLS[platform]
-    exported = jax.export.export(fns.train_step, platforms=[platform],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])
-    text = exported(fns.abstract_state, fns.abstract_batch(8, cfg.model.seq_len)).mlir_module()
-    assert call in text, f"{name}: no {call} in the train step exported for {platform}"
+    assert call in exported_step(cfg, shape, platform), f"{name}: no {call} in the train step exported for {platform}"
 
 
 def test_on_cpu_auto_builds_the_step_with_todays_kernel_and_says_why():

@@ -13,6 +13,8 @@ where a token's fp32 logits outweigh its residual stream over the layers, whole 
   compares them.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,6 +23,7 @@ from harness import assert_matches, loss_and_grads, step_fns, tokens
 from jaxllm.config import build_config, config_path, shipped_configs
 from jaxllm.mesh import resolve_mesh_shape
 from jaxllm.models import transformer
+from jaxllm.trainer import objectives
 from jaxllm.trainer.step import loss_chunk, objective_of
 
 FROM_A_RUN = ("dpo_addition", "grpo_arith", "grpo_gsm8k")  # their model is a run's: not built from their file alone
@@ -105,6 +108,32 @@ def test_the_chunked_backward_casts_the_head_once_and_sums_its_gradient_in_fp32(
     gradient, args = _head_gradient(cfg, 1, chunk)
     in_loop = _converts(jax.make_jaxpr(gradient)(*args).jaxpr, (m.d_model, transformer.padded_vocab(m)))
     assert chunk and in_loop and not any(in_loop), (chunk, in_loop)
+
+
+@pytest.mark.parametrize("objective", [pytest.param("grpo", marks=pytest.mark.slow), "gspo"])
+def test_the_written_out_backward_equals_the_whole_losss_for_rl_objectives(objective):
+    """`models/chunked_loss` on GRPO's token terms (a temperature, a KL term) and GSPO's sequence stage (per-sequence
+    sums whose cotangent reaches every chunk), fp32: the loss and the gradients of the head's weights and of the
+    hidden states equal the unchunked head's, which JAX differentiates (within fp32's reordering)."""
+    cfg = _config({"model.preset": "tiny-llama", "model.vocab_size": 512, "model.seq_len": 64})
+    m = cfg.model
+    obj = {"grpo": objectives.grpo(beta=0.1, temperature=0.7), "gspo": objectives.gspo(beta=0.1)}[objective]
+    shapes = {k: v for k, v in transformer.param_shapes(m).items() if k in ("final_norm", "head")}
+    params = jax.tree.map(lambda a: 0.1 * jax.random.normal(jax.random.key(0), a.shape, a.dtype), shapes)
+    k = jax.random.split(jax.random.key(1), 6)
+    x = jax.random.normal(k[0], (2, 64, m.d_model))
+    batch = {"targets": jax.random.randint(k[1], (2, 64), 0, 512), "weights": jax.random.uniform(k[2], (2, 64)),
+             "old_logp": -5 * jax.random.uniform(k[3], (2, 64)), "ref_logp": -5 * jax.random.uniform(k[4], (2, 64)),
+             "advantages": jax.random.normal(k[5], (2, 64))}
+
+    def loss(p, x, chunk):
+        return transformer.head_terms(p, x, batch, m, jnp.float32, obj.token_terms, chunk, obj.temperature,
+                                      functools.partial(objectives.finish, obj))[0]
+
+    (want, want_grads), (got, got_grads) = (jax.value_and_grad(loss, argnums=(0, 1))(params, x, c) for c in (0, 16))
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want)), (float(got), float(want))
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b))), float(jnp.max(jnp.abs(a - b)))
 
 
 @pytest.mark.slow

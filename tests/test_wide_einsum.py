@@ -16,10 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.mesh import make_mesh
 from jaxllm.ops import wide_einsum
-from jaxllm.trainer.step import make_step_fns
-from test_auto_attention import CONFIGS, KERNEL_CALLS, llama_1b_layers
+from test_auto_attention import CONFIGS, exported_step, llama_1b_layers
 
 SPECS = ("bsd,dv->bsv", "bsd,vd->bsv")  # the head's, untied and tied
 
@@ -62,11 +60,7 @@ DOT = re.compile(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)
 @pytest.mark.parametrize("name", ["text", "dpo"])
 def test_the_steps_vocabulary_matmuls_take_bf16_operands_on_cuda(name):
     cfg, shape, _ = llama_1b_layers(CONFIGS[name])
-    fns = make_step_fns(cfg, make_mesh(shape, cfg), platform="cuda")
-    call = KERNEL_CALLS["cuda"]
-    exported = jax.export.export(fns.train_step, platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])
-    text = exported(fns.abstract_state, fns.abstract_batch(8, cfg.model.seq_len)).mlir_module()
+    text = exported_step(cfg, shape, "cuda")
     vocab = str(cfg.model.vocab_size)
     operands = [m.groups() for m in map(DOT.search, text.splitlines()) if m and vocab in m.group(0)]
     assert len(operands) >= 4, operands  # the forward's (recomputed in the backward) and the two gradients'

@@ -47,14 +47,12 @@ def _forward(tail, spec, w, xs, batches):
 
 def _backward(tail, spec, saved, ct):
     w, xs, batches = saved
-    dx_spec, dw_spec = wide_einsum.transposed(spec)
 
     def body(dw, piece):
         x, batch = piece
         _, pull = jax.vjp(lambda logits: tail(logits, batch), _logits(spec, x, w))
-        g = pull(ct)[0].astype(w.dtype)
-        dx = jnp.einsum(dx_spec, g, w, preferred_element_type=jnp.float32).astype(x.dtype)
-        return dw + jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32), dx
+        dx, dw_chunk = wide_einsum.gradients(spec, x, w, pull(ct)[0])
+        return dw + dw_chunk, dx
 
     dw, dxs = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), (xs, batches))
     return dw.astype(w.dtype), dxs, None  # the batch is data: no cotangent

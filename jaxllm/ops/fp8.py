@@ -130,7 +130,7 @@ def weight_grad(group: str, x: jax.Array, dy: jax.Array) -> jax.Array:
     tensor's amax), so a weight gradient made apart from the backward (the zero-bubble pipelines' W) is the
     fused backward's."""
     dims = (((0, 1), (0, 1)), ((), ()))
-    if group not in _covered.get():
+    if not covers(group):
         return jax.lax.dot_general(x, dy, dims, preferred_element_type=jnp.float32).astype(x.dtype)
     if _covered.get().mode == "fp8_block":
         return fp8_block.weight_grad(x, dy)
@@ -145,7 +145,7 @@ def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) ->
     theirs), through the fp8 dot when the traced program covers the group, else `wide_einsum`'s (an out_dtype
     wider than x and w is differentiated in their dtype). Each index of the spec
     appears in two of its three terms (a matmul: no index summed within one operand)."""
-    if group not in _covered.get():
+    if not covers(group):
         return wide_einsum.einsum(spec, x, w, out_dtype)
     if x.dtype != w.dtype:
         raise ValueError(f"fp8 einsum {spec}: operands of dtypes {x.dtype} and {w.dtype}; cast them to one")
@@ -158,7 +158,7 @@ def einsum(group: str, spec: str, x: jax.Array, w: jax.Array, out_dtype=None) ->
 
 def tensordot(group: str, x: jax.Array, w: jax.Array, axes: int) -> jax.Array:
     """jnp.tensordot(x, w, axes) (x's last `axes` dimensions against w's first) as `einsum` above."""
-    if group not in _covered.get():
+    if not covers(group):
         return jnp.tensordot(x, w, axes=axes)
     letters = "abcdefghijklmnopqrstuvwxyz"
     lead, summed, rest = x.ndim - axes, letters[x.ndim - axes:x.ndim], letters[x.ndim:x.ndim + w.ndim - axes]

@@ -42,12 +42,19 @@ def _forward(spec, x, w, out_dtype):
     return _widened(spec, x, w, out_dtype), (x, w)
 
 
-def _backward(spec, out_dtype, saved, g):
-    x, w = saved
-    g = g.astype(x.dtype)
+def gradients(spec: str, x: jax.Array, w: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(dx in x's dtype, dw in fp32) of einsum(spec, x, w) for its output's cotangent g, rounded to w's dtype
+    first: both products GEMMs in that dtype accumulating in fp32."""
+    g = g.astype(w.dtype)
     dx_spec, dw_spec = transposed(spec)
     return (jnp.einsum(dx_spec, g, w, preferred_element_type=jnp.float32).astype(x.dtype),
-            jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32).astype(w.dtype))
+            jnp.einsum(dw_spec, x, g, preferred_element_type=jnp.float32))
+
+
+def _backward(spec, out_dtype, saved, g):
+    x, w = saved
+    dx, dw = gradients(spec, x, w, g)
+    return dx, dw.astype(w.dtype)
 
 
 _widened.defvjp(_forward, _backward)
