@@ -58,6 +58,8 @@ def test_every_subcommand_has_help(argv, capsys):
     (["generate", "--from", "runs/x", "--prompt", "hi", "--bogus"], "jaxllm generate: error: unrecognized"),
     (["hf", "import", "only_one"], "jaxllm hf import: error: the following arguments are required: run_dir"),
     (["prepare-data", "in", "out", "--shard-tokens", "0"], "must be at least 1, got 0"),
+    (["prepare-data", "in", "out", "--tokenizer", "bpe"], "--tokenizer: unknown tokenizer 'bpe'; choose one of byte"),
+    (["prepare-data", "in", "out", "--tokenizer", "hf:no/such"], "--tokenizer=hf:no/such: no such folder 'no/such'"),
     (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--slots", "0"], "--slots: must be at least 1, got 0"),
     (["eval", "--from", "runs/x", "--tasks", "mesh.tp=2"], "argument --tasks: expected at least one argument"),
     (["generate", "--from", "runs/x", "--prompt", "a", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),

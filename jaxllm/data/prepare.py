@@ -64,7 +64,7 @@ _WORKER: dict = {}
 def _start_worker(job: Job, work: str, lone: bool) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one tokenizer thread per worker: the workers are the
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism
-    _WORKER.update(job=job, work=Path(work), lone=lone, tokenizer=get_tokenizer(job.tokenizer))
+    _WORKER.update(job=job, work=Path(work), lone=lone, tokenizer=get_tokenizer(job.tokenizer, "--tokenizer"))
 
 
 def part_path(work: Path, i: int) -> Path:
@@ -167,7 +167,7 @@ def prepare(job: Job, out_dir: Path, workers: int = 1, progress=None) -> dict:
     out_dir = Path(out_dir)
     if list(out_dir.glob("*.bin")):
         raise DataError(f"{out_dir} already holds .bin shards; give an empty or new OUT_DIR, or delete them first")
-    tokenizer = get_tokenizer(job.tokenizer)
+    tokenizer = get_tokenizer(job.tokenizer, "--tokenizer")
     corpus_lib.check_source(job.source, "INPUT")
     files = documents.source_files(job.source)
     units = documents.units(files, job.unit_bytes)

@@ -141,21 +141,21 @@ def _gpt2_files_missing() -> list[str]:
     return missing
 
 
-def _gpt2() -> TiktokenTokenizer:
+def _gpt2(key: str = "data.tokenizer") -> TiktokenTokenizer:
     """GPT-2 BPE; checks the cached files first so that an offline machine fails at once instead of
-    hanging on a download."""
+    hanging on a download. `key`: what the errors call the setting that chose it."""
     try:
         import tiktoken
     except ImportError:
-        raise DataError("data.tokenizer=gpt2 needs tiktoken, which is not installed; "
-                        "pip install 'jaxllm[gpt2]', or use data.tokenizer=byte") from None
+        raise DataError(f"{key}=gpt2 needs tiktoken, which is not installed; "
+                        f"pip install 'jaxllm[gpt2]', or use {key}=byte") from None
     missing = _gpt2_files_missing()
     if missing:
         cache = _tiktoken_cache_dir() or "<TIKTOKEN_CACHE_DIR is empty>"
-        raise DataError(f"data.tokenizer=gpt2: tiktoken's gpt2 files are not cached in {cache} "
+        raise DataError(f"{key}=gpt2: tiktoken's gpt2 files are not cached in {cache} "
                         f"(missing {', '.join(u.rsplit('/', 1)[1] for u in missing)}) and would be downloaded; "
                         "run tiktoken.get_encoding('gpt2') once on a machine with internet and copy its cache "
-                        "folder to TIKTOKEN_CACHE_DIR, or use data.tokenizer=byte")
+                        f"folder to TIKTOKEN_CACHE_DIR, or use {key}=byte")
     enc = tiktoken.get_encoding("gpt2")
     return TiktokenTokenizer(name="gpt2", vocab_size=enc.n_vocab, eot=enc.eot_token, enc=enc)
 
@@ -231,10 +231,10 @@ class HFTokenizer:
         return _clean_up_tokenization(text) if self.clean_up_spaces else text
 
 
-def _hf_dir(name: str) -> Path:
+def _hf_dir(name: str, key: str) -> Path:
     """The folder of `hf:DIR` after the checks that need no parsing: it exists and holds tokenizer.json."""
     spec = name[len(HF_PREFIX):]
-    where = f"data.tokenizer={name}"
+    where = f"{key}={name}"
     if not spec:
         raise DataError(f"{where}: names no folder; give hf:DIR with DIR the folder of a Hugging Face tokenizer.json")
     folder = Path(os.path.expanduser(spec))
@@ -285,14 +285,14 @@ def _ids(value) -> list:
     return value if isinstance(value, list) else [] if value is None else [value]
 
 
-def _hf(name: str) -> HFTokenizer:
-    where = f"data.tokenizer={name}"
-    folder = _hf_dir(name)
+def _hf(name: str, key: str) -> HFTokenizer:
+    where = f"{key}={name}"
+    folder = _hf_dir(name, key)
     try:
         from tokenizers import AddedToken, Tokenizer
     except ImportError:
         raise DataError(f"{where} needs the tokenizers package, which is not installed; pip install tokenizers "
-                        "(or pip install -e . again), or use data.tokenizer=byte") from None
+                        f"(or pip install -e . again), or use {key}=byte") from None
     try:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as e:  # the library raises a bare Exception for a malformed file
@@ -369,14 +369,14 @@ def _chat_template(where: str, folder: Path, config: dict) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-TOKENIZERS = {"byte": ByteTokenizer, "gpt2": _gpt2}
+TOKENIZERS = {"byte": lambda key: ByteTokenizer(), "gpt2": _gpt2}  # name -> its maker, given the setting's key
 CHOICES = ", ".join([*TOKENIZERS, f"{HF_PREFIX}DIR", "gguf:FILE"])
 
 
 GGUF_PREFIX = "gguf:"
 
 
-def _gguf(name: str) -> HFTokenizer:
+def _gguf(name: str, key: str) -> HFTokenizer:
     """`data.tokenizer = "gguf:FILE"`: the tokenizer a GGUF file carries in its metadata (`gguf_io.tokenizer`:
     byte-level or SentencePiece BPE, its control tokens special), with its bos, eos, whether llama.cpp adds
     the BOS (`tokenizer.ggml.add_bos_token`) and its chat template (`tokenizer.chat_template`)."""
@@ -385,12 +385,12 @@ def _gguf(name: str) -> HFTokenizer:
         meta = gguf_io.file_metadata(path)
         tok = gguf_io.tokenizer(meta)
     except ModelFileError as e:
-        raise DataError(f"data.tokenizer={name}: {e}") from None
+        raise DataError(f"{key}={name}: {e}") from None
     tok.no_truncation()
     tok.no_padding()
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     if eos is None:
-        raise DataError(f"data.tokenizer={name}: the file names no tokenizer.ggml.eos_token_id; give another tokenizer")
+        raise DataError(f"{key}={name}: the file names no tokenizer.ggml.eos_token_id; give another tokenizer")
     vocab = tok.get_vocab_size(with_added_tokens=True)
     texts = {"eos_token": tok.id_to_token(int(eos))} | ({"bos_token": tok.id_to_token(int(bos))} if bos is not None
                                                         else {})
@@ -400,24 +400,24 @@ def _gguf(name: str) -> HFTokenizer:
                        special_texts=texts, chat_template=meta.get("tokenizer.chat_template"), tok=tok)
 
 
-def check_name(name: str) -> None:
+def check_name(name: str, key: str = "data.tokenizer") -> None:
     """DataError (one line) for a tokenizer name that cannot work, reading no file (`hf:DIR`: the folder and its
-    tokenizer.json exist)."""
+    tokenizer.json exist); `key` is what the line calls the setting (`--tokenizer` on prepare-data's command line)."""
     if name.startswith(HF_PREFIX):
-        _hf_dir(name)
+        _hf_dir(name, key)
     elif name.startswith(GGUF_PREFIX):
         if not os.path.isfile(name[len(GGUF_PREFIX):]):
-            raise DataError(f"data.tokenizer={name}: no such GGUF file")
+            raise DataError(f"{key}={name}: no such GGUF file")
     elif name not in TOKENIZERS:
-        raise DataError(f"data.tokenizer: unknown tokenizer {name!r}; choose one of {CHOICES}")
+        raise DataError(f"{key}: unknown tokenizer {name!r}; choose one of {CHOICES}")
 
 
-def get_tokenizer(name: str):
+def get_tokenizer(name: str, key: str = "data.tokenizer"):
     """The tokenizer called `name`: "byte", "gpt2", "hf:DIR" (a Hugging Face tokenizer folder) or "gguf:FILE" (the
-    tokenizer a GGUF file carries)."""
-    check_name(name)
+    tokenizer a GGUF file carries). `key`: what an error calls the setting that named it."""
+    check_name(name, key)
     if name.startswith(HF_PREFIX):
-        return _hf(name)
+        return _hf(name, key)
     if name.startswith(GGUF_PREFIX):
-        return _gguf(name)
-    return TOKENIZERS[name]()
+        return _gguf(name, key)
+    return TOKENIZERS[name](key)
