@@ -221,6 +221,34 @@ def test_the_paged_kernel_lowers_for_cuda_at_any_table_width():
         assert TRITON in exported(q, pool, pool, tables, lengths).mlir_module()
 
 
+def test_the_paged_kernel_launches_with_the_tuning_given():
+    """`paged_attention.Tuning` reaches the Triton call (its grid's partitions, warps and stages, in the program
+    exported for CUDA), and every tuning's compute blocks stay a power of two; tools.bench.paged_kernel's sweep, in
+    Pallas's interpreter on a tiny shape, finds each launch shape computing attention over the gathered pages."""
+    import re
+
+    from jaxllm.ops import paged_attention
+    from jaxllm.ops.masking import Masking
+    from tools.bench import paged_kernel
+
+    for tuning in (paged_attention.DEFAULT, paged_attention.Tuning(4, 2, 4, 3), paged_attention.Tuning(32, 16, 8, 1)):
+        for width in (1, 7, 33, 100, 257):
+            splits, block, padded = paged_attention.partitions(width, tuning)
+            assert block & (block - 1) == 0 and padded >= width and splits <= tuning.max_splits, (tuning, width)
+    q = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 128, 64, 64), jnp.bfloat16)
+    tables, lengths = jax.ShapeDtypeStruct((4, 33), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking(),
+                                                                  tuning=paged_attention.Tuning(8, 2, 4, 3)))
+    text = jax.export.export(attend, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(TRITON)])(q, pool, pool, tables, lengths).mlir_module()
+    assert re.search(r"grid_y = 8\b", text) and "num_warps = 4" in text and "num_stages = 3" in text
+    shapes = paged_kernel.sweep(equivalence_config("tiny-llama", **{"precision.compute": "bfloat16"}),
+                                paged_kernel.argparse.Namespace(rows=2, prompt=60, new=8, page=16, splits=[2],
+                                                                blocks=[1], warps=[4], stages=[2], interpret=True))
+    assert len(shapes) == 2 and all(s["error"] < 1e-2 for s in shapes), shapes  # bf16 inputs, a float32 reference
+
+
 def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks_it_where_it_fits():
     """The engine's decode step exported for CUDA from this CPU machine calls Triton (the paged kernel) with it,
     on the pools of every repeat of the layer (read in place: slicing a layer's pool out copied it whole, 4.2 of a

@@ -23,13 +23,27 @@ denominator (≥ 1): a relative change under 1.2e-7.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
 from jaxllm.ops.masking import Masking
 
 KERNELS = ("pallas_gpu",)  # the paged kernels jaxllm calls; None (XLA's gather) elsewhere
-MAX_SPLITS, MAX_BLOCK_PAGES = 16, 8  # the kernel's defaults: partitions of a row's pages, pages per compute block
+
+
+class Tuning(NamedTuple):
+    """The kernel's launch shape: at most `max_splits` partitions of a row's pages, compute blocks of at most
+    `block_pages` pages, Triton's warps and pipeline stages. The defaults are the kernel's own;
+    `tools.bench.paged_kernel` times the others at a decode shape."""
+
+    max_splits: int = 16
+    block_pages: int = 8
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DEFAULT = Tuning()
 
 
 def fits(latent: bool, window: int, head_dim: int, page: int, chunk: int = 0) -> bool:
@@ -46,26 +60,28 @@ def _kernel():
     return gpu_paged
 
 
-def partitions(width: int) -> tuple[int, int, int]:
-    """(k_splits, pages per compute block, padded table width) for tables of `width` pages: up to 16 partitions
-    of whole compute blocks of up to 8 pages, a power of two (the kernel's Triton lowering takes only arrays of
-    power-of-two sizes: 3 pages a block stopped a decode at 64-token pages on an H200)."""
-    splits = min(MAX_SPLITS, width)
+def partitions(width: int, tuning: Tuning = DEFAULT) -> tuple[int, int, int]:
+    """(k_splits, pages per compute block, padded table width) for tables of `width` pages: up to
+    `tuning.max_splits` partitions of whole compute blocks of up to `tuning.block_pages` pages, a power of two (the
+    kernel's Triton lowering takes only arrays of power-of-two sizes: 3 pages a block stopped a decode at 64-token
+    pages on an H200)."""
+    splits = min(tuning.max_splits, width)
     per = -(-width // splits)
-    block = min(MAX_BLOCK_PAGES, 1 << (per - 1).bit_length())
+    block = min(tuning.block_pages, 1 << (per - 1).bit_length())
     per = -(-per // block) * block
     return splits, block, splits * per
 
 
-def attend(q, k_pool, v_pool, pages, lengths, masking: Masking, interpret: bool = False):
+def attend(q, k_pool, v_pool, pages, lengths, masking: Masking, interpret: bool = False, tuning: Tuning = DEFAULT):
     """Attention of q [rows, 1, heads, d] over k_pool, v_pool [kv_heads, n_pages, page, d] through each row's
     `pages` [rows, width], seeing its first `lengths` [rows] positions. Returns [rows, 1, heads, d] in q's dtype."""
-    splits, block, width = partitions(pages.shape[1])
+    splits, block, width = partitions(pages.shape[1], tuning)
     table = jnp.pad(pages, ((0, 0), (0, width - pages.shape[1])))
     scaled = q[:, 0] * jnp.asarray(masking.score_scale(q.shape[-1]), q.dtype)
     out = _kernel().paged_attention(scaled, k_pool.astype(q.dtype), v_pool.astype(q.dtype), table,
                                     lengths.astype(jnp.int32), block_h=16, pages_per_compute_block=block,
-                                    k_splits=splits, interpret=interpret,
+                                    k_splits=splits, num_warps=tuning.num_warps, num_stages=tuning.num_stages,
+                                    interpret=interpret,
                                     attn_logits_soft_cap=masking.softcap or None)
     return out[:, None].astype(q.dtype)
 

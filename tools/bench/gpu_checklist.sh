@@ -27,7 +27,8 @@
 #   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
 #                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
 #                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
-#                          at 8 decode steps a program call against 1
+#                          at 8 decode steps a program call against 1; then the paged kernel alone, swept over its
+#                          launch shapes (tools.bench.paged_kernel, ~1 minute each), the fastest to become the default
 #   issue64_*              fine-grained fp8 (ONLY='^issue64'): which GEMMs the LLaMA-1B step with `fp8_block` calls
 #                          (jaxllm plan's matmul table), then tokens/s of bf16, `fp8` and `fp8_block` on the LLaMA-1B
 #                          and the LLaMA-3B shapes (seq 1024, batch 4, `auto` attention, no plain peer)
@@ -96,6 +97,10 @@ check issue63_engine_decode_profile 240 $py -m tools.bench.engine_decode --rows 
   --profile "$out/issue63_engine_decode_profile" --json
 # 8 decode steps a program call against 1 (Engine(steps_per_call=...)): the host's share of a step, paid once per 8
 check issue63_engine_decode_steps 300 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --steps-per-call 1 8 --json
+# the paged kernel alone at one layer of that step, each launch shape (paged_attention.Tuning: partitions, pages a
+# compute block, warps; 32 shapes) against its bytes' bound: the kernel read 35% of the H200's bandwidth at the default
+check issue63_paged_kernel_sweep 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --json
+check issue63_paged_kernel_sweep_page64 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --page 64 --json
 fast="--no-baseline --steps 5 --warmup 2 --windows 3 --json"
 check issue64_plan_fp8_block 90 $py -m jaxllm plan $llama precision.matmul=fp8_block
 for size in 1b 3b; do
