@@ -225,6 +225,7 @@ def test_the_paged_kernel_launches_with_the_tuning_given():
     """`paged_attention.Tuning` reaches the Triton call (its grid's partitions, warps and stages, in the program
     exported for CUDA), and every tuning's compute blocks stay a power of two; tools.bench.paged_kernel's sweep, in
     Pallas's interpreter on a tiny shape, finds each launch shape computing attention over the gathered pages."""
+    import argparse
     import re
 
     from jaxllm.ops import paged_attention
@@ -244,8 +245,8 @@ def test_the_paged_kernel_launches_with_the_tuning_given():
         jax.export.DisabledSafetyCheck.custom_call(TRITON)])(q, pool, pool, tables, lengths).mlir_module()
     assert re.search(r"grid_y = 8\b", text) and "num_warps = 4" in text and "num_stages = 3" in text
     shapes = paged_kernel.sweep(equivalence_config("tiny-llama", **{"precision.compute": "bfloat16"}),
-                                paged_kernel.argparse.Namespace(rows=2, prompt=60, new=8, page=16, splits=[2],
-                                                                blocks=[1], warps=[4], stages=[2], interpret=True))
+                                argparse.Namespace(rows=2, prompt=60, new=8, page=16, splits=[2], blocks=[1],
+                                                   warps=[4], stages=[2], interpret=True))
     assert len(shapes) == 2 and all(s["error"] < 1e-2 for s in shapes), shapes  # bf16 inputs, a float32 reference
 
 

@@ -27,6 +27,19 @@ import time
 SHAPE = ["model.preset=llama-1b", "model.vocab_size=128256", "precision.compute=bfloat16"]
 
 
+def chip_and_config(args):
+    """The chip whose bandwidth bounds the step (`--chip`, auto: an H200's or an H100's) and the decode's config:
+    SHAPE with room for --prompt + --new positions, then the command line's key=value overrides."""
+    import jax
+
+    from jaxllm.config import build_config
+    from jaxllm.plan.flops import check_chip
+
+    chip = args.chip if args.chip != "auto" else "h200" if "H200" in jax.devices()[0].device_kind else "h100"
+    check_chip(chip)
+    return chip, build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides])
+
+
 def step_bytes(cfg, rows: int, prompt: int, new: int) -> int:
     """Bytes a decode step reads: the weights as used and the rows' cache at the mean length of the steps."""
     import jax.numpy as jnp
@@ -149,13 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from jaxllm.config import build_config
     from jaxllm.models.transformer import init_params
-    from jaxllm.plan.flops import CHIPS, check_chip
+    from jaxllm.plan.flops import CHIPS
 
-    chip = args.chip if args.chip != "auto" else "h200" if "H200" in jax.devices()[0].device_kind else "h100"
-    check_chip(chip)
-    cfg = build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides])
+    chip, cfg = chip_and_config(args)
     params = init_params(cfg.model, jax.random.key(0))
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, cfg.model.vocab_size, args.prompt)] for _ in range(args.rows)]

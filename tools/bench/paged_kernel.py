@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-SHAPE = ["model.preset=llama-1b", "model.vocab_size=128256", "precision.compute=bfloat16"]
+from tools.bench.engine_decode import chip_and_config
 
 
 def inputs(cfg, rows: int, length: int, page: int, seed: int = 0):
@@ -134,13 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.config import build_config
     from jaxllm.generate.cache import per_token
-    from jaxllm.plan.flops import CHIPS, check_chip
+    from jaxllm.plan.flops import CHIPS
 
-    chip = args.chip if args.chip != "auto" else "h200" if "H200" in jax.devices()[0].device_kind else "h100"
-    check_chip(chip)
-    cfg = build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides])
+    chip, cfg = chip_and_config(args)
     length = args.prompt + args.new // 2
     moved = args.rows * length * per_token(cfg.model)[0] * jnp.dtype(cfg.precision.compute).itemsize
     results = sweep(cfg, args)
