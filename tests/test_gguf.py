@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import hf_families as H
-from harness import tiers
+from harness import step_fns, tiers
 from jaxllm.config import build_config
 from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.errors import DataError, ModelFileError
@@ -280,8 +280,6 @@ class _Counting(gguf_io.GgufFiles):
 def test_a_gguf_file_loads_onto_a_mesh_dequantizing_each_tensor_once(tmp_path):
     """Loaded onto 8 devices (ZeRO-3 over fsdp: each device reads its block of every layer), the Q8_0 file's
     tensors are dequantized once each, not once per device block, and the parameters are one device's load's."""
-    from harness import step_fns
-
     path, _, _ = _exported(tmp_path, "q8_0")
     cfg = build_config(None, {"init.from": f"gguf:{path}", "model.seq_len": 24, "mesh.dp": 1, "mesh.fsdp": 8,
                               "train.zero_stage": 3})
