@@ -183,3 +183,16 @@ def test_jaxllm_eval_of_smollm2_equals_lm_evaluation_harness(smollm2, reference,
     ours = ours_run("", [task], tmp_path / "ours.json", "model.seq_len=128", source=f"gguf:{smollm2}")
     assert_same(theirs, ours, names=("capitals",))
     assert ours["results"]["capitals"]["acc"] >= 0.5  # the real model knows most capitals: a tokenizer slip does not
+
+
+@pytest.mark.slow
+def test_the_gguf_load_bench_counts_each_tensor_once_kept_and_per_block_one_at_a_time(smollm2, capsys, monkeypatch):
+    """tools.bench.gguf_load on the real file (one round): kept, the 272 tensors are dequantized once each; one at a
+    time, the stacked leaves' tensors once per device block, so more."""
+    from tools.bench import gguf_load
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the bench sets it; given back after
+    assert gguf_load.main([smollm2, "--rounds", "1"]) == 0
+    counts = [int(n) for n in re.findall(r"(\d+) tensors dequantized", capsys.readouterr().out)]
+    tensors = len(gguf_io.GgufFiles(smollm2).reader.tensors)
+    assert counts[0] == tensors < counts[1], counts

@@ -181,7 +181,7 @@ class GgufFiles:
     def _whole(self, key: str) -> np.ndarray:
         """The tensor `key` in fp32 as transformers holds it. Each device's block of a stacked leaf reads every
         layer's tensor in turn, so the tensors read last are kept up to CACHE_BYTES: a leaf's tensors within it
-        are dequantized once, not once per device block (8 times on 8 devices: 39 of a SmolLM2 test's 114 s)."""
+        are dequantized once, not once per device block (8 times on 8 devices: `tools.bench.gguf_load`)."""
         w = self._cache.pop(key, None)
         self._cache[key] = self._read_whole(key) if w is None else w
         while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > CACHE_BYTES:
