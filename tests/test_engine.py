@@ -201,24 +201,33 @@ def test_the_paged_kernel_decodes_as_the_gather_does(mesh):
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
 
 
+def _kernel_for_cuda(width: int, tuning=None) -> str:
+    """The paged kernel's program for 4 rows of tables `width` pages wide (8 query heads over 2 KV heads of 64,
+    64-token pages), exported for CUDA from this CPU machine, as MLIR text."""
+    from jaxllm.ops import paged_attention
+    from jaxllm.ops.masking import Masking
+
+    tuning = tuning or paged_attention.DEFAULT
+    q = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 128, 64, 64), jnp.bfloat16)
+    tables, lengths = jax.ShapeDtypeStruct((4, width), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
+    attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking(), tuning=tuning))
+    exported = jax.export.export(attend, platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+    return exported(q, pool, pool, tables, lengths).mlir_module()
+
+
 def test_the_paged_kernel_lowers_for_cuda_at_any_table_width():
     """The kernel's Triton lowering takes arrays of power-of-two sizes only: the pages of a compute block are a
     power of two at every table width (3 stopped a decode of 2,112 positions in 64-token pages on an H200), and the
     kernel lowers for CUDA, on this CPU machine, at widths whose partitions held 3, 5, 6 and 7 pages."""
     from jaxllm.ops import paged_attention
-    from jaxllm.ops.masking import Masking
 
     for width in range(1, 1025):
         splits, block, padded = paged_attention.partitions(width)
         assert block & (block - 1) == 0 and padded >= width and padded % (splits * block) == 0, (width, block)
     for width in (33, 70, 90, 100):
-        q = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16)
-        pool = jax.ShapeDtypeStruct((2, 128, 64, 64), jnp.bfloat16)
-        tables, lengths = jax.ShapeDtypeStruct((4, width), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
-        attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking()))
-        exported = jax.export.export(attend, platforms=["cuda"],
-                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
-        assert TRITON in exported(q, pool, pool, tables, lengths).mlir_module()
+        assert TRITON in _kernel_for_cuda(width)
 
 
 def test_the_paged_kernel_launches_with_the_tuning_given():
@@ -229,20 +238,13 @@ def test_the_paged_kernel_launches_with_the_tuning_given():
     import re
 
     from jaxllm.ops import paged_attention
-    from jaxllm.ops.masking import Masking
     from tools.bench import paged_kernel
 
     for tuning in (paged_attention.DEFAULT, paged_attention.Tuning(4, 2, 4, 3), paged_attention.Tuning(32, 16, 8, 1)):
         for width in (1, 7, 33, 100, 257):
             splits, block, padded = paged_attention.partitions(width, tuning)
             assert block & (block - 1) == 0 and padded >= width and splits <= tuning.max_splits, (tuning, width)
-    q = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16)
-    pool = jax.ShapeDtypeStruct((2, 128, 64, 64), jnp.bfloat16)
-    tables, lengths = jax.ShapeDtypeStruct((4, 33), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
-    attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking(),
-                                                                  tuning=paged_attention.Tuning(8, 2, 4, 3)))
-    text = jax.export.export(attend, platforms=["cuda"], disabled_checks=[
-        jax.export.DisabledSafetyCheck.custom_call(TRITON)])(q, pool, pool, tables, lengths).mlir_module()
+    text = _kernel_for_cuda(33, paged_attention.Tuning(8, 2, 4, 3))
     assert re.search(r"grid_y = 8\b", text) and "num_warps = 4" in text and "num_stages = 3" in text
     shapes = paged_kernel.sweep(equivalence_config("tiny-llama", **{"precision.compute": "bfloat16"}),
                                 argparse.Namespace(rows=2, prompt=60, new=8, page=16, splits=[2], blocks=[1],

