@@ -105,6 +105,34 @@ def test_several_decode_steps_a_call_draw_the_same_tokens_and_stop_where_one_ste
     assert len(engine.pool.free) == len(engine.pool.holders) - 1
 
 
+def test_sending_each_call_before_reading_the_last_changes_no_token():
+    """The engine sends each decode call before it reads the previous call's tokens (`overlap`, the default), so the
+    host schedules while the device decodes. Against the engine that reads each call's tokens before it sends the
+    next, sampled, 2 steps a call, with stop ids that end requests at their first token and inside a call: every
+    request's tokens, stop and log-probabilities bit for bit (the same programs on the same inputs), every page
+    given back, and every call but the first sent while the one before was unread."""
+    cfg, params = _model("llama")
+    prompts, new = _requests()
+    sync = Engine(params, cfg, slots=SLOTS, page=PAGE, steps_per_call=2, overlap=False)
+    plain = sync.generate(prompts, new, temperature=1.0, seed=3)
+    plain_steps = sync.stats["decode_steps"]
+    firsts = sorted({int(plain[i].tokens[0]) for i in (0, 1)})
+    stops = firsts + [t for t in {int(c.tokens[2]) for c in plain[2:] if len(c.tokens) > 4} if t not in firsts][:4]
+    want = sync.generate(prompts, new, temperature=1.0, seed=3, stop_ids=stops)
+    assert sum(len(c.tokens) == 1 and c.stopped for c in want) >= 2, want  # a request that ends at its first token
+    assert sync.stats["overlapped_calls"] == 0
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE, steps_per_call=2)
+    engine.generate(prompts, new, temperature=1.0, seed=3)
+    assert engine.stats["decode_steps"] == plain_steps  # a slot is free for the call after its last
+    got = engine.generate(prompts, new, temperature=1.0, seed=3, stop_ids=stops)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.logprobs, a.logprobs)
+        assert b.stopped == a.stopped
+    assert engine.stats["overlapped_calls"] == engine.stats["decode_steps"] // 2 - 1 > 0, engine.stats
+    assert len(engine.pool.free) == len(engine.pool.holders) - 1
+
+
 def test_the_static_engine_cuts_each_prompt_at_its_own_length_and_stop_as_the_engine_does():
     """`decode.generate` with one max_new_tokens per prompt (the batch run to the largest, each row cut at its own):
     each request's tokens, stop and log-probabilities as the engine gives them, sampled, with stop ids that end some

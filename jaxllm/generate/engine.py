@@ -28,6 +28,15 @@ next at once. Separate prefill calls rather than prefill chunks inside the decod
 one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
 decode steps (the tokens fed back on the device) and the host schedules once per k steps.
 
+Overlap (`overlap`, the default; SGLang's overlap scheduler). The host sends each decode call before it reads the
+previous call's tokens, so its scheduling (and the next program's launch) runs while the device decodes. What a
+call needs from the last one stays on the device (each slot's next token; a request's first token is drawn into
+its slot there); positions, steps and tokens left the host knows without reading anything, so a request whose
+last wanted token a call draws frees its slot for the very next call. A stop id is seen one call late: the
+request ran one more call in its own pages, whose tokens are dropped, and its slot takes the next request a call
+later. Pages given back may be written by a call already sent; the device runs calls in the order sent, so that
+write lands before any later request's prefill or decode writes there.
+
 Sampling. Request i's token t is drawn with the key fold_in(fold_in(key(seed), t), i): what the static engine
 (`decode.py`) draws for the row at place i, so the engine's tokens do not depend on its slot, the order of
 arrival or its neighbours, and equal the static engine's where the logits agree to the margin a draw needs.
@@ -53,7 +62,7 @@ from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView, head_dim
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import paged_attention
-from jaxllm.sharding import use_layout
+from jaxllm.sharding import constrain, use_layout
 from jaxllm.stack import has_linear
 
 
@@ -90,16 +99,18 @@ def _prefill(w, pools, tokens, length, pages, *, m, dtype, page: int):
     return pools, logits[0, length - 1]
 
 
-def _first(logits, seed, indices, settings):
-    """Each of the requests `indices` [G] sharing a prompt draws its first token from the prompt's last logits."""
-    rows = jnp.broadcast_to(logits, (indices.shape[0], logits.shape[-1]))
-    return sample(rows, _keys(seed, jnp.zeros_like(indices), indices), *settings)
+def _first(logits, seed, index, settings, tokens, slot):
+    """Request `index` draws its first token from its prompt's last logits, written into `tokens`[slot] (what the
+    next decode call feeds each slot, kept on the device): (tokens, the token, its log-probability)."""
+    token, logp = sample(logits[None], _keys(seed, jnp.zeros((1,), jnp.int32), index[None]), *settings)
+    return constrain(tokens.at[slot].set(token[0]), ("batch",)), token[0], logp[0]
 
 
 def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, seed, settings, *, m, dtype, page: int,
             kernel, steps_per_call: int):
     """`steps_per_call` tokens for every slot (idle ones compute on scratch), each step's token fed to the next:
-    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S]). A slot goes idle (position 0, writing to
+    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S], the last tokens [S], which the next call
+    feeds without a trip through the host). A slot goes idle (position 0, writing to
     scratch) after its last wanted token (`left` [S]: tokens still wanted), so it never reaches past its pages (the
     paged kernel would read its page table out of bounds); one that stops at a stop id inside the call writes on
     into its own pages, and the host reads its tokens up to the stop."""
@@ -115,9 +126,9 @@ def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, se
     carry = (pools, tokens, positions, active, steps, left)
     if steps_per_call == 1:  # one step as it is, not a loop of one
         carry, out = one(carry, None)
-        return carry[0], out[0][None], out[1][None]
+        return carry[0], out[0][None], out[1][None], constrain(carry[1], ("batch",))
     carry, (token, logp) = jax.lax.scan(one, carry, length=steps_per_call)
-    return carry[0], token, logp
+    return carry[0], token, logp, constrain(carry[1], ("batch",))
 
 
 def _copy_page(pools, src, dst):
@@ -166,7 +177,7 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
         _compiled[key] = _Programs(
             jit(functools.partial(_gathered_weights, m=m, dtype=dtype, layout=layout, stored=stored)),
             jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
-            jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first),
+            jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first, donate_argnums=4),
             functools.cache(lambda k: jit(functools.partial(_decode, **kw, kernel=kernel, steps_per_call=k),
                                           donate_argnums=1)),
             jit(_copy_page, donate_argnums=0))
@@ -215,14 +226,28 @@ class _Prompt:
 
 @dataclasses.dataclass
 class _Live:
-    """A request in a slot: its index, prompt, pages, its first new token's position (the prompt's length) and the
-    tokens drawn so far."""
+    """A request in a slot: its index, prompt, pages, its first new token's position (the prompt's length), the tokens
+    it holds once every call sent has run (`sent`, stop ids aside), its first token and log-probability on the
+    device until read (`first`), the tokens read so far, and whether its pages were given back (`retired`: no call
+    will be sent for it again)."""
     index: int
     prompt: tuple
     pages: list
     position: int
+    slot: int
+    first: tuple | None = None
+    sent: int = 1
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    retired: bool = False
+
+
+class _Call(NamedTuple):
+    """A decode call sent and not yet read: its tokens and log-probabilities [steps_per_call, S] on the device, and
+    the request each slot held when it was sent."""
+    tokens: jax.Array
+    logprobs: jax.Array
+    owners: list
 
 
 PAGED_KERNELS = ("auto", "xla") + paged_attention.KERNELS  # the engine's `paged_kernel`
@@ -259,10 +284,12 @@ class Engine:
     weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call.
     `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice).
     `steps_per_call`: decode steps a program call runs before the host reads their tokens and admits requests (the
-    same tokens; a slot freed inside a call waits for its end)."""
+    same tokens; a slot freed inside a call waits for its end). `overlap`: each call is sent before the previous
+    one's tokens are read, so the host's scheduling runs while the device decodes (the same tokens; False: the host
+    waits for each call's tokens before it sends the next)."""
 
     def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto",
-                 steps_per_call: int = 1):
+                 steps_per_call: int = 1, overlap: bool = True):
         if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
             raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."
                               f"pattern {cfg.model.pattern}); use rl.sampler=static, whose generation carries it")
@@ -271,7 +298,7 @@ class Engine:
                 raise ConfigError(f"the engine's {name} must be 1 or more, got {value}")
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
-        self.slots, self.page = padded_rows(slots, self.layout), page
+        self.slots, self.page, self.overlap = padded_rows(slots, self.layout), page, overlap
         self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
         self.decode = self.programs.decoder(steps_per_call)
@@ -284,7 +311,8 @@ class Engine:
                  top_p: float = 1.0, stop_ids=(), seed: int = 0, order=None) -> list[Completion]:
         """Each prompt's completion, as `decode.generate` gives it (the same tokens where the logits agree);
         `max_new_tokens` one for all or one per prompt; `order`: the requests' arrival order (default: as
-        given). `stats` then holds the decode steps run and the most pages that held prompt tokens at once."""
+        given). `stats` then holds the decode steps run, the most pages that held prompt tokens at once, and the
+        calls sent before the previous call's tokens were read."""
         new = limits_checked(self.m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
         row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
         self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
@@ -293,15 +321,27 @@ class Engine:
         self.settings = tuple(jnp.asarray(v, t) for v, t in ((temperature, jnp.float32), (top_k, jnp.int32),
                                                               (top_p, jnp.float32)))
         self.seed, self.stop_ids, self.prefilled = jnp.asarray(seed, jnp.uint32), set(stop_ids), {}
-        self.stats = {"decode_steps": 0, "prompt_pages": 0}
-        waiting, live, done = collections.deque(range(len(prompts)) if order is None else order), [None] * self.slots, {}
-        while waiting or any(live):
+        self.next_tokens = jax.device_put(np.zeros(self.slots, np.int32), self._slots_sharding())  # the next call feeds
+        self.stats = {"decode_steps": 0, "prompt_pages": 0, "overlapped_calls": 0}
+        waiting = collections.deque(range(len(prompts)) if order is None else order)
+        self.live, self.unread_firsts, self.done, unread = [None] * self.slots, [], {}, None
+        while waiting or any(self.live) or unread is not None or self.unread_firsts:
             for s in range(self.slots):
-                while live[s] is None and waiting:
-                    live[s] = self._admit(waiting.popleft(), done)
-            if any(live):
-                self._step(live, done)
-        return [done[i] for i in range(len(prompts))]
+                while self.live[s] is None and waiting:
+                    self.live[s] = self._admit(waiting.popleft(), s)
+            sent = self._send() if any(self.live) else None
+            if unread is not None and sent is not None:
+                self.stats["overlapped_calls"] += 1
+            if not self.overlap and sent is not None:
+                unread, sent = sent, None  # read at once
+            self._read(unread)
+            unread = sent
+        return [self.done[i] for i in range(len(prompts))]
+
+    def _slots_sharding(self):
+        """Where a vector over the slots lives: split over the data axes as the programs leave it (None: one
+        device), so that every call of a program takes its inputs as the last one did and compiles once."""
+        return None if self.layout is None else self.layout.sharding(("batch",), self.layout.activations)
 
     def _prefill(self, prompt: tuple) -> _Prompt:
         """The prompt's pages written (a new prefill, or the one a live request shares)."""
@@ -318,9 +358,10 @@ class Engine:
         self.prefilled[prompt] = entry
         return entry
 
-    def _admit(self, index: int, done: dict) -> _Live | None:
-        """Request `index` into a slot: its prompt's pages (shared), a copy of the partial one, fresh pages for
-        the rest, its first token drawn; None where that token already ends it."""
+    def _admit(self, index: int, slot: int) -> _Live | None:
+        """Request `index` into `slot`: its prompt's pages (shared), a copy of the partial one, fresh pages for the
+        rest, its first token drawn into the slot's next token on the device (read with the next call's tokens);
+        None where it wants no more (its pages given back at once)."""
         prompt = tuple(self.prompts_in[index])
         entry = self._prefill(prompt)
         entry.requests += 1
@@ -330,10 +371,16 @@ class Engine:
         if entry.partial is not None:
             self.pools = self.programs.copy_page(self.pools, np.int32(entry.partial), np.int32(own[0]))
             entry.copies[index] = own[0]
-        live = _Live(index, prompt, entry.full + own, len(prompt))
+        live = _Live(index, prompt, entry.full + own, len(prompt), slot)
         self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
-        token, logp = self.programs.first(entry.logits, self.seed, np.asarray([index], np.int32), self.settings)
-        return self._record(live, int(token[0]), float(logp[0]), done)
+        self.next_tokens, token, logp = self.programs.first(entry.logits, self.seed, np.int32(index), self.settings,
+                                                            self.next_tokens, np.int32(slot))
+        live.first = (token, logp)
+        self.unread_firsts.append(live)
+        if self.new[index] > 1:
+            return live
+        self._retire(live)
+        return None
 
     def _prompt_pages(self) -> set[int]:
         """The pages that hold prompt tokens now: the prefilled prompts' and the requests' copies of their partial
@@ -341,15 +388,12 @@ class Engine:
         return {p for e in self.prefilled.values()
                 for p in e.full + ([e.partial] if e.partial is not None else []) + list(e.copies.values())}
 
-    def _record(self, live: _Live, token: int, logp: float, done: dict) -> _Live | None:
-        """The drawn token kept; the request finished (its pages given back) where it stops."""
-        live.tokens.append(token)
-        live.logprobs.append(logp)
-        stopped = token in self.stop_ids
-        if not stopped and len(live.tokens) < self.new[live.index]:
-            return live
-        done[live.index] = Completion(np.asarray(live.tokens, np.int32), np.asarray(live.logprobs, np.float32),
-                                      stopped)
+    def _retire(self, live: _Live) -> None:
+        """No call will be sent for the request again: its slot and pages given back. A call sent before may still
+        write into them; the device runs calls in the order sent, so that write lands before any later request's."""
+        live.retired = True
+        if self.live[live.slot] is live:
+            self.live[live.slot] = None
         self.pool.release(live.pages)
         entry = self.prefilled[live.prompt]
         entry.requests -= 1
@@ -357,7 +401,19 @@ class Engine:
         if entry.requests == 0:
             self.pool.release(entry.full + ([entry.partial] if entry.partial is not None else []))
             del self.prefilled[live.prompt]
-        return None
+
+    def _take(self, live: _Live, token: int, logp: float) -> bool:
+        """The drawn token kept; True where the request ends with it (its completion done, its pages given back)."""
+        live.tokens.append(token)
+        live.logprobs.append(logp)
+        stopped = token in self.stop_ids
+        if not stopped and len(live.tokens) < self.new[live.index]:
+            return False
+        self.done[live.index] = Completion(np.asarray(live.tokens, np.int32), np.asarray(live.logprobs, np.float32),
+                                           stopped)
+        if not live.retired:
+            self._retire(live)
+        return True
 
     def _table(self, pages: list) -> np.ndarray:
         table = np.zeros((len(pages), self.row_pages), np.int32)
@@ -365,21 +421,40 @@ class Engine:
             table[r, :len(row)] = row
         return table
 
-    def _step(self, live: list, done: dict) -> None:
-        """One call of decode steps over every slot; each busy one's tokens recorded up to where it stops."""
-        busy = [s for s, x in enumerate(live) if x is not None]
-        tokens, positions, active, steps, indices, left = (np.zeros(self.slots, np.int32) for _ in range(6))
-        for s in busy:
-            x = live[s]
-            tokens[s], positions[s], active[s] = x.tokens[-1], x.position + len(x.tokens) - 1, 1
-            steps[s], indices[s], left[s] = len(x.tokens), x.index, self.new[x.index] - len(x.tokens)
-        table = self._table([x.pages if x is not None else [] for x in live])
-        self.pools, token, logp = self.decode(self.weights, self.pools, tokens, positions, active, table,
-                                             steps, indices, left, self.seed, self.settings)
-        token, logp = np.asarray(token), np.asarray(logp)
-        self.stats["decode_steps"] += token.shape[0]
-        for s in busy:
-            for t in range(token.shape[0]):
-                live[s] = self._record(live[s], int(token[t, s]), float(logp[t, s]), done)
-                if live[s] is None:
+    def _send(self) -> _Call:
+        """One call of decode steps over every slot, sent: each busy slot continues from what the calls sent before
+        leave it (its next token already on the device); a request whose last wanted token this call draws is
+        retired at once, so its slot takes the next request for the next call."""
+        busy = [x for x in self.live if x is not None]
+        positions, active, steps, indices, left = (np.zeros(self.slots, np.int32) for _ in range(5))
+        for x in busy:
+            s = x.slot
+            positions[s], active[s], steps[s] = x.position + x.sent - 1, 1, x.sent
+            indices[s], left[s] = x.index, self.new[x.index] - x.sent
+        table = self._table([x.pages if x is not None else [] for x in self.live])
+        self.pools, tokens, logprobs, self.next_tokens = self.decode(
+            self.weights, self.pools, self.next_tokens, positions, active, table, steps, indices, left, self.seed,
+            self.settings)
+        call = _Call(tokens, logprobs, list(self.live))
+        self.stats["decode_steps"] += tokens.shape[0]
+        for x in busy:
+            x.sent += tokens.shape[0]
+            if x.sent >= self.new[x.index]:
+                self._retire(x)
+        return call
+
+    def _read(self, call: _Call | None) -> None:
+        """The first tokens drawn since the last read, then `call`'s tokens (if any), recorded: each request's up to
+        where it ends; what a call drew for a request that had already ended is dropped."""
+        for x in self.unread_firsts:
+            self._take(x, int(x.first[0]), float(x.first[1]))
+        self.unread_firsts = []
+        if call is None:
+            return
+        tokens, logprobs = np.asarray(call.tokens), np.asarray(call.logprobs)
+        for s, x in enumerate(call.owners):
+            if x is None or x.index in self.done:
+                continue
+            for t in range(tokens.shape[0]):
+                if self._take(x, int(tokens[t, s]), float(logprobs[t, s])):
                     break

@@ -1,14 +1,15 @@
 """`python -m tools.bench.engine_decode [--rows 64] [--prompt 2048] [--new 64] [--page 16] [--chip auto]
-[--kernels auto xla] [--profile DIR] [key=value ...]`: the rollout engine's decode step against the HBM bound, one
-device.
+[--kernels auto xla] [--schedules overlap sync] [--profile DIR] [key=value ...]`: the rollout engine's decode step
+against the HBM bound, one device.
 
 --rows requests of --prompt random tokens each decode --new tokens greedily on --rows slots, so every step runs
 every slot. Each paged kernel named (`Engine(paged_kernel=...)`: `auto` is the Pallas kernel on a GPU where it
-fits, `xla` the gathered pages) is compiled by a first run, then timed --repeats times with --new tokens and with
-1 (prefill and the first token alone), medians kept: a decode step costs (t(new) − t(1)) / (new − 1). The bound is
-the bytes one step must read, the weights in the compute dtype (the embedding table only where it is the tied
-head) and every row's cached keys and values at the step's mean length, over the chip's HBM bandwidth
-(`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_program_seconds`: calls queued on
+fits, `xla` the gathered pages) under each host schedule named (`overlap`, the engine's: each call sent before the
+last one's tokens are read; `sync`: read, then sent) is compiled by a first run, then timed --repeats times with
+--new tokens and with 1 (prefill and the first token alone), medians kept: a decode step costs (t(new) − t(1)) /
+(new − 1). The bound is the bytes one step must read, the weights in the compute dtype (the embedding table only
+where it is the tied head) and every row's cached keys and values at the step's mean length, over the chip's HBM
+bandwidth (`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_program_seconds`: calls queued on
 device-resident inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in
 bf16 (the issue's); `key=value` overrides it. --profile also traces 8 queued calls of each engine's program and
 prints where a decode step's device time goes (`tools.bench.profile_step`'s tables: by category, by part of the
@@ -82,7 +83,7 @@ def _queued_calls(engine, inputs, calls: int) -> float:
     pools, token = engine.pools, None
     start = time.perf_counter()
     for _ in range(calls):
-        pools, token, _ = engine.decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
+        pools, token, _, _ = engine.decode(engine.weights, pools, *inputs, engine.seed, engine.settings)
     jax.block_until_ready((pools, token))
     engine.pools = pools
     return time.perf_counter() - start
@@ -121,23 +122,27 @@ def _profile(engine, length: int, calls: int, steps_per_call: int, out_dir: str)
     return result
 
 
-def _timed(choice: str, steps_per_call: int, params, cfg, prompts, args, out: dict) -> dict:
-    """One engine's decode step (`choice` of paged kernel, `steps_per_call`) timed, printed and returned."""
+def _timed(choice: str, steps_per_call: int, schedule: str, params, cfg, prompts, args, out: dict) -> dict:
+    """One engine's decode step (`choice` of paged kernel, `steps_per_call`, `schedule`) timed, printed and
+    returned."""
     from jaxllm.generate.engine import Engine
 
-    engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice, steps_per_call=steps_per_call)
+    engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice, steps_per_call=steps_per_call,
+                    overlap=schedule == "overlap")
     step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
     step /= args.new - 1
     length = args.prompt + args.new // 2
     program = _program_seconds(engine, length, max(args.new // steps_per_call, 8), steps_per_call)
-    if args.profile:
+    if args.profile and schedule == args.schedules[0]:  # one program: the schedules differ on the host only
         _profile(engine, length, 8, steps_per_call, os.path.join(args.profile, f"{choice}_{steps_per_call}"))
     bound = out["bound_ms"] / 1e3
-    print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call): {step * 1e3:.3f} ms a "
+    print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call, {schedule}): "
+          f"{step * 1e3:.3f} ms a "
           f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms ({out['step_bytes'] / 1e9:.3f} GB at "
           f"{out['chip']}'s HBM): {bound / step * 100:.1f}% of it; the program alone {program * 1e3:.3f} ms "
           f"({bound / program * 100:.1f}%), the rest the host's scheduling and the tokens read back", flush=True)
-    return {"kernel": engine.kernel[0] or "xla", "steps_per_call": steps_per_call, "step_ms": step * 1e3,
+    return {"kernel": engine.kernel[0] or "xla", "steps_per_call": steps_per_call, "schedule": schedule,
+            "step_ms": step * 1e3,
             "of_bound": bound / step, "program_ms": program * 1e3}
 
 
@@ -153,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", nargs="+", default=["auto", "xla"])
     ap.add_argument("--steps-per-call", type=int, nargs="+", default=[1],
                     help="decode steps an engine's program call runs (Engine(steps_per_call=...)); each one timed")
+    ap.add_argument("--schedules", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"],
+                    help="overlap: each call sent before the last one's tokens are read (the engine's default); sync: "
+                    "the host reads each call's tokens before it sends the next. Each one timed")
     ap.add_argument("--profile", metavar="DIR", help="also trace 8 queued decode calls of each engine and print "
                     "where a step's device time goes (tools.bench.profile_step's tables; the trace under DIR)")
     ap.add_argument("--json", action="store_true")
@@ -175,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
            "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {}}
     for choice in args.kernels:
         for k in args.steps_per_call:
-            name = choice if args.steps_per_call == [1] else f"{choice}, {k} steps a call"
-            out["kernels"][name] = _timed(choice, k, params, cfg, prompts, args, out)
+            for schedule in args.schedules:
+                name = ", ".join([choice] + [f"{k} steps a call"] * (args.steps_per_call != [1]) + [schedule])
+                out["kernels"][name] = _timed(choice, k, schedule, params, cfg, prompts, args, out)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -25,7 +25,8 @@
 #                          --chip), packed DPO with `auto` (Pallas), MLA against GQA with `auto`, and the step with
 #                          bf16 Adam moments and with XLA's Triton GEMMs off; about 8 minutes
 #   issue63_engine_decode  the rollout engine's decode step at 64 rows on the LLaMA-1B shape (prompt 2,048, 64 new,
-#                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, against the HBM bound
+#                          bf16), the Pallas paged kernel (`auto`) beside XLA's gather, each with the host's
+#                          overlap schedule (the default) beside the synchronous one, against the HBM bound
 #                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
 #                          at 8 decode steps a program call against 1; then the paged kernel alone, swept over its
 #                          launch shapes (tools.bench.paged_kernel, ~1 minute each), the fastest to become the default;
