@@ -18,6 +18,7 @@ the static engine (`generate/decode.py`) and one device, fp32.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from jaxllm.generate import generate, generate_arrays
 from jaxllm.generate.decode import reshard_bytes
 from jaxllm.generate.engine import Engine
 from jaxllm.models import transformer
-from jaxllm.plan.hlo import all_gather_received_bytes
+from jaxllm.plan.hlo import all_gather_received_bytes, computations
 
 PAGE, SLOTS, MARGIN = 4, 4, 1e-5
 MODELS = {
@@ -202,6 +203,27 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     step = engine.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
                                         idle, idle, idle, engine.seed, engine.settings).compile().as_text()
     assert all_gather_received_bytes(step, devices) < received / 10
+
+
+def test_a_decode_step_reads_the_gathered_pages_as_the_gather_leaves_them():
+    """XLA's gather path: each layer's pages are gathered into [rows, kv_heads, slots, head_dim], the order both of
+    attention's dots read (`attention.cache_read`, kv_layout "bksd"), so the compiled decode step writes nothing
+    the size of a layer's gathered keys or values but the gathers themselves: no transpose or copy of them (the
+    gathered pages were transposed twice a layer, each time a layer's whole cache read and written again)."""
+    cfg, params = _model("llama")
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
+    engine.generate([[1, 2, 3]], 2, temperature=0.0)
+    per_row, idle = 8, np.zeros(engine.slots, np.int32)
+    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, idle, idle,
+                               np.zeros((SLOTS, per_row), np.int32), idle, idle, idle, engine.seed,
+                               engine.settings).compile().as_text()
+    gathered = SLOTS * per_row * PAGE * cfg.model.n_kv_heads * cfg.model.d_model // cfg.model.n_heads
+    shape = lambda t: [int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if d]
+    big = [(ins["opcode"], ins["name"]) for body in computations(step)[0].values() for ins in body
+           if not ins["type"].startswith("(") and math.prod(shape(ins["type"])) >= gathered]
+    moved = [name for op, name in big if op in ("transpose", "copy") or name.startswith(("transpose", "copy"))]
+    assert not moved, moved
+    assert sum(op == "fusion" and name.startswith("gather") for op, name in big) >= 2, big  # a layer's keys, values
 
 
 TRITON = "__gpu$xla.gpu.triton"

@@ -386,14 +386,29 @@ def cache_write(stored, new, cache: CacheView, positions, segment_ids):
 
 
 def cache_read(stored, cache: CacheView):
-    """One repeat's slots [batch, slots, ...]: as stored, or paged, each row's pages gathered in order."""
+    """One repeat's slots [batch, slots, ...]: as stored, or paged, each row's pages gathered in order; from a pool
+    of keys or values heads before slots, [batch, kv_heads, slots, head_dim] (`attention`'s kv_layout "bksd")."""
     if cache.pages is None:
         return stored[cache.layer]
     if _heads_first(stored):
-        rows = jnp.transpose(stored[:, cache.layer, cache.pages], (1, 2, 3, 0, 4))  # [kv_heads, batch, pages, page, d]
-    else:
-        rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
+        rows = _gathered_by_head(stored, cache.pages, cache.layer)  # [batch, kv_heads, pages, page, d]
+        return rows.reshape(*rows.shape[:2], rows.shape[2] * rows.shape[3], rows.shape[4])
+    rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
     return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
+
+
+def _gathered_by_head(pool, pages, layer):
+    """[batch, kv_heads, pages a row holds, page, d]: each row's pages of repeat `layer` of a pool [kv_heads,
+    repeats, n_pages, page, d], in the order the dots read them. The heads are the gather's batching dimension, so
+    its output needs no transpose (a whole layer's cache otherwise, both ways), and a pool split over tp by heads
+    is gathered where it lies."""
+    rows, heads = pages.shape[0], pool.shape[0]
+    index = jnp.broadcast_to(pages[:, None, :], (rows, heads, pages.shape[1]))
+    index = jnp.stack([jnp.broadcast_to(layer, index.shape).astype(index.dtype), index], axis=-1)
+    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(1, 2), start_index_map=(1, 2),
+                                             operand_batching_dims=(0,), start_indices_batching_dims=(1,))
+    return jax.lax.gather(pool, index, numbers, (1, 1, 1, *pool.shape[3:]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
@@ -415,7 +430,8 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
         out = _paged_kernel(q, written, positions, masking(m, layer))
     else:
         out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
-                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m), sinks)
+                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m), sinks,
+                        kv_layout="bksd" if cache.pages is not None and _heads_first(keys) else "bskd")
     return project_out(p, out, dtype, gate), written
 
 

@@ -31,18 +31,24 @@ IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS, "cudnn
 FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}  # the backend each fused kernel needs
 
 
-def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, sinks=None):
+KV_LAYOUTS = ("bskd", "bksd")  # keys and values [b, s, kv, d] (training's), or heads before positions
+
+
+def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, sinks=None,
+                          kv_layout: str = "bskd"):
     """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]. `sinks` [h]: each
-    head's sink logit joins every query's softmax as one more column, dropped before the values."""
-    qg = grouped(q, k.shape[2])
+    head's sink logit joins every query's softmax as one more column, dropped before the values. `kv_layout`
+    "bksd": k and v are [b, kv, s, d] (the paged cache's gathered pages as the gather gives them), so both dots
+    find their batch dimensions (b, kv) leading and neither the keys nor the values are transposed."""
+    qg = grouped(q, k.shape[kv_layout.index("k")])
     mask = visible(q_pos, k_pos, q_seg, k_seg, masking.window, masking.chunk)
-    scores = jnp.where(mask[:, None, None], scores_of(qg, k, masking), NEG_INF)
+    scores = jnp.where(mask[:, None, None], scores_of(qg, k, masking, f"btkgd,{kv_layout}->bkgts"), NEG_INF)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     else:  # [b, kv, g, t, s + 1]: the sink's column last, never masked
-        sink = jnp.broadcast_to(grouped_sinks(sinks, k.shape[2])[None, :, :, None, None], (*scores.shape[:-1], 1))
+        sink = jnp.broadcast_to(grouped_sinks(sinks, qg.shape[2])[None, :, :, None, None], (*scores.shape[:-1], 1))
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
-    return ungrouped(jnp.einsum("bkgts,bskd->btkgd", probs, v))
+    return ungrouped(jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs, v))
 
 
 SINK_IMPLEMENTATIONS = ("dense", "chunked")  # those that compute attention sinks
@@ -61,16 +67,20 @@ def refuse_chunk(impl: str) -> ConfigError:
                        "model.attention_impl=chunked or dense")
 
 
-def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense", sinks=None):
+def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, impl: str = "dense", sinks=None,
+              kv_layout: str = "bskd"):
     """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here.
     `sinks` [h] fp32 (None: none): attention sinks, on `dense` and `chunked` only (ConfigError elsewhere); so are
-    attention chunks (`masking.chunk`)."""
+    attention chunks (`masking.chunk`). `kv_layout` (`KV_LAYOUTS`): "bksd", k and v [b, kv, s, d], which `dense`
+    reads as they are and the others after a transpose."""
     if sinks is not None and impl not in SINK_IMPLEMENTATIONS:
         raise refuse_sinks(impl)
     if not is_off(masking.chunk) and impl not in CHUNK_IMPLEMENTATIONS:
         raise refuse_chunk(impl)
     if impl == "dense":
-        return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks)
+        return dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks, kv_layout)
+    if kv_layout == "bksd":
+        k, v = (jnp.swapaxes(a, 1, 2) for a in (k, v))
     if impl == "chunked":
         return chunked_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking, sinks=sinks)
     if impl == "cudnn":

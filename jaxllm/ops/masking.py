@@ -104,8 +104,9 @@ def capped(scores, softcap: float):
     return softcap * jnp.tanh(scores / softcap) if softcap else scores
 
 
-def scores_of(qg, k, masking: Masking):
-    """fp32 scores [b, kv, g, t, s] of grouped queries qg [b, t, kv, g, dk] against k [b, s, kv, dk], capped.
-    The scale multiplies q in its own dtype, before the product, as it always has (bitwise today's numbers)."""
+def scores_of(qg, k, masking: Masking, equation: str = "btkgd,bskd->bkgts"):
+    """fp32 scores [b, kv, g, t, s] of grouped queries qg [b, t, kv, g, dk] against k [b, s, kv, dk], capped
+    (another `equation` for keys and scores laid out otherwise). The scale multiplies q in its own dtype, before
+    the product, as it always has (bitwise today's numbers)."""
     qg = qg * masking.score_scale(qg.shape[-1])
-    return capped(jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32), masking.softcap)
+    return capped(jnp.einsum(equation, qg, k, preferred_element_type=jnp.float32), masking.softcap)
