@@ -215,9 +215,6 @@ class Model:
 
     def _engine(self, ids, max_new_tokens, slots: int, sampling: dict, timings: dict | None):
         """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""
-        if jax.process_count() > 1:
-            raise ConfigError(f"generation on the rollout engine runs in one process, and this model spans "
-                              f"{jax.process_count()}; generate without it (one batch) or in one process")
         start, compiled = time.perf_counter(), goodput.compiling_seconds()
         done = Engine(self.params, self.cfg, slots=slots, on=self.fns).generate(ids, max_new_tokens, **sampling)
         if timings is not None:  # the engine compiles as it runs: JAX reports each compile's seconds

@@ -226,10 +226,13 @@ def test_the_gsm8k_command_runs_on_a_tiny_model(llama_with_tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
+@pytest.mark.parametrize("sampler", ["static", "engine"])
+def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path, sampler):
     """The same GRPO run on 2 processes × 4 devices (dp2 × fsdp2 × tp2, ZeRO-3, over jax.distributed) and on one
     device: the same completions and rewards at every rollout (the second sampled after two updates); step 1's
-    loss, gradient norm and KL at the equivalence tolerance, later steps' within what Adam makes of rounding.
+    loss, gradient norm and KL at the equivalence tolerance, later steps' within what Adam makes of rounding. With
+    either sampler: the rollout engine's host schedules alike in both processes, each reading every call's tokens
+    whole.
 
     Later steps start from parameters that differ by what AdamW made of step 1's difference. Its step
     lr·m̂/(√v̂ + ε) has slope up to lr/ε in the gradient, and a coordinate whose exact gradient is 0 holds
@@ -245,7 +248,8 @@ def test_two_processes_on_dp_fsdp_tp_equal_one_device(tmp_path):
     from jaxllm.config import to_toml
 
     config = tmp_path / "grpo.toml"
-    cfg = build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0, "train.eps": 1e-6})
+    cfg = build_config(None, {**TINY, "train.steps": 4, "train.checkpoint_every": 0, "train.eps": 1e-6,
+                              "rl.sampler": sampler})
     config.write_text(to_toml(cfg))
     procs, address = Procs(tmp_path), f"127.0.0.1:{_free_port()}"
     mesh = ["mesh.dp=2", "mesh.fsdp=2", "mesh.tp=2", "train.zero_stage=3"]

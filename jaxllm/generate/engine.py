@@ -14,6 +14,9 @@ static engine, keeps its pages) and the latent cache keeps its small rows.
 The rollout layout. On a mesh (`on`), the weights are resharded once, when the engine is built, into
 `cache.generation_layout` (compute dtype, split over tp, whole over fsdp and pp); the slots are split over the
 data axes and the page pool is whole on every device (heads over tp), so a slot's pages are where its row is.
+Over several processes (jax.distributed) each process runs the host side alike: the host's inputs go in as global
+arrays and what it reads (a call's tokens, a first token) is whole on every device, so every process reads the
+same tokens and makes the same scheduling decisions.
 
 Shared prompts. Requests with the same prompt share its prefill: the prompt's full pages are prefilled once and
 referenced by every such request; the page holding its last, partial page is copied for each (copy-on-write:
@@ -54,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.batch import global_arrays
 from jaxllm.errors import ConfigError
 from jaxllm.generate.cache import init_cache, layout_for, padded_rows
 from jaxllm.generate.decode import Completion, _dropless, _gathered_weights, bucket, limits_checked
@@ -99,11 +103,16 @@ def _prefill(w, pools, tokens, length, pages, *, m, dtype, page: int):
     return pools, logits[0, length - 1]
 
 
+def _whole(x):
+    """`x` whole on every device (what the host reads: every process reads it all, and schedules alike)."""
+    return constrain(x, ())
+
+
 def _first(logits, seed, index, settings, tokens, slot):
     """Request `index` draws its first token from its prompt's last logits, written into `tokens`[slot] (what the
     next decode call feeds each slot, kept on the device): (tokens, the token, its log-probability)."""
     token, logp = sample(logits[None], _keys(seed, jnp.zeros((1,), jnp.int32), index[None]), *settings)
-    return constrain(tokens.at[slot].set(token[0]), ("batch",)), token[0], logp[0]
+    return constrain(tokens.at[slot].set(token[0]), ("batch",)), _whole(token[0]), _whole(logp[0])
 
 
 def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, seed, settings, *, m, dtype, page: int,
@@ -126,9 +135,9 @@ def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, se
     carry = (pools, tokens, positions, active, steps, left)
     if steps_per_call == 1:  # one step as it is, not a loop of one
         carry, out = one(carry, None)
-        return carry[0], out[0][None], out[1][None], constrain(carry[1], ("batch",))
+        return carry[0], _whole(out[0][None]), _whole(out[1][None]), constrain(carry[1], ("batch",))
     carry, (token, logp) = jax.lax.scan(one, carry, length=steps_per_call)
-    return carry[0], token, logp, constrain(carry[1], ("batch",))
+    return carry[0], _whole(token), _whole(logp), constrain(carry[1], ("batch",))
 
 
 def _copy_page(pools, src, dst):
@@ -318,10 +327,9 @@ class Engine:
         self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
         self.pools = self.programs.pools(pages=len(self.pool.holders))
         self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
-        self.settings = tuple(jnp.asarray(v, t) for v, t in ((temperature, jnp.float32), (top_k, jnp.int32),
-                                                              (top_p, jnp.float32)))
-        self.seed, self.stop_ids, self.prefilled = jnp.asarray(seed, jnp.uint32), set(stop_ids), {}
-        self.next_tokens = jax.device_put(np.zeros(self.slots, np.int32), self._slots_sharding())  # the next call feeds
+        self.settings = self._put(np.float32(temperature), np.int32(top_k), np.float32(top_p))
+        (self.seed,), self.stop_ids, self.prefilled = self._put(np.uint32(seed)), set(stop_ids), {}
+        self.next_tokens = self._put(np.zeros(self.slots, np.int32), names=("batch",))[0]  # what the next call feeds
         self.stats = {"decode_steps": 0, "prompt_pages": 0, "overlapped_calls": 0}
         waiting = collections.deque(range(len(prompts)) if order is None else order)
         self.live, self.unread_firsts, self.done, unread = [None] * self.slots, [], {}, None
@@ -338,10 +346,14 @@ class Engine:
             unread = sent
         return [self.done[i] for i in range(len(prompts))]
 
-    def _slots_sharding(self):
-        """Where a vector over the slots lives: split over the data axes as the programs leave it (None: one
-        device), so that every call of a program takes its inputs as the last one did and compiles once."""
-        return None if self.layout is None else self.layout.sharding(("batch",), self.layout.activations)
+    def _put(self, *arrays, names=()) -> tuple:
+        """Host arrays every process holds alike, as the programs take them: on a mesh global arrays, whole on
+        every device (`names` ("batch",): a vector over the slots split over the data axes, as the programs leave
+        it, so each program compiles once); on one device as they are."""
+        if self.layout is None:
+            return arrays
+        sharding = self.layout.sharding(names, self.layout.activations)
+        return tuple(global_arrays({"a": np.asarray(a)}, sharding)["a"] for a in arrays)
 
     def _prefill(self, prompt: tuple) -> _Prompt:
         """The prompt's pages written (a new prefill, or the one a live request shares)."""
@@ -351,8 +363,8 @@ class Engine:
         rows = padded_rows(1, self.layout)
         tokens = np.zeros((rows, bucket(len(prompt))), np.int32)
         tokens[0, :len(prompt)] = prompt
-        self.pools, logits = self.programs.prefill(self.weights, self.pools, tokens, np.int32(len(prompt)),
-                                                   self._table([pages] + [[]] * (rows - 1)))
+        self.pools, logits = self.programs.prefill(self.weights, self.pools, *self._put(
+            tokens, np.int32(len(prompt)), self._table([pages] + [[]] * (rows - 1))))
         partial = pages[-1] if len(prompt) % self.page else None
         entry = _Prompt(pages[:-1] if partial is not None else pages, partial, logits)
         self.prefilled[prompt] = entry
@@ -369,12 +381,13 @@ class Engine:
         total = -(-(len(prompt) + self.new[index]) // self.page)
         own = self.pool.take(total - len(entry.full))
         if entry.partial is not None:
-            self.pools = self.programs.copy_page(self.pools, np.int32(entry.partial), np.int32(own[0]))
+            self.pools = self.programs.copy_page(self.pools, *self._put(np.int32(entry.partial), np.int32(own[0])))
             entry.copies[index] = own[0]
         live = _Live(index, prompt, entry.full + own, len(prompt), slot)
         self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
-        self.next_tokens, token, logp = self.programs.first(entry.logits, self.seed, np.int32(index), self.settings,
-                                                            self.next_tokens, np.int32(slot))
+        index_in, slot_in = self._put(np.int32(index), np.int32(slot))
+        self.next_tokens, token, logp = self.programs.first(entry.logits, self.seed, index_in, self.settings,
+                                                            self.next_tokens, slot_in)
         live.first = (token, logp)
         self.unread_firsts.append(live)
         if self.new[index] > 1:
@@ -431,7 +444,8 @@ class Engine:
             s = x.slot
             positions[s], active[s], steps[s] = x.position + x.sent - 1, 1, x.sent
             indices[s], left[s] = x.index, self.new[x.index] - x.sent
-        table = self._table([x.pages if x is not None else [] for x in self.live])
+        positions, active, table, steps, indices, left = self._put(
+            positions, active, self._table([x.pages if x is not None else [] for x in self.live]), steps, indices, left)
         self.pools, tokens, logprobs, self.next_tokens = self.decode(
             self.weights, self.pools, self.next_tokens, positions, active, table, steps, indices, left, self.seed,
             self.settings)

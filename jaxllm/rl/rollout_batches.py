@@ -55,9 +55,6 @@ class RolloutBatches:
         if cfg.rl.async_steps and jax.process_count() > 1:  # the sampler's collectives would race the step's
             raise ConfigError(f"rl.async_steps={cfg.rl.async_steps} runs in one process, and this run has "
                               f"{jax.process_count()}; set rl.async_steps=0")
-        if cfg.rl.sampler == "engine" and jax.process_count() > 1:  # it reads each step's tokens on the host
-            raise ConfigError(f"rl.sampler=engine runs in one process, and this run has {jax.process_count()}; "
-                              "set rl.sampler=static")
         self.sampler = concurrent.futures.ThreadPoolExecutor(1) if cfg.rl.async_steps else None
 
     @property
