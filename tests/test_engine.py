@@ -205,11 +205,14 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     assert all_gather_received_bytes(step, devices) < received / 10
 
 
-def test_a_decode_step_reads_the_gathered_pages_as_the_gather_leaves_them():
-    """XLA's gather path: each layer's pages are gathered into [rows, kv_heads, slots, head_dim], the order both of
-    attention's dots read (`attention.cache_read`, kv_layout "bksd"), so the compiled decode step writes nothing
-    the size of a layer's gathered keys or values but the gathers themselves: no transpose or copy of them (the
-    gathered pages were transposed twice a layer, each time a layer's whole cache read and written again)."""
+def test_a_decode_step_copies_no_weight_and_no_gathered_page():
+    """The compiled decode step (XLA's gather path) reads the weights and the gathered pages where they lie.
+    Weights: the engine holds each layer's weights as arrays of their own (`transformer.per_repeat`) and runs the
+    layers unrolled, so no op outputs an array of a weight's shape by slicing or copying (a layer scan sliced
+    every layer's weights out of the stack, a copy of all of them at every step). Pages: each layer's are gathered
+    into [rows, kv_heads, slots, head_dim], the order both of attention's dots read (`attention.cache_read`,
+    kv_layout "bksd"), so nothing the size of a layer's gathered keys or values is written but by the gathers
+    (they were transposed twice a layer, each time a layer's whole cache read and written again)."""
     cfg, params = _model("llama")
     engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
     engine.generate([[1, 2, 3]], 2, temperature=0.0)
@@ -217,12 +220,18 @@ def test_a_decode_step_reads_the_gathered_pages_as_the_gather_leaves_them():
     step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, idle, idle,
                                np.zeros((SLOTS, per_row), np.int32), idle, idle, idle, engine.seed,
                                engine.settings).compile().as_text()
+    shape = lambda t: tuple(int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if d)
+    ops = [(ins["opcode"], ins["name"], shape(ins["type"])) for body in computations(step)[0].values()
+           for ins in body if not ins["type"].startswith("(")]
+    moves = lambda op, name: op in ("copy", "transpose", "slice", "dynamic-slice") or name.startswith(
+        ("copy", "transpose", "slice", "dynamic-slice"))
+    # a layer's matrices (the stack's leaves less their repeats; its norms' scales are vectors of an activation's width)
+    weights = {w.shape[1:] for w in jax.tree.leaves(params["blocks"]) if w.ndim >= 3}
+    assert len(weights) >= 4, weights
+    assert not [name for op, name, dims in ops if dims in weights and moves(op, name)]
     gathered = SLOTS * per_row * PAGE * cfg.model.n_kv_heads * cfg.model.d_model // cfg.model.n_heads
-    shape = lambda t: [int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if d]
-    big = [(ins["opcode"], ins["name"]) for body in computations(step)[0].values() for ins in body
-           if not ins["type"].startswith("(") and math.prod(shape(ins["type"])) >= gathered]
-    moved = [name for op, name in big if op in ("transpose", "copy") or name.startswith(("transpose", "copy"))]
-    assert not moved, moved
+    big = [(op, name) for op, name, dims in ops if math.prod(dims) >= gathered]
+    assert not [name for op, name in big if moves(op, name)], big
     assert sum(op == "fusion" and name.startswith("gather") for op, name in big) >= 2, big  # a layer's keys, values
 
 

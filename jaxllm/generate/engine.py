@@ -11,8 +11,10 @@ it fits, by JAX's Pallas paged-attention kernel (`ops/paged_attention.py`), else
 gather) with the training mask by position, so a windowed layer masks as it does in training (and, as in the
 static engine, keeps its pages) and the latent cache keeps its small rows.
 
-The rollout layout. On a mesh (`on`), the weights are resharded once, when the engine is built, into
-`cache.generation_layout` (compute dtype, split over tp, whole over fsdp and pp); the slots are split over the
+The rollout layout. The weights are copied once, when the engine is built, into the compute dtype with each
+layer's weights arrays of their own (`transformer.per_repeat`: the layers run unrolled and read them in place,
+where a layer scan copies each layer's slice of the stack at every step); on a mesh (`on`) resharded into
+`cache.generation_layout` (split over tp, whole over fsdp and pp). The slots are split over the
 data axes and the page pool is whole on every device (heads over tp), so a slot's pages are where its row is.
 Over several processes (jax.distributed) each process runs the host side alike: the host's inputs go in as global
 arrays and what it reads (a call's tokens, a first token) is whole on every device, so every process reads the
@@ -184,7 +186,7 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
         kw = {"m": m, "dtype": dtype, "page": page}
         jit = lambda f, **options: jax.jit(_under(layout, f), **options)
         _compiled[key] = _Programs(
-            jit(functools.partial(_gathered_weights, m=m, dtype=dtype, layout=layout, stored=stored)),
+            jit(lambda params: transformer.per_repeat(_gathered_weights(params, m, dtype, layout, stored))),
             jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
             jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first, donate_argnums=4),
             functools.cache(lambda k: jit(functools.partial(_decode, **kw, kernel=kernel, steps_per_call=k),

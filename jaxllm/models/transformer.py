@@ -523,9 +523,29 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
             return (x, [_cache_entry(kv, view, r) for kv, view in zip(cache, views)]), None
 
         xs = (stack[seg.blocks], jnp.arange(seg.repeats), scanned_layer_data(m, seg, seg.repeats))
-        (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
+        if is_per_repeat(stack):  # each repeat's own arrays, read as they are: the layers unrolled, nothing sliced
+            carry = (x, cache[seg.blocks])
+            for r in range(seg.repeats):
+                carry, _ = body(carry, ([blk[r] for blk in xs[0]], r, jax.tree.map(lambda a, r=r: a[r], xs[2])))
+            x, seg_cache = carry
+        else:
+            (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
         written += seg_cache
     return x, written
+
+
+def per_repeat(params: dict) -> dict:
+    """`params` with each block kind's weights split into its repeats' own arrays (a tuple over the repeats), as
+    the rollout engine holds them: a layer scan's slice of a stacked weight is a copy of it (every layer's weights
+    copied at every decode step), where `cached_blocks` reads a repeat's own arrays in place."""
+    split = lambda blk: tuple(jax.tree.map(lambda a, r=r: a[r], blk)
+                              for r in range(jax.tree.leaves(blk)[0].shape[0]))
+    return {**params, "blocks": [split(blk) for blk in params["blocks"]]}
+
+
+def is_per_repeat(stack: list) -> bool:
+    """Whether the blocks are `per_repeat`'s (a tuple of each repeat's weights per block kind)."""
+    return isinstance(stack[0], tuple)
 
 
 def _head_weight(params: dict, m: ModelConfig, dtype) -> tuple[jax.Array, str]:
