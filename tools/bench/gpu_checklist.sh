@@ -30,8 +30,7 @@
 #                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
 #                          at 8 decode steps a program call against 1; then the paged kernel alone, swept over its
 #                          launch shapes (tools.bench.paged_kernel, ~1 minute each), the fastest to become the default;
-#                          then the decode and the train step with XLA's dynamic-slice fusion (the weight copies),
-#                          and the decode step with XLA's loops unrolled whole (the device's idle time)
+#                          then the train step with XLA's dynamic-slice fusion (the layer scan's weight copies)
 #   issue64_*              fine-grained fp8 (ONLY='^issue64'): which GEMMs the LLaMA-1B step with `fp8_block` calls
 #                          (jaxllm plan's matmul table), then tokens/s of bf16, `fp8` and `fp8_block` on the LLaMA-1B
 #                          and the LLaMA-3B shapes (seq 1024, batch 4, `auto` attention, no plain peer)
@@ -105,17 +104,11 @@ check issue63_engine_decode_steps 300 $py -m tools.bench.engine_decode --rows 64
 check issue63_paged_kernel_sweep 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --json
 check issue63_paged_kernel_sweep_page64 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --page 64 --json
 # the layer scan's slices of the stacked weights feeding cuBLAS were copies (7 a layer: 112 a decode step, 336 a train
-# step, 4.4 ms of 98.7 at seq 4096 on the H200): cuBLAS reading them in place, XLA's dynamic-slice fusion, against the
-# default step above (unmeasured; a GPU default only if both gain)
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" check issue63_engine_decode_dynamic_slice_fusion \
-  240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --kernels auto --json
+# step, 4.4 ms of 98.7 at seq 4096 on the H200; the engine now holds each layer's weights apart and runs its layers
+# unrolled, so its step has none): the train step with cuBLAS reading them in place, XLA's dynamic-slice fusion,
+# against the default step above (unmeasured; a GPU default only if it gains)
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" check issue63_default_4k_dynamic_slice_fusion \
   150 $py -m tools.bench.train_step $llama4k --no-baseline --steps 5 --warmup 2 --windows 3 --json
-# the decode step's device sat idle 0.7 of its 7.38 ms (H200, XLA's gather): the layer scan's 16 iterations may each
-# wait for the host to read the loop's predicate; XLA unrolling such loops whole, against issue63_engine_decode (a
-# GPU default only if it gains)
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL" \
-  check issue63_engine_decode_unrolled 240 $py -m tools.bench.engine_decode --rows 64 --prompt 2048 --new 64 --json
 fast="--no-baseline --steps 5 --warmup 2 --windows 3 --json"
 check issue64_plan_fp8_block 90 $py -m jaxllm plan $llama precision.matmul=fp8_block
 for size in 1b 3b; do
