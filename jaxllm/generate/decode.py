@@ -12,8 +12,9 @@ what it computes alone.
 It runs on the training mesh with the training parameters: at its start the program casts them to the
 compute dtype and lays them out as used (`cache.generation_layout`: under ZeRO-3 or a pipeline that is
 an all-gather over fsdp/pp, a transient copy of Φ·B/tp bytes per device that `jaxllm plan` reports and
-that lives only while the program runs), then every decode step reads that copy instead of gathering
-again. MoE layers run dropless: prefill and decode see different groups of tokens, and only dropless
+that lives only while the program runs), each layer's weights arrays of their own (`transformer.per_repeat`:
+the layers run unrolled), then every decode step reads that copy in place instead of gathering again or
+slicing a layer's weights out of the stack (a copy of every weight at every step under a layer scan). MoE layers run dropless: prefill and decode see different groups of tokens, and only dropless
 routing gives each token what the full forward gives it. One program is compiled per (rows, prompt
 bucket, max new tokens) on a model and mesh; sampling settings, stop ids and the seed are arguments.
 """
@@ -135,7 +136,9 @@ def _program(params, prompts, mask, seed, temperature, top_k, top_p, stop_ids, *
     """The compiled generation (see the module docstring): new tokens and log-probabilities [rows, new],
     lengths and stopped [rows] (and every step's logits [rows, new, vocab] with keep_logits)."""
     with matmul_precision(dtype), use_layout(layout):
-        p, settings = _gathered_weights(params, m, dtype, layout, stored), (temperature, top_k, top_p)
+        # each layer's weights apart, sliced once here rather than at every token by the layer scan
+        p = transformer.per_repeat(_gathered_weights(params, m, dtype, layout, stored))
+        settings = (temperature, top_k, top_p)
         state = _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new, keep_logits)
         step = functools.partial(_decode_step, p=p, lengths=jnp.sum(mask, axis=1), key=jax.random.key(seed),
                                  settings=settings, stop_ids=stop_ids, m=m, dtype=dtype, bucket=prompts.shape[1])
