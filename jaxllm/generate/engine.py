@@ -351,9 +351,10 @@ class Engine:
     def _put(self, *arrays, names=()) -> tuple:
         """Host arrays every process holds alike, as the programs take them: on a mesh global arrays, whole on
         every device (`names` ("batch",): a vector over the slots split over the data axes, as the programs leave
-        it, so each program compiles once); on one device as they are."""
+        it, so each program compiles once); on one device placed there (each program then takes device arrays
+        at every call, as the ones it feeds itself, and compiles once)."""
         if self.layout is None:
-            return arrays
+            return tuple(jax.device_put(np.asarray(a)) for a in arrays)
         sharding = self.layout.sharding(names, self.layout.activations)
         return tuple(global_arrays({"a": np.asarray(a)}, sharding)["a"] for a in arrays)
 
