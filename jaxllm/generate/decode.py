@@ -14,9 +14,10 @@ compute dtype and lays them out as used (`cache.generation_layout`: under ZeRO-3
 an all-gather over fsdp/pp, a transient copy of Φ·B/tp bytes per device that `jaxllm plan` reports and
 that lives only while the program runs), each layer's weights arrays of their own (`transformer.per_repeat`:
 the layers run unrolled), then every decode step reads that copy in place instead of gathering again or
-slicing a layer's weights out of the stack (a copy of every weight at every step under a layer scan). MoE layers run dropless: prefill and decode see different groups of tokens, and only dropless
-routing gives each token what the full forward gives it. One program is compiled per (rows, prompt
-bucket, max new tokens) on a model and mesh; sampling settings, stop ids and the seed are arguments.
+slicing a layer's weights out of the stack (a copy of every weight at every step under a layer scan). MoE
+layers run dropless: prefill and decode see different groups of tokens, and only dropless routing gives each
+token what the full forward gives it. One program is compiled per (rows, prompt bucket, max new tokens) on a
+model and mesh; sampling settings, stop ids and the seed are arguments.
 """
 
 from __future__ import annotations
@@ -215,8 +216,8 @@ def bucket(longest: int) -> int:
     return max(8, 1 << (longest - 1).bit_length())
 
 
-def _put(arrays: dict, layout: Layout | None, spec: P) -> dict:
-    """Host arrays every process holds whole, as global arrays laid out by `spec` (one device: as they are)."""
+def put_host_arrays(arrays: dict, layout: Layout | None, spec: P) -> dict:
+    """Host arrays every process holds whole, as global arrays laid out by `spec` (one device: placed on it)."""
     if layout is None:
         return {k: jnp.asarray(a) for k, a in arrays.items()}
     return global_arrays(arrays, NamedSharding(layout.mesh, spec))
@@ -237,8 +238,8 @@ def generate_arrays(params, cfg, prompts: list, max_new_tokens: int, *, on=None,
         tokens[r, width - len(p):], mask[r, width - len(p):] = p, 1
     stops = np.full(MAX_STOP_IDS, -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    rows_in = _put({"tokens": tokens, "mask": mask}, layout, P(BATCH_AXES))
-    whole = _put({"seed": np.asarray(seed, np.uint32), "temperature": np.asarray(temperature, np.float32),
+    rows_in = put_host_arrays({"tokens": tokens, "mask": mask}, layout, P(BATCH_AXES))
+    whole = put_host_arrays({"seed": np.asarray(seed, np.uint32), "temperature": np.asarray(temperature, np.float32),
                   "top_k": np.asarray(top_k, np.int32), "top_p": np.asarray(top_p, np.float32), "stops": stops},
                  layout, P())
     args = (params, rows_in["tokens"], rows_in["mask"], whole["seed"], whole["temperature"], whole["top_k"],

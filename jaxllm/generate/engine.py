@@ -58,17 +58,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from jaxllm.batch import global_arrays
 from jaxllm.errors import ConfigError
 from jaxllm.generate.cache import init_cache, layout_for, padded_rows
-from jaxllm.generate.decode import Completion, _dropless, _gathered_weights, bucket, limits_checked
+from jaxllm.generate.decode import (Completion, _dropless, _gathered_weights, bucket, limits_checked,
+                                    put_host_arrays)
 from jaxllm.generate.sampling import sample
 from jaxllm.models import transformer
 from jaxllm.models.attention import CacheView, head_dim
 from jaxllm.models.layers import matmul_precision
 from jaxllm.ops import paged_attention
-from jaxllm.sharding import constrain, use_layout
+from jaxllm.sharding import constrain, logical_spec, use_layout
 from jaxllm.stack import has_linear
 
 
@@ -353,10 +354,8 @@ class Engine:
         every device (`names` ("batch",): a vector over the slots split over the data axes, as the programs leave
         it, so each program compiles once); on one device placed there (each program then takes device arrays
         at every call, as the ones it feeds itself, and compiles once)."""
-        if self.layout is None:
-            return tuple(jax.device_put(np.asarray(a)) for a in arrays)
-        sharding = self.layout.sharding(names, self.layout.activations)
-        return tuple(global_arrays({"a": np.asarray(a)}, sharding)["a"] for a in arrays)
+        spec = P() if self.layout is None else logical_spec(names, self.layout.activations, self.layout.mesh)
+        return tuple(put_host_arrays({i: np.asarray(a) for i, a in enumerate(arrays)}, self.layout, spec).values())
 
     def _prefill(self, prompt: tuple) -> _Prompt:
         """The prompt's pages written (a new prefill, or the one a live request shares)."""

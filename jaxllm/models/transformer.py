@@ -522,14 +522,14 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
                                         views)
             return (x, [_cache_entry(kv, view, r) for kv, view in zip(cache, views)]), None
 
-        xs = (stack[seg.blocks], jnp.arange(seg.repeats), scanned_layer_data(m, seg, seg.repeats))
+        layers, data = stack[seg.blocks], scanned_layer_data(m, seg, seg.repeats)
         if is_per_repeat(stack):  # each repeat's own arrays, read as they are: the layers unrolled, nothing sliced
             carry = (x, cache[seg.blocks])
             for r in range(seg.repeats):
-                carry, _ = body(carry, ([blk[r] for blk in xs[0]], r, jax.tree.map(lambda a, r=r: a[r], xs[2])))
+                carry, _ = body(carry, ([blk[r] for blk in layers], r, jax.tree.map(lambda a, r=r: a[r], data)))
             x, seg_cache = carry
         else:
-            (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), xs)
+            (x, seg_cache), _ = jax.lax.scan(body, (x, cache[seg.blocks]), (layers, jnp.arange(seg.repeats), data))
         written += seg_cache
     return x, written
 

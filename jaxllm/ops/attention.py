@@ -31,9 +31,6 @@ IMPLEMENTATIONS = ("dense", "chunked", *pallas_attention.IMPLEMENTATIONS, "cudnn
 FUSED_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cudnn": "gpu"}  # the backend each fused kernel needs
 
 
-KV_LAYOUTS = ("bskd", "bksd")  # keys and values [b, s, kv, d] (training's), or heads before positions
-
-
 def dot_product_attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, sinks=None,
                           kv_layout: str = "bskd"):
     """The dense reference: the whole score array, a softmax, the values. Returns [b, t, h, dv]. `sinks` [h]: each
@@ -71,8 +68,8 @@ def attention(q, k, v, q_pos, k_pos, q_seg, k_seg, masking: Masking = CAUSAL, im
               kv_layout: str = "bskd"):
     """Attention by the implementation `impl` names (`IMPLEMENTATIONS`); every caller comes through here.
     `sinks` [h] fp32 (None: none): attention sinks, on `dense` and `chunked` only (ConfigError elsewhere); so are
-    attention chunks (`masking.chunk`). `kv_layout` (`KV_LAYOUTS`): "bksd", k and v [b, kv, s, d], which `dense`
-    reads as they are and the others after a transpose."""
+    attention chunks (`masking.chunk`). `kv_layout`: "bskd", k and v [b, s, kv, d] (training's), or "bksd",
+    [b, kv, s, d], which `dense` reads as they are and the others after a transpose."""
     if sinks is not None and impl not in SINK_IMPLEMENTATIONS:
         raise refuse_sinks(impl)
     if not is_off(masking.chunk) and impl not in CHUNK_IMPLEMENTATIONS:
