@@ -60,10 +60,10 @@ TENSOR_RULES: Rules = (
     ("linear_conv", ()),  # its channels as transformers orders them (q, k, v of every head): small, whole
 )
 
-# "pages": the rollout engine's page pool (`generate/engine.py`), whole on every device: any slot's page table
-# may name any page, so a data-parallel rank's rows read their pages where they are
+# The rollout engine's page pool (`generate/engine.py`): one pool of "pages" per "page_shards", split over the
+# batch axes as the rows are, so each data-parallel rank holds the pages of its own rows and no other's
 ACTIVATION_RULES: Rules = (("batch", BATCH_AXES), ("seq", ("sp",)), ("residual_seq", ("sp",)),
-                           ("pages", ())) + TENSOR_RULES
+                           ("page_shards", BATCH_AXES), ("pages", ())) + TENSOR_RULES
 
 WEIGHT_RULES: Rules = (("layers", ()), ("pos", ())) + TENSOR_RULES
 

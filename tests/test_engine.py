@@ -12,7 +12,8 @@ the static engine (`generate/decode.py`) and one device, fp32.
   multiple of the page (each request's copy of the partial page), counted at the engine's peak; every page is
   free again at the end.
 - On four training meshes (ZeRO-3, a pipeline with windowed layers, latent attention, experts) the engine samples
-  one device's tokens, its resharding receives the planner's bytes and its decode step gathers no weights.
+  one device's tokens, its resharding receives the planner's bytes, its decode step gathers no weights, and each
+  device holds its own shard's page pools, read and written with no collective of a page's size.
 - The Pallas paged-attention kernel (interpreted) decodes as the gathered pages do, on one device and in its
   island on a mesh; the decode step exported for CUDA calls it; a model it cannot compute is refused.
 """
@@ -30,7 +31,8 @@ from jaxllm.generate import generate, generate_arrays
 from jaxllm.generate.decode import reshard_bytes
 from jaxllm.generate.engine import Engine
 from jaxllm.models import transformer
-from jaxllm.plan.hlo import all_gather_received_bytes, computations
+from jaxllm.mesh import batch_shards
+from jaxllm.plan.hlo import all_gather_received_bytes, computations, executed_collectives
 
 PAGE, SLOTS, MARGIN = 4, 4, 1e-5
 MODELS = {
@@ -49,6 +51,11 @@ def _requests():
     prompts = [[int(t) for t in rng.integers(1, 257, rng.integers(3, 20))] for _ in range(12)]
     prompts[3] = prompts[5] = prompts[9] = prompts[1]
     return prompts, [int(n) for n in rng.integers(1, 13, 12)]
+
+
+def _every_page_free(engine) -> bool:
+    """Every page of every shard's pool given back (its page 0 is scratch, never given out)."""
+    return all(len(pool.free) == len(pool.holders) - 1 for pool in engine.page_pools)
 
 
 def _overrides(name: str) -> dict:
@@ -82,7 +89,7 @@ def test_the_engine_equals_the_static_engine_in_any_arrival_order(name, temperat
                 top2 = np.sort(static["logits"][i, upto])[-2:]
                 assert temperature == 0 and top2[1] - top2[0] < MARGIN, (name, i, upto, top2)
             assert np.max(np.abs(c.logprobs[:upto] - static["logprobs"][i, :upto]), initial=0) <= 1e-5, (name, i)
-        assert len(engine.pool.free) == len(engine.pool.holders) - 1  # every page given back (0 is scratch)
+        assert _every_page_free(engine)
 
 
 def test_several_decode_steps_a_call_draw_the_same_tokens_and_stop_where_one_step_a_call_does():
@@ -103,7 +110,7 @@ def test_several_decode_steps_a_call_draw_the_same_tokens_and_stop_where_one_ste
         assert b.stopped == a.stopped
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
     assert engine.stats["decode_steps"] % 3 == 0
-    assert len(engine.pool.free) == len(engine.pool.holders) - 1
+    assert _every_page_free(engine)
 
 
 def test_sending_each_call_before_reading_the_last_changes_no_token():
@@ -131,7 +138,7 @@ def test_sending_each_call_before_reading_the_last_changes_no_token():
         np.testing.assert_array_equal(b.logprobs, a.logprobs)
         assert b.stopped == a.stopped
     assert engine.stats["overlapped_calls"] == engine.stats["decode_steps"] // 2 - 1 > 0, engine.stats
-    assert len(engine.pool.free) == len(engine.pool.holders) - 1
+    assert _every_page_free(engine)
 
 
 def test_the_static_engine_cuts_each_prompt_at_its_own_length_and_stop_as_the_engine_does():
@@ -165,7 +172,7 @@ def test_a_prompts_completions_share_its_pages(prompt_len):
     engine.generate([prompt] * group, 3, temperature=1.0)
     partial = prompt_len % PAGE != 0
     assert engine.stats["prompt_pages"] == math.ceil(prompt_len / PAGE) + (group if partial else 0)
-    assert len(engine.pool.free) == len(engine.pool.holders) - 1
+    assert _every_page_free(engine)
 
 
 MESHES = {  # name -> (model, mesh): the engine in the rollout layout from each stored layout
@@ -179,11 +186,12 @@ MESHES = {  # name -> (model, mesh): the engine in the rollout layout from each 
 @pytest.mark.parametrize("name", tiers(MESHES, fast=("dp2_fsdp2_tp2_zero3",)))
 def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_says(name):
     """On a training mesh the engine reshards the stored parameters once into the rollout layout (whole over
-    fsdp and pp, split over tp; slots over the data axes, the page pool whole on every device), then decodes
-    what one device decodes: sampled tokens equal, log-probabilities within 1e-5. The resharding program's
-    all-gathers bring each device `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers
-    no weights: its all-gathers (a step's new keys and values, page indices, sampling rows) carry under a tenth
-    of that."""
+    fsdp and pp, split over tp; slots and page pools over the data axes), then decodes what one device decodes:
+    sampled tokens equal, log-probabilities within 1e-5. The resharding program's all-gathers bring each device
+    `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers no weights: its all-gathers
+    (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of the pages,
+    B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no page: no
+    collective of it carries as many bytes as one device's pool of one block kind."""
     model, mesh = MESHES[name]
     one, params = _model(model)
     cfg = equivalence_config(one.model.preset, **{**_overrides(model), **mesh})
@@ -203,6 +211,13 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     step = engine.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
                                         idle, idle, idle, engine.seed, engine.settings).compile().as_text()
     assert all_gather_received_bytes(step, devices) < received / 10
+    pools = [pool for block in engine.pools for pool in block.values()]
+    for pool in pools:  # [kv_heads, shards, ...] or, latent, [shards, ...]
+        at = int(pool.ndim == 6)
+        assert pool.shape[at] == batch_shards(dict(fns.layout.mesh.shape)) > 1
+        assert pool.sharding.shard_shape(pool.shape)[at] == 1
+    own = min(pool.addressable_shards[0].data.nbytes for pool in pools)
+    assert max(c["bytes"] for c in executed_collectives(step)[0]) < own
 
 
 def test_a_decode_step_copies_no_weight_and_no_gathered_page():
@@ -325,7 +340,7 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     idle = np.zeros(SLOTS, np.int32)
     args = (engine.weights, engine.programs.pools(pages=9), idle, idle, idle, np.zeros((SLOTS, 2), np.int32), idle,
             idle, idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
-    heads, repeats, n_pages, page, d = args[1][0]["k"].shape
+    heads, _, repeats, n_pages, page, d = args[1][0]["k"].shape  # one shard on one device
     whole = f"tensor<{heads}x{repeats * n_pages}x{page}x{d}x"  # every repeat's pages, read in place, not sliced out
     for kernel, called in (("pallas_gpu", True), (None, False)):
         decode = engine_lib._programs(engine.m, engine.dtype, 16, None, (kernel, False)).decoder(1)

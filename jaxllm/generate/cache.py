@@ -63,18 +63,21 @@ def padded_rows(rows: int, layout: Layout | None) -> int:
 
 def _entries(m, paged: bool = False) -> dict[str, tuple]:
     """What a block's cache holds, each entry's logical dimensions: keys and values, or MLA's latent rows (paged:
-    a pool of pages, whole on every device, in place of the batch)."""
+    a pool of pages per shard of the rows, in place of the batch)."""
     if m.attention == "mla":
         return {"k": stored_names(LATENT_CACHE, paged)}
     return {"k": stored_names(CACHE, paged), "v": stored_names(CACHE, paged)}
 
 
 def _shape(m, repeats: int, rows: int, slots: int, layout: Layout | None, paged: bool = False) -> tuple[int, ...]:
+    """A block's cache shape: [repeats, rows, slots, ...], or paged, `rows` pages of `slots` tokens in each shard's
+    pool (`attention.CacheView`), one shard per data-parallel rank (`padded_rows`)."""
+    shards = (padded_rows(1, layout),) if paged else ()
     if m.attention == "mla":
-        return (repeats, rows, slots, per_token(m)[0])
+        return shards + (repeats, rows, slots, per_token(m)[0])
     tp = 1 if layout is None else layout.mesh.shape["tp"]
     heads = heads_as_used(kv_heads(m), tp)
-    return (heads, repeats, rows, slots, head_dim(m)) if paged else (repeats, rows, slots, heads, head_dim(m))
+    return (heads, *shards, repeats, rows, slots, head_dim(m)) if paged else (repeats, rows, slots, heads, head_dim(m))
 
 
 def per_token(m) -> tuple[int, str]:
@@ -99,8 +102,8 @@ def _linear_state(m, repeats: int, rows: int, dtype) -> dict:
 
 def init_cache(m, rows: int, slots: int, dtype, layout: Layout | None, paged: bool = False) -> list[dict]:
     """An empty cache: one {"k", "v"} ({"k"} under MLA) per attention block of the stack, zeros laid out by their
-    names, and a linear block's empty state. `paged`: the rollout engine's pool of `rows` pages of `slots`
-    tokens (no linear blocks: `generate/engine.py` refuses them)."""
+    names, and a linear block's empty state. `paged`: the rollout engine's pools of `rows` pages of `slots`
+    tokens, one per data-parallel rank (no linear blocks: `generate/engine.py` refuses them)."""
     def entry(kind: str, repeats: int) -> dict:
         if is_linear(kind):
             return _linear_state(m, repeats, rows, dtype)

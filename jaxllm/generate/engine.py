@@ -1,29 +1,33 @@
 """The rollout engine: a paged KV cache, continuous batching and shared prompts, on one device or a training mesh.
 
-Pages. Each block kind's keys and values live in a pool of fixed-size pages [kv_heads, repeats, n_pages, page,
-head_dim] (heads first, as the paged kernels read them, and every repeat's pages one pool the kernel reads in
-place; latent attention's rows [repeats, n_pages, page, r + d_r]),
-and each of the engine's S slots holds a page table: its request's page ids in order
-(`attention.CacheView.pages`), so the request's token at position j is in page table[j // page] at offset
-j % page. A request gets ⌈(prompt + max_new) / page⌉ pages when it is admitted and gives them back when it ends;
-page 0 is scratch, where padding and idle slots write. A decode step attends over a slot's pages: on a GPU, where
-it fits, by JAX's Pallas paged-attention kernel (`ops/paged_attention.py`), elsewhere gathered in order (XLA's
-gather) with the training mask by position, so a windowed layer masks as it does in training (and, as in the
-static engine, keeps its pages) and the latent cache keeps its small rows.
+Pages. Each block kind's keys and values live in pools of fixed-size pages [kv_heads, shards, repeats, n_pages,
+page, head_dim] (heads first, as the paged kernels read them, one pool per data-parallel shard of the slots, and a
+shard's pages of every repeat one pool the kernel reads in place; latent attention's rows [shards, repeats,
+n_pages, page, r + d_r]), and each of the engine's S slots holds a page table: its request's page ids in order in
+its shard's pool (`attention.CacheView.pages`), so the request's token at position j is in page table[j // page]
+at offset j % page. A request gets ⌈(prompt + max_new) / page⌉ pages when it is admitted and gives them back when
+it ends; a pool's page 0 is scratch, where padding and idle slots write. A decode step attends over a slot's
+pages: on a GPU, where it fits, by JAX's Pallas paged-attention kernel (`ops/paged_attention.py`), elsewhere
+gathered in order (XLA's gather) with the training mask by position, so a windowed layer masks as it does in
+training (and, as in the static engine, keeps its pages) and the latent cache keeps its small rows.
 
 The rollout layout. The weights are copied once, when the engine is built, into the compute dtype with each
 layer's weights arrays of their own (`transformer.per_repeat`: the layers run unrolled and read them in place,
 where a layer scan copies each layer's slice of the stack at every step); on a mesh (`on`) resharded into
 `cache.generation_layout` (split over tp, whole over fsdp and pp). The slots are split over the
-data axes and the page pool is whole on every device (heads over tp), so a slot's pages are where its row is.
+data axes (dp, fsdp, ep: B shards of S / B slots) and so are the pools, heads over tp: each shard's slots take pages
+from its own pool only, so a slot's pages are where its row is, a device holds 1 / B of the pages (the pool grows
+with the data-parallel ranks), and a decode step reads and writes pages with no collective.
 Over several processes (jax.distributed) each process runs the host side alike: the host's inputs go in as global
 arrays and what it reads (a call's tokens, a first token) is whole on every device, so every process reads the
 same tokens and makes the same scheduling decisions.
 
-Shared prompts. Requests with the same prompt share its prefill: the prompt's full pages are prefilled once and
-referenced by every such request; the page holding its last, partial page is copied for each (copy-on-write:
-the completions write their first tokens there), so G completions of a P-token prompt hold ⌈P / page⌉ pages of
-prompt tokens, + G where P is not a multiple of the page. A page is freed when no request holds it.
+Shared prompts. Requests with the same prompt share its prefill: the prompt's full pages are prefilled once (per
+shard that runs one of its requests) and referenced by every such request; the page holding its last, partial
+page is copied for each (copy-on-write: the completions write their first tokens there), so G completions of a
+P-token prompt in one shard hold ⌈P / page⌉ pages of prompt tokens, + G where P is not a multiple of the page. A
+page is freed when no request holds it. A request takes a free slot in a shard where its prompt is prefilled
+before any other.
 
 Scheduling (host-driven continuous batching). While requests wait and a slot is free, the next one (in the
 order given) is admitted: its prompt prefilled by a separate call (one program per power-of-two prompt
@@ -96,14 +100,14 @@ def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int, ke
     return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size], pools
 
 
-def _prefill(w, pools, tokens, length, pages, *, m, dtype, page: int):
-    """One prompt, row 0 of tokens [rows, bucket] (right-padded after `length` tokens; further rows idle, so that
-    the rows divide over the data-parallel shards), into its pages: (pools, last token's logits)."""
+def _prefill(w, pools, tokens, length, row, pages, *, m, dtype, page: int):
+    """One prompt, row `row` of tokens [rows, bucket] (right-padded after `length` tokens; one row per shard, the
+    others idle), into its pages in that row's shard: (pools, last token's logits)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    active = ((positions < length) & (jnp.arange(tokens.shape[0]) == 0)[:, None]).astype(jnp.int32)
+    active = ((positions < length) & (jnp.arange(tokens.shape[0]) == row)[:, None]).astype(jnp.int32)
     with matmul_precision(dtype):
         logits, pools = _forward(w, pools, tokens, positions, active, pages, m, dtype, page)
-    return pools, logits[0, length - 1]
+    return pools, _whole(logits[row, length - 1])
 
 
 def _whole(x):
@@ -144,14 +148,17 @@ def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, se
 
 
 def _copy_page(pools, src, dst):
-    """Every block's page `src` copied to page `dst` (a shared prompt's partial page, for one of its requests): the
-    pages' dimension is the third of a pool of keys or values (heads, then repeats), the second of a latent pool."""
-    copy = lambda a: a.at[:, :, dst].set(a[:, :, src]) if a.ndim == 5 else a.at[:, dst].set(a[:, src])
-    return [{k: copy(a) for k, a in block.items()} for block in pools]
+    """In every block's pool of each shard s, page `src`[s] copied to page `dst`[s] (a shared prompt's partial page,
+    for one of its requests; scratch onto itself in a shard with none to copy), each shard in its own pool: the
+    shards are the second dimension of a pool of keys or values (after the heads), the first of a latent pool."""
+    def copy(pool, src, dst):  # one shard's pool: [(kv_heads,) repeats, n_pages, ...]
+        return pool.at[:, :, dst].set(pool[:, :, src]) if pool.ndim == 5 else pool.at[:, dst].set(pool[:, src])
+    per_shard = lambda a: jax.vmap(copy, (1 if a.ndim == 6 else 0, 0, 0), 1 if a.ndim == 6 else 0)(a, src, dst)
+    return [{k: per_shard(a) for k, a in block.items()} for block in pools]
 
 
 def _pools(*, m, dtype, pages: int, page: int, layout):
-    """An empty pool of `pages` pages for every block kind, laid out by `layout` (whole over the data axes)."""
+    """Empty pools of `pages` pages for every block kind, one per data-parallel shard, laid out by `layout`."""
     return init_cache(m, pages, page, dtype, layout, paged=True)
 
 
@@ -311,6 +318,7 @@ class Engine:
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page, self.overlap = padded_rows(slots, self.layout), page, overlap
+        self.shards = padded_rows(1, self.layout)  # the data-parallel shards: of the slots, each with its pool
         self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
         self.decode = self.programs.decoder(steps_per_call)
@@ -327,8 +335,9 @@ class Engine:
         calls sent before the previous call's tokens were read."""
         new = limits_checked(self.m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
         row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
-        self.pool = PagePool(1 + 2 * self.slots * row_pages)  # each slot's request, and the prompt it shares
-        self.pools = self.programs.pools(pages=len(self.pool.holders))
+        per_shard = 1 + 2 * (self.slots // self.shards) * row_pages  # each slot's request, and the prompt it shares
+        self.page_pools = [PagePool(per_shard) for _ in range(self.shards)]
+        self.pools = self.programs.pools(pages=per_shard)
         self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
         self.settings = self._put(np.float32(temperature), np.int32(top_k), np.float32(top_p))
         (self.seed,), self.stop_ids, self.prefilled = self._put(np.uint32(seed)), set(stop_ids), {}
@@ -337,9 +346,10 @@ class Engine:
         waiting = collections.deque(range(len(prompts)) if order is None else order)
         self.live, self.unread_firsts, self.done, unread = [None] * self.slots, [], {}, None
         while waiting or any(self.live) or unread is not None or self.unread_firsts:
-            for s in range(self.slots):
-                while self.live[s] is None and waiting:
-                    self.live[s] = self._admit(waiting.popleft(), s)
+            while waiting and None in self.live:
+                index = waiting.popleft()
+                slot = self._free_slot(tuple(prompts[index]))
+                self.live[slot] = self._admit(index, slot)
             sent = self._send() if any(self.live) else None
             if unread is not None and sent is not None:
                 self.stats["overlapped_calls"] += 1
@@ -357,33 +367,45 @@ class Engine:
         spec = P() if self.layout is None else logical_spec(names, self.layout.activations, self.layout.mesh)
         return tuple(put_host_arrays({i: np.asarray(a) for i, a in enumerate(arrays)}, self.layout, spec).values())
 
-    def _prefill(self, prompt: tuple) -> _Prompt:
-        """The prompt's pages written (a new prefill, or the one a live request shares)."""
-        if prompt in self.prefilled:
-            return self.prefilled[prompt]
-        pages = self.pool.take(-(-len(prompt) // self.page))
-        rows = padded_rows(1, self.layout)
-        tokens = np.zeros((rows, bucket(len(prompt))), np.int32)
-        tokens[0, :len(prompt)] = prompt
+    def _shard(self, slot: int) -> int:
+        """The data-parallel shard a slot is in: the shard whose pool holds its pages."""
+        return slot // (self.slots // self.shards)
+
+    def _free_slot(self, prompt: tuple) -> int:
+        """A free slot for a request of `prompt`: in a shard where the prompt is prefilled if one has a free slot
+        (its pages shared, not prefilled again), else the first."""
+        free = [s for s, x in enumerate(self.live) if x is None]
+        return next((s for s in free if (self._shard(s), prompt) in self.prefilled), free[0])
+
+    def _prefill(self, prompt: tuple, shard: int) -> _Prompt:
+        """The prompt's pages written in `shard`'s pool (a new prefill, or the one a live request there shares)."""
+        if (shard, prompt) in self.prefilled:
+            return self.prefilled[shard, prompt]
+        pages = self.page_pools[shard].take(-(-len(prompt) // self.page))
+        tokens = np.zeros((self.shards, bucket(len(prompt))), np.int32)  # one row per shard: this shard's row
+        tokens[shard, :len(prompt)] = prompt
+        table = self._table([pages if r == shard else [] for r in range(self.shards)])
         self.pools, logits = self.programs.prefill(self.weights, self.pools, *self._put(
-            tokens, np.int32(len(prompt)), self._table([pages] + [[]] * (rows - 1))))
+            tokens, np.int32(len(prompt)), np.int32(shard), table))
         partial = pages[-1] if len(prompt) % self.page else None
         entry = _Prompt(pages[:-1] if partial is not None else pages, partial, logits)
-        self.prefilled[prompt] = entry
+        self.prefilled[shard, prompt] = entry
         return entry
 
     def _admit(self, index: int, slot: int) -> _Live | None:
         """Request `index` into `slot`: its prompt's pages (shared), a copy of the partial one, fresh pages for the
         rest, its first token drawn into the slot's next token on the device (read with the next call's tokens);
         None where it wants no more (its pages given back at once)."""
-        prompt = tuple(self.prompts_in[index])
-        entry = self._prefill(prompt)
+        prompt, shard = tuple(self.prompts_in[index]), self._shard(slot)
+        entry, pool = self._prefill(prompt, shard), self.page_pools[shard]
         entry.requests += 1
-        self.pool.hold(entry.full)
+        pool.hold(entry.full)
         total = -(-(len(prompt) + self.new[index]) // self.page)
-        own = self.pool.take(total - len(entry.full))
-        if entry.partial is not None:
-            self.pools = self.programs.copy_page(self.pools, *self._put(np.int32(entry.partial), np.int32(own[0])))
+        own = pool.take(total - len(entry.full))
+        if entry.partial is not None:  # other shards copy their scratch page onto itself
+            src, dst = np.zeros(self.shards, np.int32), np.zeros(self.shards, np.int32)
+            src[shard], dst[shard] = entry.partial, own[0]
+            self.pools = self.programs.copy_page(self.pools, *self._put(src, dst))
             entry.copies[index] = own[0]
         live = _Live(index, prompt, entry.full + own, len(prompt), slot)
         self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
@@ -397,10 +419,10 @@ class Engine:
         self._retire(live)
         return None
 
-    def _prompt_pages(self) -> set[int]:
-        """The pages that hold prompt tokens now: the prefilled prompts' and the requests' copies of their partial
-        pages."""
-        return {p for e in self.prefilled.values()
+    def _prompt_pages(self) -> set[tuple[int, int]]:
+        """The pages that hold prompt tokens now, (shard, page): the prefilled prompts' and the requests' copies of
+        their partial pages."""
+        return {(shard, p) for (shard, _), e in self.prefilled.items()
                 for p in e.full + ([e.partial] if e.partial is not None else []) + list(e.copies.values())}
 
     def _retire(self, live: _Live) -> None:
@@ -409,13 +431,14 @@ class Engine:
         live.retired = True
         if self.live[live.slot] is live:
             self.live[live.slot] = None
-        self.pool.release(live.pages)
-        entry = self.prefilled[live.prompt]
+        key = (self._shard(live.slot), live.prompt)
+        pool, entry = self.page_pools[key[0]], self.prefilled[key]
+        pool.release(live.pages)
         entry.requests -= 1
         entry.copies.pop(live.index, None)
         if entry.requests == 0:
-            self.pool.release(entry.full + ([entry.partial] if entry.partial is not None else []))
-            del self.prefilled[live.prompt]
+            pool.release(entry.full + ([entry.partial] if entry.partial is not None else []))
+            del self.prefilled[key]
 
     def _take(self, live: _Live, token: int, logp: float) -> bool:
         """The drawn token kept; True where the request ends with it (its completion done, its pages given back)."""

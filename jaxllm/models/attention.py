@@ -334,13 +334,15 @@ class CacheView(NamedTuple):
     kind like its weights; `positions` and `segment_ids` [batch, slots] describe every slot, this
     call's tokens included (segment 0: padding or not yet written, so no token attends to it).
 
-    Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are a pool of pages [kv_heads, repeats,
-    n_pages, page, head_dim] (heads first, as the paged kernels read it, and the repeats next, so that every
-    repeat's pages are one [kv_heads, repeats × n_pages, page, head_dim] pool the kernel reads in place; latent
-    attention's [repeats, n_pages, page, r + d_r]) and `pages` [batch, pages a row holds] each row's page ids
-    in order, so a row's slot j is page `pages[row, j // page]`, offset `j % page`, and a token at position j
-    is written there (`start` unused); page 0 is scratch, where tokens of segment 0 (padding, idle rows) are
-    written. `kernel`: the paged-attention kernel a decode step's full-causal layers attend with
+    Paged (`pages` given, `jaxllm/generate/engine.py`): `k`, `v` are pools of pages [kv_heads, shards, repeats,
+    n_pages, page, head_dim] (heads first, as the paged kernels read them, then one pool per shard of the rows,
+    then the repeats, so that a shard's pages of every repeat are one [kv_heads, repeats × n_pages, page,
+    head_dim] pool the kernel reads in place; latent attention's [shards, repeats, n_pages, page, r + d_r]) and
+    `pages` [batch, pages a row holds] each row's page ids in order in its shard's pool (the rows split into
+    `shards` equal runs, run s on pool s: on a mesh the shards are the data-parallel ranks, so each holds its own
+    rows' pages), so a row's slot j is page `pages[row, j // page]`, offset `j % page`, and a token at position j
+    is written there (`start` unused); a pool's page 0 is scratch, where tokens of segment 0 (padding, idle rows)
+    are written. `kernel`: the paged-attention kernel a decode step's full-causal layers attend with
     (`ops/paged_attention.py`; None: the pages gathered, XLA's gather, and `attention`), `interpret` it on CPU
     (tests)."""
 
@@ -355,34 +357,48 @@ class CacheView(NamedTuple):
     interpret: bool = False
 
 
-PAGED_CACHE = ("kv_heads", "layers", "pages", "seq", "head_dim")  # a paged pool of keys or values, heads first
+PAGED_CACHE = ("kv_heads", "page_shards", "layers", "pages", "seq", "head_dim")  # a paged pool of keys or values
 
 
 def stored_names(names: tuple, paged: bool) -> tuple:
-    """A cache's logical dimensions as stored: a paged pool's pages in place of the batch (keys and values
-    heads first: `PAGED_CACHE`)."""
+    """A cache's logical dimensions as stored: paged, the pools of each shard of the rows, pages in place of the
+    batch (keys and values heads first: `PAGED_CACHE`)."""
     if not paged:
         return names
-    return PAGED_CACHE if names == CACHE else tuple("pages" if n == "batch" else n for n in names)
+    return PAGED_CACHE if names == CACHE else ("page_shards",) + tuple("pages" if n == "batch" else n for n in names)
 
 
 def _heads_first(stored) -> bool:
-    """A paged pool of keys or values [kv_heads, repeats, n_pages, page, head_dim] (not a latent pool)."""
-    return stored.ndim == 5
+    """A paged pool of keys or values [kv_heads, shards, repeats, n_pages, page, head_dim] (not a latent pool)."""
+    return stored.ndim == 6
+
+
+def _by_shard(x, shards: int):
+    """Rows [batch, ...] as [shards, batch / shards, ...]: each shard's run of rows, on its pool."""
+    return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
 
 
 def cache_write(stored, new, cache: CacheView, positions, segment_ids):
     """One repeat's slots of `stored` with this call's `new` [batch, t, ...] written: at `cache.start`, or paged,
-    each token at its position's page and offset (segment 0 to the scratch page 0)."""
+    each token at its position's page and offset in its row's pool (segment 0 to the scratch page 0)."""
     if cache.pages is None:
         at = (cache.layer, 0, cache.start) + (0,) * (new.ndim - 2)
         return jax.lax.dynamic_update_slice(stored, new[None].astype(stored.dtype), at)
     size = stored.shape[-2]
-    page = jnp.take_along_axis(cache.pages, positions // size, axis=1)
-    page = jnp.where(segment_ids == 0, 0, page)
-    if _heads_first(stored):  # the layer, page and offset indices side by side: the target is [kv_heads, batch, t, d]
-        return stored.at[:, cache.layer, page, positions % size].set(jnp.moveaxis(new, 2, 0).astype(stored.dtype))
-    return stored.at[cache.layer, page, positions % size].set(new.astype(stored.dtype))
+    page = jnp.where(segment_ids == 0, 0, jnp.take_along_axis(cache.pages, positions // size, axis=1))
+    index = jnp.stack([jnp.broadcast_to(cache.layer, page.shape).astype(page.dtype), page, positions % size], -1)
+    lead = 2 if _heads_first(stored) else 1  # the pool's dimensions before its repeats: (kv_heads,) shards
+    shards = stored.shape[lead - 1]
+    index, updates = _by_shard(index, shards), _by_shard(new.astype(stored.dtype), shards)
+    if lead == 2:  # [kv_heads, shards, rows, t, d], the heads beside the pool's
+        updates = jnp.moveaxis(updates, 3, 0)
+        index = jnp.broadcast_to(index[None], (stored.shape[0], *index.shape))
+    windows = tuple(range(lead, lead + 3))  # repeat, page, offset
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(index.ndim - 1, updates.ndim)), inserted_window_dims=windows,
+        scatter_dims_to_operand_dims=windows, operand_batching_dims=tuple(range(lead)),
+        scatter_indices_batching_dims=tuple(range(lead)))
+    return jax.lax.scatter(stored, index, updates, numbers, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def cache_read(stored, cache: CacheView):
@@ -390,25 +406,28 @@ def cache_read(stored, cache: CacheView):
     of keys or values heads before slots, [batch, kv_heads, slots, head_dim] (`attention`'s kv_layout "bksd")."""
     if cache.pages is None:
         return stored[cache.layer]
-    if _heads_first(stored):
-        rows = _gathered_by_head(stored, cache.pages, cache.layer)  # [batch, kv_heads, pages, page, d]
-        return rows.reshape(*rows.shape[:2], rows.shape[2] * rows.shape[3], rows.shape[4])
-    rows = stored[cache.layer][cache.pages]  # [batch, pages, page, ...]
-    return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
+    rows = _gathered_pages(stored, cache.pages, cache.layer)  # [batch, (kv_heads,) pages, page, features]
+    return rows.reshape(*rows.shape[:-3], rows.shape[-3] * rows.shape[-2], rows.shape[-1])
 
 
-def _gathered_by_head(pool, pages, layer):
-    """[batch, kv_heads, pages a row holds, page, d]: each row's pages of repeat `layer` of a pool [kv_heads,
-    repeats, n_pages, page, d], in the order the dots read them. The heads are the gather's batching dimension, so
-    its output needs no transpose (a whole layer's cache otherwise, both ways), and a pool split over tp by heads
-    is gathered where it lies."""
-    rows, heads = pages.shape[0], pool.shape[0]
-    index = jnp.broadcast_to(pages[:, None, :], (rows, heads, pages.shape[1]))
+def _gathered_pages(pool, pages, layer):
+    """[batch, (kv_heads,) pages a row holds, page, ...]: each row's pages of repeat `layer` from its shard's pool,
+    in the order the dots read them. The heads and the shards are the gather's batching dimensions, so its output
+    needs no transpose (a whole layer's cache otherwise, both ways) and a pool split over tp by heads and over the
+    data axes by shards is gathered where it lies."""
+    lead = 2 if _heads_first(pool) else 1
+    index = _by_shard(pages, pool.shape[lead - 1])  # [shards, rows, width]
+    if lead == 2:
+        index = jnp.broadcast_to(index[:, :, None], (*index.shape[:2], pool.shape[0], index.shape[2]))
     index = jnp.stack([jnp.broadcast_to(layer, index.shape).astype(index.dtype), index], axis=-1)
-    numbers = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(1, 2), start_index_map=(1, 2),
-                                             operand_batching_dims=(0,), start_indices_batching_dims=(1,))
-    return jax.lax.gather(pool, index, numbers, (1, 1, 1, *pool.shape[3:]),
+    batch = index.ndim - 1
+    numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(batch, batch + pool.ndim - lead - 2)), collapsed_slice_dims=(lead, lead + 1),
+        start_index_map=(lead, lead + 1), operand_batching_dims=tuple(range(lead)),
+        start_indices_batching_dims=(2, 0) if lead == 2 else (0,))
+    rows = jax.lax.gather(pool, index, numbers, (1,) * (lead + 2) + pool.shape[lead + 2:],
                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return rows.reshape(pages.shape[0], *rows.shape[2:])
 
 
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
@@ -438,14 +457,14 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
 def _paged_kernel(q, cache: CacheView, positions, masking_: Masking):
     """A decode step's queries [rows, 1, h, d] over their rows' pages of this layer's pools by `cache.kernel`
     (`ops/paged_attention.py`), a row at position p seeing positions 0 .. p; in its island on a mesh."""
-    heads, repeats, n_pages = cache.k.shape[:3]
-    # every repeat's pages as one pool, this repeat's at an offset: the pool is read in place, not sliced out (a copy
-    # of the whole pool a layer, 4.2 of a 10.6 ms decode step on the H200 at 64 rows of 2,112 positions)
-    k, v = (a.reshape(heads, repeats * n_pages, *a.shape[3:]) for a in (cache.k, cache.v))
+    heads, shards, repeats, n_pages = cache.k.shape[:4]
+    # a shard's pages of every repeat as one pool, this repeat's at an offset: the pool is read in place, not sliced
+    # out (a copy of the whole pool a layer, 4.2 of a 10.6 ms decode step on the H200 at 64 rows of 2,112 positions)
+    k, v = (a.reshape(heads, shards, repeats * n_pages, *a.shape[4:]) for a in (cache.k, cache.v))
     pages, lengths = cache.pages + cache.layer * n_pages, positions[:, 0] + 1
     layout = current_layout()
-    if layout is None:
-        return paged_attention.attend(q, k, v, pages, lengths, masking_, cache.interpret)
+    if layout is None:  # one device: one shard
+        return paged_attention.attend(q, k[:, 0], v[:, 0], pages, lengths, masking_, cache.interpret)
     return kernel_island.paged(q, k, v, pages, lengths, layout, masking_, cache.interpret)
 
 

@@ -12,8 +12,9 @@ ep) where they split the batch, KV heads already repeated up to tp where fewer (
 positions and segment ids [b/B, t]. Every other axis holds the operands whole (size 1 here: pp outside a stage,
 sp). Collectives per call: none, 0 bytes: a device attends over its own rows and heads.
 
-`paged`: q [b/B, 1, h/tp, d], a layer's pools k and v [kv/tp, n_pages, page, d] (the pages whole on every device,
-as the engine keeps them), page tables [b/B, width] and lengths [b/B]. Collectives per call: none, 0 bytes.
+`paged`: q [b/B, 1, h/tp, d], a layer's pools k and v [kv/tp, B/B, n_pages, page, d] (one pool per shard of the
+rows, split over the batch axes as the rows are: a device's rows' pages are on it, their ids in its own pool), page
+tables [b/B, width] and lengths [b/B]. Collectives per call: none, 0 bytes.
 """
 
 from __future__ import annotations
@@ -48,16 +49,17 @@ def attend(q, k, v, positions, segment_ids, layout: Layout, masking: Masking, im
 
 
 def paged(q, k_pool, v_pool, pages, lengths, layout: Layout, masking: Masking, interpret: bool = False):
-    """`paged_attention.attend` of q laid out as `layout`'s activations over a layer's pools, each device reading
-    its own rows' pages of its own heads (`interpret`: on CPU, for tests)."""
+    """`paged_attention.attend` of q laid out as `layout`'s activations over a layer's pools [kv_heads, shards,
+    pages, page, d], each device reading its own rows' pages (its shard) of its own heads (`interpret`: on CPU,
+    for tests)."""
     axes, rules, mesh = manual_axes(layout), layout.activations, layout.mesh
     q_spec = manual_spec(("batch", "seq", "heads", "head_dim"), rules, mesh, q.shape, axes)
-    pool_spec = manual_spec(("kv_heads", "pages", "seq", "head_dim"), rules, mesh, k_pool.shape, axes)
+    pool_spec = manual_spec(("kv_heads", "page_shards", "pages", "seq", "head_dim"), rules, mesh, k_pool.shape, axes)
     rows_spec = manual_spec(("batch", "pages"), rules, mesh, pages.shape, axes)
     lengths_spec = manual_spec(("batch",), rules, mesh, lengths.shape, axes)
 
-    def local(q, k, v, pages, lengths):
-        return paged_attention.attend(q, k, v, pages, lengths, masking, interpret)
+    def local(q, k, v, pages, lengths):  # k, v: this device's one shard of the pools
+        return paged_attention.attend(q, k[:, 0], v[:, 0], pages, lengths, masking, interpret)
 
     return jax.shard_map(local, mesh=island_mesh(layout), axis_names=axes, check_vma=False,
                          in_specs=(q_spec, pool_spec, pool_spec, rows_spec, lengths_spec),

@@ -69,8 +69,9 @@ def _queued_inputs(engine, length: int):
     import jax
     import numpy as np
 
-    slots, per = engine.slots, engine.row_pages
-    table = np.arange(1, 1 + slots * per, dtype=np.int32).reshape(slots, per)  # the pool holds 2 × slots × per
+    slots, per, shards = engine.slots, engine.row_pages, engine.shards
+    own = np.arange(1, 1 + slots // shards * per, dtype=np.int32).reshape(slots // shards, per)
+    table = np.tile(own, (shards, 1))  # a shard's slots over its own pool, which holds 2 × its slots × per pages
     ones = np.ones(slots, np.int32)
     return jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
                            np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))
