@@ -182,19 +182,20 @@ class Model:
 
     def generate(self, prompts, max_new_tokens: int | Sequence[int] = 64, *, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, timings: dict | None = None,
-                 slots: int = 0) -> list[Generation]:
+                 slots: int = 0, pages: int = 0) -> list[Generation]:
         """A completion of each prompt (a string, or token ids; one prompt or a list of them, generated as one
         batch) with the KV cache, until a stop id of the tokenizer or `max_new_tokens` (one for all, or one per
         prompt). temperature 0 is greedy;
         a row's draws depend on `seed` and its place in the list, not on the mesh. `timings` gets `compile_s` and
         `run_s`. `slots` > 0: on the rollout engine (`generate/engine.py`: paged, continuously batched, on the
-        model's mesh) with that many slots, for many prompts of different lengths: the same tokens."""
+        model's mesh) with that many slots, for many prompts of different lengths: the same tokens; `pages` its
+        pools' pages (0: what the slots need; fewer and requests wait for pages)."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         ids = [self._ids(p) for p in ([prompts] if single else prompts)]
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "stop_ids": self.tokenizer.stop_ids,
                     "seed": seed}
         if slots:
-            done = self._engine(ids, max_new_tokens, slots, sampling, timings)
+            done = self._engine(ids, max_new_tokens, {"slots": slots, "pages": pages}, sampling, timings)
         else:
             done = generate_tokens(self.params, self.cfg, ids, max_new_tokens, on=self.fns, timings=timings,
                                    **sampling)
@@ -213,10 +214,11 @@ class Model:
         done = self.generate(prompts, max_new_tokens, **sampling)
         return [requests.decode_new(self.tokenizer, g.tokens[:len(g.tokens) - g.stopped]) for g in done]
 
-    def _engine(self, ids, max_new_tokens, slots: int, sampling: dict, timings: dict | None):
-        """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout)."""
+    def _engine(self, ids, max_new_tokens, sizes: dict, sampling: dict, timings: dict | None):
+        """The rollout engine's completions, on the model's mesh (its weights resharded into the rollout layout),
+        its `sizes` (slots, pages) as given."""
         start, compiled = time.perf_counter(), goodput.compiling_seconds()
-        done = Engine(self.params, self.cfg, slots=slots, on=self.fns).generate(ids, max_new_tokens, **sampling)
+        done = Engine(self.params, self.cfg, on=self.fns, **sizes).generate(ids, max_new_tokens, **sampling)
         if timings is not None:  # the engine compiles as it runs: JAX reports each compile's seconds
             compile_s = goodput.compiling_seconds() - compiled
             timings.update(compile_s=compile_s, run_s=time.perf_counter() - start - compile_s)

@@ -572,8 +572,11 @@ class RlConfig:
                                  "`train.checkpoint_every` are multiples of it")
     sampler: str = key("static", "what samples the rollouts: `static` (`generate` on the run's mesh, one batch) or "
                                  "`engine` (the rollout engine: paged, continuously batched, a group's prompt "
-                                 "prefilled once; one device); the same tokens either way")
+                                 "prefilled once; on the run's mesh); the same tokens either way")
     engine_slots: int = key(0, "with `sampler = \"engine\"`: the completions decoded at once; 0 = all of a step's")
+    engine_pages: int = key(0, "with `sampler = \"engine\"`: the pages (16 tokens each) of each data-parallel "
+                               "rank's KV-cache pool, scratch included; 0 = what every slot's longest completion "
+                               "needs at once; fewer and completions wait for pages (the same tokens)")
     engine_steps_per_call: int = key(1, "with `sampler = \"engine\"`: decode steps one program call runs before "
                                         "the host reads their tokens and admits completions (the same tokens); see "
                                         "\"Generation\"")

@@ -100,7 +100,8 @@ def test_generate_is_the_commands_token_for_token(page, capsys):
 def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(page, capsys, tmp_path):
     """`jaxllm generate --prompts FILE`: one JSON line per prompt, in the file's order, with the tokens the static
     engine samples for the same prompts in one batch (the engine draws request i as row i), each cut at its line's
-    own max_new_tokens (`--max-new-tokens` where the line names none): as `Model.generate` cuts them."""
+    own max_new_tokens (`--max-new-tokens` where the line names none): as `Model.generate` cuts them. With
+    `--pages 4` (a request's 3 pages and scratch) each request waits for the one before it."""
     import json
 
     from jaxllm.cli import generate as command
@@ -111,7 +112,8 @@ def test_a_file_of_prompts_generates_on_the_rollout_engine_as_one_batch_does(pag
     (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + '\n"def "\n')
     capsys.readouterr()
     assert command.main(["--from", str(page["where"] / "runs" / "api"), "--prompts", str(tmp_path / "p.jsonl"),
-                         "--slots", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3"]) == 0
+                         "--slots", "2", "--pages", "4", "--max-new-tokens", "12", "--temperature", "0.8",
+                         "--seed", "3"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     whole = page["model"].generate(prompts, max_new_tokens=12, temperature=0.8, seed=3)
     assert all(len(g.tokens) > n for g, n in zip(whole[1:3], limits[1:3]))  # the lines' limits cut something

@@ -61,6 +61,7 @@ def test_every_subcommand_has_help(argv, capsys):
     (["prepare-data", "in", "out", "--tokenizer", "bpe"], "--tokenizer: unknown tokenizer 'bpe'; choose one of byte"),
     (["prepare-data", "in", "out", "--tokenizer", "hf:no/such"], "--tokenizer=hf:no/such: no such folder 'no/such'"),
     (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--slots", "0"], "--slots: must be at least 1, got 0"),
+    (["generate", "--from", "runs/x", "--prompts", "p.jsonl", "--pages", "-1"], "--pages: must be 0 or more, got -1"),
     (["eval", "--from", "runs/x", "--tasks", "mesh.tp=2"], "argument --tasks: expected at least one argument"),
     (["generate", "--from", "runs/x", "--prompt", "a", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     (["generate", "--from", "runs/x", "--prompt", "a", "--temperature", "-1"], "--temperature -1.0: must be 0"),

@@ -175,6 +175,32 @@ def test_a_prompts_completions_share_its_pages(prompt_len):
     assert _every_page_free(engine)
 
 
+def test_the_default_pool_is_what_the_slots_need_and_a_smaller_one_makes_requests_wait_for_the_same_tokens():
+    """By default each pool holds what every slot's longest request needs at once: with SLOTS different prompts of
+    a length that leaves a partial page, each wanting the most tokens, every page but scratch is held at the peak
+    (the pool is the least that fits them). With `pages` the least one request needs, the requests wait for pages
+    (one at a time) and draw the tokens the default pool draws; fewer pages are refused."""
+    from jaxllm.errors import ConfigError
+
+    cfg, params = _model("llama")
+    prompts = [[s + 1] * (2 * PAGE + 1) for s in range(SLOTS)]
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE)
+    engine.generate(prompts, 3 * PAGE, temperature=1.0)
+    assert engine.stats["pages_held"] == len(engine.page_pools[0].holders) - 1
+    prompts, new = _requests()
+    want = Engine(params, cfg, slots=SLOTS, page=PAGE).generate(prompts, new, temperature=1.0, seed=3)
+    least = max(math.ceil((len(p) + n) / PAGE) + (len(p) % PAGE != 0) for p, n in zip(prompts, new)) + 1
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE, pages=least)
+    got = engine.generate(prompts, new, temperature=1.0, seed=3)
+    assert engine.stats["waits_for_pages"] > 0 and engine.stats["pages_held"] <= least - 1
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    assert _every_page_free(engine)
+    with pytest.raises(ConfigError, match=f"cannot hold request .*; give pages >= {least}"):
+        Engine(params, cfg, slots=SLOTS, page=PAGE, pages=least - 1).generate(prompts, new)
+
+
 MESHES = {  # name -> (model, mesh): the engine in the rollout layout from each stored layout
     "dp2_fsdp2_tp2_zero3": ("llama", {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3}),
     "pp2_dp2_tp2": ("windowed", {"mesh.pp": 2, "mesh.dp": 2, "mesh.tp": 2, "train.microbatches": 2}),

@@ -134,12 +134,14 @@ def test_dynamic_sampling_trains_only_groups_with_spread_and_keeps_the_batch():
 
 def test_the_engine_sampler_on_a_zero3_mesh_makes_the_static_samplers_batch():
     """rl.sampler = engine on dp2×fsdp2×tp2 under ZeRO-3 (its weights resharded from the stored state into the
-    rollout layout, its slots over the data axes; 2 decode steps a call): the first batch equals the static sampler's, field for field,
-    and so do its metrics but the generator's log-probabilities' gap to the trainer's (rounding, within 1e-5)."""
+    rollout layout, its slots and page pools over the data axes; 2 decode steps a call; pools of 3 pages, so a
+    shard's second completion waits for the first one's pages): the first batch equals the static sampler's,
+    field for field, and so do its metrics but the generator's log-probabilities' gap to the trainer's (rounding,
+    within 1e-5)."""
     mesh = {"mesh.dp": 2, "mesh.fsdp": 2, "mesh.tp": 2, "train.zero_stage": 3}
     static, static_metrics, _, _ = _first_batch(mesh)
     engine, engine_metrics, _, _ = _first_batch({**mesh, "rl.sampler": "engine", "rl.engine_slots": 6,
-                                                 "rl.engine_steps_per_call": 2})
+                                                 "rl.engine_steps_per_call": 2, "rl.engine_pages": 3})
     for key in ("inputs", "targets", "loss_mask", "advantages"):
         np.testing.assert_array_equal(np.asarray(engine[key]), np.asarray(static[key]), err_msg=key)
     assert abs(static_metrics.pop("logp_mismatch") - engine_metrics.pop("logp_mismatch")) <= 1e-5
@@ -165,6 +167,7 @@ def test_overlong_shaping_adds_dapos_length_penalty():
     ({"rl.async_steps": 1, "rl.loss": "gspo", "rl.loss_norm": "sequence"}, "not supported yet"),
     ({"rl.sampler": "vllm"}, "rl.sampler: 'vllm' is not one of static, engine"),
     ({"rl.engine_steps_per_call": 0}, "rl.engine_steps_per_call must be 1 or more"),
+    ({"rl.engine_pages": -1}, "rl.engine_pages must be 0"),
     ({"rl.max_new_tokens": 6}, "do not fit model.seq_len=8"),
     ({"rl.rewards": ["exact"]}, "not one of exact_match"),
     ({"rl.rewards": ["format"], "rl.format_pattern": ""}, "set rl.format_pattern"),

@@ -186,7 +186,7 @@ precision.compute precision.fp8_exclude precision.grad_reduce precision.loss_sca
 precision.loss_scale_window precision.matmul
 rl.beta rl.epsilon rl.epsilon_high rl.format_pattern rl.group_size rl.loss rl.loss_norm rl.mask_truncated
 rl.async_steps rl.behaviour_cap rl.max_num_gen_batches rl.overlong_buffer rl.overlong_factor rl.sampler rl.engine_slots
-rl.engine_steps_per_call rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
+rl.engine_pages rl.engine_steps_per_call rl.max_new_tokens rl.num_iterations rl.prompt_suffix rl.rewards rl.scale_rewards rl.temperature
 run.dir run.profile_steps run.progress run.sample_prompt run.sample_tokens run.wandb run.wandb_entity run.wandb_name
 run.wandb_project run.wandb_tags
 train.allreduce train.beta1 train.beta2 train.bucket_mb train.checkpoint_checksums train.checkpoint_every train.eps train.eval_batches train.eval_tasks train.eval_every train.global_batch

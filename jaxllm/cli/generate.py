@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
                        "prompt: {prompt, text, tokens, stopped}, with --chat {prompt, answer}")
     p.add_argument("--slots", type=cli.positive_int, default=32,
                    help="with --prompts: the rollout engine's slots (default 32)")
+    p.add_argument("--pages", type=cli.count, default=0, help="with --prompts: the pages (16 tokens each) of each "
+                   "data-parallel rank's KV-cache pool (default 0: what every slot's longest request needs; fewer "
+                   "and requests wait for pages)")
     p.add_argument("--chat", action="store_true", help="ask each prompt as a user turn through the model's chat "
                    "template and print the answers (up to the end of the turn)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="the most new tokens a prompt gets (default 64)")
@@ -89,7 +92,7 @@ def run(args) -> None:
         prompts, limits = read_prompts(args.prompts, args.max_new_tokens)
     model = jaxllm.load(args.source, args.step, args.overrides)
     sampling = {"temperature": 0.0 if args.greedy else args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "seed": args.seed, "slots": args.slots if args.prompts else 0}
+                "seed": args.seed, "slots": args.slots if args.prompts else 0, "pages": args.pages}
     if args.chat:
         for question, answer in zip(prompts, model.chat(prompts, limits, **sampling)):
             print(json.dumps({"prompt": question, "answer": answer}) if args.prompts else answer)

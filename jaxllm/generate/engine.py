@@ -27,7 +27,8 @@ shard that runs one of its requests) and referenced by every such request; the p
 page is copied for each (copy-on-write: the completions write their first tokens there), so G completions of a
 P-token prompt in one shard hold ⌈P / page⌉ pages of prompt tokens, + G where P is not a multiple of the page. A
 page is freed when no request holds it. A request takes a free slot in a shard where its prompt is prefilled
-before any other.
+before any other. A shard's pool holds by default what its slots' longest requests need at once (`pool_pages`);
+given fewer (`pages`), the next request waits while its shard lacks its pages.
 
 Scheduling (host-driven continuous batching). While requests wait and a slot is free, the next one (in the
 order given) is admitted: its prompt prefilled by a separate call (one program per power-of-two prompt
@@ -206,6 +207,13 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
 # ---------------------------------------------------------------- the host side: pages, prompts, slots
 
 
+def pool_pages(slots: int, row_pages: int) -> int:
+    """The pages a shard's pool needs for `slots` slots whose requests hold at most `row_pages` pages each: every
+    slot's request at once, and the partial last page each prompt keeps beside its requests' copies (a prompt's
+    full pages are held once, by all its requests: inside their own counts), and the scratch page."""
+    return 1 + slots * (row_pages + 1)
+
+
 class PagePool:
     """Which pages are free and how many requests (or prefilled prompts) hold each; page 0, scratch, is never
     given out."""
@@ -305,16 +313,21 @@ class Engine:
     `steps_per_call`: decode steps a program call runs before the host reads their tokens and admits requests (the
     same tokens; a slot freed inside a call waits for its end). `overlap`: each call is sent before the previous
     one's tokens are read, so the host's scheduling runs while the device decodes (the same tokens; False: the host
-    waits for each call's tokens before it sends the next)."""
+    waits for each call's tokens before it sends the next). `pages`: the pages of each shard's pool, scratch
+    included (`pool_pages`; 0: what every slot's longest request needs at once); a request waits for its pages
+    (the same tokens)."""
 
     def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto",
-                 steps_per_call: int = 1, overlap: bool = True):
+                 steps_per_call: int = 1, overlap: bool = True, pages: int = 0):
         if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
             raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."
                               f"pattern {cfg.model.pattern}); use rl.sampler=static, whose generation carries it")
         for name, value in (("slots", slots), ("page", page), ("steps_per_call", steps_per_call)):
             if value < 1:  # with no slot no request is ever admitted, and generate would never return
                 raise ConfigError(f"the engine's {name} must be 1 or more, got {value}")
+        if pages < 0:
+            raise ConfigError(f"the engine's pages must be 0 (as many as its slots need) or more, got {pages}")
+        self.pages = pages
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
         self.slots, self.page, self.overlap = padded_rows(slots, self.layout), page, overlap
@@ -331,25 +344,20 @@ class Engine:
                  top_p: float = 1.0, stop_ids=(), seed: int = 0, order=None) -> list[Completion]:
         """Each prompt's completion, as `decode.generate` gives it (the same tokens where the logits agree);
         `max_new_tokens` one for all or one per prompt; `order`: the requests' arrival order (default: as
-        given). `stats` then holds the decode steps run, the most pages that held prompt tokens at once, and the
-        calls sent before the previous call's tokens were read."""
+        given). `stats` then holds the decode steps run, the most pages that held prompt tokens at once and that
+        were held at once, the calls sent before the previous call's tokens were read, and the times the next
+        request waited for pages."""
         new = limits_checked(self.m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
-        row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)
-        per_shard = 1 + 2 * (self.slots // self.shards) * row_pages  # each slot's request, and the prompt it shares
-        self.page_pools = [PagePool(per_shard) for _ in range(self.shards)]
-        self.pools = self.programs.pools(pages=per_shard)
-        self.row_pages, self.new, self.prompts_in = row_pages, new, prompts
+        self._start(prompts, new)
         self.settings = self._put(np.float32(temperature), np.int32(top_k), np.float32(top_p))
         (self.seed,), self.stop_ids, self.prefilled = self._put(np.uint32(seed)), set(stop_ids), {}
         self.next_tokens = self._put(np.zeros(self.slots, np.int32), names=("batch",))[0]  # what the next call feeds
-        self.stats = {"decode_steps": 0, "prompt_pages": 0, "overlapped_calls": 0}
+        self.stats = {"decode_steps": 0, "prompt_pages": 0, "pages_held": 0, "overlapped_calls": 0,
+                      "waits_for_pages": 0}
         waiting = collections.deque(range(len(prompts)) if order is None else order)
         self.live, self.unread_firsts, self.done, unread = [None] * self.slots, [], {}, None
         while waiting or any(self.live) or unread is not None or self.unread_firsts:
-            while waiting and None in self.live:
-                index = waiting.popleft()
-                slot = self._free_slot(tuple(prompts[index]))
-                self.live[slot] = self._admit(index, slot)
+            self._admit_waiting(waiting)
             sent = self._send() if any(self.live) else None
             if unread is not None and sent is not None:
                 self.stats["overlapped_calls"] += 1
@@ -367,15 +375,55 @@ class Engine:
         spec = P() if self.layout is None else logical_spec(names, self.layout.activations, self.layout.mesh)
         return tuple(put_host_arrays({i: np.asarray(a) for i, a in enumerate(arrays)}, self.layout, spec).values())
 
+    def _start(self, prompts: list, new: list) -> None:
+        """Each shard's pool of pages for these requests: `pages`, or what every slot's longest request needs at
+        once; refused where one request's pages would not fit."""
+        self.new, self.prompts_in = new, prompts
+        self.row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)  # the widest page table
+        needs = [self._pages_needed(i) for i in range(len(prompts))]
+        per_shard = self.pages or pool_pages(self.slots // self.shards, self.row_pages)
+        if max(needs) + 1 > per_shard:  # with every other page free, the request still would not fit
+            i = needs.index(max(needs))
+            raise ConfigError(f"the engine's pages ({per_shard} a shard) cannot hold request {i} ({len(prompts[i])} "
+                              f"prompt + {new[i]} new tokens: {needs[i]} pages of {self.page} and the scratch "
+                              f"page); give pages >= {needs[i] + 1}, or 0 for what the slots need")
+        self.page_pools = [PagePool(per_shard) for _ in range(self.shards)]
+        self.pools = self.programs.pools(pages=per_shard)
+
+    def _pages_needed(self, index: int, shard: int | None = None) -> int:
+        """The free pages request `index` takes when admitted in `shard` (None: where its prompt is not prefilled):
+        its own pages, and its prompt's where they are not written yet (with the partial last page the prompt
+        keeps beside each request's copy)."""
+        prompt = tuple(self.prompts_in[index])
+        total = -(-(len(prompt) + self.new[index]) // self.page)
+        entry = self.prefilled.get((shard, prompt)) if shard is not None else None
+        return total - len(entry.full) if entry is not None else total + (len(prompt) % self.page != 0)
+
+    def _admit_waiting(self, waiting: collections.deque) -> None:
+        """The waiting requests admitted in order while a slot is free and its shard has the next one's pages;
+        the next one waits otherwise (for a request to end and give its pages back)."""
+        while waiting and None in self.live:
+            slot = self._free_slot(waiting[0])
+            if slot is None:
+                self.stats["waits_for_pages"] += 1
+                if not any(self.live):  # every page free and still short: `_start` refuses this
+                    raise RuntimeError(f"request {waiting[0]} waits for pages that no request holds")
+                return
+            index = waiting.popleft()
+            self.live[slot] = self._admit(index, slot)
+
     def _shard(self, slot: int) -> int:
         """The data-parallel shard a slot is in: the shard whose pool holds its pages."""
         return slot // (self.slots // self.shards)
 
-    def _free_slot(self, prompt: tuple) -> int:
-        """A free slot for a request of `prompt`: in a shard where the prompt is prefilled if one has a free slot
-        (its pages shared, not prefilled again), else the first."""
+    def _free_slot(self, index: int) -> int | None:
+        """A free slot for request `index` whose shard has the pages it needs: in a shard where its prompt is
+        prefilled first (its pages shared, not prefilled again); None where no shard with a free slot has them."""
+        prompt = tuple(self.prompts_in[index])
         free = [s for s, x in enumerate(self.live) if x is None]
-        return next((s for s in free if (self._shard(s), prompt) in self.prefilled), free[0])
+        free.sort(key=lambda s: (self._shard(s), prompt) not in self.prefilled)  # stable: the first such slot first
+        return next((s for s in free if self._pages_needed(index, self._shard(s))
+                     <= len(self.page_pools[self._shard(s)].free)), None)
 
     def _prefill(self, prompt: tuple, shard: int) -> _Prompt:
         """The prompt's pages written in `shard`'s pool (a new prefill, or the one a live request there shares)."""
@@ -409,6 +457,8 @@ class Engine:
             entry.copies[index] = own[0]
         live = _Live(index, prompt, entry.full + own, len(prompt), slot)
         self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
+        held = sum(len(p.holders) - 1 - len(p.free) for p in self.page_pools)
+        self.stats["pages_held"] = max(self.stats["pages_held"], held)
         index_in, slot_in = self._put(np.int32(index), np.int32(slot))
         self.next_tokens, token, logp = self.programs.first(entry.logits, self.seed, index_in, self.settings,
                                                             self.next_tokens, slot_in)

@@ -129,6 +129,8 @@ def check_config(cfg) -> list[str]:
             raise ConfigError(f"rl.{key}: '{getattr(r, key)}' is not one of {', '.join(choices)}")
     if r.engine_slots < 0:
         raise ConfigError(f"rl.engine_slots must be 0 (all of a step's completions) or more, got {r.engine_slots}")
+    if r.engine_pages < 0:
+        raise ConfigError(f"rl.engine_pages must be 0 (what the slots need) or more, got {r.engine_pages}")
     if r.engine_steps_per_call < 1:
         raise ConfigError(f"rl.engine_steps_per_call must be 1 or more, got {r.engine_steps_per_call}")
     if r.async_steps < 0 or (r.async_steps and r.behaviour_cap <= 0):

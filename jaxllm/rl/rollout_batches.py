@@ -115,7 +115,8 @@ class RolloutBatches:
                                                      **sampling)
         slots = rl.engine_slots or self.cfg.train.global_batch
         with self.clock.timing("reshard") if timed and self.clock else contextlib.nullcontext():
-            engine = Engine(params, self.cfg, slots=slots, on=self.fns, steps_per_call=rl.engine_steps_per_call)
+            engine = Engine(params, self.cfg, slots=slots, on=self.fns, steps_per_call=rl.engine_steps_per_call,
+                            pages=rl.engine_pages)
         return lambda ids, seed: _as_arrays(engine.generate(ids, rl.max_new_tokens, seed=seed, **sampling),
                                             rl.max_new_tokens)
 
