@@ -28,7 +28,8 @@ import pytest
 
 from harness import equivalence_config, step_fns, tiers
 from jaxllm.generate import generate, generate_arrays
-from jaxllm.generate.decode import reshard_bytes
+from jaxllm.generate.decode import bucket, reshard_bytes
+from jaxllm.generate import engine as engine_lib
 from jaxllm.generate.engine import Engine
 from jaxllm.models import transformer
 from jaxllm.mesh import batch_shards
@@ -213,9 +214,10 @@ MESHES = {  # name -> (model, mesh): the engine in the rollout layout from each 
 def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_says(name):
     """On a training mesh the engine reshards the stored parameters once into the rollout layout (whole over
     fsdp and pp, split over tp; slots and page pools over the data axes), then decodes what one device decodes:
-    sampled tokens equal, log-probabilities within 1e-5. The resharding program's all-gathers bring each device
-    `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers no weights: its all-gathers
-    (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of the pages,
+    sampled tokens equal, log-probabilities within 1e-5, each program traced once (prefill once a prompt bucket:
+    the host's inputs placed as the programs place what they return). The resharding program's all-gathers bring
+    each device `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers no weights: its
+    all-gathers (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of the pages,
     B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no page: no
     collective of it carries as many bytes as one device's pool of one block kind."""
     model, mesh = MESHES[name]
@@ -225,11 +227,15 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     stored = jax.device_put(params, fns.state_shardings.params)
     prompts, new = _requests()
     want = Engine(params, one, slots=SLOTS, page=PAGE).generate(prompts, new, temperature=1.0, seed=3)
+    engine_lib._compiled.clear()  # programs of its own, traced by this run alone
     engine = Engine(stored, cfg, slots=SLOTS, page=PAGE, on=fns)
     got = engine.generate(prompts, new, temperature=1.0, seed=3, order=list(range(11, -1, -1)))
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(b.tokens, a.tokens)
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    traced = {name: getattr(engine.programs, name)._cache_size() for name in ("prefill", "first", "copy_page")}
+    assert traced == {"prefill": len({bucket(len(p)) for p in prompts}), "first": 1, "copy_page": 1}
+    assert engine.decode._cache_size() == 1  # the host's inputs laid out as the programs leave theirs
     devices = fns.layout.mesh.devices.size
     received = all_gather_received_bytes(engine.programs.reshard.lower(stored).compile().as_text(), devices)
     assert received == reshard_bytes(cfg.model, jnp.float32, fns) > 0
@@ -358,7 +364,6 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     10.6 ms decode step on the H200), and not with XLA's gather; `auto` is the gather on CPU; a model the kernel
     cannot compute is refused."""
     from jaxllm.errors import ConfigError
-    from jaxllm.generate import engine as engine_lib
 
     cfg = equivalence_config("tiny-llama", **_overrides("llama"), **KERNEL_MODEL)
     engine = Engine(transformer.init_params(cfg.model, jax.random.key(0)), cfg, slots=SLOTS, page=16)
