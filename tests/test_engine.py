@@ -282,6 +282,26 @@ def test_a_decode_step_copies_no_weight_and_no_gathered_page():
     assert sum(op == "fusion" and name.startswith("gather") for op, name in big) >= 2, big  # a layer's keys, values
 
 
+def test_a_windowed_layers_decode_step_gathers_only_the_pages_its_window_sees():
+    """Windowed layers keep their savings: a decode step's local layer (window 6 on pages of 4) gathers each row's
+    ⌈5 / 4⌉ + 1 = 3 pages around its window (`attention.in_window`), its global layer all 8 of the row's table
+    (the engine against the static engine with this model: `test_the_engine_equals_the_static_engine_in_any_
+    arrival_order[windowed-*]`)."""
+    cfg, params = _model("windowed")
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
+    engine.generate([[1, 2, 3]], 2, temperature=0.0)
+    width, idle, d = 8, np.zeros(engine.slots, np.int32), cfg.model.d_model // cfg.model.n_heads
+    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * width), idle, idle, idle,
+                               np.zeros((SLOTS, width), np.int32), idle, idle, idle, engine.seed,
+                               engine.settings).compile().as_text()
+    shape = lambda t: [int(n) for n in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if n]
+    pages = sorted(math.prod(dims[:-2]) // (SLOTS * cfg.model.n_kv_heads)  # a layer's gathered keys or values
+                   for dims in (shape(ins["type"]) for body in computations(step)[0].values() for ins in body
+                                if ins["opcode"] == "gather" and not ins["type"].startswith("("))
+                   if dims[-2:] == [PAGE, d])
+    assert pages == [3, 3, width, width]
+
+
 TRITON = "__gpu$xla.gpu.triton"
 KERNEL_MODEL = {"model.head_dim": 16, "model.n_kv_heads": 2, "model.attn_softcap": 5.0}  # GQA, soft cap, Triton's dots
 

@@ -152,9 +152,14 @@ def _auto(m) -> str:
     return "chunked" if m.seq_len >= CHUNKED_FROM or windowed else "dense"
 
 
-def cache_implementation(m) -> str:
-    """What generation attends over the KV cache with: the run's implementation, except that the fused kernels
-    mask by index and a decode step's queries are not at their keys' indices, so there it is `auto`'s choice."""
+def cache_implementation(m, queries: int = 0) -> str:
+    """What generation attends over the KV cache with, for calls of `queries` tokens a row: a decode step's (one)
+    `dense`, whose scores are one row of slots and which reads gathered pages as they lie (`chunked` would
+    transpose them and loop over blocks; a window's pages are narrowed before: `in_window`); otherwise the run's
+    implementation, except that the fused kernels mask by index and a cached call's queries are not at their keys'
+    indices, so there it is `auto`'s choice."""
+    if queries == 1:
+        return "dense"
     impl = implementation(m)
     return _auto(m) if impl in FUSED_PLATFORM else impl
 
@@ -344,7 +349,8 @@ class CacheView(NamedTuple):
     is written there (`start` unused); a pool's page 0 is scratch, where tokens of segment 0 (padding, idle rows)
     are written. `kernel`: the paged-attention kernel a decode step's full-causal layers attend with
     (`ops/paged_attention.py`; None: the pages gathered, XLA's gather, and `attention`), `interpret` it on CPU
-    (tests)."""
+    (tests). `window`: the layer's attention window where it is known when tracing (the layers unrolled; 0: none,
+    or not known), so that a paged decode step reads only the pages the window sees (`in_window`)."""
 
     k: jax.Array
     v: jax.Array
@@ -355,6 +361,7 @@ class CacheView(NamedTuple):
     pages: jax.Array | None = None
     kernel: str | None = None
     interpret: bool = False
+    window: int = 0
 
 
 PAGED_CACHE = ("kv_heads", "page_shards", "layers", "pages", "seq", "head_dim")  # a paged pool of keys or values
@@ -430,6 +437,27 @@ def _gathered_pages(pool, pages, layer):
     return rows.reshape(pages.shape[0], *rows.shape[2:])
 
 
+def in_window(cache: CacheView, positions) -> CacheView:
+    """A paged decode step's view narrowed to the pages a windowed layer sees (`cache.window` known): each row's
+    ⌈(window − 1) / page⌉ + 1 pages from the one holding its first visible position (position − window + 1), with
+    those slots' positions and segment ids, so the gather reads them and no page wholly behind the window (as
+    training's `chunked` attention skips its blocks); past a row's table, segment 0. Any other view as it is."""
+    if cache.pages is None or not cache.window or positions.shape[1] != 1:
+        return cache
+    rows, width, page = *cache.pages.shape, cache.k.shape[-2]
+    span = -(-(cache.window - 1) // page) + 1
+    if span >= width:
+        return cache
+    first = jnp.maximum(positions[:, 0] - cache.window + 1, 0) // page
+    wanted = first[:, None] + jnp.arange(span, dtype=first.dtype)  # [rows, span]
+    held = jnp.minimum(wanted, width - 1)
+    slots = (held[:, :, None] * page + jnp.arange(page, dtype=held.dtype)).reshape(rows, span * page)
+    seen = jnp.repeat(wanted < width, page, axis=1)
+    return cache._replace(pages=jnp.take_along_axis(cache.pages, held, axis=1),
+                          positions=jnp.take_along_axis(cache.positions, slots, axis=1),
+                          segment_ids=jnp.where(seen, jnp.take_along_axis(cache.segment_ids, slots, axis=1), 0))
+
+
 def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView, m, dtype, layer=None):
     """`attention_layer` for generation: this call's keys and values are written into the cache
     (`cache_write`), then its queries attend to every slot of the cache (the same mask as training: causal by
@@ -448,8 +476,9 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
             raise refuse_chunk(f"{cache.kernel} paged")
         out = _paged_kernel(q, written, positions, masking(m, layer))
     else:
-        out = attention(q, cache_read(keys, written), cache_read(values, written), positions, cache.positions,
-                        segment_ids, cache.segment_ids, masking(m, layer), cache_implementation(m), sinks,
+        seen = in_window(written, positions)
+        out = attention(q, cache_read(keys, seen), cache_read(values, seen), positions, seen.positions,
+                        segment_ids, seen.segment_ids, masking(m, layer), cache_implementation(m, q.shape[1]), sinks,
                         kv_layout="bksd" if cache.pages is not None and _heads_first(keys) else "bskd")
     return project_out(p, out, dtype, gate), written
 

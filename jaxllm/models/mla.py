@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, cache_read, cache_write,
+                                     in_window,
                                      masking, project_out, stored_names)
 from jaxllm.models import lora
 from jaxllm.models.layers import column_parallel, norm, project
@@ -83,12 +84,13 @@ def cached_attention_layer(p: dict, x, positions, segment_ids, cache: CacheView,
     latent = _latent(p, x, positions, m, dtype, layer)
     names = stored_names(LATENT_CACHE, cache.pages is not None)
     written = constrain(cache_write(cache.k, latent, cache, positions, segment_ids), names)
-    keys = cache_read(written, cache)[:, :, None, :]  # [b, slots, 1, r + d_r]
+    seen = in_window(cache._replace(k=written), positions)
+    keys = cache_read(written, seen)[:, :, None, :]  # [b, slots, 1, r + d_r]
     r = m.mla.kv_lora_rank
     w_k, w_v = _up(p, m, dtype)
     q = jnp.concatenate([fp8.einsum("attention", "bthd,rhd->bthr", q_nope, w_k), q_rope], -1)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    out = attention(q, keys, keys[..., :r], positions, cache.positions, segment_ids, cache.segment_ids,
-                    masking(m, layer), cache_implementation(m))
+    out = attention(q, keys, keys[..., :r], positions, seen.positions, segment_ids, seen.segment_ids,
+                    masking(m, layer), cache_implementation(m, q.shape[1]))
     out = fp8.einsum("attention", "bthr,rhd->bthd", out, w_v)
     return project_out(p, out, dtype), cache._replace(k=written)

@@ -480,12 +480,12 @@ def blocks(stack: list, x: jax.Array, positions, segment_ids, m: ModelConfig, dt
     return x, total
 
 
-def _cache_view(kv: dict, slots: CacheView, r, resets):
+def _cache_view(kv: dict, slots: CacheView, r, resets, window: int = 0):
     """What one block's cached step reads from its cache entry: a linear block's state and resets, or the KV
-    cache's view (MLA's: no "v") at repeat r."""
+    cache's view (MLA's: no "v") at repeat r, with the layer's window where known (`CacheView.window`)."""
     if "state" in kv:
         return gated_deltanet.LinearView(gated_deltanet.LinearState(kv["conv"][r], kv["state"][r]), resets)
-    return slots._replace(k=kv["k"], v=kv.get("v"), layer=r)
+    return slots._replace(k=kv["k"], v=kv.get("v"), layer=r, window=window)
 
 
 def _cache_entry(kv: dict, written, r) -> dict:
@@ -510,14 +510,16 @@ def cached_blocks(stack: list, cache: list, x: jax.Array, positions, segment_ids
     KV cache (`cache[i]` the i-th block's {"k", "v"}, stacked over its segment's repeats) at `slots.start`
     and attends to every slot `slots` describes; a linear block carries its state instead (`cache[i]` its
     {"conv", "state"}: `generate/cache.py`). Returns (x, the cache with x's slots written)."""
-    written = []
+    written, windows = [], attention.layer_windows(m)
     resets = cache_resets(segment_ids, slots) if stack_lib.has_linear(m) else None  # only linear layers read them
     for seg in stack_lib.segments(m):
 
         def body(carry, xs, seg=seg):
             x, cache = carry
             layer, r, data = xs
-            views = [_cache_view(kv, slots, r, resets) for kv in cache]
+            first = seg.first_layer + r * len(seg.pattern) if isinstance(r, int) else None  # unrolled: known
+            views = [_cache_view(kv, slots, r, resets, 0 if first is None else windows[first + i])
+                     for i, kv in enumerate(cache)]
             x, _, views = _apply_repeat(seg.pattern, layer, data, x, zero_aux(m), positions, segment_ids, m, dtype,
                                         views)
             return (x, [_cache_entry(kv, view, r) for kv, view in zip(cache, views)]), None

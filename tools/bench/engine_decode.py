@@ -1,6 +1,6 @@
 """`python -m tools.bench.engine_decode [--rows 64] [--prompt 2048] [--new 64] [--page 16] [--chip auto]
-[--kernels auto xla] [--schedules overlap sync] [--profile DIR] [key=value ...]`: the rollout engine's decode step
-against the HBM bound, one device.
+[--kernels auto xla] [--schedules overlap sync] [--windows W ...] [--profile DIR] [key=value ...]`: the rollout
+engine's decode step against the HBM bound, one device.
 
 --rows requests of --prompt random tokens each decode --new tokens greedily on --rows slots, so every step runs
 every slot. Each paged kernel named (`Engine(paged_kernel=...)`: `auto` is the Pallas kernel on a GPU where it
@@ -13,7 +13,9 @@ bandwidth (`jaxllm/plan/flops.CHIPS`). Beside it the decode program alone (`_pro
 device-resident inputs), so the device's share of a step shows apart from the host's. Default shape: LLaMA-1B in
 bf16 (the issue's); `key=value` overrides it. --profile also traces 8 queued calls of each engine's program and
 prints where a decode step's device time goes (`tools.bench.profile_step`'s tables: by category, by part of the
-model, by op). With --json the last stdout line is a JSON object.
+model, by op). --windows times the model at each `model.sliding_window` named (0: none; which layers are local is
+`model.window_pattern`'s), the bound always every row's whole cache. With --json the last stdout line is a JSON
+object.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import time
 SHAPE = ["model.preset=llama-1b", "model.vocab_size=128256", "precision.compute=bfloat16"]
 
 
-def chip_and_config(args):
+def chip_and_config(args, more: tuple = ()):
     """The chip whose bandwidth bounds the step (`--chip`, auto: an H200's or an H100's) and the decode's config:
-    SHAPE with room for --prompt + --new positions, then the command line's key=value overrides."""
+    SHAPE with room for --prompt + --new positions, then the command line's key=value overrides, then `more`."""
     import jax
 
     from jaxllm.config import build_config
@@ -38,7 +40,7 @@ def chip_and_config(args):
 
     chip = args.chip if args.chip != "auto" else "h200" if "H200" in jax.devices()[0].device_kind else "h100"
     check_chip(chip)
-    return chip, build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides])
+    return chip, build_config(None, [*SHAPE, f"model.seq_len={args.prompt + args.new}", *args.overrides, *more])
 
 
 def step_bytes(cfg, rows: int, prompt: int, new: int) -> int:
@@ -137,7 +139,8 @@ def _timed(choice: str, steps_per_call: int, schedule: str, params, cfg, prompts
     if args.profile and schedule == args.schedules[0]:  # one program: the schedules differ on the host only
         _profile(engine, length, 8, steps_per_call, os.path.join(args.profile, f"{choice}_{steps_per_call}"))
     bound = out["bound_ms"] / 1e3
-    print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call, {schedule}): "
+    window = f", window {cfg.model.sliding_window}" if cfg.model.sliding_window else ""
+    print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call, {schedule}{window}): "
           f"{step * 1e3:.3f} ms a "
           f"decode step of {args.rows} rows; the bound {bound * 1e3:.3f} ms ({out['step_bytes'] / 1e9:.3f} GB at "
           f"{out['chip']}'s HBM): {bound / step * 100:.1f}% of it; the program alone {program * 1e3:.3f} ms "
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", nargs="+", default=["overlap", "sync"], choices=["overlap", "sync"],
                     help="overlap: each call sent before the last one's tokens are read (the engine's default); sync: "
                     "the host reads each call's tokens before it sends the next. Each one timed")
+    ap.add_argument("--windows", type=int, nargs="+", default=[], help="model.sliding_window values, each timed "
+                    "(default: the config's)")
     ap.add_argument("--profile", metavar="DIR", help="also trace 8 queued decode calls of each engine and print "
                     "where a step's device time goes (tools.bench.profile_step's tables; the trace under DIR)")
     ap.add_argument("--json", action="store_true")
@@ -182,11 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     bound = moved / CHIPS[chip][1]
     out = {"rows": args.rows, "prompt": args.prompt, "new": args.new, "chip": chip, "step_bytes": moved,
            "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {}}
-    for choice in args.kernels:
-        for k in args.steps_per_call:
-            for schedule in args.schedules:
-                name = ", ".join([choice] + [f"{k} steps a call"] * (args.steps_per_call != [1]) + [schedule])
-                out["kernels"][name] = _timed(choice, k, schedule, params, cfg, prompts, args, out)
+    for window in args.windows or [None]:
+        at = cfg if window is None else chip_and_config(args, (f"model.sliding_window={window}",))[1]
+        for choice in args.kernels:
+            for k in args.steps_per_call:
+                for schedule in args.schedules:
+                    name = ", ".join([f"window {window}"] * (window is not None) + [choice]
+                                     + [f"{k} steps a call"] * (args.steps_per_call != [1]) + [schedule])
+                    out["kernels"][name] = _timed(choice, k, schedule, params, at, prompts, args, out)
     if args.json:
         print(json.dumps(out))
     return 0
