@@ -217,9 +217,9 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     sampled tokens equal, log-probabilities within 1e-5, each program traced once (prefill once a prompt bucket:
     the host's inputs placed as the programs place what they return). The resharding program's all-gathers bring
     each device `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers no weights: its
-    all-gathers (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of the pages,
-    B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no page: no
-    collective of it carries as many bytes as one device's pool of one block kind."""
+    all-gathers (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of
+    the pages, B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no
+    page: no collective of it carries as many bytes as one device's pool of one block kind."""
     model, mesh = MESHES[name]
     one, params = _model(model)
     cfg = equivalence_config(one.model.preset, **{**_overrides(model), **mesh})
@@ -233,7 +233,7 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(b.tokens, a.tokens)
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
-    traced = {name: getattr(engine.programs, name)._cache_size() for name in ("prefill", "first", "copy_page")}
+    traced = {program: getattr(engine.programs, program)._cache_size() for program in ("prefill", "first", "copy_page")}
     assert traced == {"prefill": len({bucket(len(p)) for p in prompts}), "first": 1, "copy_page": 1}
     assert engine.decode._cache_size() == 1  # the host's inputs laid out as the programs leave theirs
     devices = fns.layout.mesh.devices.size

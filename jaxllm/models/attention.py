@@ -400,10 +400,10 @@ def cache_write(stored, new, cache: CacheView, positions, segment_ids):
     if lead == 2:  # [kv_heads, shards, rows, t, d], the heads beside the pool's
         updates = jnp.moveaxis(updates, 3, 0)
         index = jnp.broadcast_to(index[None], (stored.shape[0], *index.shape))
-    windows = tuple(range(lead, lead + 3))  # repeat, page, offset
+    indexed = tuple(range(lead, lead + 3))  # the pool's repeat, page and offset dimensions
     numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(index.ndim - 1, updates.ndim)), inserted_window_dims=windows,
-        scatter_dims_to_operand_dims=windows, operand_batching_dims=tuple(range(lead)),
+        update_window_dims=tuple(range(index.ndim - 1, updates.ndim)), inserted_window_dims=indexed,
+        scatter_dims_to_operand_dims=indexed, operand_batching_dims=tuple(range(lead)),
         scatter_indices_batching_dims=tuple(range(lead)))
     return jax.lax.scatter(stored, index, updates, numbers, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 

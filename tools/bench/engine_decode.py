@@ -73,7 +73,7 @@ def _queued_inputs(engine, length: int):
 
     slots, per, shards = engine.slots, engine.row_pages, engine.shards
     own = np.arange(1, 1 + slots // shards * per, dtype=np.int32).reshape(slots // shards, per)
-    table = np.tile(own, (shards, 1))  # a shard's slots over its own pool, which holds 2 × its slots × per pages
+    table = np.tile(own, (shards, 1))  # a shard's slots over its own pool (1 + its slots × (per + 1) pages)
     ones = np.ones(slots, np.int32)
     return jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
                            np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))
@@ -132,12 +132,12 @@ def _timed(choice: str, steps_per_call: int, schedule: str, params, cfg, prompts
 
     engine = Engine(params, cfg, slots=args.rows, page=args.page, paged_kernel=choice, steps_per_call=steps_per_call,
                     overlap=schedule == "overlap")
-    step = (_seconds(engine, prompts, args.new, args.repeats) - _seconds(engine, prompts, 1, args.repeats))
-    step /= args.new - 1
-    length = args.prompt + args.new // 2
+    whole = _seconds(engine, prompts, args.new, args.repeats)
+    length = args.prompt + args.new // 2  # the program alone on the pools this run left: tables wide enough for it
     program = _program_seconds(engine, length, max(args.new // steps_per_call, 8), steps_per_call)
     if args.profile and schedule == args.schedules[0]:  # one program: the schedules differ on the host only
         _profile(engine, length, 8, steps_per_call, os.path.join(args.profile, f"{choice}_{steps_per_call}"))
+    step = (whole - _seconds(engine, prompts, 1, args.repeats)) / (args.new - 1)
     bound = out["bound_ms"] / 1e3
     window = f", window {cfg.model.sliding_window}" if cfg.model.sliding_window else ""
     print(f"{choice} ({engine.kernel[0] or 'xla gather'}, {steps_per_call} steps a call, {schedule}{window}): "
