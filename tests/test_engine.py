@@ -28,6 +28,7 @@ import pytest
 
 from harness import equivalence_config, step_fns, tiers
 from jaxllm.generate import generate, generate_arrays
+from jaxllm.generate.cache import pool_bytes
 from jaxllm.generate.decode import bucket, reshard_bytes
 from jaxllm.generate import engine as engine_lib
 from jaxllm.generate.engine import Engine
@@ -219,7 +220,8 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     each device `decode.reshard_bytes` (what `jaxllm plan` reports), and a decode step gathers no weights: its
     all-gathers (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of
     the pages, B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no
-    page: no collective of it carries as many bytes as one device's pool of one block kind."""
+    page: no collective of it carries as many bytes as one device's pool of one block kind; `cache.pool_bytes` (the
+    planner's) is what a device holds."""
     model, mesh = MESHES[name]
     one, params = _model(model)
     cfg = equivalence_config(one.model.preset, **{**_overrides(model), **mesh})
@@ -250,6 +252,8 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
         assert pool.sharding.shard_shape(pool.shape)[at] == 1
     own = min(pool.addressable_shards[0].data.nbytes for pool in pools)
     assert max(c["bytes"] for c in executed_collectives(step)[0]) < own
+    held = sum(pool.addressable_shards[0].data.nbytes for pool in pools)  # what `jaxllm plan` reports
+    assert pool_bytes(cfg.model, len(engine.page_pools[0].holders), PAGE, jnp.float32, fns) == held
 
 
 def test_a_decode_step_copies_no_weight_and_no_gathered_page():

@@ -625,8 +625,30 @@ def generation_of(*extra: str, devices: int = 1) -> tuple[dict, dict[str, str], 
     shape, _ = validate(cfg, devices)
     g = generation_theory(cfg, make_step_fns(cfg, make_mesh(shape, cfg, devices=jax.devices()[:devices])))
     lines = _format_generation(g, cfg.precision.compute)
-    return g, {label: line for label in ("KV cache", "linear state", "cache, total") for line in lines
-               if line.startswith(f"  {label} ")}, cfg
+    labels = ("KV cache", "linear state", "cache, total", "rollout engine page pools")
+    return g, {label: line for label in labels for line in lines if line.startswith(f"  {label} ")}, cfg
+
+
+def test_the_rollout_engines_page_pools_are_planned_where_grpo_samples_on_it():
+    """With rl.sampler = engine the plan prints the rollout engine's page pools on a device: `rl.engine_pages` a
+    data-parallel shard, or what its slots' completions of up to seq_len tokens need at once (`engine.pool_pages`),
+    in `cache.pool_bytes` (which tests/test_engine.py checks against the engine's own pools); on dp4 a device holds
+    its shard's pages only. Nothing with the static sampler."""
+    from jaxllm.generate import engine
+    from jaxllm.plan.hlo import format_bytes
+
+    dense = ('model.pattern=["dense"]', "model.n_layers=2", "model.seq_len=64", "train.global_batch=8")
+    assert generation_of(*dense)[0]["engine_pool"] is None
+    one, lines, _ = generation_of(*dense, "rl.sampler=engine")
+    four, _, _ = generation_of(*dense, "rl.sampler=engine", "mesh.dp=4", devices=4)
+    given, _, _ = generation_of(*dense, "rl.sampler=engine", "rl.engine_pages=9")
+    row = 64 // engine.PAGE
+    assert (one["engine_pool"]["pages"], four["engine_pool"]["pages"]) == (engine.pool_pages(8, row),
+                                                                           engine.pool_pages(2, row))
+    per_page = given["engine_pool"]["bytes"] // 9
+    assert per_page > 0 and given["engine_pool"]["pages"] == 9
+    assert [p["engine_pool"]["bytes"] for p in (one, four)] == [per_page * p["engine_pool"]["pages"] for p in (one, four)]
+    assert printed_bytes(lines["rollout engine page pools"]) == format_bytes(one["engine_pool"]["bytes"])
 
 
 def printed_bytes(line: str) -> str:

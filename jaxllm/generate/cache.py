@@ -160,6 +160,17 @@ def cache_parts(m, rows: int, slots: int, dtype, on) -> dict[str, int]:
             "linear": _state_bytes(m, linear_layers, rows, dtype, layout)}
 
 
+def pool_bytes(m, pages: int, page: int, dtype, on) -> int:
+    """Bytes on one device of the rollout engine's page pools (`generate/engine.py`): every attention layer's pools
+    of `pages` pages of `page` tokens, one pool per data-parallel shard (a device holds its own), keys and values
+    split over tp by heads as the KV cache is, latent rows whole."""
+    layout, layers = layout_for(on), layer_counts(m)[0]
+    if not layers:
+        return 0
+    shape = _shape(m, layers, pages, page, layout, paged=True)  # every attention layer's, as one stack
+    return sum(_own_bytes(shape, names, layout, jnp.dtype(dtype).itemsize) for names in _entries(m, True).values())
+
+
 def cache_bytes(m, rows: int, slots: int, dtype, on) -> int:
     """Bytes of the cache on one device for `rows` prompts (padded as generation pads them) on `on`'s mesh: the
     attention layers' KV cache and the linear layers' states."""

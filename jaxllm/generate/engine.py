@@ -207,6 +207,9 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
 # ---------------------------------------------------------------- the host side: pages, prompts, slots
 
 
+PAGE = 16  # tokens a page, by default (GRPO's rollouts, `jaxllm generate --prompts`)
+
+
 def pool_pages(slots: int, row_pages: int) -> int:
     """The pages a shard's pool needs for `slots` slots whose requests hold at most `row_pages` pages each: every
     slot's request at once, and the partial last page each prompt keeps beside its requests' copies (a prompt's
@@ -317,7 +320,7 @@ class Engine:
     included (`pool_pages`; 0: what every slot's longest request needs at once); a request waits for its pages
     (the same tokens)."""
 
-    def __init__(self, params, cfg, slots: int = 32, page: int = 16, on=None, paged_kernel: str = "auto",
+    def __init__(self, params, cfg, slots: int = 32, page: int = PAGE, on=None, paged_kernel: str = "auto",
                  steps_per_call: int = 1, overlap: bool = True, pages: int = 0):
         if has_linear(cfg.model):  # a slot's state would have to be kept and reset per request, not paged
             raise ConfigError(f"the paged engine (rl.sampler=engine) has no state for linear attention layers (model."

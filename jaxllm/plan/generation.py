@@ -5,12 +5,13 @@ the transient compute-dtype copy of the weights (gathered under ZeRO-3 or a pipe
 attention layers' KV cache, which grows with the slots, and the linear layers' fixed-size state, which does
 not), each from the generator's own sizing (`jaxllm.generate`); and the resharding that makes the copy (the rollout
 engine runs it once per rollout): the bytes a device receives, and with a chip their time at its interconnect
-bandwidth (a lower bound: every link busy, no latency).
+bandwidth (a lower bound: every link busy, no latency). With `rl.sampler = "engine"` the rollout engine's page
+pools besides: `rl.engine_pages` a shard, or what its slots' longest completions (seq_len tokens) need at once.
 """
 
 from __future__ import annotations
 
-from jaxllm.generate import cache, decode
+from jaxllm.generate import cache, decode, engine
 from jaxllm.plan.flops import CHIPS
 from jaxllm.plan.memory import dtype_bytes
 
@@ -34,7 +35,20 @@ def generation_theory(cfg, fns, chip: str | None = None) -> dict:
             "cache_bytes": sum(parts.values()), "kv_cache_bytes": parts["attention"],
             "attention_layers": cache.layer_counts(m)[0],
             "cache_per_token": {"values": values, "formula": formula, "bytes": values * dtype_bytes(dtype)},
-            "linear_state": _linear_state(m, dtype, parts["linear"])}
+            "linear_state": _linear_state(m, dtype, parts["linear"]), "engine_pool": _engine_pool(cfg, fns)}
+
+
+def _engine_pool(cfg, fns) -> dict | None:
+    """The rollout engine's page pools on a device where GRPO samples on it (None elsewhere): pages a shard
+    (`rl.engine_pages`, or `engine.pool_pages` for its slots' completions of up to seq_len tokens) and bytes."""
+    rl, m = cfg.rl, cfg.model
+    if rl.sampler != "engine":
+        return None
+    slots = cache.padded_rows(rl.engine_slots or cfg.train.global_batch, cache.layout_for(fns))
+    pages = rl.engine_pages or engine.pool_pages(slots // cache.padded_rows(1, cache.layout_for(fns)),
+                                                 -(-m.seq_len // engine.PAGE))
+    return {"slots": slots, "pages": pages, "page": engine.PAGE,
+            "bytes": cache.pool_bytes(m, pages, engine.PAGE, cfg.precision.compute, fns)}
 
 
 def _linear_state(m, dtype, total: int) -> dict | None:

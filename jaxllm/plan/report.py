@@ -317,7 +317,17 @@ def _format_generation(g: dict, compute: str) -> list[str]:
             + _format_cache(g)
             + [f"  {'resharding received':<28}{format_bytes(g['reshard_bytes']):>12}   making that copy: at each "
                "generation call (the rollout engine: once per rollout)"
-               + ("" if g["reshard_s"] is None else f"; ≥ {g['reshard_s'] * 1e6:,.1f} µs at the chip's interconnect")])
+               + ("" if g["reshard_s"] is None else f"; ≥ {g['reshard_s'] * 1e6:,.1f} µs at the chip's interconnect")]
+            + _format_engine_pool(g.get("engine_pool")))
+
+
+def _format_engine_pool(pool: dict | None) -> list[str]:
+    """The rollout engine's page pools (rl.sampler = engine), or nothing."""
+    if pool is None:
+        return []
+    return [f"  {'rollout engine page pools':<28}{format_bytes(pool['bytes']):>12}   {pool['pages']:,} pages of "
+            f"{pool['page']} tokens a data-parallel shard, {pool['slots']} slots (rl.engine_pages; 0: every slot's "
+            "longest completion at once)"]
 
 
 def _format_cache(g: dict) -> list[str]:
