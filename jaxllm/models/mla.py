@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxllm.models.attention import (CacheView, apply_rope, attend, cache_implementation, cache_read, cache_write,
-                                     in_window,
-                                     masking, project_out, stored_names)
+                                     in_window, masking, project_out, stored_names)
 from jaxllm.models import lora
 from jaxllm.models.layers import column_parallel, norm, project
 from jaxllm.ops import fp8
