@@ -30,11 +30,11 @@ page is freed when no request holds it. A request takes a free slot in a shard w
 before any other. A shard's pool holds by default what its slots' longest requests need at once (`pool_pages`);
 given fewer (`pages`), the next request waits while its shard lacks its pages.
 
-Scheduling (host-driven continuous batching). While requests wait and a slot is free, the next one (in the
-order given) is admitted: its prompt prefilled by a separate call (one program per power-of-two prompt
-bucket; a shared prompt's prefill is reused), its first token sampled; then one decode step runs every busy
-slot at its own position, and a request that stops (a stop id, or `max_new` tokens) frees its slot for the
-next at once. Separate prefill calls rather than prefill chunks inside the decode step: one decode program of
+Scheduling (host-driven continuous batching). While requests wait and a slot is free (in a shard with the next
+one's pages), the next one (in the order given) is admitted: its prompt prefilled by a separate call (one
+program per power-of-two prompt bucket; a shared prompt's prefill is reused), its first token sampled; then one
+decode step runs every busy slot at its own position, and a request that stops (a stop id, or `max_new` tokens)
+frees its slot for the next at once. Separate prefill calls rather than prefill chunks inside the decode step: one decode program of
 one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
 decode steps (the tokens fed back on the device) and the host schedules once per k steps.
 
