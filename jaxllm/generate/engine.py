@@ -34,8 +34,8 @@ Scheduling (host-driven continuous batching). While requests wait and a slot is 
 one's pages), the next one (in the order given) is admitted: its prompt prefilled by a separate call (one
 program per power-of-two prompt bucket; a shared prompt's prefill is reused), its first token sampled; then one
 decode step runs every busy slot at its own position, and a request that stops (a stop id, or `max_new` tokens)
-frees its slot for the next at once. Separate prefill calls rather than prefill chunks inside the decode step: one decode program of
-one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
+frees its slot for the next at once. Separate prefill calls rather than prefill chunks inside the decode step: one
+decode program of one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
 decode steps (the tokens fed back on the device) and the host schedules once per k steps.
 
 Overlap (`overlap`, the default; SGLang's overlap scheduler). The host sends each decode call before it reads the
@@ -154,7 +154,10 @@ def _copy_page(pools, src, dst):
     shards are the second dimension of a pool of keys or values (after the heads), the first of a latent pool."""
     def copy(pool, src, dst):  # one shard's pool: [(kv_heads,) repeats, n_pages, ...]
         return pool.at[:, :, dst].set(pool[:, :, src]) if pool.ndim == 5 else pool.at[:, dst].set(pool[:, src])
-    per_shard = lambda a: jax.vmap(copy, (1 if a.ndim == 6 else 0, 0, 0), 1 if a.ndim == 6 else 0)(a, src, dst)
+
+    def per_shard(a):
+        shards = 1 if a.ndim == 6 else 0
+        return jax.vmap(copy, (shards, 0, 0), shards)(a, src, dst)
     return [{k: per_shard(a) for k, a in block.items()} for block in pools]
 
 
@@ -397,10 +400,13 @@ class Engine:
         """The free pages request `index` takes when admitted in `shard` (None: where its prompt is not prefilled):
         its own pages, and its prompt's where they are not written yet (with the partial last page the prompt
         keeps beside each request's copy)."""
-        prompt = tuple(self.prompts_in[index])
-        total = -(-(len(prompt) + self.new[index]) // self.page)
+        prompt, total = tuple(self.prompts_in[index]), self._request_pages(index)
         entry = self.prefilled.get((shard, prompt)) if shard is not None else None
         return total - len(entry.full) if entry is not None else total + (len(prompt) % self.page != 0)
+
+    def _request_pages(self, index: int) -> int:
+        """The pages request `index` holds while it runs: its prompt's and its new tokens' positions."""
+        return -(-(len(self.prompts_in[index]) + self.new[index]) // self.page)
 
     def _admit_waiting(self, waiting: collections.deque) -> None:
         """The waiting requests admitted in order while a slot is free and its shard has the next one's pages;
@@ -420,13 +426,15 @@ class Engine:
         return slot // (self.slots // self.shards)
 
     def _free_slot(self, index: int) -> int | None:
-        """A free slot for request `index` whose shard has the pages it needs: in a shard where its prompt is
-        prefilled first (its pages shared, not prefilled again); None where no shard with a free slot has them."""
-        prompt = tuple(self.prompts_in[index])
-        free = [s for s, x in enumerate(self.live) if x is None]
-        free.sort(key=lambda s: (self._shard(s), prompt) not in self.prefilled)  # stable: the first such slot first
-        return next((s for s in free if self._pages_needed(index, self._shard(s))
-                     <= len(self.page_pools[self._shard(s)].free)), None)
+        """A shard's first free slot for request `index` where the shard has the pages it needs: a shard where its
+        prompt is prefilled first (its pages shared, not prefilled again); None where no shard with a free slot has
+        them."""
+        prompt, free = tuple(self.prompts_in[index]), {}  # shard -> its first free slot
+        for s, x in enumerate(self.live):
+            if x is None:
+                free.setdefault(self._shard(s), s)
+        shards = sorted(free, key=lambda b: (b, prompt) not in self.prefilled)  # stable: in the slots' order
+        return next((free[b] for b in shards if self._pages_needed(index, b) <= len(self.page_pools[b].free)), None)
 
     def _prefill(self, prompt: tuple, shard: int) -> _Prompt:
         """The prompt's pages written in `shard`'s pool (a new prefill, or the one a live request there shares)."""
@@ -451,8 +459,7 @@ class Engine:
         entry, pool = self._prefill(prompt, shard), self.page_pools[shard]
         entry.requests += 1
         pool.hold(entry.full)
-        total = -(-(len(prompt) + self.new[index]) // self.page)
-        own = pool.take(total - len(entry.full))
+        own = pool.take(self._request_pages(index) - len(entry.full))
         if entry.partial is not None:  # other shards copy their scratch page onto itself
             src, dst = np.zeros(self.shards, np.int32), np.zeros(self.shards, np.int32)
             src[shard], dst[shard] = entry.partial, own[0]

@@ -44,9 +44,9 @@ def _engine_pool(cfg, fns) -> dict | None:
     rl, m = cfg.rl, cfg.model
     if rl.sampler != "engine":
         return None
-    slots = cache.padded_rows(rl.engine_slots or cfg.train.global_batch, cache.layout_for(fns))
-    pages = rl.engine_pages or engine.pool_pages(slots // cache.padded_rows(1, cache.layout_for(fns)),
-                                                 -(-m.seq_len // engine.PAGE))
+    layout = cache.layout_for(fns)
+    slots, shards = cache.padded_rows(rl.engine_slots or cfg.train.global_batch, layout), cache.padded_rows(1, layout)
+    pages = rl.engine_pages or engine.pool_pages(slots // shards, -(-m.seq_len // engine.PAGE))
     return {"slots": slots, "pages": pages, "page": engine.PAGE,
             "bytes": cache.pool_bytes(m, pages, engine.PAGE, cfg.precision.compute, fns)}
 
