@@ -13,7 +13,8 @@ the static engine (`generate/decode.py`) and one device, fp32.
   free again at the end.
 - On four training meshes (ZeRO-3, a pipeline with windowed layers, latent attention, experts) the engine samples
   one device's tokens, its resharding receives the planner's bytes, its decode step gathers no weights, and each
-  device holds its own shard's page pools, read and written with no collective of a page's size.
+  device holds its own shard's page pools, read and written with no collective of a page's size; the shards'
+  first prompts are prefilled by one call. A prefill runs the head on each prompt's last token alone.
 - The Pallas paged-attention kernel (interpreted) decodes as the gathered pages do, on one device and in its
   island on a mesh; the decode step exported for CUDA calls it; a model it cannot compute is refused.
 """
@@ -221,14 +222,16 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     all-gathers (sampling rows, logits) carry under a tenth of that. Each device holds one shard's pools (1 / B of
     the pages, B the data-parallel shards; a pool whole on every device held them all), and a decode step moves no
     page: no collective of it carries as many bytes as one device's pool of one block kind; `cache.pool_bytes` (the
-    planner's) is what a device holds."""
+    planner's) is what a device holds. B new prompts of one length bucket, a request each, go one to a shard and
+    are prefilled by one call (a call had one prompt, the other shards' rows idle)."""
     model, mesh = MESHES[name]
     one, params = _model(model)
     cfg = equivalence_config(one.model.preset, **{**_overrides(model), **mesh})
     fns = step_fns(cfg)
     stored = jax.device_put(params, fns.state_shardings.params)
     prompts, new = _requests()
-    want = Engine(params, one, slots=SLOTS, page=PAGE).generate(prompts, new, temperature=1.0, seed=3)
+    alone = Engine(params, one, slots=SLOTS, page=PAGE)
+    want = alone.generate(prompts, new, temperature=1.0, seed=3)
     engine_lib._compiled.clear()  # programs of its own, traced by this run alone
     engine = Engine(stored, cfg, slots=SLOTS, page=PAGE, on=fns)
     got = engine.generate(prompts, new, temperature=1.0, seed=3, order=list(range(11, -1, -1)))
@@ -238,6 +241,13 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     traced = {program: getattr(engine.programs, program)._cache_size() for program in ("prefill", "first", "copy_page")}
     assert traced == {"prefill": len({bucket(len(p)) for p in prompts}), "first": 1, "copy_page": 1}
     assert engine.decode._cache_size() == 1  # the host's inputs laid out as the programs leave theirs
+    shards = batch_shards(dict(fns.layout.mesh.shape))
+    distinct = [prompts[i] for i in range(12) if bucket(len(prompts[i])) == 16 and prompts[i] != prompts[1]][:shards]
+    got = engine.generate(distinct, 16, temperature=1.0, seed=3)  # its tables as wide: no program traced again
+    assert (engine.stats["prefills"], engine.stats["prefill_calls"]) == (shards, 1)
+    for a, b in zip(alone.generate(distinct, 16, temperature=1.0, seed=3), got, strict=True):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
     devices = fns.layout.mesh.devices.size
     received = all_gather_received_bytes(engine.programs.reshard.lower(stored).compile().as_text(), devices)
     assert received == reshard_bytes(cfg.model, jnp.float32, fns) > 0
@@ -256,6 +266,28 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     assert pool_bytes(cfg.model, len(engine.page_pools[0].holders), PAGE, jnp.float32, fns) == held
 
 
+def _ops(hlo: str) -> list[tuple[str, str, tuple]]:
+    """(opcode, name, dimensions) of each array-valued instruction of a compiled program."""
+    shape = lambda t: tuple(int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if d)
+    return [(ins["opcode"], ins["name"], shape(ins["type"])) for body in computations(hlo)[0].values()
+            for ins in body if not ins["type"].startswith("(")]
+
+
+def test_a_prefill_runs_the_head_on_each_prompts_last_token_alone():
+    """The prefill program's logits are each row's last prompt token's: no array of the compiled program spans
+    the bucket's positions and the vocabulary (the head on every position made [rows, bucket, vocab] fp32: 1 GB
+    a prompt of 2,048 tokens with a 128k vocabulary, to read one row of it)."""
+    cfg, params = _model("llama")
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE)
+    width, vocab = 32, cfg.model.vocab_size
+    assert width not in (cfg.model.d_model, cfg.model.d_ff, vocab)  # no weight has the bucket's size
+    tokens, table = np.ones((engine.shards, width), np.int32), np.zeros((engine.shards, width // PAGE), np.int32)
+    prefill = engine.programs.prefill.lower(engine.weights, engine.programs.pools(pages=1 + width // PAGE), tokens,
+                                            np.full(engine.shards, width - 3, np.int32), table).compile().as_text()
+    logits = [(op, dims) for op, _, dims in _ops(prefill) if max(dims, default=0) >= vocab]
+    assert logits and not [(op, dims) for op, dims in logits if width in dims], logits
+
+
 def test_a_decode_step_copies_no_weight_and_no_gathered_page():
     """The compiled decode step (XLA's gather path) reads the weights and the gathered pages where they lie.
     Weights: the engine holds each layer's weights as arrays of their own (`transformer.per_repeat`) and runs the
@@ -271,9 +303,7 @@ def test_a_decode_step_copies_no_weight_and_no_gathered_page():
     step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, idle, idle,
                                np.zeros((SLOTS, per_row), np.int32), idle, idle, idle, engine.seed,
                                engine.settings).compile().as_text()
-    shape = lambda t: tuple(int(d) for d in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if d)
-    ops = [(ins["opcode"], ins["name"], shape(ins["type"])) for body in computations(step)[0].values()
-           for ins in body if not ins["type"].startswith("(")]
+    ops = _ops(step)
     moves = lambda op, name: op in ("copy", "transpose", "slice", "dynamic-slice") or name.startswith(
         ("copy", "transpose", "slice", "dynamic-slice"))
     # a layer's matrices (the stack's leaves less their repeats; its norms' scales are vectors of an activation's width)

@@ -31,12 +31,14 @@ before any other. A shard's pool holds by default what its slots' longest reques
 given fewer (`pages`), the next request waits while its shard lacks its pages.
 
 Scheduling (host-driven continuous batching). While requests wait and a slot is free (in a shard with the next
-one's pages), the next one (in the order given) is admitted: its prompt prefilled by a separate call (one
-program per power-of-two prompt bucket; a shared prompt's prefill is reused), its first token sampled; then one
-decode step runs every busy slot at its own position, and a request that stops (a stop id, or `max_new` tokens)
-frees its slot for the next at once. Separate prefill calls rather than prefill chunks inside the decode step: one
-decode program of one shape, and GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k
-decode steps (the tokens fed back on the device) and the host schedules once per k steps.
+one's pages), the next one (in the order given) is admitted: its slot and pages taken; then the prompts admitted
+are prefilled by separate calls (one program per power-of-two prompt bucket, a row per shard: each call prefills
+a prompt of that bucket in every shard that has one; a shared prompt's prefill is reused, the head run on each
+prompt's last token alone) and each request's first token sampled; then one decode step runs every busy slot at
+its own position, and a request that stops (a stop id, or `max_new` tokens) frees its slot for the next at once.
+Separate prefill calls rather than prefill chunks inside the decode step: one decode program of one shape, and
+GRPO's prompts are short beside their completions. With `steps_per_call` = k one call runs k decode steps (the
+tokens fed back on the device) and the host schedules once per k steps.
 
 Overlap (`overlap`, the default; SGLang's overlap scheduler). The host sends each decode call before it reads the
 previous call's tokens, so its scheduling (and the next program's launch) runs while the device decodes. What a
@@ -93,22 +95,30 @@ def _view(positions, active, pages, page: int, kernel) -> CacheView:
     return CacheView(None, None, 0, 0, index, (index <= last).astype(jnp.int32), pages, *kernel)
 
 
-def _forward(p, pools, tokens, positions, active, pages, m, dtype, page: int, kernel=(None, False)):
-    """fp32 logits [rows, t, vocab] of tokens at positions, their keys and values written into their pages."""
+def _hidden(p, pools, tokens, positions, active, pages, m, dtype, page: int, kernel=(None, False)):
+    """The last layer's output [rows, t, d] for tokens at positions, their keys and values written into their
+    pages."""
     x = transformer.embed(p, tokens, positions, m, dtype)
     view = _view(positions, active, pages, page, kernel)
-    x, pools = transformer.cached_blocks(p["blocks"], pools, x, positions, active, view, m, dtype)
-    return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size], pools
+    return transformer.cached_blocks(p["blocks"], pools, x, positions, active, view, m, dtype)
 
 
-def _prefill(w, pools, tokens, length, row, pages, *, m, dtype, page: int):
-    """One prompt, row `row` of tokens [rows, bucket] (right-padded after `length` tokens; one row per shard, the
-    others idle), into its pages in that row's shard: (pools, last token's logits)."""
+def _logits(p, x, m, dtype):
+    """fp32 logits over the vocabulary for the last layer's output x."""
+    return transformer.head_logits(p, x, m, dtype)[..., :m.vocab_size]
+
+
+def _prefill(w, pools, tokens, lengths, pages, *, m, dtype, page: int):
+    """Prompts into their pages, one a row of tokens [rows, bucket] (right-padded after `lengths` [rows] tokens; a
+    row per shard, written into that shard's pool; a row of length 0 idle): (pools, each row's last prompt
+    token's logits [rows, vocab]). The head runs on the last token alone (not on every position of the bucket)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    active = ((positions < length) & (jnp.arange(tokens.shape[0]) == row)[:, None]).astype(jnp.int32)
+    active = (positions < lengths[:, None]).astype(jnp.int32)
     with matmul_precision(dtype):
-        logits, pools = _forward(w, pools, tokens, positions, active, pages, m, dtype, page)
-    return pools, _whole(logits[row, length - 1])
+        x, pools = _hidden(w, pools, tokens, positions, active, pages, m, dtype, page)
+        last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+        logits = _logits(w, last, m, dtype)[:, 0]
+    return pools, _whole(logits)
 
 
 def _whole(x):
@@ -116,10 +126,11 @@ def _whole(x):
     return constrain(x, ())
 
 
-def _first(logits, seed, index, settings, tokens, slot):
-    """Request `index` draws its first token from its prompt's last logits, written into `tokens`[slot] (what the
-    next decode call feeds each slot, kept on the device): (tokens, the token, its log-probability)."""
-    token, logp = sample(logits[None], _keys(seed, jnp.zeros((1,), jnp.int32), index[None]), *settings)
+def _first(logits, row, seed, index, settings, tokens, slot):
+    """Request `index` draws its first token from its prompt's last logits (row `row` of a prefill call's), written
+    into `tokens`[slot] (what the next decode call feeds each slot, kept on the device): (tokens, the token, its
+    log-probability)."""
+    token, logp = sample(logits[row][None], _keys(seed, jnp.zeros((1,), jnp.int32), index[None]), *settings)
     return constrain(tokens.at[slot].set(token[0]), ("batch",)), _whole(token[0]), _whole(logp[0])
 
 
@@ -134,8 +145,9 @@ def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, se
     def one(carry, _):
         pools, tokens, positions, active, steps, left = carry
         with matmul_precision(dtype):
-            logits, pools = _forward(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
-                                     page, kernel)
+            x, pools = _hidden(w, pools, tokens[:, None], positions[:, None], active[:, None], pages, m, dtype,
+                               page, kernel)
+            logits = _logits(w, x, m, dtype)
         token, logp = sample(logits[:, 0], _keys(seed, steps, indices), *settings)
         active = jnp.where(left <= 1, 0, active)  # idle from here on, at position 0 as an idle slot is
         return (pools, token, jnp.where(active > 0, positions + 1, 0), active, steps + 1, left - 1), (token, logp)
@@ -200,7 +212,7 @@ def _programs(m, dtype, page: int, stored, kernel: tuple) -> _Programs:
         _compiled[key] = _Programs(
             jit(lambda params: transformer.per_repeat(_gathered_weights(params, m, dtype, layout, stored))),
             jit(functools.partial(_pools, m=m, dtype=dtype, page=page, layout=layout), static_argnames="pages"),
-            jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first, donate_argnums=4),
+            jit(functools.partial(_prefill, **kw), donate_argnums=1), jit(_first, donate_argnums=5),
             functools.cache(lambda k: jit(functools.partial(_decode, **kw, kernel=kernel, steps_per_call=k),
                                           donate_argnums=1)),
             jit(_copy_page, donate_argnums=0))
@@ -247,14 +259,32 @@ class PagePool:
 
 @dataclasses.dataclass
 class _Prompt:
-    """A prompt prefilled into pages: its full pages (shared), its partial last page (None where the prompt fills
-    its pages) and the copies of it its live requests write into, its last logits, and how many live requests
-    hold it."""
+    """A prompt's pages in a shard: its full pages (shared), its partial last page (None where the prompt fills
+    its pages) and the copies of it its live requests write into, its last logits once prefilled (a prefill
+    call's logits and the prompt's row in them), and how many live requests hold it."""
     full: list
     partial: int | None
-    logits: jax.Array
+    logits: tuple | None = None
     copies: dict = dataclasses.field(default_factory=dict)  # request index -> its copy of the partial page
     requests: int = 0
+
+    @property
+    def pages(self) -> list:
+        """The pages holding the prompt's tokens, in order."""
+        return self.full + ([self.partial] if self.partial is not None else [])
+
+
+def _one_a_shard(items: list, key=lambda item: None) -> list[list]:
+    """`items` (shard, ...) in calls, in order: each item in the first call holding no item of its shard and
+    items of its `key` alone."""
+    calls: list[list] = []
+    for item in items:
+        call = next((c for c in calls if key(c[0]) == key(item) and all(x[0] != item[0] for x in c)), None)
+        if call is None:
+            calls.append([item])
+        else:
+            call.append(item)
+    return calls
 
 
 @dataclasses.dataclass
@@ -351,15 +381,17 @@ class Engine:
         """Each prompt's completion, as `decode.generate` gives it (the same tokens where the logits agree);
         `max_new_tokens` one for all or one per prompt; `order`: the requests' arrival order (default: as
         given). `stats` then holds the decode steps run, the most pages that held prompt tokens at once and that
-        were held at once, the calls sent before the previous call's tokens were read, and the times the next
-        request waited for pages."""
+        were held at once, the calls sent before the previous call's tokens were read, the times the next
+        request waited for pages, and the prompts prefilled (one per shard that ran one of its requests) and the
+        calls that prefilled them."""
         new = limits_checked(self.m, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids)
         self._start(prompts, new)
         self.settings = self._put(np.float32(temperature), np.int32(top_k), np.float32(top_p))
-        (self.seed,), self.stop_ids, self.prefilled = self._put(np.uint32(seed)), set(stop_ids), {}
+        (self.seed,), self.stop_ids = self._put(np.uint32(seed)), set(stop_ids)
+        self.prefilled, self.unprefilled = {}, []  # (shard, prompt) -> its pages; those not prefilled yet
         self.next_tokens = self._put(np.zeros(self.slots, np.int32), names=("batch",))[0]  # what the next call feeds
         self.stats = {"decode_steps": 0, "prompt_pages": 0, "pages_held": 0, "overlapped_calls": 0,
-                      "waits_for_pages": 0}
+                      "waits_for_pages": 0, "prefills": 0, "prefill_calls": 0}
         waiting = collections.deque(range(len(prompts)) if order is None else order)
         self.live, self.unread_firsts, self.done, unread = [None] * self.slots, [], {}, None
         while waiting or any(self.live) or unread is not None or self.unread_firsts:
@@ -409,17 +441,29 @@ class Engine:
         return -(-(len(self.prompts_in[index]) + self.new[index]) // self.page)
 
     def _admit_waiting(self, waiting: collections.deque) -> None:
-        """The waiting requests admitted in order while a slot is free and its shard has the next one's pages;
-        the next one waits otherwise (for a request to end and give its pages back)."""
+        """The waiting requests admitted in order while a slot is free and its shard has the next one's pages (the
+        next one waits otherwise, for a request to end and give its pages back): their slots and pages taken, then
+        the new prompts prefilled and the partial pages copied (a prompt, or a copy, a shard in each call), then
+        each one's first token drawn; again while a request that wanted one token gave its slot back."""
+        while admitted := self._reserve_waiting(waiting):
+            self._prefill_new()
+            self._copy_partials(admitted)
+            if not any([self._draw_first(live) for live in admitted]):
+                return
+
+    def _reserve_waiting(self, waiting: collections.deque) -> list[_Live]:
+        """The waiting requests given a slot and pages, in order, while one is free for the next (host only)."""
+        admitted = []
         while waiting and None in self.live:
             slot = self._free_slot(waiting[0])
             if slot is None:
                 self.stats["waits_for_pages"] += 1
                 if not any(self.live):  # every page free and still short: `_start` refuses this
                     raise RuntimeError(f"request {waiting[0]} waits for pages that no request holds")
-                return
-            index = waiting.popleft()
-            self.live[slot] = self._admit(index, slot)
+                break
+            self.live[slot] = self._reserve(waiting.popleft(), slot)
+            admitted.append(self.live[slot])
+        return admitted
 
     def _shard(self, slot: int) -> int:
         """The data-parallel shard a slot is in: the shard whose pool holds its pages."""
@@ -427,63 +471,92 @@ class Engine:
 
     def _free_slot(self, index: int) -> int | None:
         """A shard's first free slot for request `index` where the shard has the pages it needs: a shard where its
-        prompt is prefilled first (its pages shared, not prefilled again); None where no shard with a free slot has
-        them."""
-        prompt, free = tuple(self.prompts_in[index]), {}  # shard -> its first free slot
+        prompt is prefilled first (its pages shared, not prefilled again), then the one with the most free slots
+        (new prompts spread over the shards, whose prefills share a call); None where no shard with a free slot
+        has them."""
+        prompt, free = tuple(self.prompts_in[index]), collections.defaultdict(list)  # shard -> its free slots
         for s, x in enumerate(self.live):
             if x is None:
-                free.setdefault(self._shard(s), s)
-        shards = sorted(free, key=lambda b: (b, prompt) not in self.prefilled)  # stable: in the slots' order
-        return next((free[b] for b in shards if self._pages_needed(index, b) <= len(self.page_pools[b].free)), None)
+                free[self._shard(s)].append(s)
+        shards = sorted(free, key=lambda b: ((b, prompt) not in self.prefilled, -len(free[b]), b))
+        return next((free[b][0] for b in shards if self._pages_needed(index, b) <= len(self.page_pools[b].free)),
+                    None)
 
-    def _prefill(self, prompt: tuple, shard: int) -> _Prompt:
-        """The prompt's pages written in `shard`'s pool (a new prefill, or the one a live request there shares)."""
-        if (shard, prompt) in self.prefilled:
-            return self.prefilled[shard, prompt]
-        pages = self.page_pools[shard].take(-(-len(prompt) // self.page))
-        tokens = np.zeros((self.shards, bucket(len(prompt))), np.int32)  # one row per shard: this shard's row
-        tokens[shard, :len(prompt)] = prompt
-        table = self._table([pages if r == shard else [] for r in range(self.shards)])
-        self.pools, logits = self.programs.prefill(self.weights, self.pools, *self._put(
-            tokens, np.int32(len(prompt)), np.int32(shard), table))
-        partial = pages[-1] if len(prompt) % self.page else None
-        entry = _Prompt(pages[:-1] if partial is not None else pages, partial, logits)
-        self.prefilled[shard, prompt] = entry
-        return entry
+    def _prompt_in(self, prompt: tuple, shard: int) -> _Prompt:
+        """The prompt's pages in `shard`'s pool: the ones a live request there shares, or new ones, to be prefilled
+        (`_prefill_new`)."""
+        if (shard, prompt) not in self.prefilled:
+            pages = self.page_pools[shard].take(-(-len(prompt) // self.page))
+            partial = pages.pop() if len(prompt) % self.page else None
+            self.prefilled[shard, prompt] = _Prompt(pages, partial)
+            self.unprefilled.append((shard, prompt))
+        return self.prefilled[shard, prompt]
 
-    def _admit(self, index: int, slot: int) -> _Live | None:
-        """Request `index` into `slot`: its prompt's pages (shared), a copy of the partial one, fresh pages for the
-        rest, its first token drawn into the slot's next token on the device (read with the next call's tokens);
-        None where it wants no more (its pages given back at once)."""
+    def _reserve(self, index: int, slot: int) -> _Live:
+        """Request `index` in `slot`: its prompt's pages (shared), fresh pages for the rest (the first of them its
+        copy of the prompt's partial page, if any)."""
         prompt, shard = tuple(self.prompts_in[index]), self._shard(slot)
-        entry, pool = self._prefill(prompt, shard), self.page_pools[shard]
+        entry, pool = self._prompt_in(prompt, shard), self.page_pools[shard]
         entry.requests += 1
         pool.hold(entry.full)
         own = pool.take(self._request_pages(index) - len(entry.full))
-        if entry.partial is not None:  # other shards copy their scratch page onto itself
-            src, dst = np.zeros(self.shards, np.int32), np.zeros(self.shards, np.int32)
-            src[shard], dst[shard] = entry.partial, own[0]
-            self.pools = self.programs.copy_page(self.pools, *self._put(src, dst))
+        if entry.partial is not None:
             entry.copies[index] = own[0]
-        live = _Live(index, prompt, entry.full + own, len(prompt), slot)
         self.stats["prompt_pages"] = max(self.stats["prompt_pages"], len(self._prompt_pages()))
         held = sum(len(p.holders) - 1 - len(p.free) for p in self.page_pools)
         self.stats["pages_held"] = max(self.stats["pages_held"], held)
-        index_in, slot_in = self._put(np.int32(index), np.int32(slot))
-        self.next_tokens, token, logp = self.programs.first(entry.logits, self.seed, index_in, self.settings,
-                                                            self.next_tokens, slot_in)
+        return _Live(index, prompt, entry.full + own, len(prompt), slot)
+
+    def _prefill_new(self) -> None:
+        """The prompts given pages since the last call, prefilled: in calls of one prompt bucket, a prompt a shard
+        in each (the call's other shards idle)."""
+        for call in _one_a_shard(self.unprefilled, key=lambda item: bucket(len(item[1]))):
+            tokens = np.zeros((self.shards, bucket(len(call[0][1]))), np.int32)
+            lengths, pages = np.zeros(self.shards, np.int32), [[] for _ in range(self.shards)]
+            for shard, prompt in call:
+                tokens[shard, :len(prompt)], lengths[shard] = prompt, len(prompt)
+                pages[shard] = self.prefilled[shard, prompt].pages
+            self.pools, logits = self.programs.prefill(self.weights, self.pools,
+                                                       *self._put(tokens, lengths, self._table(pages)))
+            for shard, prompt in call:
+                self.prefilled[shard, prompt].logits = (logits, *self._put(np.int32(shard)))
+            self.stats["prefill_calls"] += 1
+            self.stats["prefills"] += len(call)
+        self.unprefilled = []
+
+    def _copy_partials(self, admitted: list[_Live]) -> None:
+        """Each request's copy of its prompt's partial page written (the completions write their first tokens
+        there): a copy a shard in each call (the others copy their scratch page onto itself)."""
+        copies = []
+        for live in admitted:
+            shard = self._shard(live.slot)
+            entry = self.prefilled[shard, live.prompt]
+            if entry.partial is not None:
+                copies.append((shard, entry.partial, entry.copies[live.index]))
+        for call in _one_a_shard(copies):
+            src, dst = np.zeros(self.shards, np.int32), np.zeros(self.shards, np.int32)
+            for shard, page, copy in call:
+                src[shard], dst[shard] = page, copy
+            self.pools = self.programs.copy_page(self.pools, *self._put(src, dst))
+
+    def _draw_first(self, live: _Live) -> bool:
+        """The request's first token drawn into its slot's next token on the device (read with the next call's
+        tokens); True where it wants no more (its slot and pages given back at once)."""
+        logits = self.prefilled[self._shard(live.slot), live.prompt].logits
+        index, slot = self._put(np.int32(live.index), np.int32(live.slot))
+        self.next_tokens, token, logp = self.programs.first(*logits, self.seed, index, self.settings,
+                                                            self.next_tokens, slot)
         live.first = (token, logp)
         self.unread_firsts.append(live)
-        if self.new[index] > 1:
-            return live
+        if self.new[live.index] > 1:
+            return False
         self._retire(live)
-        return None
+        return True
 
     def _prompt_pages(self) -> set[tuple[int, int]]:
         """The pages that hold prompt tokens now, (shard, page): the prefilled prompts' and the requests' copies of
         their partial pages."""
-        return {(shard, p) for (shard, _), e in self.prefilled.items()
-                for p in e.full + ([e.partial] if e.partial is not None else []) + list(e.copies.values())}
+        return {(shard, p) for (shard, _), e in self.prefilled.items() for p in e.pages + list(e.copies.values())}
 
     def _retire(self, live: _Live) -> None:
         """No call will be sent for the request again: its slot and pages given back. A call sent before may still
@@ -497,7 +570,7 @@ class Engine:
         entry.requests -= 1
         entry.copies.pop(live.index, None)
         if entry.requests == 0:
-            pool.release(entry.full + ([entry.partial] if entry.partial is not None else []))
+            pool.release(entry.pages)
             del self.prefilled[key]
 
     def _take(self, live: _Live, token: int, logp: float) -> bool:
