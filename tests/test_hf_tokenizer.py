@@ -264,7 +264,7 @@ def test_sampling_stops_at_a_stop_id_only_generation_config_names(monkeypatch):
     def always_eot_id(params, x, m, dtype):
         return jnp.broadcast_to(jnp.where(jnp.arange(640) == eot_id, 50.0, 0.0), (*x.shape[:2], 640))
 
-    monkeypatch.setattr(decode.transformer, "head_logits", always_eot_id)
+    monkeypatch.setattr(decode.transformer, "_logits", always_eot_id)  # the head, at every position or one
     monkeypatch.setattr(decode, "_programs", {})  # compiled afresh with the model above, and forgotten after
     assert loop.sample(params, cfg, tok, "def ", 8) == BOS + "def "
 

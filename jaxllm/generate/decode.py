@@ -54,10 +54,13 @@ class Completion(NamedTuple):
     stopped: bool  # ended at a stop id (rather than at max_new_tokens)
 
 
-def _forward(p, cache, tokens, positions, segment_ids, slots: CacheView, m, dtype):
-    """fp32 logits [rows, len, vocab] of tokens written into the cache at slots.start, and the cache."""
+def _forward(p, cache, tokens, positions, segment_ids, slots: CacheView, m, dtype, last: bool = False):
+    """fp32 logits [rows, len, vocab] of tokens written into the cache at slots.start (`last`: the last column's
+    alone, [rows, 1, vocab]: the head not run on the other positions), and the cache."""
     x = transformer.embed(p, tokens, positions, m, dtype)
     x, cache = transformer.cached_blocks(p["blocks"], cache, x, positions, segment_ids, slots, m, dtype)
+    if last:
+        return transformer.head_logits_at(p, x, jnp.full(x.shape[0], x.shape[1] - 1), m, dtype)[:, None], cache
     return transformer.head_logits(p, x, m, dtype), cache
 
 
@@ -110,8 +113,8 @@ def _prefill(p, prompts, mask, seed, settings, stop_ids, m, dtype, new: int, kee
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)  # from the mask: left padding takes none
     slots = CacheView(None, None, 0, 0, jnp.concatenate([positions, empty], 1), jnp.concatenate([mask, empty], 1))
     cache = init_cache(m, rows, bucket + new, dtype, current_layout())
-    logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype)
-    logits = logits[:, -1]  # every prompt's last token is in the last column
+    logits, cache = _forward(p, cache, prompts, positions, mask, slots, m, dtype, last=True)
+    logits = logits[:, 0]  # every prompt's last token is in the last column
     out = {"tokens": empty, "logprobs": jnp.zeros((rows, new))}
     if keep_logits:
         out["logits"] = jnp.zeros((rows, new, logits.shape[-1]))

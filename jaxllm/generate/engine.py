@@ -116,8 +116,7 @@ def _prefill(w, pools, tokens, lengths, pages, *, m, dtype, page: int):
     active = (positions < lengths[:, None]).astype(jnp.int32)
     with matmul_precision(dtype):
         x, pools = _hidden(w, pools, tokens, positions, active, pages, m, dtype, page)
-        last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
-        logits = _logits(w, last, m, dtype)[:, 0]
+        logits = transformer.head_logits_at(w, x, jnp.maximum(lengths - 1, 0), m, dtype)[:, :m.vocab_size]
     return pools, _whole(logits)
 
 

@@ -581,6 +581,14 @@ def head_logits(params: dict, x: jax.Array, m: ModelConfig, dtype) -> jax.Array:
     return _logits(params, norm_of(m, params["final_norm"], x), m, dtype)
 
 
+def head_logits_at(params: dict, x: jax.Array, at: jax.Array, m: ModelConfig, dtype) -> jax.Array:
+    """fp32 logits [rows, padded vocabulary] of one position a row, `at` [rows], of the residual stream x [rows, t,
+    d]: the final norm over every position as `head_logits` (so its numbers are the same), the head on that one
+    alone (not [rows, t, vocab] to read a row of)."""
+    normed = norm_of(m, params["final_norm"], x)
+    return _logits(params, jnp.take_along_axis(normed, at[:, None, None], axis=1), m, dtype)[:, 0]
+
+
 def head_logp(params: dict, x, targets, m: ModelConfig, dtype, temperature: float = 1.0):
     """(log-probability of each target, log-sum-exp of the logits), both [batch, seq] fp32, for normed x,
     the logits divided by `temperature`.
