@@ -372,15 +372,15 @@ def test_the_paged_kernel_decodes_as_the_gather_does(mesh):
 
 def _kernel_for_cuda(width: int, tuning=None) -> str:
     """The paged kernel's program for 4 rows of tables `width` pages wide (8 query heads over 2 KV heads of 64,
-    64-token pages), exported for CUDA from this CPU machine, as MLIR text."""
+    64-token pages), exported for CUDA from this CPU machine, as MLIR text (`tuning` None: the kernel's default)."""
     from jaxllm.ops import paged_attention
     from jaxllm.ops.masking import Masking
 
-    tuning = tuning or paged_attention.DEFAULT
     q = jax.ShapeDtypeStruct((4, 1, 8, 64), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((2, 128, 64, 64), jnp.bfloat16)
     tables, lengths = jax.ShapeDtypeStruct((4, width), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)
-    attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking(), tuning=tuning))
+    given = {} if tuning is None else {"tuning": tuning}  # none given: as the engine calls it
+    attend = jax.jit(lambda q, k, v, t, n: paged_attention.attend(q, k, v, t, n, Masking(), **given))
     exported = jax.export.export(attend, platforms=["cuda"],
                                  disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
     return exported(q, pool, pool, tables, lengths).mlir_module()
@@ -399,15 +399,17 @@ def test_the_paged_kernel_lowers_for_cuda_at_any_table_width():
         assert TRITON in _kernel_for_cuda(width)
 
 
-def test_the_paged_kernel_launches_with_the_tuning_given():
+def test_the_paged_kernel_launches_with_the_tuning_given(tmp_path, monkeypatch):
     """`paged_attention.Tuning` reaches the Triton call (its grid's partitions, warps and stages, in the program
     exported for CUDA), and every tuning's compute blocks stay a power of two; tools.bench.paged_kernel's sweep, in
-    Pallas's interpreter on a tiny shape, finds each launch shape computing attention over the gathered pages."""
+    Pallas's interpreter on a tiny shape, finds each launch shape computing attention over the gathered pages, and
+    `tools.bench.engine_decode --tuning-from` its JSON launches the kernel as its fastest shape (timed here by
+    hand: the interpreter times nothing)."""
     import argparse
-    import re
+    import json
 
     from jaxllm.ops import paged_attention
-    from tools.bench import paged_kernel
+    from tools.bench import engine_decode, paged_kernel
 
     for tuning in (paged_attention.DEFAULT, paged_attention.Tuning(4, 2, 4, 3), paged_attention.Tuning(32, 16, 8, 1)):
         for width in (1, 7, 33, 100, 257):
@@ -419,6 +421,13 @@ def test_the_paged_kernel_launches_with_the_tuning_given():
                                 argparse.Namespace(rows=2, prompt=60, new=8, page=16, splits=[2], blocks=[1],
                                                    warps=[4], stages=[2], interpret=True))
     assert len(shapes) == 2 and all(s["error"] < 1e-2 for s in shapes), shapes  # bf16 inputs, a float32 reference
+    timed = [{**s, "seconds": t, "computes_attention": True} for s, t in zip(shapes, (2e-3, 1e-3))]
+    (tmp_path / "sweep.json").write_text("| the table |\n" + json.dumps({"shapes": timed}))
+    monkeypatch.setattr(paged_attention, "DEFAULT", paged_attention.DEFAULT)  # restored after the test
+    engine_decode._tune(str(tmp_path / "sweep.json"))
+    assert paged_attention.DEFAULT == paged_attention.Tuning(2, 1, 4, 2)  # the second, faster shape
+    text = _kernel_for_cuda(33)
+    assert re.search(r"grid_y = 2\b", text) and "num_warps = 4" in text
 
 
 def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks_it_where_it_fits():

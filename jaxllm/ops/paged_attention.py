@@ -72,9 +72,13 @@ def partitions(width: int, tuning: Tuning = DEFAULT) -> tuple[int, int, int]:
     return splits, block, splits * per
 
 
-def attend(q, k_pool, v_pool, pages, lengths, masking: Masking, interpret: bool = False, tuning: Tuning = DEFAULT):
+def attend(q, k_pool, v_pool, pages, lengths, masking: Masking, interpret: bool = False,
+           tuning: Tuning | None = None):
     """Attention of q [rows, 1, heads, d] over k_pool, v_pool [kv_heads, n_pages, page, d] through each row's
-    `pages` [rows, width], seeing its first `lengths` [rows] positions. Returns [rows, 1, heads, d] in q's dtype."""
+    `pages` [rows, width], seeing its first `lengths` [rows] positions, launched as `tuning` (None: `DEFAULT` as it
+    is when traced, which `tools.bench.engine_decode --tuning-from` sets). Returns [rows, 1, heads, d] in q's
+    dtype."""
+    tuning = tuning or DEFAULT
     splits, block, width = partitions(pages.shape[1], tuning)
     table = jnp.pad(pages, ((0, 0), (0, width - pages.shape[1])))
     scaled = q[:, 0] * jnp.asarray(masking.score_scale(q.shape[-1]), q.dtype)

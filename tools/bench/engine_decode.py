@@ -1,6 +1,6 @@
 """`python -m tools.bench.engine_decode [--rows 64] [--prompt 2048] [--new 64] [--page 16] [--chip auto]
-[--kernels auto xla] [--schedules overlap sync] [--windows W ...] [--profile DIR] [key=value ...]`: the rollout
-engine's decode step against the HBM bound, one device.
+[--kernels auto xla] [--schedules overlap sync] [--windows W ...] [--profile DIR] [--tuning-from JSON]
+[key=value ...]`: the rollout engine's decode step against the HBM bound, one device.
 
 --rows requests of --prompt random tokens each decode --new tokens greedily on --rows slots, so every step runs
 every slot. Each paged kernel named (`Engine(paged_kernel=...)`: `auto` is the Pallas kernel on a GPU where it
@@ -14,8 +14,9 @@ device-resident inputs), so the device's share of a step shows apart from the ho
 bf16 (the issue's); `key=value` overrides it. --profile also traces 8 queued calls of each engine's program and
 prints where a decode step's device time goes (`tools.bench.profile_step`'s tables: by category, by part of the
 model, by op). --windows times the model at each `model.sliding_window` named (0: none; which layers are local is
-`model.window_pattern`'s), the bound always every row's whole cache. With --json the last stdout line is a JSON
-object.
+`model.window_pattern`'s), the bound always every row's whole cache. --tuning-from launches the Pallas paged
+kernel as the fastest correct shape of a `tools.bench.paged_kernel --json` sweep. With --json the last stdout line
+is a JSON object.
 """
 
 from __future__ import annotations
@@ -150,6 +151,20 @@ def _timed(choice: str, steps_per_call: int, schedule: str, params, cfg, prompts
             "of_bound": bound / step, "program_ms": program * 1e3}
 
 
+def _tune(path: str) -> None:
+    """The fastest correct launch shape of the sweep whose JSON line `path` holds, made the paged kernel's
+    `paged_attention.DEFAULT` for this run (the kernel reads it when traced)."""
+    from jaxllm.ops import paged_attention
+    from tools.bench.paged_kernel import fastest, tuning_of
+
+    with open(path) as f:
+        best = fastest(json.loads(f.read().strip().splitlines()[-1])["shapes"])
+    if best is None:
+        raise SystemExit(f"{path}: no launch shape was timed and correct")
+    paged_attention.DEFAULT = tuning_of(best)
+    print(f"the paged kernel launched as {paged_attention.DEFAULT} (the fastest of {path})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.engine_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -169,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: the config's)")
     ap.add_argument("--profile", metavar="DIR", help="also trace 8 queued decode calls of each engine and print "
                     "where a step's device time goes (tools.bench.profile_step's tables; the trace under DIR)")
+    ap.add_argument("--tuning-from", metavar="JSON", help="launch the Pallas paged kernel as the fastest correct "
+                    "shape of a sweep (the JSON line `tools.bench.paged_kernel --json` ends with; default: "
+                    "paged_attention.DEFAULT)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -177,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from jaxllm.models.transformer import init_params
+    from jaxllm.ops import paged_attention
     from jaxllm.plan.flops import CHIPS
 
+    if args.tuning_from:
+        _tune(args.tuning_from)
     chip, cfg = chip_and_config(args)
     params = init_params(cfg.model, jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -186,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     moved = step_bytes(cfg, args.rows, args.prompt, args.new)
     bound = moved / CHIPS[chip][1]
     out = {"rows": args.rows, "prompt": args.prompt, "new": args.new, "chip": chip, "step_bytes": moved,
-           "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {}}
+           "bound_ms": bound * 1e3, "device": jax.devices()[0].device_kind, "kernels": {},
+           "paged_tuning": paged_attention.DEFAULT._asdict()}
     for window in args.windows or [None]:
         at = cfg if window is None else chip_and_config(args, (f"model.sliding_window={window}",))[1]
         for choice in args.kernels:

@@ -29,7 +29,8 @@
 #                          overlap schedule (the default) beside the synchronous one, against the HBM bound
 #                          (tools.bench.engine_decode; ONLY='^issue63'), at 16-token pages and at 64 and 128, and
 #                          at 8 decode steps a program call against 1; then the paged kernel alone, swept over its
-#                          launch shapes (tools.bench.paged_kernel, ~1 minute each), the fastest to become the default;
+#                          launch shapes (tools.bench.paged_kernel, ~1 minute each), the fastest to become the default
+#                          (issue63_engine_decode_tuned: the engine's step with it);
 #                          then the train step with XLA's dynamic-slice fusion (the layer scan's weight copies)
 #   issue64_*              fine-grained fp8 (ONLY='^issue64'): which GEMMs the LLaMA-1B step with `fp8_block` calls
 #                          (jaxllm plan's matmul table), then tokens/s of bf16, `fp8` and `fp8_block` on the LLaMA-1B
@@ -103,6 +104,9 @@ check issue63_engine_decode_steps 300 $py -m tools.bench.engine_decode --rows 64
 # compute block, warps; 32 shapes) against its bytes' bound: the kernel read 35% of the H200's bandwidth at the default
 check issue63_paged_kernel_sweep 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --json
 check issue63_paged_kernel_sweep_page64 180 $py -m tools.bench.paged_kernel --rows 64 --prompt 2048 --new 64 --page 64 --json
+# the engine's decode step with the kernel launched as the sweep's fastest correct shape (the default's candidate)
+[[ ! -f $out/issue63_paged_kernel_sweep.json ]] || check issue63_engine_decode_tuned 180 $py -m tools.bench.engine_decode \
+  --rows 64 --prompt 2048 --new 64 --kernels auto --schedules overlap --tuning-from "$out/issue63_paged_kernel_sweep.json" --json
 # the layer scan's slices of the stacked weights feeding cuBLAS were copies (7 a layer: 112 a decode step, 336 a train
 # step, 4.4 ms of 98.7 at seq 4096 on the H200; the engine now holds each layer's weights apart and runs its layers
 # unrolled, so its step has none): the train step with cuBLAS reading them in place, XLA's dynamic-slice fusion,

@@ -113,6 +113,19 @@ def report(results: list[dict], moved: int, bandwidth: float) -> None:
               f"{timing} |")
 
 
+def fastest(results: list[dict]) -> dict | None:
+    """The fastest launch shape of a sweep's results that computes attention (None: none timed)."""
+    return min((r for r in results if r["seconds"] and r["computes_attention"]), key=lambda r: r["seconds"],
+               default=None)
+
+
+def tuning_of(result: dict):
+    """A sweep result's launch shape as `paged_attention.Tuning`."""
+    from jaxllm.ops import paged_attention
+
+    return paged_attention.Tuning(*(result[f] for f in paged_attention.Tuning._fields))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.paged_kernel", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=64)
@@ -142,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     moved = args.rows * length * per_token(cfg.model)[0] * jnp.dtype(cfg.precision.compute).itemsize
     results = sweep(cfg, args)
     report(results, moved, CHIPS[chip][1])
-    best = min((r for r in results if r["seconds"] and r["computes_attention"]), key=lambda r: r["seconds"],
-               default=None)
+    best = fastest(results)
     if best:
         print(f"fastest: {best['k_splits']} splits of {best['block']}-page blocks, {best['num_warps']} warps, "
               f"{best['num_stages']} stages: {best['of_bound'] * 100:.1f}% of {moved / 1e6:.1f} MB at {chip}'s HBM "
