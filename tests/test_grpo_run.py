@@ -117,6 +117,37 @@ def _first_batch(over: dict):
     return batch, rollouts.metrics(0), trained, spread
 
 
+def test_a_rollout_waits_for_its_parameters_as_step_time_and_times_the_engines_resharding_alone():
+    """The parameters a rollout samples from are the output of the step before, still running when the loop asks
+    for the batch: waiting for them is step time (the devices were busy), and the `reshard` column holds the
+    engine's resharding alone (it held the wait: 7.1 s of `reshard` in 40 steps of the arith example, whose
+    resharding takes milliseconds)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.mesh import make_mesh
+    from jaxllm.rl.rollout_batches import RolloutBatches
+    from jaxllm.trainer import goodput
+    from jaxllm.trainer.loop import initial_state
+    from jaxllm.trainer.step import make_step_fns
+
+    cfg = build_config(None, {**TINY, "train.steps": 2, "rl.sampler": "engine", "rl.engine_slots": 4})
+    tokenizer, shape, _, data = prepare(cfg)
+    fns = make_step_fns(cfg, make_mesh(shape, cfg))
+    clock = goodput.Clock()
+    rollouts = RolloutBatches(cfg, tokenizer, data, fns, clock=clock)
+    params = initial_state(cfg, fns).params
+    rollouts.train_batch(0, fns.batch_sharding, params)  # compiled, and the rollout's programs
+    spin = lambda x: jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ y), x)  # ~0.4 s on a CPU
+    x = jnp.ones((512, 512)) / 512
+    late = jax.jit(lambda params, x: jax.tree.map(lambda p: p + 0 * spin(x)[0, 0], params)).lower(params, x).compile()
+    busy = late(params, x)  # still computing, as the step before
+    clock.lap()
+    rollouts.train_batch(2, fns.batch_sharding, busy)  # the next rollout (2 updates a rollout)
+    row = clock.lap()
+    assert row["time/step_s"] >= 0.1 and 0 < row["time/reshard_s"] < 0.05, row
+
+
 @pytest.mark.slow
 def test_dynamic_sampling_trains_only_groups_with_spread_and_keeps_the_batch():
     """DAPO's dynamic sampling (rl.max_num_gen_batches): without it some first-batch groups have no spread; with

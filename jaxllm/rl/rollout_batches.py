@@ -125,6 +125,9 @@ class RolloutBatches:
         sampling (`rl.max_num_gen_batches`) the first per_step groups with reward spread over the rounds,
         filled where short with groups without (marked `idle`: their loss mask is zeroed)."""
         rl, g = self.cfg.rl, self.cfg.rl.group_size
+        if timed and self.clock:  # the step computing `params` may still run: step time, not the rollout's
+            with self.clock.timing("step"):
+                jax.block_until_ready(params)
         sample = self._sampler(params, timed)
         first = self._round(r, 0, sample)
         if not rl.max_num_gen_batches:
