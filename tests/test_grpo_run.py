@@ -117,6 +117,7 @@ def _first_batch(over: dict):
     return batch, rollouts.metrics(0), trained, spread
 
 
+@pytest.mark.slow
 def test_a_rollout_waits_for_its_parameters_as_step_time_and_times_the_engines_resharding_alone():
     """The parameters a rollout samples from are the output of the step before, still running when the loop asks
     for the batch: waiting for them is step time (the devices were busy), and the `reshard` column holds the
