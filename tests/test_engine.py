@@ -179,6 +179,23 @@ def test_a_prompts_completions_share_its_pages(prompt_len):
     assert _every_page_free(engine)
 
 
+@pytest.mark.slow
+def test_a_call_of_fewer_requests_than_slots_decodes_as_many_rows_as_requests():
+    """An idle slot's decode step costs a busy one's (attention over a table of scratch pages), so a call of fewer
+    requests than the engine's slots runs as many slots as requests (SmolLM2's one 3,000-token prompt on `jaxllm
+    generate --prompts`'s 32 slots took 121 s, on one slot 26 s), and the same tokens as a call of them all."""
+    cfg, params = _model("llama")
+    prompts, new = _requests()
+    engine = Engine(params, cfg, slots=SLOTS, page=PAGE)
+    few = engine.generate(prompts[:2], new[:2], temperature=1.0, seed=3)
+    assert engine.next_tokens.shape == (2,) and len(engine.page_pools[0].holders) == 1 + 2 * (engine.row_pages + 1)
+    every = engine.generate(prompts, new, temperature=1.0, seed=3)
+    assert engine.next_tokens.shape == (SLOTS,)
+    for a, b in zip(every, few):
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+
+
 def test_the_default_pool_is_what_the_slots_need_and_a_smaller_one_makes_requests_wait_for_the_same_tokens():
     """By default each pool holds what every slot's longest request needs at once: with SLOTS different prompts of
     a length that leaves a partial page, each wanting the most tokens, every page but scratch is held at the peak
@@ -308,7 +325,7 @@ def test_a_decode_step_copies_no_weight_and_no_gathered_page():
     cfg, params = _model("llama")
     engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
     engine.generate([[1, 2, 3]], 2, temperature=0.0)
-    per_row, idle = 8, np.zeros(engine.slots, np.int32)
+    per_row, idle = 8, np.zeros(SLOTS, np.int32)
     step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, idle, idle,
                                np.zeros((SLOTS, per_row), np.int32), idle, idle, idle, engine.seed,
                                engine.settings).compile().as_text()
@@ -333,7 +350,7 @@ def test_a_windowed_layers_decode_step_gathers_only_the_pages_its_window_sees():
     cfg, params = _model("windowed")
     engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
     engine.generate([[1, 2, 3]], 2, temperature=0.0)
-    width, idle, d = 8, np.zeros(engine.slots, np.int32), cfg.model.d_model // cfg.model.n_heads
+    width, idle, d = 8, np.zeros(SLOTS, np.int32), cfg.model.d_model // cfg.model.n_heads
     step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * width), idle, idle, idle,
                                np.zeros((SLOTS, width), np.int32), idle, idle, idle, engine.seed,
                                engine.settings).compile().as_text()

@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
                        "\"max_new_tokens\" too) or a string: generated on the rollout engine, one JSON line out per "
                        "prompt: {prompt, text, tokens, stopped}, with --chat {prompt, answer}")
     p.add_argument("--slots", type=cli.positive_int, default=32,
-                   help="with --prompts: the rollout engine's slots (default 32)")
+                   help="with --prompts: the rollout engine's slots, the most prompts decoded at once (default "
+                   "32; fewer prompts run on fewer)")
     p.add_argument("--pages", type=cli.count, default=0, help="with --prompts: the pages (16 tokens each) of each "
                    "data-parallel rank's KV-cache pool (default 0: what every slot's longest request needs; fewer "
                    "and requests wait for pages)")

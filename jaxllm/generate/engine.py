@@ -340,8 +340,10 @@ def _choose_paged_kernel(choice: str, m, page: int, layout) -> tuple[str | None,
 
 
 class Engine:
-    """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model: `slots` requests
-    decoded at once (rounded up to a multiple of the data-parallel shards), `page` tokens a page. On one device,
+    """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model: up to `slots`
+    requests decoded at once (`max_slots`: rounded up to a multiple of the data-parallel shards; a call of fewer
+    requests runs that many slots, rounded up alike, since an idle slot's step costs a busy one's), `page` tokens a
+    page. On one device,
     or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout layout; the
     weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call.
     `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice).
@@ -365,7 +367,7 @@ class Engine:
         self.pages = pages
         self.m, self.dtype = _dropless(cfg.model), jnp.dtype(cfg.precision.compute)
         self.layout = layout_for(on)
-        self.slots, self.page, self.overlap = padded_rows(slots, self.layout), page, overlap
+        self.max_slots, self.page, self.overlap = padded_rows(slots, self.layout), page, overlap
         self.shards = padded_rows(1, self.layout)  # the data-parallel shards: of the slots, each with its pool
         self.kernel = _choose_paged_kernel(paged_kernel, self.m, page, self.layout)
         self.programs = _programs(self.m, self.dtype, page, layout_for(on, as_stored=True), self.kernel)
@@ -413,8 +415,10 @@ class Engine:
         return tuple(put_host_arrays({i: np.asarray(a) for i, a in enumerate(arrays)}, self.layout, spec).values())
 
     def _start(self, prompts: list, new: list) -> None:
-        """Each shard's pool of pages for these requests: `pages`, or what every slot's longest request needs at
-        once; refused where one request's pages would not fit."""
+        """The slots for these requests (`max_slots`, or fewer for fewer requests) and each shard's pool of pages:
+        `pages`, or what every slot's longest request needs at once; refused where one request's pages would not
+        fit."""
+        self.slots = min(self.max_slots, padded_rows(len(prompts), self.layout))
         self.new, self.prompts_in = new, prompts
         self.row_pages = -(-(max(map(len, prompts)) + max(new)) // self.page)  # the widest page table
         needs = [self._pages_needed(i) for i in range(len(prompts))]
