@@ -81,7 +81,8 @@ def test_a_bad_command_line_is_one_line_and_exit_2(argv, says, capsys):
 
 
 @pytest.mark.parametrize("lines, says", [
-    (['{"prompt": "a"', ], "Expecting ',' delimiter"),
+    (['{"prompt": "a"', ], "line 1: Expecting ',' delimiter at column 15"),
+    (['"a"', '', '{"prompt": "b"'], "line 3: Expecting ',' delimiter"),  # the file's line, blank ones counted
     (['{"prompt": "a"}', '{"text": "b"}'], 'line 2 is not {"prompt": text} nor a string'),
     (['{"prompt": "a", "max_new_tokens": 0}'], "line 1's max_new_tokens is 0; give a whole number ≥ 1"),
     (['"a"', '{"prompt": "b", "max_new_tokens": "5"}'], "line 2's max_new_tokens is '5'"),

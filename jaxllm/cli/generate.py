@@ -59,26 +59,40 @@ def parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str, max_new_tokens: int) -> tuple[list[str], list[int]]:
     """The prompts of a JSON-lines file, each line {"prompt": text, "max_new_tokens": n (optional)} or a JSON
-    string, and each one's limit (`max_new_tokens` where the line names none). DataError, one line."""
+    string, and each one's limit (`max_new_tokens` where the line names none). DataError, one line naming the
+    file's line (blank lines skipped, and counted)."""
+    from jaxllm.errors import DataError
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--prompts {path}: {e}; give a JSON-lines file of {{\"prompt\": text}} lines") from None
+    rows = [(number, _prompt_line(path, number, line)) for number, line in enumerate(text.splitlines(), 1)
+            if line.strip()]
+    if not rows:
+        raise DataError(f"--prompts {path}: no prompt in the file; give one {{\"prompt\": text}} a line")
+    return [r["prompt"] for _, r in rows], [r.get("max_new_tokens", max_new_tokens) for _, r in rows]
+
+
+def _prompt_line(path: str, number: int, line: str) -> dict:
+    """Line `number` of a prompts file as {"prompt": text (, "max_new_tokens": n)}; DataError naming the line."""
     import json
 
     from jaxllm.errors import DataError
 
     try:
-        lines = [line for line in open(path, encoding="utf-8").read().splitlines() if line.strip()]
-        rows = [{"prompt": r} if isinstance(r, str) else r for r in map(json.loads, lines)]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"--prompts {path}: {e}; give a JSON-lines file of {{\"prompt\": text}} lines") from None
-    if not rows:
-        raise DataError(f"--prompts {path}: no prompt in the file; give one {{\"prompt\": text}} a line")
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
-            raise DataError(f"--prompts {path}: line {i + 1} is not {{\"prompt\": text}} nor a string; give one "
-                            "prompt a line")
-        n = r.get("max_new_tokens", 1)
-        if type(n) is not int or n < 1:
-            raise DataError(f"--prompts {path}: line {i + 1}'s max_new_tokens is {n!r}; give a whole number ≥ 1")
-    return [r["prompt"] for r in rows], [r.get("max_new_tokens", max_new_tokens) for r in rows]
+        r = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"--prompts {path}: line {number}: {e.msg} at column {e.colno}; give a JSON-lines file of "
+                        "{\"prompt\": text} lines") from None
+    r = {"prompt": r} if isinstance(r, str) else r
+    if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
+        raise DataError(f"--prompts {path}: line {number} is not {{\"prompt\": text}} nor a string; give one "
+                        "prompt a line")
+    n = r.get("max_new_tokens", 1)
+    if type(n) is not int or n < 1:
+        raise DataError(f"--prompts {path}: line {number}'s max_new_tokens is {n!r}; give a whole number ≥ 1")
+    return r
 
 
 def run(args) -> None:
