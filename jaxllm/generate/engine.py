@@ -274,8 +274,8 @@ class _Prompt:
 
 
 def _one_a_shard(items: list, key=lambda item: None) -> list[list]:
-    """`items` (shard, ...) in calls, in order: each item in the first call holding no item of its shard and
-    items of its `key` alone."""
+    """`items` (shard, ...) grouped into calls of at most one item a shard, all of one `key` (a prompt bucket),
+    in order: each item joins the first call with its key and no item of its shard."""
     calls: list[list] = []
     for item in items:
         call = next((c for c in calls if key(c[0]) == key(item) and all(x[0] != item[0] for x in c)), None)
@@ -343,9 +343,9 @@ class Engine:
     """Continuous batching over a paged cache (module docstring) for `params` of `cfg`'s model: up to `slots`
     requests decoded at once (`max_slots`: rounded up to a multiple of the data-parallel shards; a call of fewer
     requests runs that many slots, rounded up alike, since an idle slot's step costs a busy one's), `page` tokens a
-    page. On one device,
-    or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout layout; the
-    weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate` call.
+    page. On one device, or with `on` (a StepFns, Layout or Mesh: where `params` live) on that mesh in the rollout
+    layout; the weights are resharded into it once, here (`reshard_s` the seconds that took), for every `generate`
+    call.
     `paged_kernel`: what a decode step attends over the pages with (`PAGED_KERNELS`; `kernel` the choice).
     `steps_per_call`: decode steps a program call runs before the host reads their tokens and admits requests (the
     same tokens; a slot freed inside a call waits for its end). `overlap`: each call is sent before the previous
