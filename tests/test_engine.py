@@ -270,8 +270,9 @@ def test_the_engine_on_a_mesh_equals_one_device_and_reshards_what_the_planner_sa
     received = all_gather_received_bytes(engine.programs.reshard.lower(stored).compile().as_text(), devices)
     assert received == reshard_bytes(cfg.model, jnp.float32, fns) > 0
     idle = np.zeros(engine.slots, np.int32)
-    step = engine.decode.lower(engine.weights, engine.pools, idle, idle, idle, engine._table([[]] * len(idle)),
-                                        idle, idle, idle, engine.seed, engine.settings).compile().as_text()
+    inputs = engine_lib.slot_inputs(idle, idle, idle, idle, idle, engine._table([[]] * len(idle)))
+    step = engine.decode.lower(engine.weights, engine.pools, idle, inputs, engine.seed,
+                               engine.settings).compile().as_text()
     assert all_gather_received_bytes(step, devices) < received / 10
     pools = [pool for block in engine.pools for pool in block.values()]
     for pool in pools:  # [kv_heads, shards, ...] or, latent, [shards, ...]
@@ -326,9 +327,9 @@ def test_a_decode_step_copies_no_weight_and_no_gathered_page():
     engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
     engine.generate([[1, 2, 3]], 2, temperature=0.0)
     per_row, idle = 8, np.zeros(SLOTS, np.int32)
-    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, idle, idle,
-                               np.zeros((SLOTS, per_row), np.int32), idle, idle, idle, engine.seed,
-                               engine.settings).compile().as_text()
+    inputs = engine_lib.slot_inputs(idle, idle, idle, idle, idle, np.zeros((SLOTS, per_row), np.int32))
+    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * per_row), idle, inputs,
+                               engine.seed, engine.settings).compile().as_text()
     ops = _ops(step)
     moves = lambda op, name: op in ("copy", "transpose", "slice", "dynamic-slice") or name.startswith(
         ("copy", "transpose", "slice", "dynamic-slice"))
@@ -351,9 +352,9 @@ def test_a_windowed_layers_decode_step_gathers_only_the_pages_its_window_sees():
     engine = Engine(params, cfg, slots=SLOTS, page=PAGE, paged_kernel="xla")
     engine.generate([[1, 2, 3]], 2, temperature=0.0)
     width, idle, d = 8, np.zeros(SLOTS, np.int32), cfg.model.d_model // cfg.model.n_heads
-    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * width), idle, idle, idle,
-                               np.zeros((SLOTS, width), np.int32), idle, idle, idle, engine.seed,
-                               engine.settings).compile().as_text()
+    inputs = engine_lib.slot_inputs(idle, idle, idle, idle, idle, np.zeros((SLOTS, width), np.int32))
+    step = engine.decode.lower(engine.weights, engine.programs.pools(pages=1 + SLOTS * width), idle, inputs,
+                               engine.seed, engine.settings).compile().as_text()
     shape = lambda t: [int(n) for n in re.fullmatch(r"\w+\[([\d,]*)\].*", t).group(1).split(",") if n]
     pages = sorted(math.prod(dims[:-2]) // (SLOTS * cfg.model.n_kv_heads)  # a layer's gathered keys or values
                    for dims in (shape(ins["type"]) for body in computations(step)[0].values() for ins in body
@@ -458,8 +459,9 @@ def test_the_decode_step_exported_for_cuda_calls_the_paged_kernel_and_auto_picks
     engine = Engine(transformer.init_params(cfg.model, jax.random.key(0)), cfg, slots=SLOTS, page=16)
     assert engine.kernel == (None, False)
     idle = np.zeros(SLOTS, np.int32)
-    args = (engine.weights, engine.programs.pools(pages=9), idle, idle, idle, np.zeros((SLOTS, 2), np.int32), idle,
-            idle, idle, np.uint32(0), (np.float32(1), np.int32(0), np.float32(1)))
+    args = (engine.weights, engine.programs.pools(pages=9), idle,
+            engine_lib.slot_inputs(idle, idle, idle, idle, idle, np.zeros((SLOTS, 2), np.int32)), np.uint32(0),
+            (np.float32(1), np.int32(0), np.float32(1)))
     heads, _, repeats, n_pages, page, d = args[1][0]["k"].shape  # one shard on one device
     whole = f"tensor<{heads}x{repeats * n_pages}x{page}x{d}x"  # every repeat's pages, read in place, not sliced out
     for kernel, called in (("pallas_gpu", True), (None, False)):

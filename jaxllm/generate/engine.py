@@ -133,14 +133,22 @@ def _first(logits, row, seed, index, settings, tokens, slot):
     return constrain(tokens.at[slot].set(token[0]), ("batch",)), _whole(token[0]), _whole(logp[0])
 
 
-def _decode(w, pools, tokens, positions, active, pages, steps, indices, left, seed, settings, *, m, dtype, page: int,
-            kernel, steps_per_call: int):
-    """`steps_per_call` tokens for every slot (idle ones compute on scratch), each step's token fed to the next:
-    (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S], the last tokens [S], which the next call
-    feeds without a trip through the host). A slot goes idle (position 0, writing to
-    scratch) after its last wanted token (`left` [S]: tokens still wanted), so it never reaches past its pages (the
-    paged kernel would read its page table out of bounds); one that stops at a stop id inside the call writes on
-    into its own pages, and the host reads its tokens up to the stop."""
+def slot_inputs(positions, active, steps, indices, left, table) -> np.ndarray:
+    """A decode call's inputs of every slot [S] as one int32 array [S, 5 + table width] (one transfer a call, not
+    six): its position, whether it is busy, its step, its request's index, its tokens still wanted, then its page
+    table [S, width]."""
+    return np.concatenate([np.stack([positions, active, steps, indices, left], axis=1), table], axis=1, dtype=np.int32)
+
+
+def _decode(w, pools, tokens, inputs, seed, settings, *, m, dtype, page: int, kernel, steps_per_call: int):
+    """`steps_per_call` tokens for every slot (idle ones compute on scratch), each step's token fed to the next, the
+    slots' `inputs` as `slot_inputs` packs them: (pools, tokens [steps_per_call, S], logprobs [steps_per_call, S],
+    the last tokens [S], which the next call feeds without a trip through the host). A slot goes idle (position 0,
+    writing to scratch) after its last wanted token (`left`: tokens still wanted), so it never reaches past its
+    pages (the paged kernel would read its page table out of bounds); one that stops at a stop id inside the call
+    writes on into its own pages, and the host reads its tokens up to the stop."""
+    (positions, active, steps, indices, left), pages = (inputs[:, i] for i in range(5)), inputs[:, 5:]
+
     def one(carry, _):
         pools, tokens, positions, active, steps, left = carry
         with matmul_precision(dtype):
@@ -605,11 +613,10 @@ class Engine:
             s = x.slot
             positions[s], active[s], steps[s] = x.position + x.sent - 1, 1, x.sent
             indices[s], left[s] = x.index, self.new[x.index] - x.sent
-        positions, active, table, steps, indices, left = self._put(
-            positions, active, self._table([x.pages if x is not None else [] for x in self.live]), steps, indices, left)
-        self.pools, tokens, logprobs, self.next_tokens = self.decode(
-            self.weights, self.pools, self.next_tokens, positions, active, table, steps, indices, left, self.seed,
-            self.settings)
+        table = self._table([x.pages if x is not None else [] for x in self.live])
+        (inputs,) = self._put(slot_inputs(positions, active, steps, indices, left, table))
+        self.pools, tokens, logprobs, self.next_tokens = self.decode(self.weights, self.pools, self.next_tokens, inputs,
+                                                                     self.seed, self.settings)
         call = _Call(tokens, logprobs, list(self.live))
         self.stats["decode_steps"] += tokens.shape[0]
         for x in busy:

@@ -72,12 +72,15 @@ def _queued_inputs(engine, length: int):
     import jax
     import numpy as np
 
+    from jaxllm.generate.engine import slot_inputs
+
     slots, per, shards = engine.slots, engine.row_pages, engine.shards
     own = np.arange(1, 1 + slots // shards * per, dtype=np.int32).reshape(slots // shards, per)
     table = np.tile(own, (shards, 1))  # a shard's slots over its own pool (1 + its slots × (per + 1) pages)
     ones = np.ones(slots, np.int32)
-    return jax.device_put((np.zeros(slots, np.int32), np.full(slots, length, np.int32), ones, table, ones,
-                           np.arange(slots, dtype=np.int32), np.full(slots, 1 << 20, np.int32)))
+    return jax.device_put((np.zeros(slots, np.int32), slot_inputs(np.full(slots, length, np.int32), ones, ones,
+                                                                  np.arange(slots, dtype=np.int32),
+                                                                  np.full(slots, 1 << 20, np.int32), table)))
 
 
 def _queued_calls(engine, inputs, calls: int) -> float:
