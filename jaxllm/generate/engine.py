@@ -267,11 +267,11 @@ class PagePool:
 @dataclasses.dataclass
 class _Prompt:
     """A prompt's pages in a shard: its full pages (shared), its partial last page (None where the prompt fills
-    its pages) and the copies of it its live requests write into, its last logits once prefilled (a prefill
-    call's logits and the prompt's row in them), and how many live requests hold it."""
+    its pages) and the copies of it its live requests write into, its last logits once prefilled (its prefill
+    call's logits, a row per shard: the prompt's is its shard's), and how many live requests hold it."""
     full: list
     partial: int | None
-    logits: tuple | None = None
+    logits: jax.Array | None = None
     copies: dict = dataclasses.field(default_factory=dict)  # request index -> its copy of the partial page
     requests: int = 0
 
@@ -530,7 +530,7 @@ class Engine:
             self.pools, logits = self.programs.prefill(self.weights, self.pools,
                                                        *self._put(tokens, lengths, self._table(pages)))
             for shard, prompt in call:
-                self.prefilled[shard, prompt].logits = (logits, *self._put(np.int32(shard)))
+                self.prefilled[shard, prompt].logits = logits
             self.stats["prefill_calls"] += 1
             self.stats["prefills"] += len(call)
         self.unprefilled = []
@@ -553,10 +553,10 @@ class Engine:
     def _draw_first(self, live: _Live) -> bool:
         """The request's first token drawn into its slot's next token on the device (read with the next call's
         tokens); True where it wants no more (its slot and pages given back at once)."""
-        logits = self.prefilled[self._shard(live.slot), live.prompt].logits
-        index, slot = self._put(np.int32(live.index), np.int32(live.slot))
-        self.next_tokens, token, logp = self.programs.first(*logits, self.seed, index, self.settings,
-                                                            self.next_tokens, slot)
+        shard = self._shard(live.slot)
+        index, slot, row = self._put(np.int32(live.index), np.int32(live.slot), np.int32(shard))
+        self.next_tokens, token, logp = self.programs.first(self.prefilled[shard, live.prompt].logits, row,
+                                                            self.seed, index, self.settings, self.next_tokens, slot)
         live.first = (token, logp)
         self.unread_firsts.append(live)
         if self.new[live.index] > 1:

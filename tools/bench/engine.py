@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(new)
     out = {"requests": args.requests, "slots": args.slots, "page": args.page, "completed_tokens": tokens,
            "static_s": statistics.median(times["static"]), "engine_s": statistics.median(times["engine"]),
-           "decode_steps": engine.stats["decode_steps"], "prefill_calls": engine.stats.get("prefill_calls"),
+           "decode_steps": engine.stats["decode_steps"], "prefill_calls": engine.stats["prefill_calls"],
            "devices": jax.device_count()}
     out["static_tokens_per_s"], out["engine_tokens_per_s"] = tokens / out["static_s"], tokens / out["engine_s"]
     out["speedup"] = out["static_s"] / out["engine_s"]
